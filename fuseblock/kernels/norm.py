@@ -1,0 +1,464 @@
+"""Triton kernels for the fused residual-add + normalize (+ gate) op, forward and backward.
+
+Two layouts, picked per call by the width of one normalized group:
+- `tile`: a [BR rows, BG groups, BD columns] block holds whole rows in registers, many
+  rows per program. Used when a row fits (BG * BD <= MAX_TILE).
+- `loop`: one (row, group) at a time, looping over column chunks of BD. Used for wide
+  rows (d = 131072 and beyond), which never fit in registers.
+
+Names: i_ program ids, o_ offsets, m_ masks, b_ blocks (fp32 in registers).
+Statistics (rstd, mean) are fp32 whatever the storage dtype.
+
+Traffic: forward reads x, residual, gate once and writes out, new_residual once.
+Backward reads the saved p (new_residual or x), gate, dout and the gradient arriving at
+new_residual once, and writes dx (which is also the residual's gradient), dgate once.
+dw and db are reduced per program in registers and written as one partial row per
+program; the caller sums those rows.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..ops.spec import NormSpec
+
+# Kernel launches per kind, for tests and benchmarks that check "one launch per call".
+LAUNCHES: collections.Counter = collections.Counter()
+
+MAX_TILE = 8192  # elements of one row held in registers by the tile kernel
+LOOP_BLOCK = 4096  # column chunk of the loop kernel
+H100_SMS = 132  # SM count assumed when there is no GPU (the interpreter)
+MIN_ROWS_PER_PROGRAM = 16  # keeps dw/db partial buffers small next to the activations
+
+
+# --------------------------------------------------------------------------- helpers
+@triton.jit
+def _act(y, ACT: tl.constexpr):
+    """The gate function g: 1 identity, 2 sigmoid, 3 silu."""
+    if ACT == 2:
+        y = tl.sigmoid(y)
+    elif ACT == 3:
+        y = y * tl.sigmoid(y)
+    return y
+
+
+@triton.jit
+def _act_grad(y, ACT: tl.constexpr):
+    """g'(y) for the gate functions of `_act`."""
+    s = tl.sigmoid(y)
+    if ACT == 2:
+        d = s * (1.0 - s)
+    elif ACT == 3:
+        d = s * (1.0 + y * (1.0 - s))
+    else:
+        d = s * 0.0 + 1.0
+    return d
+
+
+@triton.jit
+def _load_p(X, R, RO, o_x, o_r, o_ro, mask, HAS_R: tl.constexpr, STORE_R: tl.constexpr):
+    """p = x (+ residual) in fp32; stores new_residual and returns its rounded value, so
+    the norm sees exactly what was stored (and what the naive stack would add)."""
+    b_p = tl.load(X + o_x, mask=mask, other=0.0).to(tl.float32)
+    if HAS_R:
+        b_p += tl.load(R + o_r, mask=mask, other=0.0).to(tl.float32)
+    if STORE_R:
+        b_pr = b_p.to(RO.dtype.element_ty)
+        tl.store(RO + o_ro, b_pr, mask=mask)
+        b_p = b_pr.to(tl.float32)
+    return b_p
+
+
+# --------------------------------------------------------------------------- forward
+@triton.jit(do_not_specialize=["M", "eps", "scale"])
+def _fwd_tile(
+    X, R, Y, W, B, O, RO, RSTD, MEAN,
+    s_x, s_r, s_y, s_o, s_ro,
+    M, G, DG, eps, scale,
+    BR: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
+    HAS_R: tl.constexpr, STORE_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, STORE_STATS: tl.constexpr,
+):
+    i_m = tl.program_id(0)
+    o_m = (i_m * BR + tl.arange(0, BR)).to(tl.int64)  # int64: M * stride may pass 2**31
+    o_g = tl.arange(0, BG)
+    o_d = tl.arange(0, BD)
+    m_gd = (o_g[:, None] < G) & (o_d[None, :] < DG)  # [BG, BD]
+    o_gd = o_g[:, None] * DG + o_d[None, :]  # column within the row
+    m_m = o_m < M
+    mask = m_m[:, None, None] & m_gd[None, :, :]
+    row = o_m[:, None, None]
+    col = o_gd[None, :, :]
+
+    b_p = _load_p(X, R, RO, row * s_x + col, row * s_r + col, row * s_ro + col, mask, HAS_R, STORE_R)
+    if GATE != 0:
+        b_g = _act(tl.load(Y + row * s_y + col, mask=mask, other=0.0).to(tl.float32), ACT)
+    b_s = b_p * b_g if GATE == 1 else b_p
+    if CENTER:
+        b_mean = tl.sum(b_s, 2) / DG  # [BR, BG]
+        b_q = tl.where(mask, b_s - b_mean[:, :, None], 0.0)
+    else:
+        b_q = b_s
+    b_rstd = tl.rsqrt(tl.sum(b_q * b_q, 2) / DG + eps)
+    b_o = b_q * (b_rstd[:, :, None] * scale)
+    if HAS_W:
+        b_o *= tl.load(W + o_gd, mask=m_gd, other=0.0).to(tl.float32)[None, :, :]
+    if HAS_B:
+        b_o += tl.load(B + o_gd, mask=m_gd, other=0.0).to(tl.float32)[None, :, :]
+    if GATE == 2:
+        b_o *= b_g
+    tl.store(O + row * s_o + col, b_o.to(O.dtype.element_ty), mask=mask)
+    if STORE_STATS:
+        o_stat = o_m[:, None] * G + o_g[None, :]
+        m_stat = m_m[:, None] & (o_g[None, :] < G)
+        tl.store(RSTD + o_stat, b_rstd, mask=m_stat)
+        if CENTER:
+            tl.store(MEAN + o_stat, b_mean, mask=m_stat)
+
+
+@triton.jit(do_not_specialize=["MG", "eps", "scale"])
+def _fwd_loop(
+    X, R, Y, W, B, O, RO, RSTD, MEAN,
+    s_x, s_r, s_y, s_o, s_ro,
+    MG, G, DG, eps, scale,
+    BD: tl.constexpr,
+    HAS_R: tl.constexpr, STORE_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, STORE_STATS: tl.constexpr,
+):
+    # one program per (row, group); later passes re-read the row (from cache on a GPU)
+    # rather than the new_residual this program wrote, so HBM sees each input once.
+    i_mg = tl.program_id(0).to(tl.int64)
+    i_m = i_mg // G
+    o_base = (i_mg % G) * DG  # first column of this group
+    o_d = tl.arange(0, BD)
+    b_sum = tl.zeros([BD], dtype=tl.float32)
+    b_sq = tl.zeros([BD], dtype=tl.float32)
+    for i_d in range(0, DG, BD):
+        o_col = o_base + i_d + o_d
+        m_d = i_d + o_d < DG
+        b_s = _load_p(X, R, RO, i_m * s_x + o_col, i_m * s_r + o_col, i_m * s_ro + o_col, m_d, HAS_R, STORE_R)
+        if GATE == 1:
+            b_s *= _act(tl.load(Y + i_m * s_y + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
+        b_sum += b_s
+        b_sq += b_s * b_s
+    if CENTER:
+        b_mean = tl.sum(b_sum, 0) / DG
+        b_sq = tl.zeros([BD], dtype=tl.float32)
+        for i_d in range(0, DG, BD):  # exact two-pass variance: no sum-of-squares cancellation
+            o_col = o_base + i_d + o_d
+            m_d = i_d + o_d < DG
+            b_s = _load_p(X, R, RO, i_m * s_x + o_col, i_m * s_r + o_col, i_m * s_ro + o_col, m_d, HAS_R, False)
+            if STORE_R:
+                b_s = b_s.to(RO.dtype.element_ty).to(tl.float32)
+            if GATE == 1:
+                b_s *= _act(tl.load(Y + i_m * s_y + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
+            b_q = tl.where(m_d, b_s - b_mean, 0.0)
+            b_sq += b_q * b_q
+    b_rstd = tl.rsqrt(tl.sum(b_sq, 0) / DG + eps)
+    for i_d in range(0, DG, BD):
+        o_col = o_base + i_d + o_d
+        m_d = i_d + o_d < DG
+        b_s = _load_p(X, R, RO, i_m * s_x + o_col, i_m * s_r + o_col, i_m * s_ro + o_col, m_d, HAS_R, False)
+        if STORE_R:
+            b_s = b_s.to(RO.dtype.element_ty).to(tl.float32)
+        if GATE != 0:
+            b_g = _act(tl.load(Y + i_m * s_y + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
+        if GATE == 1:
+            b_s *= b_g
+        b_q = b_s - b_mean if CENTER else b_s
+        b_o = b_q * (b_rstd * scale)
+        if HAS_W:
+            b_o *= tl.load(W + o_col, mask=m_d, other=0.0).to(tl.float32)
+        if HAS_B:
+            b_o += tl.load(B + o_col, mask=m_d, other=0.0).to(tl.float32)
+        if GATE == 2:
+            b_o *= b_g
+        tl.store(O + i_m * s_o + o_col, b_o.to(O.dtype.element_ty), mask=m_d)
+    if STORE_STATS:
+        tl.store(RSTD + i_mg, b_rstd)
+        if CENTER:
+            tl.store(MEAN + i_mg, b_mean)
+
+
+# --------------------------------------------------------------------------- backward
+@triton.jit(do_not_specialize=["M", "scale"])
+def _bwd_tile(
+    P, Y, W, B, RSTD, MEAN, DO, DRO, DX, DR, DY, DW, DB,
+    s_p, s_y, s_do, s_dro, s_dx, s_dr, s_dy,
+    M, G, DG, scale,
+    BR: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
+    HAS_DRO: tl.constexpr, STORE_DR: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+    CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr,
+):
+    # A persistent grid: program i_p handles row blocks i_p, i_p + n_p, ... and keeps
+    # its dw/db sums in registers, so it writes one partial row at the very end.
+    i_p = tl.program_id(0)
+    n_p = tl.num_programs(0)
+    o_g = tl.arange(0, BG)
+    o_d = tl.arange(0, BD)
+    m_gd = (o_g[:, None] < G) & (o_d[None, :] < DG)
+    o_gd = o_g[:, None] * DG + o_d[None, :]
+    col = o_gd[None, :, :]
+    if HAS_W:
+        b_w = tl.load(W + o_gd, mask=m_gd, other=0.0).to(tl.float32)[None, :, :]
+    if HAS_B:
+        b_b = tl.load(B + o_gd, mask=m_gd, other=0.0).to(tl.float32)[None, :, :]
+    b_dw = tl.zeros([BG, BD], dtype=tl.float32)
+    b_db = tl.zeros([BG, BD], dtype=tl.float32)
+    for i_m in range(i_p, tl.cdiv(M, BR), n_p):
+        o_m = (i_m * BR + tl.arange(0, BR)).to(tl.int64)
+        m_m = o_m < M
+        mask = m_m[:, None, None] & m_gd[None, :, :]
+        row = o_m[:, None, None]
+        o_stat = o_m[:, None] * G + o_g[None, :]
+        m_stat = m_m[:, None] & (o_g[None, :] < G)
+
+        b_p = tl.load(P + row * s_p + col, mask=mask, other=0.0).to(tl.float32)
+        if GATE != 0:
+            b_y = tl.load(Y + row * s_y + col, mask=mask, other=0.0).to(tl.float32)
+            b_g = _act(b_y, ACT)
+        b_s = b_p * b_g if GATE == 1 else b_p
+        b_rstd = tl.load(RSTD + o_stat, mask=m_stat, other=0.0)[:, :, None]
+        if CENTER:
+            b_mean = tl.load(MEAN + o_stat, mask=m_stat, other=0.0)[:, :, None]
+            b_r = tl.where(mask, b_s - b_mean, 0.0) * b_rstd
+        else:
+            b_r = b_s * b_rstd
+        b_do = tl.load(DO + row * s_do + col, mask=mask, other=0.0).to(tl.float32)
+        if GATE == 2:  # post-gate: do1 = do * g(y); dgate = do * o1 * g'(y)
+            b_o1 = b_r * scale
+            if HAS_W:
+                b_o1 *= b_w
+            if HAS_B:
+                b_o1 += b_b
+            b_dy = b_do * b_o1 * _act_grad(b_y, ACT)
+            tl.store(DY + row * s_dy + col, b_dy.to(DY.dtype.element_ty), mask=mask)
+            b_do *= b_g
+        if NEED_DW:
+            b_dw += tl.sum(b_do * b_r, 0) * scale
+        if NEED_DB:
+            b_db += tl.sum(b_do, 0)
+        b_dr = b_do * scale
+        if HAS_W:
+            b_dr *= b_w
+        # seed 001: dq = (dr - (r.dr/d) r) / sigma; layer: dp = dq - mean(dq)
+        b_c1 = tl.sum(b_r * b_dr, 2) / DG
+        b_dq = (b_dr - b_r * b_c1[:, :, None]) * b_rstd
+        if CENTER:
+            b_dq = tl.where(mask, b_dq - (tl.sum(b_dq, 2) / DG)[:, :, None], 0.0)
+        if GATE == 1:  # pre-gate: dgate = dq * p * g'(y); dp = dq * g(y)
+            b_dy = b_dq * b_p * _act_grad(b_y, ACT)
+            tl.store(DY + row * s_dy + col, b_dy.to(DY.dtype.element_ty), mask=mask)
+            b_dq *= b_g
+        if HAS_DRO:  # seed 001: dx = dx + dr, the gradient arriving at new_residual
+            b_dq += tl.load(DRO + row * s_dro + col, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + row * s_dx + col, b_dq.to(DX.dtype.element_ty), mask=mask)
+        if STORE_DR:
+            tl.store(DR + row * s_dr + col, b_dq.to(DR.dtype.element_ty), mask=mask)
+    o_part = i_p.to(tl.int64) * G * DG + o_gd
+    if NEED_DW:
+        tl.store(DW + o_part, b_dw, mask=m_gd)
+    if NEED_DB:
+        tl.store(DB + o_part, b_db, mask=m_gd)
+
+
+@triton.jit(do_not_specialize=["M", "scale"])
+def _bwd_loop(
+    P, Y, W, B, RSTD, MEAN, DO, DRO, DX, DR, DY, DW, DB,
+    s_p, s_y, s_do, s_dro, s_dx, s_dr, s_dy,
+    M, G, DG, scale,
+    BD: tl.constexpr,
+    HAS_DRO: tl.constexpr, STORE_DR: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+    CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr,
+):
+    # Wide rows: program i_p handles rows i_p, i_p + n_p, ..., one group at a time.
+    # Pass 1 forms the dot products; pass 2 writes dx and adds into this program's
+    # own dw/db partial row in memory (its first row initialises it: no memset).
+    i_p = tl.program_id(0)
+    n_p = tl.num_programs(0)
+    o_d = tl.arange(0, BD)
+    D = G * DG
+    for i_it in range(i_p, M, n_p):
+        i_m = tl.cast(i_it, tl.int64)
+        for i_g in range(0, G):
+            i_mg = i_m * G + i_g
+            o_base = i_g * DG
+            b_rstd = tl.load(RSTD + i_mg)
+            if CENTER:
+                b_mean = tl.load(MEAN + i_mg)
+            b_c1 = tl.zeros([BD], dtype=tl.float32)  # sum r * dr
+            b_c2 = tl.zeros([BD], dtype=tl.float32)  # sum dr
+            b_c3 = tl.zeros([BD], dtype=tl.float32)  # sum r
+            for pass_ in tl.static_range(2):
+                if pass_ == 1:
+                    c1 = tl.sum(b_c1, 0) / DG
+                    # mean of dq = rstd * (mean(dr) - c1 * mean(r))
+                    c2 = (tl.sum(b_c2, 0) / DG - c1 * tl.sum(b_c3, 0) / DG) * b_rstd
+                for i_d in range(0, DG, BD):
+                    o_col = o_base + i_d + o_d
+                    m_d = i_d + o_d < DG
+                    b_p = tl.load(P + i_m * s_p + o_col, mask=m_d, other=0.0).to(tl.float32)
+                    if GATE != 0:
+                        b_y = tl.load(Y + i_m * s_y + o_col, mask=m_d, other=0.0).to(tl.float32)
+                        b_g = _act(b_y, ACT)
+                    b_s = b_p * b_g if GATE == 1 else b_p
+                    b_r = tl.where(m_d, b_s - b_mean, 0.0) * b_rstd if CENTER else b_s * b_rstd
+                    b_do = tl.load(DO + i_m * s_do + o_col, mask=m_d, other=0.0).to(tl.float32)
+                    if HAS_W:
+                        b_w = tl.load(W + o_col, mask=m_d, other=0.0).to(tl.float32)
+                    if GATE == 2:
+                        if pass_ == 1:
+                            b_o1 = b_r * scale
+                            if HAS_W:
+                                b_o1 *= b_w
+                            if HAS_B:
+                                b_o1 += tl.load(B + o_col, mask=m_d, other=0.0).to(tl.float32)
+                            b_dy = b_do * b_o1 * _act_grad(b_y, ACT)
+                            tl.store(DY + i_m * s_dy + o_col, b_dy.to(DY.dtype.element_ty), mask=m_d)
+                        b_do *= b_g
+                    b_dr = b_do * scale
+                    if HAS_W:
+                        b_dr *= b_w
+                    if pass_ == 0:
+                        b_c1 += b_r * b_dr
+                        b_c2 += b_dr
+                        b_c3 += b_r
+                    else:
+                        b_dq = (b_dr - b_r * c1) * b_rstd
+                        if CENTER:
+                            b_dq -= c2
+                        if GATE == 1:
+                            b_dy = b_dq * b_p * _act_grad(b_y, ACT)
+                            tl.store(DY + i_m * s_dy + o_col, b_dy.to(DY.dtype.element_ty), mask=m_d)
+                            b_dq *= b_g
+                        if HAS_DRO:
+                            b_dq += tl.load(DRO + i_m * s_dro + o_col, mask=m_d, other=0.0).to(tl.float32)
+                        tl.store(DX + i_m * s_dx + o_col, b_dq.to(DX.dtype.element_ty), mask=m_d)
+                        if STORE_DR:
+                            tl.store(DR + i_m * s_dr + o_col, b_dq.to(DR.dtype.element_ty), mask=m_d)
+                        o_part = i_p.to(tl.int64) * D + o_col
+                        b_pw = b_do * b_r * scale
+                        b_pb = b_do
+                        if i_it >= n_p:  # not this program's first row: accumulate
+                            if NEED_DW:
+                                b_pw += tl.load(DW + o_part, mask=m_d, other=0.0)
+                            if NEED_DB:
+                                b_pb += tl.load(DB + o_part, mask=m_d, other=0.0)
+                        if NEED_DW:
+                            tl.store(DW + o_part, b_pw, mask=m_d)
+                        if NEED_DB:
+                            tl.store(DB + o_part, b_pb, mask=m_d)
+
+
+# --------------------------------------------------------------------------- launchers
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return H100_SMS
+
+
+def _layout(d: int, groups: int):
+    """(use_tile, BG, BD, BR, num_warps) for rows of d split into `groups`."""
+    dg = d // groups
+    bg, bd = triton.next_power_of_2(groups), triton.next_power_of_2(dg)
+    if bg * bd <= MAX_TILE:
+        br = max(1, min(64, MAX_TILE // (bg * bd)))
+        return True, bg, bd, br, 4 if bg * bd * br <= 4096 else 8
+    return False, 1, min(LOOP_BLOCK, bd), 1, 8
+
+
+def _rows(t: Optional[torch.Tensor], d: int) -> Optional[torch.Tensor]:
+    """(M, d) view with unit column stride; copies only inputs that cannot be viewed."""
+    if t is None:
+        return None
+    t2 = t.reshape(-1, d)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _stride(t: Optional[torch.Tensor]) -> int:
+    return t.stride(0) if t is not None else 0
+
+
+def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, need_stats):
+    """Triton forward, same contract as `fuseblock.reference.norm_fwd`."""
+    d = x.shape[-1]
+    x2, r2, y2 = _rows(x, d), _rows(residual, d), _rows(gate, d)
+    M, G = x2.shape[0], spec.groups
+    out = torch.empty((M, d), dtype=x.dtype, device=x.device)
+    new_res = torch.empty((M, d), dtype=residual_dtype, device=x.device) if residual_dtype is not None else None
+    rstd = torch.empty((M, G), dtype=torch.float32, device=x.device) if need_stats else None
+    mean = torch.empty((M, G), dtype=torch.float32, device=x.device) if need_stats and spec.center else None
+    if M > 0:
+        tile, bg, bd, br, warps = _layout(d, G)
+        args = (
+            x2, r2, y2, weight, bias, out, new_res, rstd, mean,
+            x2.stride(0), _stride(r2), _stride(y2), out.stride(0), _stride(new_res),
+        )
+        flags = dict(
+            HAS_R=r2 is not None, STORE_R=new_res is not None, HAS_W=weight is not None,
+            HAS_B=bias is not None, CENTER=spec.center, GATE=spec.gate_mode, ACT=spec.act,
+            STORE_STATS=need_stats, num_warps=warps,
+        )
+        if tile:
+            _fwd_tile[(triton.cdiv(M, br),)](*args, M, G, d // G, spec.eps, spec.scale, BR=br, BG=bg, BD=bd, **flags)
+        else:
+            _fwd_loop[(M * G,)](*args, M * G, G, d // G, spec.eps, spec.scale, BD=bd, **flags)
+        LAUNCHES["fwd"] += 1
+    return out.view(x.shape), None if new_res is None else new_res.view(x.shape), rstd, mean
+
+
+def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dtype, residual_grad_dtype):
+    """Triton backward. Returns (dx, dresidual or None, dgate, dw, db).
+
+    dx is in x_dtype; a separate dresidual is written only when the residual's dtype
+    differs (an fp32 residual stream under bf16 activations): otherwise dx serves both.
+    """
+    d = p.shape[-1]
+    p2, do2, dro2, y2 = _rows(p, d), _rows(dout, d), _rows(dres, d), _rows(gate, d)
+    M, G = p2.shape[0], spec.groups
+    dev = p.device
+    dx = torch.empty((M, d), dtype=x_dtype, device=dev)
+    dr = torch.empty((M, d), dtype=residual_grad_dtype, device=dev) if residual_grad_dtype is not None else None
+    dy = torch.empty((M, d), dtype=gate.dtype, device=dev) if gate is not None else None
+    tile, bg, bd, br, warps = _layout(d, G)
+    # One program per SM at most, and at least MIN_ROWS_PER_PROGRAM rows each, so the
+    # (n_prog, d) partial buffers stay small next to the activations on small batches.
+    n_items = triton.cdiv(M, br) if tile else M
+    n_prog = max(1, min(_num_sms(dev), n_items, triton.cdiv(M, MIN_ROWS_PER_PROGRAM)))
+    need_dw, need_db = weight is not None, bias is not None
+    dw_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_dw else None
+    db_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_db else None
+    if M > 0:
+        args = (
+            p2, y2, weight, bias, rstd, mean, do2, dro2, dx, dr, dy, dw_part, db_part,
+            p2.stride(0), _stride(y2), do2.stride(0), _stride(dro2), dx.stride(0), _stride(dr), _stride(dy),
+        )
+        flags = dict(
+            HAS_DRO=dro2 is not None, STORE_DR=dr is not None, HAS_W=need_dw, HAS_B=need_db,
+            NEED_DW=need_dw, NEED_DB=need_db, CENTER=spec.center, GATE=spec.gate_mode, ACT=spec.act,
+            num_warps=warps,
+        )
+        if tile:
+            _bwd_tile[(n_prog,)](*args, M, G, d // G, spec.scale, BR=br, BG=bg, BD=bd, **flags)
+        else:
+            _bwd_loop[(n_prog,)](*args, M, G, d // G, spec.scale, BD=bd, **flags)
+        LAUNCHES["bwd"] += 1
+    if M == 0:  # no program ran: the partial rows hold garbage, the true sums are zero
+        dw_part = None if dw_part is None else dw_part.zero_()
+        db_part = None if db_part is None else db_part.zero_()
+    dw = None if dw_part is None else dw_part.sum(0)
+    db = None if db_part is None else db_part.sum(0)
+    view = p.shape
+    return (
+        dx.view(view),
+        None if dr is None else dr.view(view),
+        None if dy is None else dy.view(view),
+        dw,
+        db,
+    )

@@ -1,0 +1,1 @@
+"""Functional ops: argument checking, dispatch, autograd and custom-op registration."""

@@ -1,0 +1,187 @@
+"""`norm` and `add_norm`: validation, dispatch, autograd and custom-op registration.
+
+The forward and backward are each one `torch.library` custom op with a fake
+(meta) implementation, so `torch.compile(fullgraph=True)` traces them whole, forward
+and backward, with no graph break.
+
+Dispatch, inside the ops:
+- CUDA tensors, or CPU tensors with TRITON_INTERPRET=1: the Triton kernels.
+- anything else, and float64 everywhere: the pure-PyTorch path in `fuseblock.reference`.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import reference
+from ..kernels import norm as kernels
+from .spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, resolve
+
+# The Triton interpreter is chosen when triton is imported, so this is fixed per process.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def uses_triton(x: Tensor) -> bool:
+    """Whether a call on `x` runs the Triton kernels (else the pure-PyTorch path)."""
+    return x.dtype != torch.float64 and (x.is_cuda or (INTERPRET and x.device.type == "cpu"))
+
+
+def _backend(x: Tensor):
+    return kernels if uses_triton(x) else reference
+
+
+def _empty(x: Tensor) -> Tensor:
+    # custom ops cannot return None; absent outputs are empty placeholders
+    return x.new_empty(0, dtype=torch.float32)
+
+
+@torch.library.custom_op("fuseblock::norm_fwd", mutates_args=())
+def _norm_fwd(
+    x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
+    center: bool, scale: float, eps: float, gate_mode: int, act: int, groups: int,
+    residual_dtype: Optional[torch.dtype], need_stats: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    spec = NormSpec(center, scale, eps, gate_mode, act, groups)
+    out, new_res, rstd, mean = _backend(x).norm_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats)
+    return tuple(t if t is not None else _empty(x) for t in (out, new_res, rstd, mean))
+
+
+@_norm_fwd.register_fake
+def _norm_fwd_fake(x, residual, gate, weight, bias, center, scale, eps, gate_mode, act, groups, residual_dtype, need_stats):
+    rows = x.numel() // x.shape[-1]
+    stat = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (
+        x.new_empty(x.shape),
+        x.new_empty(x.shape, dtype=residual_dtype) if residual_dtype is not None else _empty(x),
+        x.new_empty((rows, groups), dtype=stat) if need_stats else _empty(x),
+        x.new_empty((rows, groups), dtype=stat) if need_stats and center else _empty(x),
+    )
+
+
+@torch.library.custom_op("fuseblock::norm_bwd", mutates_args=())
+def _norm_bwd(
+    dout: Tensor, dres: Optional[Tensor], p: Tensor, gate: Optional[Tensor], weight: Optional[Tensor],
+    bias: Optional[Tensor], rstd: Tensor, mean: Optional[Tensor],
+    center: bool, scale: float, gate_mode: int, act: int, groups: int,
+    x_dtype: torch.dtype, residual_grad_dtype: Optional[torch.dtype],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    spec = NormSpec(center, scale, 0.0, gate_mode, act, groups)
+    grads = _backend(p).norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec, x_dtype, residual_grad_dtype)
+    return tuple(t if t is not None else _empty(p) for t in grads)
+
+
+@_norm_bwd.register_fake
+def _norm_bwd_fake(dout, dres, p, gate, weight, bias, rstd, mean, center, scale, gate_mode, act, groups, x_dtype, residual_grad_dtype):
+    d = p.shape[-1]
+    return (
+        p.new_empty(p.shape, dtype=x_dtype),
+        p.new_empty(p.shape, dtype=residual_grad_dtype) if residual_grad_dtype is not None else _empty(p),
+        p.new_empty(p.shape, dtype=gate.dtype) if gate is not None else _empty(p),
+        p.new_empty((d,), dtype=rstd.dtype) if weight is not None else _empty(p),
+        p.new_empty((d,), dtype=rstd.dtype) if bias is not None else _empty(p),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, gate, weight, bias, center, scale, eps, gate_mode, act, groups, residual_dtype, need_stats = inputs
+    _, new_res, rstd, mean = output
+    # Backward re-derives everything from p and the row statistics, so the normalized
+    # output is never kept: p is the stored new_residual, or x itself when none is stored.
+    p = new_res if residual_dtype is not None else x
+    ctx.save_for_backward(p, gate, weight, bias, rstd, mean if center else None)
+    ctx.spec = (center, scale, gate_mode, act, groups)
+    ctx.x_dtype = x.dtype
+    ctx.residual_dtype = None if residual is None else residual.dtype
+    ctx.stored = residual_dtype is not None
+
+
+def _backward(ctx, dout, dnew_res, _drstd, _dmean):
+    p, gate, weight, bias, rstd, mean = ctx.saved_tensors
+    if rstd.numel() == 0 and p.numel() > 0:
+        raise RuntimeError("fuseblock: backward through a norm whose forward ran without grad enabled")
+    dres = dnew_res if ctx.stored else None  # else new_residual is x: autograd routes it
+    separate = ctx.residual_dtype is not None and ctx.residual_dtype != ctx.x_dtype
+    dx, dres_sep, dgate, dw, db = torch.ops.fuseblock.norm_bwd(
+        dout, dres, p, gate, weight, bias, rstd, mean, *ctx.spec, ctx.x_dtype, ctx.residual_dtype if separate else None
+    )
+    dresidual = None if ctx.residual_dtype is None else (dres_sep if separate else dx)
+    return (
+        dx,
+        dresidual,
+        dgate if gate is not None else None,
+        dw.to(weight.dtype) if weight is not None else None,
+        db.to(bias.dtype) if bias is not None else None,
+    ) + (None,) * 8
+
+
+torch.library.register_autograd("fuseblock::norm_fwd", _backward, setup_context=_setup_context)
+
+
+def add_norm(
+    x: Tensor,
+    residual: Optional[Tensor] = None,
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    *,
+    kind: str = "rms",
+    c: Optional[float] = None,
+    eps: float = 1e-6,
+    residual_dtype: Optional[torch.dtype] = None,
+    gate: Optional[Tensor] = None,
+    gate_act: str = DEFAULT_GATE_ACT,
+    gate_position: str = DEFAULT_GATE_POSITION,
+    num_groups: int = 1,
+) -> tuple[Tensor, Tensor]:
+    """Fused residual add + normalize over the last dim: returns (out, new_residual).
+
+    new_residual = x + residual (x alone when residual is None), stored in
+    residual_dtype (default x.dtype). With p = new_residual and d the size of one of
+    `num_groups` groups of the last dim:
+
+        q = p (rms, l2) or p - mean(p) (layer);  sigma = sqrt(q.q/d + eps)
+        out = (c/sqrt(d)) * (q/sigma) * weight + bias          (c: sqrt(d), or 1 for l2)
+
+    A gate gives out = N(p * g(gate)) (gate_position="pre") or N(p) * g(gate) ("post"),
+    g one of "silu" (alias "swish"), "sigmoid", "none". out has x's dtype.
+    """
+    spec = resolve(
+        x, residual, weight, bias, gate, kind=kind, c=c, eps=eps, gate_act=gate_act,
+        gate_position=gate_position, num_groups=num_groups, residual_dtype=residual_dtype,
+    )
+    rdtype = residual_dtype or x.dtype
+    store = residual is not None or rdtype != x.dtype
+    need_stats = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, residual, gate, weight, bias)
+    )
+    out, new_res, _, _ = torch.ops.fuseblock.norm_fwd(
+        x, residual, gate, weight, bias, spec.center, spec.scale, spec.eps, spec.gate_mode, spec.act,
+        spec.groups, rdtype if store else None, need_stats,
+    )
+    return out, (new_res if store else x)
+
+
+def norm(
+    x: Tensor,
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    *,
+    kind: str = "rms",
+    c: Optional[float] = None,
+    eps: float = 1e-6,
+    gate: Optional[Tensor] = None,
+    gate_act: str = DEFAULT_GATE_ACT,
+    gate_position: str = DEFAULT_GATE_POSITION,
+    num_groups: int = 1,
+) -> Tensor:
+    """Normalize over the last dim: `add_norm` with no residual (see there for the math).
+
+    kind="rms" equals torch's rms_norm and kind="layer" its layer_norm at the same eps;
+    kind="l2" is x / sqrt(x.x + d*eps) * weight + bias.
+    """
+    return add_norm(
+        x, None, weight, bias, kind=kind, c=c, eps=eps, gate=gate, gate_act=gate_act,
+        gate_position=gate_position, num_groups=num_groups,
+    )[0]

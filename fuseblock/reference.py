@@ -1,0 +1,155 @@
+"""Pure-PyTorch forward and backward of the normalize op family: the CPU path.
+
+Same contract as the Triton launchers in `fuseblock.kernels.norm` (2-D (M, d) inputs,
+fp32 statistics, the same saved tensors), written with plain torch ops so it runs
+anywhere and documents the math. Symbols follow seed 001:
+
+    p = x + y                      (the residual sum, stored as new_residual)
+    s = p * g(gate)  (pre-gate)    or  s = p
+    q = s - mean(s)  (layer)       or  q = s
+    sigma = sqrt(q.q/d + eps),  r = q / sigma
+    o1 = scale * r * w + b         (scale = c / sqrt(d))
+    o = o1 * g(gate) (post-gate)   or  o = o1
+
+d is the size of one normalized group (the whole row unless num_groups > 1).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .ops.spec import NormSpec
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Statistics and math run in fp32, or fp64 for fp64 inputs (gradcheck)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def gate_act(y: Tensor, act: int) -> Tensor:
+    if act == 2:
+        return torch.sigmoid(y)
+    if act == 3:
+        return torch.nn.functional.silu(y)
+    return y
+
+
+def gate_act_grad(y: Tensor, act: int) -> Tensor:
+    if act == 2:
+        s = torch.sigmoid(y)
+        return s * (1 - s)
+    if act == 3:
+        s = torch.sigmoid(y)
+        return s * (1 + y * (1 - s))
+    return torch.ones_like(y)
+
+
+def _grouped(t: Tensor, groups: int) -> Tensor:
+    return t.reshape(-1, groups, t.shape[-1] // groups)  # (M, G, d/G) for any leading shape
+
+
+def _normalized(s: Tensor, spec: NormSpec, rstd: Tensor, mean: Optional[Tensor]) -> Tensor:
+    """r = (s - mean) * rstd per group, back in (M, d)."""
+    sg = _grouped(s, spec.groups)
+    q = sg - mean[..., None] if spec.center else sg
+    return (q * rstd[..., None]).reshape(s.shape)
+
+
+def _affine(r: Tensor, spec: NormSpec, weight, bias) -> Tensor:
+    o1 = r * spec.scale
+    if weight is not None:
+        o1 = o1 * weight.to(r.dtype)
+    if bias is not None:
+        o1 = o1 + bias.to(r.dtype)
+    return o1
+
+
+def norm_fwd(
+    x: Tensor,
+    residual: Optional[Tensor],
+    gate: Optional[Tensor],
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    spec: NormSpec,
+    residual_dtype: Optional[torch.dtype],
+    need_stats: bool,
+):
+    """Returns (out, new_residual or None, rstd (M, G) or None, mean (M, G) or None).
+
+    new_residual is written only when residual_dtype is given (the caller passes it
+    whenever there is a residual or a dtype change). The norm then reads the stored,
+    rounded value, so the fused stream sees exactly what the naive one would.
+    """
+    acc = acc_dtype(x.dtype)
+    p = x.to(acc) if residual is None else x.to(acc) + residual.to(acc)
+    new_residual = None
+    if residual_dtype is not None:
+        new_residual = p.to(residual_dtype)
+        p = new_residual.to(acc)
+    g = gate_act(gate.to(acc), spec.act) if spec.gate_mode else None
+    s = p * g if spec.gate_mode == 1 else p
+    sg = _grouped(s, spec.groups)
+    mean = sg.mean(-1) if spec.center else None
+    q = sg - mean[..., None] if spec.center else sg
+    rstd = torch.rsqrt(q.square().mean(-1) + spec.eps)
+    o = _affine((q * rstd[..., None]).reshape(s.shape), spec, weight, bias)
+    if spec.gate_mode == 2:
+        o = o * g
+    if not need_stats:
+        rstd = mean = None
+    return o.to(x.dtype), new_residual, rstd, mean
+
+
+def norm_bwd(
+    dout: Tensor,
+    dres: Optional[Tensor],
+    p: Tensor,
+    gate: Optional[Tensor],
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    rstd: Tensor,
+    mean: Optional[Tensor],
+    spec: NormSpec,
+    x_dtype: torch.dtype,
+    residual_grad_dtype: Optional[torch.dtype],
+):
+    """Returns (dx, dresidual or None, dgate, dw, db), like the Triton backward.
+
+    dx already includes dres (seed 001: dx = dx + dr) and is also the residual's
+    gradient; a separate dresidual comes back only for a residual_grad_dtype.
+    """
+    acc = rstd.dtype
+    p = p.to(acc)
+    dout = dout.to(acc)
+    y = gate.to(acc) if spec.gate_mode else None
+    g = gate_act(y, spec.act) if spec.gate_mode else None
+    s = p * g if spec.gate_mode == 1 else p
+    r = _normalized(s, spec, rstd, mean)
+    dgate = None
+    if spec.gate_mode == 2:
+        dgate = dout * _affine(r, spec, weight, bias) * gate_act_grad(y, spec.act)
+        do1 = dout * g
+    else:
+        do1 = dout
+    rows = (-1, p.shape[-1])
+    dw = (do1 * r * spec.scale).reshape(rows).sum(0) if weight is not None else None
+    db = do1.reshape(rows).sum(0) if bias is not None else None
+    dr = do1 * spec.scale
+    if weight is not None:
+        dr = dr * weight.to(acc)
+    rg, drg = _grouped(r, spec.groups), _grouped(dr, spec.groups)
+    # seed 001: dq = (dr - (r.dr) r / d) / sigma
+    dq = (drg - rg * (rg * drg).mean(-1, keepdim=True)) * rstd[..., None]
+    if spec.center:  # dp = dq - mean(dq)
+        dq = dq - dq.mean(-1, keepdim=True)
+    ds = dq.reshape(p.shape)
+    if spec.gate_mode == 1:
+        dgate = ds * p * gate_act_grad(y, spec.act)
+        ds = ds * g
+    if dres is not None:
+        ds = ds + dres.to(acc)
+    dresidual = None if residual_grad_dtype is None else ds.to(residual_grad_dtype)
+    dgate = None if dgate is None else dgate.to(gate.dtype)
+    return ds.to(x_dtype), dresidual, dgate, dw, db
