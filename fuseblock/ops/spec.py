@@ -54,6 +54,24 @@ def _check_number(name: str, v, *, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be finite, got {v}")
 
 
+def check_options(d: int, *, kind, c, eps, num_groups, gate_act, gate_position) -> None:
+    """Checks of the non-tensor options, shared by the functions and the modules."""
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    _check_number("c", c, allow_none=True)
+    _check_number("eps", eps)
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral):
+        raise TypeError(f"num_groups must be an int, got {type(num_groups).__name__}")
+    if num_groups < 1 or d % num_groups != 0:
+        raise ValueError(f"num_groups must be >= 1 and divide the last dim {d}, got {num_groups}")
+    if not isinstance(gate_act, str) or gate_act not in GATE_ACTS:
+        raise ValueError(f"gate_act must be one of {sorted(GATE_ACTS)}, got {gate_act!r}")
+    if not isinstance(gate_position, str) or gate_position not in GATE_POSITIONS:
+        raise ValueError(f"gate_position must be one of {sorted(GATE_POSITIONS)}, got {gate_position!r}")
+
+
 def resolve(
     x,
     residual,
@@ -76,16 +94,7 @@ def resolve(
     d = x.shape[-1]
     if d < 1:
         raise ValueError("x's last dimension must be >= 1")
-    if not isinstance(kind, str) or kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    _check_number("c", c, allow_none=True)
-    _check_number("eps", eps)
-    if eps < 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral):
-        raise TypeError(f"num_groups must be an int, got {type(num_groups).__name__}")
-    if num_groups < 1 or d % num_groups != 0:
-        raise ValueError(f"num_groups must be >= 1 and divide the last dim {d}, got {num_groups}")
+    check_options(d, kind=kind, c=c, eps=eps, num_groups=num_groups, gate_act=gate_act, gate_position=gate_position)
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None:
             _check_tensor(name, t, x)
@@ -101,10 +110,6 @@ def resolve(
             raise TypeError(f"residual_dtype must be a torch.dtype or None, got {type(residual_dtype).__name__}")
         if residual_dtype not in FLOAT_DTYPES:
             raise TypeError(f"residual_dtype must be a floating dtype, got {residual_dtype}")
-    if not isinstance(gate_act, str) or gate_act not in GATE_ACTS:
-        raise ValueError(f"gate_act must be one of {sorted(GATE_ACTS)}, got {gate_act!r}")
-    if not isinstance(gate_position, str) or gate_position not in GATE_POSITIONS:
-        raise ValueError(f"gate_position must be one of {sorted(GATE_POSITIONS)}, got {gate_position!r}")
     if gate is None and (gate_act != DEFAULT_GATE_ACT or gate_position != DEFAULT_GATE_POSITION):
         raise ValueError("gate_act and gate_position only apply when a gate tensor is given (gate is None)")
 

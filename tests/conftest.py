@@ -1,0 +1,20 @@
+"""Shared test setup.
+
+`make test` runs the suite twice: every test on the pure-PyTorch path, then the
+tests marked `kernel` again with TRITON_INTERPRET=1, where CPU tensors run the
+Triton kernels through the interpreter. KERNEL_PATH says which run this is.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))  # tests import ref64 and friends
+
+KERNEL_PATH = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,55 @@
+"""An independent float64 reference, written straight from the seed formulas.
+
+It uses plain autograd for gradients, so it shares nothing with fuseblock's own
+forward/backward code. Seed 001 with the eps reading of the seeds' README:
+p = x + y; s = p * g(gate) (pre) or p; q = s or s - mean(s); sigma = sqrt(q.q/d + eps);
+o1 = (c/sqrt(d)) * (q/sigma) * w + b; o = o1 * g(gate) (post) or o1.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+ACTS = {
+    "none": lambda y: y,
+    "sigmoid": torch.sigmoid,
+    "silu": lambda y: y * torch.sigmoid(y),
+    "swish": lambda y: y * torch.sigmoid(y),
+}
+
+
+def add_norm64(x, residual=None, weight=None, bias=None, *, kind="rms", c=None, eps=1e-6,
+               gate=None, gate_act="silu", gate_position="post", num_groups=1):
+    """Returns (out, p) in float64; differentiable w.r.t. every float64 leaf passed in."""
+    p = x.double() if residual is None else x.double() + residual.double()
+    g = ACTS[gate_act](gate.double()) if gate is not None else None
+    s = p * g if g is not None and gate_position == "pre" else p
+    d = s.shape[-1] // num_groups
+    sg = s.unflatten(-1, (num_groups, d))
+    q = sg - sg.mean(-1, keepdim=True) if kind == "layer" else sg
+    if c is None:
+        c = 1.0 if kind == "l2" else math.sqrt(d)
+    sigma = torch.sqrt((q * q).sum(-1, keepdim=True) / d + eps)
+    o = ((c / math.sqrt(d)) * q / sigma).flatten(-2)
+    if weight is not None:
+        o = o * weight.double()
+    if bias is not None:
+        o = o + bias.double()
+    if g is not None and gate_position == "post":
+        o = o * g
+    return o, p
+
+
+def leaf64(t):
+    """A float64 leaf copy of t that requires grad (None stays None)."""
+    return None if t is None else t.detach().double().requires_grad_(True)
+
+
+def tolerances(dtype):
+    """(atol, rtol) for comparing a result computed in `dtype` with fp32 statistics to fp64.
+
+    fp32: accumulation error only. fp16/bf16: one rounding of the stored output
+    (2^-11 and 2^-8 relative) plus the rounding of the inputs the reference also sees.
+    """
+    return {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 4e-3), torch.bfloat16: (1.6e-2, 2e-2),
+            torch.float64: (1e-10, 1e-10)}[dtype]
