@@ -3,6 +3,9 @@
 `make test` runs the suite twice: every test on the pure-PyTorch path, then the
 tests marked `kernel` again with TRITON_INTERPRET=1, where CPU tensors run the
 Triton kernels through the interpreter. KERNEL_PATH says which run this is.
+
+On a GPU machine, FUSEBLOCK_TEST_DEVICE=cuda makes every test tensor a CUDA tensor,
+so `pytest -m kernel` runs the compiled kernels for real.
 """
 import os
 import sys
@@ -12,7 +15,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests import ref64 and friends
 
-KERNEL_PATH = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = os.environ.get("FUSEBLOCK_TEST_DEVICE", "cpu")
+if DEVICE != "cpu":
+    torch.set_default_device(DEVICE)
+KERNEL_PATH = os.environ.get("TRITON_INTERPRET") == "1" or DEVICE == "cuda"
 
 
 @pytest.fixture(autouse=True)

@@ -19,9 +19,15 @@ ACTS = {
 
 
 def add_norm64(x, residual=None, weight=None, bias=None, *, kind="rms", c=None, eps=1e-6,
-               gate=None, gate_act="silu", gate_position="post", num_groups=1):
-    """Returns (out, p) in float64; differentiable w.r.t. every float64 leaf passed in."""
+               gate=None, gate_act="silu", gate_position="post", num_groups=1, residual_dtype=None):
+    """Returns (out, p) in float64; differentiable w.r.t. every float64 leaf passed in.
+
+    residual_dtype rounds p to the stored residual's precision (our adopted reading:
+    the norm reads the stored new_residual); the rounding passes gradients straight through.
+    """
     p = x.double() if residual is None else x.double() + residual.double()
+    if residual_dtype is not None:
+        p = p + (p.to(residual_dtype).double() - p).detach()
     g = ACTS[gate_act](gate.double()) if gate is not None else None
     s = p * g if g is not None and gate_position == "pre" else p
     d = s.shape[-1] // num_groups

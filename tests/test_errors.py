@@ -1,0 +1,72 @@
+"""Bad input gets a ValueError/TypeError naming the argument, before any kernel runs.
+
+Each row here is one row of the README's "Bad input" table.
+"""
+import pytest
+import torch
+
+import fuseblock
+
+X = torch.randn(4, 8)
+
+
+def _call(**kw):
+    args = dict(x=X)
+    args.update(kw)
+    x = args.pop("x")
+    residual = args.pop("residual", None)
+    return fuseblock.add_norm(x, residual, **args)
+
+
+CASES = [
+    # (argument, kwargs, exception)
+    ("x", dict(x=[1.0, 2.0]), TypeError),
+    ("x", dict(x=torch.ones(4, 8, dtype=torch.int64)), TypeError),
+    ("x", dict(x=torch.ones(4, 8, dtype=torch.bool)), TypeError),
+    ("x", dict(x=torch.tensor(1.0)), ValueError),
+    ("kind", dict(kind="batch"), ValueError),
+    ("kind", dict(kind=None), ValueError),
+    ("eps", dict(eps=-1e-6), ValueError),
+    ("eps", dict(eps=float("nan")), ValueError),
+    ("eps", dict(eps="1e-6"), TypeError),
+    ("c", dict(c=float("inf")), ValueError),
+    ("c", dict(c="2"), TypeError),
+    ("weight", dict(weight=torch.ones(7)), ValueError),
+    ("weight", dict(weight=torch.ones(1, 8)), ValueError),
+    ("weight", dict(weight=torch.ones(8, dtype=torch.int32)), TypeError),
+    ("bias", dict(bias=torch.ones(9)), ValueError),
+    ("residual", dict(residual=torch.ones(4, 7)), ValueError),
+    ("residual", dict(residual=torch.ones(8)), ValueError),
+    ("residual", dict(residual=torch.ones(4, 8, dtype=torch.int32)), TypeError),
+    ("residual_dtype", dict(residual_dtype=torch.int8), TypeError),
+    ("residual_dtype", dict(residual_dtype="float32"), TypeError),
+    ("gate", dict(gate=torch.ones(4, 1)), ValueError),
+    ("gate_act", dict(gate=torch.ones(4, 8), gate_act="relu"), ValueError),
+    ("gate_position", dict(gate=torch.ones(4, 8), gate_position="middle"), ValueError),
+    ("gate_act", dict(gate_act="sigmoid"), ValueError),  # no gate given
+    ("gate_position", dict(gate_position="pre"), ValueError),  # no gate given
+    ("num_groups", dict(num_groups=3), ValueError),
+    ("num_groups", dict(num_groups=0), ValueError),
+    ("num_groups", dict(num_groups=2.0), TypeError),
+]
+
+
+@pytest.mark.parametrize("argument,kwargs,exc", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_bad_input_names_the_argument(argument, kwargs, exc):
+    with pytest.raises(exc, match=argument):
+        _call(**kwargs)
+
+
+def test_device_mismatch_is_a_value_error():
+    meta = torch.ones(8, device="meta")
+    with pytest.raises(ValueError, match="weight"):
+        fuseblock.norm(X, meta)
+
+
+def test_norm_module_rejects_bad_config():
+    with pytest.raises(ValueError, match="dim"):
+        fuseblock.Norm(0)
+    with pytest.raises(ValueError, match="kind"):
+        fuseblock.Norm(8, kind="nope")
+    with pytest.raises(ValueError, match="eps"):
+        fuseblock.Norm(8, eps=-1.0)

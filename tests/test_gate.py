@@ -1,0 +1,59 @@
+"""Gated norms: pre-gate N(p * g(gate)) and post-gate N(p) * g(gate), with or without residual."""
+import pytest
+import torch
+from conftest import KERNEL_PATH
+from test_norm import DTYPES, run_case
+
+import fuseblock
+from fuseblock.kernels.norm import LAUNCHES
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("position", ["pre", "post"])
+@pytest.mark.parametrize("act", ["none", "sigmoid", "silu", "swish"])
+@pytest.mark.parametrize("kind", ["rms", "layer", "l2"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gated_matches_fp64_reference(position, act, kind, dtype, with_residual):
+    x = torch.randn(2, 3, 33).to(dtype)
+    gate = torch.randn(2, 3, 33).to(dtype)
+    residual = torch.randn(2, 3, 33).to(dtype) if with_residual else None
+    w, b = torch.randn(33).to(dtype), torch.randn(33).to(dtype)
+    run_case(x, residual, w, b, kind=kind, gate=gate, gate_act=act, gate_position=position)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("position", ["pre", "post"])
+def test_gated_wide_rows(position):
+    d = 20000  # above the tile limit: the column-looping kernels
+    run_case(torch.randn(2, d), torch.randn(2, d), torch.randn(d), torch.randn(d), kind="layer",
+             gate=torch.randn(2, d), gate_position=position)
+
+
+@pytest.mark.kernel
+def test_new_residual_is_the_ungated_sum():
+    x, r, g = torch.randn(4, 16), torch.randn(4, 16), torch.randn(4, 16)
+    for position in ("pre", "post"):
+        _, res = fuseblock.add_norm(x, r, gate=g, gate_position=position)
+        torch.testing.assert_close(res, x + r)
+
+
+@pytest.mark.kernel
+def test_gated_output_norm_example():
+    # a linear-attention output: o = RMSNorm(attn_out) * silu(z)
+    attn_out, z = torch.randn(2, 10, 64), torch.randn(2, 10, 64)
+    w = torch.rand(64) + 0.5
+    ours = fuseblock.norm(attn_out, w, gate=z)  # post-gate silu is the default
+    ref = torch.nn.functional.rms_norm(attn_out, (64,), w, eps=1e-6) * torch.nn.functional.silu(z)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.kernel
+def test_gated_one_launch_each_way():
+    if not KERNEL_PATH:
+        pytest.skip("launch counts are a property of the Triton path")
+    x, g = torch.randn(8, 32, requires_grad=True), torch.randn(8, 32, requires_grad=True)
+    before = LAUNCHES.copy()
+    out = fuseblock.norm(x, gate=g, gate_position="pre", gate_act="sigmoid")
+    out.sum().backward()
+    assert (LAUNCHES["fwd"] - before["fwd"], LAUNCHES["bwd"] - before["bwd"]) == (1, 1)
