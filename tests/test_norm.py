@@ -14,9 +14,12 @@ from fuseblock.ops.norm import uses_triton
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def assert_close(actual, expected, dtype, what):
-    """|actual - expected| <= atol * max|expected| + rtol * |expected|, elementwise."""
+def assert_close(actual, expected, dtype, what, cond=1.0):
+    """|actual - expected| <= cond * atol * max|expected| + rtol * |expected|, elementwise.
+
+    cond > 1 for ill-conditioned cases (see run_case)."""
     atol, rtol = tolerances(dtype)
+    atol *= cond
     expected = expected.detach().double()
     scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
     err = (actual.detach().double() - expected).abs() - rtol * expected.abs()
@@ -44,10 +47,13 @@ def run_case(x, residual, weight, bias, *, residual_dtype=None, grad_res=True, *
     grads = torch.autograd.grad(loss, leaves)
     ref_loss = (ref_out * g_out.double()).sum() + ((ref_p * g_res.double()).sum() if grad_res else 0)
     ref_grads = torch.autograd.grad(ref_loss, leaves)
+    # A layer norm of d = 1 is constant: sigma = sqrt(eps), so intermediates are 1/sqrt(eps)
+    # (~316 at eps=1e-5) times the gradient and cancel exactly only in exact arithmetic. On a
+    # GPU, FMA contraction leaves ~1 ulp of those large terms, so allow 4x more there.
+    cond = 4.0 if kw.get("kind") == "layer" and x.shape[-1] == 1 else 1.0
     for name, g, rg, leaf in zip(("x", "residual", "weight", "bias", "gate"), grads, ref_grads, leaves):
         assert g.dtype == leaf.dtype, name
-        # weight/bias grads sum over rows: allow the accumulated rounding of a low-precision leaf
-        assert_close(g, rg, leaf.dtype, f"d{name}")
+        assert_close(g, rg, leaf.dtype, f"d{name}", cond)
     return out, new_res
 
 

@@ -60,6 +60,13 @@ def _act_grad(y, ACT: tl.constexpr):
 
 
 @triton.jit
+def _mean(b_sum, DG):
+    # IEEE division: the default GPU division is approximate (2 ulp), and that error
+    # is multiplied by rstd, which is huge for (near-)constant rows such as d = 1.
+    return tl.div_rn(b_sum, tl.cast(DG, tl.float32))
+
+
+@triton.jit
 def _load_p(X, R, RO, o_x, o_r, o_ro, mask, HAS_R: tl.constexpr, STORE_R: tl.constexpr):
     """p = x (+ residual) in fp32; stores new_residual and returns its rounded value, so
     the norm sees exactly what was stored (and what the naive stack would add)."""
@@ -99,11 +106,11 @@ def _fwd_tile(
         b_g = _act(tl.load(Y + row * s_y + col, mask=mask, other=0.0).to(tl.float32), ACT)
     b_s = b_p * b_g if GATE == 1 else b_p
     if CENTER:
-        b_mean = tl.sum(b_s, 2) / DG  # [BR, BG]
+        b_mean = _mean(tl.sum(b_s, 2), DG)  # [BR, BG]
         b_q = tl.where(mask, b_s - b_mean[:, :, None], 0.0)
     else:
         b_q = b_s
-    b_rstd = tl.rsqrt(tl.sum(b_q * b_q, 2) / DG + eps)
+    b_rstd = tl.rsqrt(_mean(tl.sum(b_q * b_q, 2), DG) + eps)
     b_o = b_q * (b_rstd[:, :, None] * scale)
     if HAS_W:
         b_o *= tl.load(W + o_gd, mask=m_gd, other=0.0).to(tl.float32)[None, :, :]
@@ -146,7 +153,7 @@ def _fwd_loop(
         b_sum += b_s
         b_sq += b_s * b_s
     if CENTER:
-        b_mean = tl.sum(b_sum, 0) / DG
+        b_mean = _mean(tl.sum(b_sum, 0), DG)
         b_sq = tl.zeros([BD], dtype=tl.float32)
         for i_d in range(0, DG, BD):  # exact two-pass variance: no sum-of-squares cancellation
             o_col = o_base + i_d + o_d
@@ -158,7 +165,7 @@ def _fwd_loop(
                 b_s *= _act(tl.load(Y + i_m * s_y + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
             b_q = tl.where(m_d, b_s - b_mean, 0.0)
             b_sq += b_q * b_q
-    b_rstd = tl.rsqrt(tl.sum(b_sq, 0) / DG + eps)
+    b_rstd = tl.rsqrt(_mean(tl.sum(b_sq, 0), DG) + eps)
     for i_d in range(0, DG, BD):
         o_col = o_base + i_d + o_d
         m_d = i_d + o_d < DG
@@ -247,10 +254,10 @@ def _bwd_tile(
         if HAS_W:
             b_dr *= b_w
         # seed 001: dq = (dr - (r.dr/d) r) / sigma; layer: dp = dq - mean(dq)
-        b_c1 = tl.sum(b_r * b_dr, 2) / DG
+        b_c1 = _mean(tl.sum(b_r * b_dr, 2), DG)
         b_dq = (b_dr - b_r * b_c1[:, :, None]) * b_rstd
         if CENTER:
-            b_dq = tl.where(mask, b_dq - (tl.sum(b_dq, 2) / DG)[:, :, None], 0.0)
+            b_dq = tl.where(mask, b_dq - (_mean(tl.sum(b_dq, 2), DG))[:, :, None], 0.0)
         if GATE == 1:  # pre-gate: dgate = dq * p * g'(y); dp = dq * g(y)
             b_dy = b_dq * b_p * _act_grad(b_y, ACT)
             tl.store(DY + row * s_dy + col, b_dy.to(DY.dtype.element_ty), mask=mask)
@@ -297,9 +304,9 @@ def _bwd_loop(
             b_c3 = tl.zeros([BD], dtype=tl.float32)  # sum r
             for pass_ in tl.static_range(2):
                 if pass_ == 1:
-                    c1 = tl.sum(b_c1, 0) / DG
+                    c1 = _mean(tl.sum(b_c1, 0), DG)
                     # mean of dq = rstd * (mean(dr) - c1 * mean(r))
-                    c2 = (tl.sum(b_c2, 0) / DG - c1 * tl.sum(b_c3, 0) / DG) * b_rstd
+                    c2 = (_mean(tl.sum(b_c2, 0), DG) - c1 * _mean(tl.sum(b_c3, 0), DG)) * b_rstd
                 for i_d in range(0, DG, BD):
                     o_col = o_base + i_d + o_d
                     m_d = i_d + o_d < DG
