@@ -14,7 +14,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .ops.norm import add_norm, norm
-from .ops.spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, check_options
+from .ops.spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, FLOAT_DTYPES, check_options
+
+
+def check_dim(dim) -> None:
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    if dim < 1:
+        raise ValueError(f"dim must be >= 1, got {dim}")
+
+
+def check_residual_dtype(residual_dtype) -> None:
+    if residual_dtype is not None and residual_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"residual_dtype must be None or one of {FLOAT_DTYPES}, got {residual_dtype!r}")
 
 
 class Norm(nn.Module):
@@ -39,8 +51,10 @@ class Norm(nn.Module):
         dtype=None,
     ):
         super().__init__()
-        if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 1:
-            raise ValueError(f"dim must be a positive int, got {dim!r}")
+        check_dim(dim)
+        for name, flag in (("weight", weight), ("bias", bias)):
+            if not isinstance(flag, bool):  # a tensor here would be a mistaken initial value
+                raise TypeError(f"{name} must be a bool (whether the parameter exists), got {type(flag).__name__}")
         check_options(dim, kind=kind, c=c, eps=eps, num_groups=num_groups, gate_act=gate_act, gate_position=gate_position)
         self.dim, self.kind, self.c, self.eps = int(dim), kind, c, float(eps)
         self.num_groups, self.gate_act, self.gate_position = int(num_groups), gate_act, gate_position
@@ -58,7 +72,7 @@ class Norm(nn.Module):
         return norm(x, self.weight, self.bias, **self._kwargs(gate))
 
     def naive(self, x: Tensor) -> Tensor:
-        """The same function as eager torch ops, unfused: the reference the stream is checked against."""
+        """The same function (without a gate) as eager torch ops, unfused: the naive stream's norm."""
         d = x.shape[-1]
         w = None if self.weight is None else self.weight.to(x.dtype)
         b = None if self.bias is None else self.bias.to(x.dtype)
@@ -87,14 +101,21 @@ class Norm(nn.Module):
 class AddNorm(Norm):
     """Fused residual add + normalize: `forward(x, residual=None, gate=None) -> (out, new_residual)`.
 
-    new_residual = x + residual, kept in `residual_dtype` (default: x's dtype).
+    new_residual = x + residual, kept in `residual_dtype`. By default that is the dtype
+    torch's `x + residual` would have, so an fp32 residual is never rounded to bf16
+    activations (fuseblock.add_norm's default is x's dtype). out has x's dtype.
     """
 
     def __init__(self, dim: int, *, residual_dtype: Optional[torch.dtype] = None, **kwargs):
         super().__init__(dim, **kwargs)
-        if residual_dtype is not None and not (isinstance(residual_dtype, torch.dtype) and residual_dtype.is_floating_point):
-            raise TypeError(f"residual_dtype must be a floating torch.dtype or None, got {residual_dtype!r}")
+        check_residual_dtype(residual_dtype)
         self.residual_dtype = residual_dtype
 
     def forward(self, x: Tensor, residual: Optional[Tensor] = None, gate: Optional[Tensor] = None):
-        return add_norm(x, residual, self.weight, self.bias, residual_dtype=self.residual_dtype, **self._kwargs(gate))
+        rdtype = self.residual_dtype
+        if rdtype is None and isinstance(residual, Tensor) and isinstance(x, Tensor):
+            rdtype = torch.promote_types(x.dtype, residual.dtype)
+        return add_norm(x, residual, self.weight, self.bias, residual_dtype=rdtype, **self._kwargs(gate))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.residual_dtype is None else f", residual_dtype={self.residual_dtype}")

@@ -1,20 +1,20 @@
 """The fused pre-norm residual stream (seed 001, "Fusing Normalize and Residual").
 
-Naive pre-norm stack:  x_k = f_k(norm(x_{k-1})) + x_{k-1},  o = x_n.
+Naive pre-norm stack:  x_k = x_{k-1} + f_k(norm_k(x_{k-1})),  o = x_n  (or norm_f(x_n)).
 Fused stack, carrying (p_k, r_k):
 
     p_0 = x, r_0 = 0
     r_k = p_{k-1} + r_{k-1}      } one add_norm launch per sublayer
-    q_k = norm(r_k)              }
+    q_k = norm_k(r_k)            }
     p_k = f_k(q_k)
-    o   = p_n + r_n              (or norm(p_n + r_n): one more add_norm)
+    o   = p_n + r_n              (or norm_f(p_n + r_n): one more add_norm)
 
-By induction r_k = x_{k-1}: r_1 = x + 0 = x_0, and if r_k = x_{k-1} then
-r_{k+1} = p_k + r_k = f_k(norm(x_{k-1})) + x_{k-1} = x_k. Hence q_k is the naive
-norm input's image, p_k = z_k, and o = p_n + r_n = z_n + x_{n-1} = x_n.
-Backward: add_norm returns (out, new_residual); the gradient arriving at r_k (from
-later sublayers) adds into the gradient of both inputs p_{k-1} and r_{k-1}, which is
-the seeds' dx = dx + dr, done inside the backward kernel.
+Claim: r_k = x_{k-1} for k = 1..n+1. r_1 = x + 0 = x_0; if r_k = x_{k-1} then
+p_k = f_k(norm_k(x_{k-1})) and r_{k+1} = p_k + r_k = x_k. So o = p_n + r_n = x_n.
+Backward: r_k feeds both norm_k and r_{k+1}, so the gradient arriving at r_k from
+later sublayers adds to the one through the norm, and the sum is the gradient of both
+summands p_{k-1} and r_{k-1} (seed 001: dx = dx + dr, done in the backward kernel).
+docs/stream.md has the long form.
 """
 from __future__ import annotations
 
@@ -23,15 +23,16 @@ from typing import Iterable, Optional
 import torch
 from torch import Tensor, nn
 
-from .modules import AddNorm, Norm
-from .ops.norm import add_norm
+from .modules import AddNorm, check_residual_dtype
 
 
 class PreNormBlock(nn.Module):
     """One pre-norm sublayer: `forward(hidden, residual=None) -> (hidden, residual)`.
 
-    Computes residual' = hidden + residual, hidden' = mixer(norm(residual')) with one
-    fused add_norm. `mixer` is any module mapping (..., dim) to (..., dim).
+    residual' = hidden + residual, hidden' = mixer(norm(residual')), the add and the norm
+    in one launch. `mixer` is any module mapping (..., dim) to (..., dim). `norm` is an
+    AddNorm (a Norm): the residual is kept in residual_dtype, by default the dtype of
+    torch's `hidden + residual`.
     """
 
     def __init__(
@@ -48,27 +49,28 @@ class PreNormBlock(nn.Module):
         if not isinstance(mixer, nn.Module):
             raise TypeError(f"mixer must be an nn.Module, got {type(mixer).__name__}")
         self.mixer = mixer
-        self.norm = Norm(dim, kind=kind, eps=eps, bias=bias)
-        self.residual_dtype = residual_dtype
+        self.norm = AddNorm(dim, kind=kind, eps=eps, bias=bias, residual_dtype=residual_dtype)
+
+    @property
+    def residual_dtype(self) -> Optional[torch.dtype]:
+        return self.norm.residual_dtype
 
     def forward(self, hidden: Tensor, residual: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-        n = self.norm
-        normed, residual = add_norm(
-            hidden, residual, n.weight, n.bias, kind=n.kind, c=n.c, eps=n.eps, residual_dtype=self.residual_dtype
-        )
+        normed, residual = self.norm(hidden, residual)
         return self.mixer(normed), residual
 
     def naive(self, x: Tensor, act_dtype: Optional[torch.dtype] = None) -> Tensor:
-        """The unfused step x + mixer(norm(x)) with the same parameters; the mixer sees
-        act_dtype (default x's), as it would in the fused form under an fp32 stream."""
+        """The unfused step x + mixer(norm(x)) with the same parameters. The mixer sees
+        act_dtype (default x's), as it does in the fused form under an fp32 stream."""
         return x + self.mixer(self.norm.naive(x).to(act_dtype or x.dtype))
 
 
 class ResidualStack(nn.Module):
-    """A stack of PreNormBlocks over one residual stream, fused or naive.
+    """Pre-norm sublayers over one residual stream, then an optional final norm.
 
-    `fused=False` runs the naive form with the same parameters and state_dict keys, so
-    one checkpoint serves both. The output has the input's dtype.
+    `forward(x) -> Tensor`, with x's dtype. `fused=False` runs the naive form with the
+    same parameters and state_dict keys, so one checkpoint serves both; the flag may
+    be flipped on a built stack.
     """
 
     def __init__(
@@ -84,11 +86,26 @@ class ResidualStack(nn.Module):
         bias: bool = False,
     ):
         super().__init__()
+        # nn.ModuleList and nn.Sequential iterate over their sublayers; any other single
+        # module is a mistake (it would silently become a stack of its children).
+        if isinstance(mixers, nn.Module) and not isinstance(mixers, (nn.ModuleList, nn.Sequential)):
+            raise TypeError(f"mixers must be an iterable of nn.Module (one per sublayer), got {type(mixers).__name__}")
+        try:
+            mixers = list(mixers)
+        except TypeError:
+            raise TypeError(f"mixers must be an iterable of nn.Module, got {type(mixers).__name__}") from None
+        for i, m in enumerate(mixers):
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"mixers[{i}] must be an nn.Module, got {type(m).__name__}")
+        for name, flag in (("final_norm", final_norm), ("fused", fused)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        check_residual_dtype(residual_dtype)
         self.blocks = nn.ModuleList(
             PreNormBlock(m, dim, kind=kind, eps=eps, residual_dtype=residual_dtype, bias=bias) for m in mixers
         )
         self.norm_f = AddNorm(dim, kind=kind, eps=eps, bias=bias, residual_dtype=residual_dtype) if final_norm else None
-        self.fused = bool(fused)
+        self.fused = fused
         self.residual_dtype = residual_dtype
 
     def forward(self, x: Tensor) -> Tensor:
@@ -98,9 +115,11 @@ class ResidualStack(nn.Module):
         hidden, residual = x, None
         for block in self.blocks:
             hidden, residual = block(hidden, residual)
-        if self.norm_f is not None:
-            return self.norm_f(hidden, residual)[0]
-        return hidden if residual is None else (hidden + residual).to(x.dtype)
+        if self.norm_f is not None:  # o = norm_f(p_n + r_n), one more launch
+            out = self.norm_f(hidden, residual)[0]
+        else:
+            out = hidden if residual is None else hidden + residual
+        return out.to(x.dtype)
 
     def _naive(self, x: Tensor) -> Tensor:
         h = x if self.residual_dtype is None else x.to(self.residual_dtype)
@@ -109,3 +128,7 @@ class ResidualStack(nn.Module):
         if self.norm_f is not None:
             h = self.norm_f.naive(h)
         return h.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        extra = "" if self.residual_dtype is None else f", residual_dtype={self.residual_dtype}"
+        return f"fused={self.fused}" + extra

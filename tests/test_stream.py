@@ -1,0 +1,322 @@
+"""The fused residual stream equals the naive pre-norm stack, forward and every gradient.
+
+Fused: r_k = p_{k-1} + r_{k-1}, q_k = norm(r_k), p_k = f_k(q_k), o = norm_f(p_n + r_n).
+Naive: x_k = x_{k-1} + f_k(norm(x_{k-1})), o = norm_f(x_n). Same parameters (a deep copy
+with fused=False). Both are also checked against the naive stack run in float64, which
+shares no code with fuseblock's kernels (torch ops and autograd only).
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import KERNEL_PATH
+from torch import nn
+
+import fuseblock
+from fuseblock.kernels.norm import LAUNCHES
+
+DIM, HEADS, BATCH, SEQ = 32, 4, 2, 5
+
+# Error measure: max |a - b| / max |b| over a whole tensor (output or one gradient).
+#
+# fp32: measured below 1e-6 for every tensor here (fused vs naive, and each vs fp64);
+# the bound leaves 5x for other summation orders.
+TOL_FP32 = 5e-6
+# bf16 keeps 8 significant bits, so every stored value is off by up to 2^-9 relative
+# (2^-8 under the Triton interpreter, which truncates fp32 -> bf16 instead of rounding).
+# Each form rounds each mixer's inputs, weights' products and outputs, the residual
+# stream (unless it is fp32) and every gradient; those errors add up over sublayers
+# and over the rows a weight gradient sums. Measured over 26 seeds on both paths, the
+# naive bf16 stack itself is up to 2.2e-2 (5.5 * 2^-8) away from fp64 and the fused
+# one up to 1.8e-2. We require each to be within 2^-5 (8 * 2^-8) of fp64, the same
+# bar for both: fusing costs no accuracy. The two forms round in different places
+# (the fused norm adds and normalizes in fp32 and rounds once), so they may differ by
+# the sum of their errors: 2 * 2^-5 (measured up to 2.6e-2).
+TOL_BF16 = 2.0**-5
+
+
+class CausalAttention(nn.Module):
+    """A tiny multi-head causal self-attention: (B, T, D) -> (B, T, D)."""
+
+    def __init__(self, dim, heads=HEADS):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, D/H)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, D))
+
+
+class MLP(nn.Module):
+    """(B, T, D) -> (B, T, D)"""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.proj = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x)))
+
+
+def make_mixers(n, first="attn"):
+    kinds = [CausalAttention, MLP] if first == "attn" else [MLP, CausalAttention]
+    return [kinds[i % 2](DIM) for i in range(n)]
+
+
+def make_stack(n, first="attn", *, kind="rms", dtype=torch.float32, residual_dtype=None, **kw):
+    # LayerNorm with a bias (nanoGPT's), so bias gradients are covered too
+    stack = fuseblock.ResidualStack(
+        make_mixers(n, first), DIM, kind=kind, bias=kind == "layer", residual_dtype=residual_dtype, **kw
+    )
+    with torch.no_grad():  # norm weights off their all-ones init, so their gradients matter
+        for name, p in stack.named_parameters():
+            if ".norm" in name or name.startswith("norm_f"):
+                p.add_(0.3 * torch.randn_like(p))
+    return stack.to(dtype)
+
+
+def naive_twin(stack, dtype=None):
+    twin = copy.deepcopy(stack)
+    twin.fused = False
+    return twin if dtype is None else twin.to(dtype)
+
+
+def forward_backward(stack, x, cot):
+    """[output, d input, d every parameter] for a cotangent `cot` on the output."""
+    x = x.detach().requires_grad_(True)
+    out = stack(x)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    params = list(stack.parameters())
+    return [out, *torch.autograd.grad(out, [x, *params], cot)]
+
+
+def names(stack):
+    return ["out", "dx"] + ["d" + n for n, _ in stack.named_parameters()]
+
+
+def rel_err(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def check_equivalent(stack, x, *, tol):
+    """Fused vs naive vs fp64 naive, output and every gradient."""
+    assert stack.fused
+    cot = torch.randn_like(x)
+    fused = forward_backward(stack, x, cot)
+    naive = forward_backward(naive_twin(stack), x, cot)
+    exact = forward_backward(naive_twin(stack, torch.float64), x.double(), cot.double())
+    assert len(fused) == len(naive) == len(exact) == len(names(stack))
+    for name, f, n, e in zip(names(stack), fused, naive, exact):
+        assert f.dtype == n.dtype, name
+        assert rel_err(f, e) <= tol, f"{name}: fused is {rel_err(f, e):.3g} from fp64 (> {tol:.3g})"
+        assert rel_err(n, e) <= tol, f"{name}: naive is {rel_err(n, e):.3g} from fp64 (> {tol:.3g})"
+        assert rel_err(f, n) <= 2 * tol, f"{name}: fused vs naive {rel_err(f, n):.3g} (> {2 * tol:.3g})"
+    return fused
+
+
+DEPTHS = [(1, "attn"), (1, "mlp"), (2, "attn"), (2, "mlp"), (6, "attn")]
+DEPTH_IDS = [f"{n}-{first}" for n, first in DEPTHS]
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("n,first", DEPTHS, ids=DEPTH_IDS)
+def test_fused_equals_naive_fp32(n, first, kind):
+    stack = make_stack(n, first, kind=kind)
+    check_equivalent(stack, torch.randn(BATCH, SEQ, DIM), tol=TOL_FP32)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("n,first", DEPTHS, ids=DEPTH_IDS)
+def test_fused_equals_naive_bf16(n, first, kind):
+    stack = make_stack(n, first, kind=kind, dtype=torch.bfloat16)
+    check_equivalent(stack, torch.randn(BATCH, SEQ, DIM).bfloat16(), tol=TOL_BF16)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("n,first", DEPTHS, ids=DEPTH_IDS)
+def test_fused_equals_naive_fp32_residual_stream(n, first, kind):
+    # bf16 parameters and activations, the residual stream carried in fp32
+    stack = make_stack(n, first, kind=kind, dtype=torch.bfloat16, residual_dtype=torch.float32)
+    check_equivalent(stack, torch.randn(BATCH, SEQ, DIM).bfloat16(), tol=TOL_BF16)
+
+
+@pytest.mark.kernel
+def test_residual_stream_dtypes():
+    """The stream is carried in residual_dtype while the mixers see the activations' dtype."""
+    stack = make_stack(3, dtype=torch.bfloat16, residual_dtype=torch.float32)
+    seen = []
+    for blk in stack.blocks:
+        blk.mixer.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    h, r = torch.randn(BATCH, SEQ, DIM).bfloat16(), None
+    for blk in stack.blocks:
+        h, r = blk(h, r)
+        assert h.dtype == torch.bfloat16 and r.dtype == torch.float32
+    assert seen == [torch.bfloat16] * 3
+    # without residual_dtype, a block keeps the dtype torch's h + r would have (no silent bf16 rounding)
+    blk = fuseblock.PreNormBlock(MLP(DIM).bfloat16(), DIM).bfloat16()
+    h2, r2 = blk(h, r)
+    assert blk.residual_dtype is None and h2.dtype == torch.bfloat16 and r2.dtype == torch.float32
+    torch.testing.assert_close(r2, h.float() + r, rtol=0, atol=0)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_without_final_norm(kind):
+    # o = p_n + r_n = x_n
+    stack = make_stack(3, kind=kind, final_norm=False)
+    assert stack.norm_f is None
+    check_equivalent(stack, torch.randn(BATCH, SEQ, DIM), tol=TOL_FP32)
+
+
+@pytest.mark.kernel
+def test_explicit_loop_equals_stack():
+    """h, r = blk(h, r) over the blocks, then one add_norm: the ResidualStack forward, exactly."""
+    stack = make_stack(4)
+    x = torch.randn(BATCH, SEQ, DIM)
+    h, r = x, None
+    for blk in stack.blocks:
+        h, r = blk(h, r)
+    out, _ = fuseblock.add_norm(h, r, stack.norm_f.weight, kind="rms", eps=stack.norm_f.eps)
+    assert torch.equal(out, stack(x))
+    assert torch.equal(stack.norm_f(h, r)[0], out)
+
+
+@pytest.mark.kernel
+def test_naive_twin_is_not_the_fused_code():
+    """The naive form must not go through the fused kernels (else fused == naive proves nothing)."""
+    stack = naive_twin(make_stack(2))
+    LAUNCHES.clear()
+    x = torch.randn(BATCH, SEQ, DIM, requires_grad=True)
+    stack(x).sum().backward()
+    assert LAUNCHES["fwd"] == LAUNCHES["bwd"] == 0
+
+
+@pytest.mark.kernel
+@pytest.mark.skipif(not KERNEL_PATH, reason="LAUNCHES counts Triton launches only")
+@pytest.mark.parametrize("n", [1, 2, 6])
+@pytest.mark.parametrize("final_norm", [True, False])
+def test_one_norm_launch_per_sublayer(n, final_norm):
+    """n sublayers plus a final norm: n + 1 forward launches and n + 1 backward launches."""
+    stack = make_stack(n, final_norm=final_norm)
+    expected = n + int(final_norm)
+    x = torch.randn(BATCH, SEQ, DIM, requires_grad=True)
+    LAUNCHES.clear()
+    out = stack(x)
+    assert (LAUNCHES["fwd"], LAUNCHES["bwd"]) == (expected, 0)
+    out.sum().backward()
+    assert (LAUNCHES["fwd"], LAUNCHES["bwd"]) == (expected, expected)
+
+
+def test_state_dict_keys_identical_in_both_modes():
+    fused = make_stack(4, kind="layer")
+    naive = fuseblock.ResidualStack(make_mixers(4), DIM, kind="layer", bias=True, fused=False)
+    assert list(fused.state_dict()) == list(naive.state_dict())
+    assert "norm_f.weight" in fused.state_dict() and "blocks.3.norm.bias" in fused.state_dict()
+
+
+@pytest.mark.kernel
+def test_checkpoint_from_fused_loads_into_naive(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    fused = make_stack(4, kind="layer")
+    path = tmp_path / "stack.safetensors"
+    save_file(fused.state_dict(), str(path))
+    torch.manual_seed(1)  # a differently initialized stack, so the load has to do the work
+    naive = fuseblock.ResidualStack(make_mixers(4), DIM, kind="layer", bias=True, fused=False)
+    x = torch.randn(BATCH, SEQ, DIM)
+    assert rel_err(naive(x), fused(x)) > 1e-2
+    naive.load_state_dict(load_file(str(path)))  # strict
+    assert rel_err(naive(x), fused(x)) <= TOL_FP32
+
+
+def _capture_backend(graphs):
+    """aot_eager (AOTAutograd with no-op compilers) that also keeps the forward and backward graphs."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    def keep(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] = gm
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    return aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"))
+
+
+def _count(gm, op):
+    return sum(1 for node in gm.graph.nodes if node.target is op)
+
+
+@pytest.mark.kernel
+def test_compile_fullgraph_forward_and_backward():
+    """fullgraph=True raises on any graph break; both graphs hold the n + 1 fused ops whole."""
+    torch._dynamo.reset()
+    n = 2
+    stack = make_stack(n)
+    x = torch.randn(BATCH, SEQ, DIM)
+    cot = torch.randn_like(x)
+    graphs = {}
+    compiled = torch.compile(stack, fullgraph=True, backend=_capture_backend(graphs))
+    got = forward_backward(compiled, x, cot)
+    want = forward_backward(stack, x, cot)
+    for name, g, w in zip(names(stack), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=name)
+    assert _count(graphs["fw"], torch.ops.fuseblock.norm_fwd.default) == n + 1
+    assert _count(graphs["bw"], torch.ops.fuseblock.norm_bwd.default) == n + 1
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(KERNEL_PATH, reason="inductor compile time; the kernel path checks the graphs above")
+def test_compile_inductor_forward_and_backward():
+    # ~20 s on 2 CPU cores, mostly inductor's C++ compile
+    torch._dynamo.reset()
+    stack = make_stack(2)
+    x = torch.randn(BATCH, SEQ, DIM)
+    cot = torch.randn_like(x)
+    got = forward_backward(torch.compile(stack, fullgraph=True), x, cot)
+    want = forward_backward(stack, x, cot)
+    for name, g, w in zip(names(stack), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=name)
+    torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------- bad arguments
+@pytest.mark.parametrize(
+    "arg,call,exc",
+    [
+        ("mixer", lambda: fuseblock.PreNormBlock(lambda x: x, DIM), TypeError),
+        ("residual_dtype", lambda: fuseblock.PreNormBlock(MLP(DIM), DIM, residual_dtype="fp32"), TypeError),
+        ("kind", lambda: fuseblock.PreNormBlock(MLP(DIM), DIM, kind="batch"), ValueError),
+        ("dim", lambda: fuseblock.PreNormBlock(MLP(DIM), 0), ValueError),
+        ("mixers", lambda: fuseblock.ResidualStack(MLP(DIM), DIM), TypeError),
+        ("mixers", lambda: fuseblock.ResidualStack(3, DIM), TypeError),
+        (r"mixers\[1\]", lambda: fuseblock.ResidualStack([MLP(DIM), "mlp"], DIM), TypeError),
+        ("fused", lambda: fuseblock.ResidualStack([MLP(DIM)], DIM, fused="yes"), TypeError),
+        ("final_norm", lambda: fuseblock.ResidualStack([MLP(DIM)], DIM, final_norm=None), TypeError),
+        ("residual_dtype", lambda: fuseblock.ResidualStack([MLP(DIM)], DIM, residual_dtype=torch.int8), TypeError),
+        ("eps", lambda: fuseblock.ResidualStack([MLP(DIM)], DIM, eps=-1.0), ValueError),
+    ],
+)
+def test_bad_arguments(arg, call, exc):
+    with pytest.raises(exc, match=arg):
+        call()
+
+
+def test_module_containers_are_stacks_of_their_children():
+    mixers = make_mixers(3)
+    for container in (nn.ModuleList(mixers), nn.Sequential(*mixers)):
+        stack = fuseblock.ResidualStack(container, DIM)
+        assert [b.mixer for b in stack.blocks] == mixers
+        assert all(isinstance(b, fuseblock.PreNormBlock) and isinstance(b.norm, fuseblock.Norm) for b in stack.blocks)
+    assert isinstance(stack.blocks, nn.ModuleList) and isinstance(stack.norm_f, fuseblock.Norm)
