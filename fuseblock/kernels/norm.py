@@ -32,6 +32,7 @@ LAUNCHES: collections.Counter = collections.Counter()
 MAX_TILE = 8192  # elements of one row held in registers by the tile kernel
 LOOP_BLOCK = 4096  # column chunk of the loop kernel
 H100_SMS = 132  # SM count assumed when there is no GPU (the interpreter)
+PROGRAMS_PER_SM = 4  # backward programs resident per SM: hides load latency
 MIN_ROWS_PER_PROGRAM = 16  # keeps dw/db partial buffers small next to the activations
 
 
@@ -434,10 +435,10 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     dr = torch.empty((M, d), dtype=residual_grad_dtype, device=dev) if residual_grad_dtype is not None else None
     dy = torch.empty((M, d), dtype=gate.dtype, device=dev) if gate is not None else None
     tile, bg, bd, br, warps = _layout(d, G)
-    # One program per SM at most, and at least MIN_ROWS_PER_PROGRAM rows each, so the
+    # A few programs per SM, and at least MIN_ROWS_PER_PROGRAM rows each, so the
     # (n_prog, d) partial buffers stay small next to the activations on small batches.
     n_items = triton.cdiv(M, br) if tile else M
-    n_prog = max(1, min(_num_sms(dev), n_items, triton.cdiv(M, MIN_ROWS_PER_PROGRAM)))
+    n_prog = max(1, min(_num_sms(dev) * PROGRAMS_PER_SM, n_items, triton.cdiv(M, MIN_ROWS_PER_PROGRAM)))
     need_dw, need_db = weight is not None, bias is not None
     dw_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_dw else None
     db_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_db else None
