@@ -36,7 +36,9 @@ def grads(out, leaves, cot):
 TORCH_TWINS = {
     # id: (fuseblock.Norm kwargs, torch module factory)
     "rms": (dict(kind="rms", eps=1e-6), lambda: nn.RMSNorm(D, eps=1e-6)),
-    "rms-noaffine": (dict(kind="rms", eps=1e-6, weight=False), lambda: nn.RMSNorm(D, eps=1e-6, elementwise_affine=False)),
+    "rms-noaffine": (
+        dict(kind="rms", eps=1e-6, weight=False), lambda: nn.RMSNorm(D, eps=1e-6, elementwise_affine=False)
+    ),
     "layer+bias": (dict(kind="layer", eps=1e-5, bias=True), lambda: nn.LayerNorm(D, eps=1e-5)),
     "layer-nobias": (dict(kind="layer", eps=1e-5), lambda: nn.LayerNorm(D, eps=1e-5, bias=False)),
 }
