@@ -29,7 +29,9 @@ from ..ops.spec import NormSpec
 # Kernel launches per kind, for tests and benchmarks that check "one launch per call".
 LAUNCHES: collections.Counter = collections.Counter()
 
-MAX_TILE = 8192  # elements of one row held in registers by the tile kernel
+MAX_TILE_FWD = 32768  # widest row (elements) the forward tile kernel holds in registers
+MAX_TILE_BWD = 16384  # the backward keeps more blocks live: it spills beyond this
+LOOP_PROGRAMS_PER_SM = 2  # loop kernels: persistent programs per SM
 LOOP_BLOCK = 4096  # column chunk of the loop kernel
 H100_SMS = 132  # SM count assumed when there is no GPU (the interpreter)
 MIN_ROWS_PER_PROGRAM = 16  # keeps dw/db partial buffers small next to the activations
@@ -136,59 +138,63 @@ def _fwd_loop(
     HAS_R: tl.constexpr, STORE_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, STORE_STATS: tl.constexpr,
 ):
-    # one program per (row, group); later passes re-read the row (from cache on a GPU)
-    # rather than the new_residual this program wrote, so HBM sees each input once.
-    i_mg = tl.program_id(0).to(tl.int64)
-    i_m = i_mg // G
-    o_base = (i_mg % G) * DG  # first column of this group
+    # Persistent: program i_p handles (row, group) pairs i_p, i_p + n_p, ... Later passes
+    # re-read the inputs rather than the new_residual just written (HBM sees each input
+    # once); with about one program per SM the rows in flight fit in L2, so they hit.
+    i_p = tl.program_id(0)
+    n_p = tl.num_programs(0)
     o_d = tl.arange(0, BD)
-    b_sum = tl.zeros([BD], dtype=tl.float32)
-    b_sq = tl.zeros([BD], dtype=tl.float32)
-    for i_d in range(0, DG, BD):
-        o_col = o_base + i_d + o_d
-        m_d = i_d + o_d < DG
-        b_s = _load_p(X, R, RO, i_m * s_x + o_col, i_m * s_r + o_col, i_m * s_ro + o_col, m_d, HAS_R, STORE_R)
-        if GATE == 1:
-            b_s *= _act(tl.load(Y + i_m * s_y + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
-        b_sum += b_s
-        b_sq += b_s * b_s
-    if CENTER:
-        b_mean = _mean(tl.sum(b_sum, 0), DG)
+    for i_it in range(i_p, MG, n_p):
+        i_mg = tl.cast(i_it, tl.int64)
+        i_m = i_mg // G
+        o_base = (i_mg % G) * DG  # first column of this group
+        b_sum = tl.zeros([BD], dtype=tl.float32)
         b_sq = tl.zeros([BD], dtype=tl.float32)
-        for i_d in range(0, DG, BD):  # exact two-pass variance: no sum-of-squares cancellation
+        for i_d in range(0, DG, BD):
+            o_col = o_base + i_d + o_d
+            m_d = i_d + o_d < DG
+            b_s = _load_p(X, R, RO, i_m * s_x + o_col, i_m * s_r + o_col, i_m * s_ro + o_col, m_d, HAS_R, STORE_R)
+            if GATE == 1:
+                b_s *= _act(tl.load(Y + i_m * s_y + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
+            b_sum += b_s
+            b_sq += b_s * b_s
+        if CENTER:
+            b_mean = _mean(tl.sum(b_sum, 0), DG)
+            b_sq = tl.zeros([BD], dtype=tl.float32)
+            for i_d in range(0, DG, BD):  # exact two-pass variance: no sum-of-squares cancellation
+                o_col = o_base + i_d + o_d
+                m_d = i_d + o_d < DG
+                b_s = _load_p(X, R, RO, i_m * s_x + o_col, i_m * s_r + o_col, i_m * s_ro + o_col, m_d, HAS_R, False)
+                if STORE_R:
+                    b_s = b_s.to(RO.dtype.element_ty).to(tl.float32)
+                if GATE == 1:
+                    b_s *= _act(tl.load(Y + i_m * s_y + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
+                b_q = tl.where(m_d, b_s - b_mean, 0.0)
+                b_sq += b_q * b_q
+        b_rstd = tl.rsqrt(_mean(tl.sum(b_sq, 0), DG) + eps)
+        for i_d in range(0, DG, BD):
             o_col = o_base + i_d + o_d
             m_d = i_d + o_d < DG
             b_s = _load_p(X, R, RO, i_m * s_x + o_col, i_m * s_r + o_col, i_m * s_ro + o_col, m_d, HAS_R, False)
             if STORE_R:
                 b_s = b_s.to(RO.dtype.element_ty).to(tl.float32)
+            if GATE != 0:
+                b_g = _act(tl.load(Y + i_m * s_y + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
             if GATE == 1:
-                b_s *= _act(tl.load(Y + i_m * s_y + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
-            b_q = tl.where(m_d, b_s - b_mean, 0.0)
-            b_sq += b_q * b_q
-    b_rstd = tl.rsqrt(_mean(tl.sum(b_sq, 0), DG) + eps)
-    for i_d in range(0, DG, BD):
-        o_col = o_base + i_d + o_d
-        m_d = i_d + o_d < DG
-        b_s = _load_p(X, R, RO, i_m * s_x + o_col, i_m * s_r + o_col, i_m * s_ro + o_col, m_d, HAS_R, False)
-        if STORE_R:
-            b_s = b_s.to(RO.dtype.element_ty).to(tl.float32)
-        if GATE != 0:
-            b_g = _act(tl.load(Y + i_m * s_y + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
-        if GATE == 1:
-            b_s *= b_g
-        b_q = b_s - b_mean if CENTER else b_s
-        b_o = b_q * (b_rstd * scale)
-        if HAS_W:
-            b_o *= tl.load(W + o_col, mask=m_d, other=0.0).to(tl.float32)
-        if HAS_B:
-            b_o += tl.load(B + o_col, mask=m_d, other=0.0).to(tl.float32)
-        if GATE == 2:
-            b_o *= b_g
-        tl.store(O + i_m * s_o + o_col, b_o.to(O.dtype.element_ty), mask=m_d)
-    if STORE_STATS:
-        tl.store(RSTD + i_mg, b_rstd)
-        if CENTER:
-            tl.store(MEAN + i_mg, b_mean)
+                b_s *= b_g
+            b_q = b_s - b_mean if CENTER else b_s
+            b_o = b_q * (b_rstd * scale)
+            if HAS_W:
+                b_o *= tl.load(W + o_col, mask=m_d, other=0.0).to(tl.float32)
+            if HAS_B:
+                b_o += tl.load(B + o_col, mask=m_d, other=0.0).to(tl.float32)
+            if GATE == 2:
+                b_o *= b_g
+            tl.store(O + i_m * s_o + o_col, b_o.to(O.dtype.element_ty), mask=m_d)
+        if STORE_STATS:
+            tl.store(RSTD + i_mg, b_rstd)
+            if CENTER:
+                tl.store(MEAN + i_mg, b_mean)
 
 
 # --------------------------------------------------------------------------- backward
@@ -370,14 +376,19 @@ def _num_sms(device: torch.device) -> int:
     return H100_SMS
 
 
-def _layout(d: int, groups: int):
-    """(use_tile, BG, BD, BR, num_warps) for rows of d split into `groups`."""
+def _layout(d: int, groups: int, max_tile: int):
+    """(use_tile, BG, BD, BR, num_warps, programs per SM) for rows of d in `groups`.
+
+    Measured on an H100 in bf16 (docs/performance.md): narrow rows want small tiles and
+    fewer programs; rows of 4K and more want 16K-element tiles and 8 programs per SM.
+    """
     dg = d // groups
     bg, bd = triton.next_power_of_2(groups), triton.next_power_of_2(dg)
-    if bg * bd <= MAX_TILE:
-        br = max(1, min(64, MAX_TILE // (bg * bd)))
-        return True, bg, bd, br, 4 if bg * bd * br <= 4096 else 8
-    return False, 1, min(LOOP_BLOCK, bd), 1, 8
+    if bg * bd <= max_tile:
+        wide = bg * bd >= 4096
+        br = max(1, min(64, (16384 if wide else 4096) // (bg * bd)))
+        return True, bg, bd, br, min(16, max(4, br * bg * bd // 1024)), 8 if wide else 4
+    return False, 1, min(LOOP_BLOCK, bd), 1, 8, LOOP_PROGRAMS_PER_SM
 
 
 def _rows(t: Optional[torch.Tensor], d: int) -> Optional[torch.Tensor]:
@@ -402,7 +413,7 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
     rstd = torch.empty((M, G), dtype=torch.float32, device=x.device) if need_stats else None
     mean = torch.empty((M, G), dtype=torch.float32, device=x.device) if need_stats and spec.center else None
     if M > 0:
-        tile, bg, bd, br, warps = _layout(d, G)
+        tile, bg, bd, br, warps, per_sm = _layout(d, G, MAX_TILE_FWD)
         args = (
             x2, r2, y2, weight, bias, out, new_res, rstd, mean,
             x2.stride(0), _stride(r2), _stride(y2), out.stride(0), _stride(new_res),
@@ -415,7 +426,8 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
         if tile:
             _fwd_tile[(triton.cdiv(M, br),)](*args, M, G, d // G, spec.eps, spec.scale, BR=br, BG=bg, BD=bd, **flags)
         else:
-            _fwd_loop[(M * G,)](*args, M * G, G, d // G, spec.eps, spec.scale, BD=bd, **flags)
+            n_prog = min(M * G, _num_sms(x.device) * per_sm)
+            _fwd_loop[(n_prog,)](*args, M * G, G, d // G, spec.eps, spec.scale, BD=bd, **flags)
         LAUNCHES["fwd"] += 1
     return out.view(x.shape), None if new_res is None else new_res.view(x.shape), rstd, mean
 
@@ -433,11 +445,11 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     dx = torch.empty((M, d), dtype=x_dtype, device=dev)
     dr = torch.empty((M, d), dtype=residual_grad_dtype, device=dev) if residual_grad_dtype is not None else None
     dy = torch.empty((M, d), dtype=gate.dtype, device=dev) if gate is not None else None
-    tile, bg, bd, br, warps = _layout(d, G)
-    # One program per SM at most, and at least MIN_ROWS_PER_PROGRAM rows each, so the
+    tile, bg, bd, br, warps, per_sm = _layout(d, G, MAX_TILE_BWD)
+    # A few programs per SM, and at least MIN_ROWS_PER_PROGRAM rows each, so the
     # (n_prog, d) partial buffers stay small next to the activations on small batches.
     n_items = triton.cdiv(M, br) if tile else M
-    n_prog = max(1, min(_num_sms(dev), n_items, triton.cdiv(M, MIN_ROWS_PER_PROGRAM)))
+    n_prog = max(1, min(_num_sms(dev) * per_sm, n_items, triton.cdiv(M, MIN_ROWS_PER_PROGRAM)))
     need_dw, need_db = weight is not None, bias is not None
     dw_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_dw else None
     db_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_db else None
