@@ -12,10 +12,16 @@ from conftest import KERNEL_PATH
 from ref64 import leaf64, tolerances
 
 import fuseblock
-from fuseblock.kernels.norm import LAUNCHES
+from fuseblock.kernels.norm import LAUNCHES, MAX_TILE_FWD, _layout
 from fuseblock.ops.norm import uses_triton
 
 HALF = [torch.float16, torch.bfloat16]
+WIDE = MAX_TILE_FWD + 8  # a row the core op's and embed_norm's layouts hand to the loop kernels
+
+
+def loops(d, groups=1):
+    """Whether rows of d in `groups` take the loop kernels (forward, hence backward too)."""
+    return not _layout(d, groups, MAX_TILE_FWD)[0]
 P = {"l1": 1.0, "l2": 2.0, "max": float("inf")}
 
 
@@ -87,14 +93,15 @@ def test_embed_norm_matches_normalize(ord, dtype, d, eps):
 @pytest.mark.kernel
 @pytest.mark.parametrize("ord", list(P))
 def test_embed_norm_wide_rows_loop_over_column_blocks(ord):
-    x = _with_norms((3, 9000), ord, [0.25, 40.0, 40.0], torch.float32)
-    x[2, 100], x[2, 8000] = x[2].abs().max(), -x[2].abs().max()  # a tie across chunks for max
+    assert loops(WIDE)
+    x = _with_norms((3, WIDE), ord, [0.25, 40.0, 40.0], torch.float32)
+    x[2, 100], x[2, WIDE - 10] = x[2].abs().max(), -x[2].abs().max()  # a tie across chunks for max
     run_embed(x, ord, 1.0)
 
 
 @pytest.mark.kernel
 @pytest.mark.parametrize("ord", list(P))
-@pytest.mark.parametrize("d", [4, 9000])
+@pytest.mark.parametrize("d", [4, WIDE])
 def test_embed_norm_subgradients_at_kinks(ord, d):
     # rows: exactly at the clamp (n = eps = 0.5 for every ord), a tie for max|x|,
     # zero, below the clamp. Zero padding leaves every norm unchanged.
@@ -218,7 +225,8 @@ def test_layer_norm_with_groups_is_group_norm(num_groups, dtype, residual):
 
 @pytest.mark.kernel
 def test_group_norm_wide_groups_loop_kernel():
-    x, w, b = torch.randn(3, 9000), torch.randn(9000), torch.randn(9000)
+    assert loops(WIDE, 2)
+    x, w, b = torch.randn(3, WIDE), torch.randn(WIDE), torch.randn(WIDE)
     leaves = [t.requires_grad_(True) for t in (x, w, b)]
     out = fuseblock.norm(x, w, b, kind="layer", eps=1e-5, num_groups=2)
     refs = [leaf64(t) for t in leaves]
@@ -301,7 +309,8 @@ def test_batch_norm_half_input_fp32_parameters(dtype, training):
 
 @pytest.mark.kernel
 def test_batch_norm_long_channels_loop_kernel():
-    run_batch_norm((3, 2, 3000))  # rows of N*L = 9000 values: the core op's loop kernels
+    assert loops(2 * WIDE)
+    run_batch_norm((2, 2, WIDE))  # rows of N*L values: the core op's loop kernels
 
 
 def test_batch_norm_gradcheck_float64():

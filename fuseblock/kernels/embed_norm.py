@@ -2,7 +2,8 @@
 
 n is sum|x| (ORD 1, "l1"), sqrt(x.x) (ORD 2, "l2") or max|x| (ORD 3, "max").
 Same two layouts and names as `fuseblock.kernels.norm` (whose layout rule is reused):
-- `tile`: a [BR rows, BD columns] block, many whole rows per program, for d <= MAX_TILE.
+- `tile`: a [BR rows, BD columns] block, many whole rows per program, for rows that
+  fit (the core op's MAX_TILE_FWD / MAX_TILE_BWD).
 - `loop`: one row per program, looping over column chunks of BD, for wide rows.
 Names: i_ program ids, o_ offsets, m_ masks, b_ blocks (fp32 in registers).
 
@@ -19,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .norm import LAUNCHES, LOOP_BLOCK, _layout, _rows
+from .norm import LAUNCHES, MAX_TILE_BWD, MAX_TILE_FWD, _layout, _rows
 
 
 @triton.jit
@@ -154,12 +155,12 @@ def embed_norm_fwd(x: torch.Tensor, ord: int, eps: float):
     y = torch.empty((M, d), dtype=x.dtype, device=x.device)
     n = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M > 0:
-        tile, _, bd, br, warps = _layout(d, 1)
+        tile, _, bd, br, warps, _ = _layout(d, 1, MAX_TILE_FWD)
         args = (x2, y, n, x2.stride(0), y.stride(0))
         if tile:
             _fwd_tile[(triton.cdiv(M, br),)](*args, M, d, eps, BR=br, BD=bd, ORD=ord, num_warps=warps)
         else:
-            _fwd_loop[(M,)](*args, d, eps, BD=min(LOOP_BLOCK, bd), ORD=ord, num_warps=8)
+            _fwd_loop[(M,)](*args, d, eps, BD=bd, ORD=ord, num_warps=warps)
         LAUNCHES["embed_fwd"] += 1
     return y.view(x.shape), n.view(x.shape[:-1])
 
@@ -172,11 +173,11 @@ def embed_norm_bwd(dy: torch.Tensor, x: torch.Tensor, n: torch.Tensor, ord: int,
     dx = torch.empty((M, d), dtype=x.dtype, device=x.device)
     n1 = n.reshape(-1)
     if M > 0:
-        tile, _, bd, br, warps = _layout(d, 1)
+        tile, _, bd, br, warps, _ = _layout(d, 1, MAX_TILE_BWD)
         args = (x2, n1, dy2, dx, x2.stride(0), dy2.stride(0), dx.stride(0))
         if tile:
             _bwd_tile[(triton.cdiv(M, br),)](*args, M, d, eps, BR=br, BD=bd, ORD=ord, num_warps=warps)
         else:
-            _bwd_loop[(M,)](*args, d, eps, BD=min(LOOP_BLOCK, bd), ORD=ord, num_warps=8)
+            _bwd_loop[(M,)](*args, d, eps, BD=bd, ORD=ord, num_warps=warps)
         LAUNCHES["embed_bwd"] += 1
     return dx.view(x.shape)

@@ -10,8 +10,10 @@ Subgradients (the same as torch's autograd of that formula):
 - for "max", the k entries tied at max|x| share dn/dx equally (1/k each), like amax.
 
 Forward and backward are `torch.library` custom ops with fake implementations, so
-`torch.compile(fullgraph=True)` traces them whole. Dispatch is `uses_triton` of the
-core op: the Triton kernels on CUDA (or TRITON_INTERPRET=1), else the torch path here.
+`torch.compile(fullgraph=True)` traces them whole; eager calls skip the dispatcher
+through an autograd.Function over the same implementations, as the core op does.
+Dispatch is `uses_triton` of the core op: the Triton kernels on CUDA (or
+TRITON_INTERPRET=1), else the torch path here.
 """
 from __future__ import annotations
 
@@ -61,9 +63,16 @@ def torch_bwd(dy: Tensor, x: Tensor, n: Tensor, ord: int, eps: float) -> Tensor:
 
 
 # --------------------------------------------------------------------------- custom ops
-@torch.library.custom_op("fuseblock::embed_norm_fwd", mutates_args=())
-def _fwd(x: Tensor, ord: int, eps: float) -> tuple[Tensor, Tensor]:
+def _fwd_impl(x: Tensor, ord: int, eps: float) -> tuple[Tensor, Tensor]:
     return (kernels.embed_norm_fwd if uses_triton(x) else torch_fwd)(x, ord, eps)
+
+
+def _bwd_impl(dy: Tensor, x: Tensor, n: Tensor, ord: int, eps: float) -> Tensor:
+    return (kernels.embed_norm_bwd if uses_triton(x) else torch_bwd)(dy, x, n, ord, eps)
+
+
+_fwd = torch.library.custom_op("fuseblock::embed_norm_fwd", _fwd_impl, mutates_args=())
+_bwd = torch.library.custom_op("fuseblock::embed_norm_bwd", _bwd_impl, mutates_args=())
 
 
 @_fwd.register_fake
@@ -71,28 +80,43 @@ def _fwd_fake(x, ord, eps):
     return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=_acc(x))
 
 
-@torch.library.custom_op("fuseblock::embed_norm_bwd", mutates_args=())
-def _bwd(dy: Tensor, x: Tensor, n: Tensor, ord: int, eps: float) -> Tensor:
-    return (kernels.embed_norm_bwd if uses_triton(x) else torch_bwd)(dy, x, n, ord, eps)
-
-
 @_bwd.register_fake
 def _bwd_fake(dy, x, n, ord, eps):
     return x.new_empty(x.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    x, ord, eps = inputs
-    ctx.save_for_backward(x, output[1])  # y is not kept: the backward re-derives it from x and n
+def _save(ctx, x: Tensor, n: Tensor, ord: int, eps: float) -> None:
+    ctx.save_for_backward(x, n)  # y is not kept: the backward re-derives it from x and n
     ctx.ord, ctx.eps = ord, eps
 
 
-def _backward(ctx, dy, _dn):
+def _setup_context(ctx, inputs, output):
+    x, ord, eps = inputs
+    _save(ctx, x, output[1], ord, eps)
+
+
+def _op_backward(ctx, dy, _dn):
     x, n = ctx.saved_tensors
     return torch.ops.fuseblock.embed_norm_bwd(dy, x, n, ctx.ord, ctx.eps), None, None
 
 
-torch.library.register_autograd("fuseblock::embed_norm_fwd", _backward, setup_context=_setup_context)
+torch.library.register_autograd("fuseblock::embed_norm_fwd", _op_backward, setup_context=_setup_context)
+
+
+class _EagerEmbedNorm(torch.autograd.Function):
+    """The custom op's forward/backward minus the dispatcher's per-call cost (eager only)."""
+
+    @staticmethod
+    def forward(ctx, x, ord, eps):
+        y, n = _fwd_impl(x, ord, eps)
+        _save(ctx, x, n, ord, eps)
+        ctx.mark_non_differentiable(n)
+        return y, n
+
+    @staticmethod
+    def backward(ctx, dy, _dn):
+        x, n = ctx.saved_tensors
+        return _bwd_impl(dy, x, n, ctx.ord, ctx.eps), None, None
 
 
 def embed_norm(x: Tensor, ord: str = "l2", eps: float = 1e-12) -> Tensor:
@@ -109,4 +133,5 @@ def embed_norm(x: Tensor, ord: str = "l2", eps: float = 1e-12) -> Tensor:
     _check_number("eps", eps)
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
-    return torch.ops.fuseblock.embed_norm_fwd(x, ORDS[ord], float(eps))[0]
+    fwd = torch.ops.fuseblock.embed_norm_fwd if torch.compiler.is_compiling() else _EagerEmbedNorm.apply
+    return fwd(x, ORDS[ord], float(eps))[0]
