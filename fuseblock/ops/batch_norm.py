@@ -12,11 +12,11 @@
 
 Why batch norm reuses the row kernels rather than a column kernel of its own: it
 shares the forward, the backward (seed 002's formula is the core op's layer-norm
-backward) and their tests. The cost is two transposing copies (in, and out fused with
-the per-channel affine, which is per row in the transposed view and so cannot be the
-core op's per-column weight) and few rows: the row kernels parallelize over rows,
-so C channels of N*L values use about C programs. A split-reduction column kernel
-would avoid both on a GPU; the results would be the same.
+backward) and their tests. The cost: two transposing copies (in, as fp32, and out),
+the per-channel affine as separate elementwise torch ops (it is per row in the
+transposed view, so it cannot be the core op's per-column weight), and few rows: the
+row kernels parallelize over rows, so C channels of N*L values use about C programs.
+A split-reduction column kernel would avoid all three on a GPU, with the same results.
 """
 from __future__ import annotations
 
