@@ -1,7 +1,9 @@
 """fuseblock: fused residual-add + normalization kernels and the fused pre-norm residual stream."""
+from .family import BatchNorm, InstanceNorm, batch_norm, embed_norm, group_norm, instance_norm
 from .modules import AddNorm, Norm
 from .ops.norm import add_norm, norm
 from .stream import PreNormBlock, ResidualStack
 
 __all__ = ["norm", "add_norm", "Norm", "AddNorm", "PreNormBlock", "ResidualStack"]
+__all__ += ["embed_norm", "batch_norm", "group_norm", "instance_norm", "BatchNorm", "InstanceNorm"]
 __version__ = "0.1.0"

@@ -49,8 +49,9 @@ def run_case(x, residual, weight, bias, *, residual_dtype=None, grad_res=True, *
     ref_grads = torch.autograd.grad(ref_loss, leaves)
     # A layer norm of d = 1 is constant: sigma = sqrt(eps), so intermediates are 1/sqrt(eps)
     # (~316 at eps=1e-5) times the gradient and cancel exactly only in exact arithmetic. On a
-    # GPU, FMA contraction leaves ~1 ulp of those large terms, so allow 4x more there.
-    cond = 4.0 if kw.get("kind") == "layer" and x.shape[-1] == 1 else 1.0
+    # GPU, FMA contraction (or ATen's Welford mean on CPU) leaves an ulp or two of those
+    # large terms, so allow 16x more there.
+    cond = 16.0 if kw.get("kind") == "layer" and x.shape[-1] == 1 else 1.0
     for name, g, rg, leaf in zip(("x", "residual", "weight", "bias", "gate"), grads, ref_grads, leaves):
         assert g.dtype == leaf.dtype, name
         assert_close(g, rg, leaf.dtype, f"d{name}", cond)

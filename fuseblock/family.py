@@ -1,0 +1,121 @@
+"""The rest of the normalization family: the functions, and the modules `BatchNorm` and `InstanceNorm`.
+
+Parameter and buffer names follow nn.BatchNorm1d / nn.InstanceNorm1d (weight, bias,
+running_mean, running_var, num_batches_tracked), so state_dicts load both ways.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from .ops.batch_norm import batch_norm, check_momentum, group_norm, instance_norm
+from .ops.embed_norm import embed_norm
+from .ops.spec import _check_number
+
+__all__ = ["embed_norm", "batch_norm", "group_norm", "instance_norm", "BatchNorm", "InstanceNorm"]
+
+
+def _check_config(num_features, eps) -> None:
+    if isinstance(num_features, bool) or not isinstance(num_features, numbers.Integral) or num_features < 1:
+        raise ValueError(f"num_features must be a positive int, got {num_features!r}")
+    _check_number("eps", eps)
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+
+
+def _check_channels(x, num_features: int) -> None:
+    if isinstance(x, Tensor) and (x.dim() < 2 or x.shape[1] != num_features):
+        raise ValueError(f"x must be (N, {num_features}) or (N, {num_features}, L), got shape {tuple(x.shape)}")
+
+
+class BatchNorm(nn.Module):
+    """Batch norm over (N, C) or (N, C, L), like nn.BatchNorm1d (see fuseblock.batch_norm).
+
+    momentum=None uses the cumulative average of all batches seen, as nn.BatchNorm1d does.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: Optional[float] = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        _check_config(num_features, eps)
+        check_momentum(momentum, allow_none=True)
+        self.num_features, self.eps, self.momentum = int(num_features), float(eps), momentum
+        self.affine, self.track_running_stats = bool(affine), bool(track_running_stats)
+        factory = dict(device=device, dtype=dtype)
+        if affine:
+            self.weight = nn.Parameter(torch.ones(num_features, **factory))
+            self.bias = nn.Parameter(torch.zeros(num_features, **factory))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        if track_running_stats:
+            self.register_buffer("running_mean", torch.zeros(num_features, **factory))
+            self.register_buffer("running_var", torch.ones(num_features, **factory))
+            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
+        else:
+            self.register_buffer("running_mean", None)
+            self.register_buffer("running_var", None)
+            self.register_buffer("num_batches_tracked", None)
+
+    def reset_running_stats(self) -> None:
+        if self.track_running_stats:
+            self.running_mean.zero_()
+            self.running_var.fill_(1)
+            self.num_batches_tracked.zero_()
+
+    def forward(self, x: Tensor) -> Tensor:
+        _check_channels(x, self.num_features)
+        momentum = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                momentum = 1.0 / float(self.num_batches_tracked)
+        # batch statistics when training, or when there are no running ones to use
+        use_batch = self.training or self.running_mean is None
+        update = not self.training or self.track_running_stats
+        return batch_norm(
+            x,
+            self.running_mean if update else None,
+            self.running_var if update else None,
+            self.weight,
+            self.bias,
+            use_batch,
+            momentum,
+            self.eps,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
+            f"track_running_stats={self.track_running_stats}"
+        )
+
+
+class InstanceNorm(nn.Module):
+    """Instance norm over (N, C, L), like nn.InstanceNorm1d without running stats."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, affine: bool = False, device=None, dtype=None):
+        super().__init__()
+        _check_config(num_features, eps)
+        self.num_features, self.eps, self.affine = int(num_features), float(eps), bool(affine)
+        factory = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.ones(num_features, **factory)) if affine else None
+        self.bias = nn.Parameter(torch.zeros(num_features, **factory)) if affine else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        _check_channels(x, self.num_features)
+        return instance_norm(x, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, eps={self.eps}, affine={self.affine}"

@@ -1,0 +1,168 @@
+"""Channel norms of (N, C, *) inputs, built on the core op's row kernels.
+
+- `batch_norm`: seed 002's "layer norm is the transpose of batch norm". Training mode
+  views the batch as C rows of N*L values, x -> (C, N*L), and runs the core layer norm
+  (forward and backward kernels, kind="layer", no affine) on those rows. Its per-row
+  statistics are the per-channel batch statistics that update the running buffers.
+- `group_norm`, `instance_norm`: no transpose needed. Each sample (C*L values) is one
+  row split into num_groups contiguous groups, so group norm is the core op with
+  num_groups, and instance norm is group norm with one group per channel. The
+  per-channel weight becomes a per-column one by repeating it L times, so the affine
+  stays fused in the kernel.
+
+Why batch norm reuses the row kernels rather than a column kernel of its own: it
+shares the forward, the backward (seed 002's formula is the core op's layer-norm
+backward) and their tests. The cost: two transposing copies (in, as fp32, and out),
+the per-channel affine as separate elementwise torch ops (it is per row in the
+transposed view, so it cannot be the core op's per-column weight), and few rows: the
+row kernels parallelize over rows, so C channels of N*L values use about C programs.
+A split-reduction column kernel would avoid all three on a GPU, with the same results.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .norm import _EagerNorm, norm
+from .spec import _check_number, _check_tensor
+
+
+def _check_input(x, what: str, min_dim: int) -> tuple[int, int, int]:
+    """(N, C, L) of an (N, C, *) input, L the product of the trailing dims."""
+    _check_tensor("x", x)
+    if x.dim() < min_dim:
+        raise ValueError(f"x must be {what}, got shape {tuple(x.shape)}")
+    n, c = x.shape[0], x.shape[1]
+    length = math.prod(x.shape[2:])
+    if c < 1 or length < 1:
+        raise ValueError(f"x must have at least one channel and one value per channel, got shape {tuple(x.shape)}")
+    return n, c, length
+
+
+def _check_channel_vectors(x: Tensor, c: int, **tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None:
+            _check_tensor(name, t, x)
+            if tuple(t.shape) != (c,):
+                raise ValueError(f"{name} must have shape ({c},) (one value per channel of x), got {tuple(t.shape)}")
+
+
+def _check_eps(eps) -> None:
+    _check_number("eps", eps)
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+
+
+def check_momentum(momentum, *, allow_none: bool = False) -> None:
+    if momentum is None and allow_none:
+        return
+    _check_number("momentum", momentum)
+    if not 0 <= momentum <= 1:
+        raise ValueError(f"momentum must be in [0, 1], got {momentum}")
+
+
+def _acc(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _dense(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """t in dtype and contiguous, in one copy (`to` alone keeps the strides, and
+    returns t itself, strides and all, when the dtype already matches)."""
+    return t.to(dtype, memory_format=torch.contiguous_format).contiguous()
+
+
+def batch_norm(
+    x: Tensor,
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> Tensor:
+    """torch.nn.functional.batch_norm for (N, C) and (N, C, L) inputs (any (N, C, *)).
+
+    Training: normalize each channel by its batch mean and biased variance, and, when
+    running buffers are given, update them in place: r = (1 - momentum) * r + momentum * s,
+    with the unbiased variance for running_var. Eval: normalize by the running stats.
+    Math in fp32 (fp64 for fp64 x), one rounding to x's dtype.
+    """
+    n, c, length = _check_input(x, "(N, C) or (N, C, L)", 2)
+    _check_channel_vectors(x, c, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias)
+    if not isinstance(training, bool):
+        raise TypeError(f"training must be a bool, got {type(training).__name__}")
+    check_momentum(momentum)
+    _check_eps(eps)
+    if (running_mean is None) != (running_var is None):
+        raise ValueError("running_mean and running_var must be given together (or both None)")
+    affine_shape = (c,) + (1,) * (x.dim() - 2)  # broadcasts a channel vector over (N, C, *)
+
+    if not training:
+        if running_mean is None:
+            raise ValueError("running_mean and running_var are required when training=False")
+        # y = x * s + t with s = w / sqrt(var + eps), t = b - mean * s: elementwise, no reduction
+        s = torch.rsqrt(running_var.to(_acc(x)) + eps)
+        if weight is not None:
+            s = s * weight
+        t = -running_mean * s if bias is None else bias - running_mean * s
+        return torch.addcmul(t.view(affine_shape), x.to(s.dtype), s.view(affine_shape)).to(x.dtype)
+
+    rows = n * length
+    if rows < 2:
+        raise ValueError(f"x: expected more than 1 value per channel when training, got shape {tuple(x.shape)}")
+    # (N, C, *) -> (C, N, *) in fp32, one copy; then each channel is one contiguous row
+    xt = _dense(x.transpose(0, 1), _acc(x))
+    # the core op's positional spec: center (layer), scale c/sqrt(d) = 1, eps, no gate,
+    # one group, no residual, and return the row statistics
+    fwd = torch.ops.fuseblock.norm_fwd if torch.compiler.is_compiling() else _EagerNorm.apply
+    out, _, rstd, mean = fwd(
+        xt.view(c, rows), None, None, None, None, True, 1.0, float(eps), 0, 0, 1, None, True
+    )
+    if running_mean is not None:
+        with torch.no_grad():
+            # biased variance back from rstd = 1/sqrt(var + eps); clamp the rounding at 0
+            var = (rstd.view(c).reciprocal().square() - eps).clamp_min(0)
+            running_mean.mul_(1 - momentum).add_(mean.view(c) * momentum)
+            running_var.mul_(1 - momentum).add_(var * (momentum * rows / (rows - 1)))
+    y = out.view(xt.shape)  # (C, N, *)
+    t_shape = (c,) + (1,) * (x.dim() - 1)
+    if weight is not None:
+        y = y * weight.view(t_shape)
+    if bias is not None:
+        y = y + bias.view(t_shape)
+    return _dense(y.transpose(0, 1), x.dtype)
+
+
+def group_norm(
+    x: Tensor, num_groups: int, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = 1e-5
+) -> Tensor:
+    """torch.nn.functional.group_norm for (N, C, *) inputs: the core layer norm of each
+    sample's C*L values in num_groups groups of whole channels."""
+    n, c, length = _check_input(x, "(N, C) or (N, C, *)", 2)
+    _check_channel_vectors(x, c, weight=weight, bias=bias)
+    if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral):
+        raise TypeError(f"num_groups must be an int, got {type(num_groups).__name__}")
+    if num_groups < 1 or c % num_groups:
+        raise ValueError(f"num_groups must be >= 1 and divide the channel count {c}, got {num_groups}")
+    _check_eps(eps)
+    if length > 1:  # per channel -> per column of the flattened sample
+        weight = None if weight is None else weight.repeat_interleave(length)
+        bias = None if bias is None else bias.repeat_interleave(length)
+    out = norm(x.reshape(n, c * length), weight, bias, kind="layer", eps=eps, num_groups=int(num_groups))
+    return out.view(x.shape)
+
+
+def instance_norm(
+    x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = 1e-5
+) -> Tensor:
+    """torch.nn.functional.instance_norm (no running stats) for (N, C, L) inputs (any (N, C, *)):
+    group norm with one group per channel."""
+    _, c, length = _check_input(x, "(N, C, L)", 3)
+    if length < 2:
+        raise ValueError(f"x: expected more than 1 value per instance (N, C), got shape {tuple(x.shape)}")
+    return group_norm(x, c, weight, bias, eps)
