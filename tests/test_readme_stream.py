@@ -1,7 +1,6 @@
 """The worked example "Example: your own transformer" runs verbatim, so the docs cannot rot.
 
-The example is the one ```python block in the section under that heading (any heading
-level), taken from docs/stream.md and from README.md if the README carries it too.
+The example is the one ```python block in the README's section under that heading.
 """
 import pathlib
 import re
@@ -11,7 +10,7 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HEADING = "Example: your own transformer"
-SOURCES = [ROOT / "docs" / "stream.md", ROOT / "README.md"]
+SOURCES = [ROOT / "README.md"]
 
 
 def heading(line):
