@@ -1,0 +1,159 @@
+"""A small GPT whose residual stream is fuseblock's: every attention and MLP sublayer is a
+`fuseblock.PreNormBlock`, all of them in one `fuseblock.ResidualStack` with a final norm.
+
+With norm="layer", bias=True and norm_eps=1e-5 it computes the same function as
+nanoGPT's GPT for the same weights; fused=False runs the naive stack, same state_dict.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fuseblock
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256  # bytes
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = False  # biases in Linear layers and norms, as GPT-2
+    norm: str = "rms"  # "rms" | "layer"
+    norm_eps: float = 1e-5
+    fused: bool = True  # False: the naive pre-norm stack, same parameters
+    residual_dtype: Optional[torch.dtype] = None  # e.g. torch.float32 under bf16
+
+    def __post_init__(self):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.norm not in ("rms", "layer"):
+            raise ValueError(f"norm must be 'rms' or 'layer', got {self.norm!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["residual_dtype"] = None if self.residual_dtype is None else str(self.residual_dtype).removeprefix("torch.")
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "GPTConfig":
+        d = dict(d)
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown config fields {sorted(unknown)}")
+        rd = d.get("residual_dtype")
+        if rd is not None:
+            dtype = getattr(torch, str(rd), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"residual_dtype {rd!r} is not a torch dtype")
+            d["residual_dtype"] = dtype
+        return cls(**d)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):  # (B, T, C) -> (B, T, C)
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):  # (B, T, C) -> (B, T, C)
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))  # exact GELU, as GPT-2
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        mixers = [m for _ in range(cfg.n_layer) for m in (CausalSelfAttention(cfg), MLP(cfg))]
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.stack = fuseblock.ResidualStack(
+            mixers, cfg.n_embd, kind=cfg.norm, eps=cfg.norm_eps, final_norm=True, fused=cfg.fused,
+            residual_dtype=cfg.residual_dtype, bias=cfg.bias,
+        )
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):  # GPT-2: scale the residual projections by depth
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters()) - self.wpe.weight.numel()
+
+    def forward(self, idx, targets=None):  # idx (B, T) int64 -> logits (B, T, vocab), loss
+        T = idx.shape[1]
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        logits = self.lm_head(self.stack(x))  # (B, T, vocab)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None, generator=None):
+        """Append max_new_tokens sampled tokens to idx (B, T); temperature 0 is greedy."""
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.config.block_size:])
+            logits = logits[:, -1, :].float()
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits = logits.masked_fill(logits < kth, -float("inf"))
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat((idx, nxt), dim=1)
+        return idx
+
+    def optimizer_groups(self, weight_decay: float):
+        """AdamW groups: decay matrices and embeddings, not biases and norm weights."""
+        params = {n: p for n, p in self.named_parameters() if p.requires_grad}
+        decay = [p for p in params.values() if p.dim() >= 2]
+        no_decay = [p for p in params.values() if p.dim() < 2]
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
