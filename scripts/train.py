@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from models import checkpoint, data  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
-MODEL_FLAGS = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128}
+MODEL_FLAGS = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64}
 
 
 def positive_int(s: str) -> int:
@@ -52,7 +52,7 @@ def positive_float(s: str) -> float:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="Train the fuseblock GPT on Shakespeare.")
     ap.add_argument("--out-dir", type=Path, default=Path("out/shakespeare"))
-    ap.add_argument("--max-iters", type=positive_int, default=1600)
+    ap.add_argument("--max-iters", type=positive_int, default=2000)
     ap.add_argument("--impl", choices=["fused", "naive"], default="fused")
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
     ap.add_argument("--n-layer", type=positive_int, default=None, help=f"default {MODEL_FLAGS['n_layer']}")
@@ -70,9 +70,9 @@ def parse_args(argv=None):
     ap.add_argument("--dropout", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
-    ap.add_argument("--eval-interval", type=positive_int, default=400)
+    ap.add_argument("--eval-interval", type=positive_int, default=500)
     ap.add_argument("--eval-iters", type=positive_int, default=40)
-    ap.add_argument("--ckpt-interval", type=positive_int, default=400)
+    ap.add_argument("--ckpt-interval", type=positive_int, default=500)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--no-progress", action="store_true")
@@ -163,7 +163,8 @@ def plot(history: list, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
+    """Train; returns {"model", "loss", "history"} for tests and notebooks."""
     args = parse_args(argv)
     ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
@@ -280,11 +281,17 @@ def main(argv=None) -> None:
               f"{(args.max_iters - start) * tokens_per_iter / max(elapsed, 1e-9):,.0f} tokens/s, last loss {loss_val:.4f}", flush=True)
     if ddp:
         torch.distributed.destroy_process_group()
+    return {"model": model, "loss": loss_val, "history": history}
 
 
-if __name__ == "__main__":
+def cli(argv=None) -> None:
+    """The command line: bad checkpoints and data are one-line errors with exit status 2."""
     try:
-        main()
+        main(argv)
     except (checkpoint.CheckpointError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,70 @@
+"""Sample text from a trained checkpoint.
+
+    python scripts/sample.py --ckpt out/shakespeare --prompt "ROMEO:" --max-new-tokens 300
+
+--ckpt is an output directory (its `latest` checkpoint) or one checkpoint directory.
+A missing, truncated, corrupt or mismatched checkpoint is a one-line error and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from models import checkpoint  # noqa: E402
+from models.gpt import GPT, GPTConfig  # noqa: E402
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description="Sample from a fuseblock GPT checkpoint.")
+    ap.add_argument("--ckpt", type=Path, required=True, help="output dir or checkpoint dir")
+    ap.add_argument("--prompt", default="\n")
+    ap.add_argument("--max-new-tokens", type=int, default=500)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top-k", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args(argv)
+    if args.max_new_tokens < 0:
+        ap.error(f"argument --max-new-tokens: must be >= 0, got {args.max_new_tokens}")
+    if not args.temperature >= 0:
+        ap.error(f"argument --temperature: must be >= 0, got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        ap.error(f"argument --top-k: must be >= 1, got {args.top_k}")
+    if not args.prompt:
+        ap.error("argument --prompt: must not be empty")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    ckpt = checkpoint.resolve(args.ckpt)
+    meta = checkpoint.read_meta(ckpt)
+    try:
+        cfg = GPTConfig.from_json(meta["config"]["model"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise checkpoint.CheckpointError(f"{ckpt / 'meta.json'}: bad model config ({e})") from None
+    model = GPT(cfg)
+    checkpoint.load_weights(ckpt, model)
+    model.to(args.device).eval()
+    gen = torch.Generator(device=args.device).manual_seed(args.seed)
+    idx = torch.tensor([list(args.prompt.encode("utf-8"))], dtype=torch.long, device=args.device)
+    out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, generator=gen)
+    sys.stdout.write(bytes(out[0].tolist()).decode("utf-8", errors="replace") + "\n")
+
+
+def cli(argv=None) -> None:
+    """The command line: a bad checkpoint is a one-line error with exit status 2."""
+    try:
+        main(argv)
+    except checkpoint.CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,17 @@
+"""Run scripts/train.py's main() and save this rank's final weights and loss (for test_ddp)."""
+import json
+import os
+import sys
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import train  # noqa: E402
+
+dump = Path(sys.argv[1])
+result = train.main(sys.argv[2:])
+rank = int(os.environ.get("RANK", 0))
+save_file({k: v.detach().clone().contiguous() for k, v in result["model"].state_dict().items() if k != "lm_head.weight"},
+          str(dump / f"rank{rank}.safetensors"))
+(dump / f"rank{rank}.json").write_text(json.dumps({"loss": result["loss"]}))

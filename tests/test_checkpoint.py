@@ -1,0 +1,165 @@
+"""Checkpoints: nothing is unpickled, writes are atomic and kill-safe, bad files get one-line errors."""
+import json
+import os
+import pickle
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from trainutil import ROOT, TINY, call, train
+
+from models import checkpoint
+from models.gpt import GPT, GPTConfig
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "run"
+    train(out, 4, "--eval-interval", "2", "--ckpt-interval", "2")
+    return out
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+class _Bomb:
+    """Unpickling this creates a marker file: proof that code ran."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_planted_pickle_files_are_never_executed(trained, tmp_path):
+    out = _copy(trained, tmp_path / "planted")
+    ckpt = checkpoint.resolve(out)
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_Bomb(marker))
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        (ckpt / name).write_bytes(payload)
+    for name in ("model.pt", "optimizer.pt", "pytorch_model.bin", "rng.pkl"):
+        (ckpt / name).write_bytes(payload)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    for f in meta["files"].values():  # make the recorded sizes/hashes agree, so loading gets as far as parsing
+        f.update(bytes=len(payload), sha256=__import__("hashlib").sha256(payload).hexdigest())
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    for script in ("sample.py", "train.py"):
+        extra = ["--max-new-tokens", "5"] if script == "sample.py" else ["--out-dir", out, "--max-iters", "6", "--resume", *TINY]
+        args = ["--ckpt", out, *extra] if script == "sample.py" else extra
+        p = call(script, *args, check=False)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1 and "model.safetensors" in p.stderr
+    assert not marker.exists()
+
+
+def test_load_paths_contain_no_pickle_and_no_unsafe_torch_load():
+    for path in list((ROOT / "models").glob("*.py")) + list((ROOT / "scripts").glob("*.py")) + list((ROOT / "fuseblock").rglob("*.py")):
+        src = path.read_text()
+        assert not re.search(r"^\s*import pickle|^\s*from pickle|cPickle", src, re.M), path
+        for call in re.findall(r"torch\.load\([^)]*\)", src):
+            assert "weights_only=True" in call, f"{path}: {call}"
+
+
+@pytest.mark.parametrize("damage,needle", [
+    ("truncate_model", "model.safetensors: truncated"),
+    ("corrupt_model", "model.safetensors: corrupt"),
+    ("corrupt_meta", "meta.json: corrupt JSON"),
+    ("missing_meta", "meta.json: missing"),
+    ("bad_pointer", "latest: unreadable pointer"),
+    ("mismatch", "does not fit the model"),
+])
+def test_damaged_checkpoints_get_one_line_errors(trained, tmp_path, damage, needle):
+    out = _copy(trained, tmp_path / damage)
+    ckpt = checkpoint.resolve(out)
+    if damage == "truncate_model":
+        data = (ckpt / "model.safetensors").read_bytes()
+        (ckpt / "model.safetensors").write_bytes(data[: len(data) // 2])
+    elif damage == "corrupt_model":
+        data = bytearray((ckpt / "model.safetensors").read_bytes())
+        data[-5] ^= 0xFF
+        (ckpt / "model.safetensors").write_bytes(bytes(data))
+    elif damage == "corrupt_meta":
+        (ckpt / "meta.json").write_text("{not json")
+    elif damage == "missing_meta":
+        (ckpt / "meta.json").unlink()
+    elif damage == "bad_pointer":
+        (out / "latest").write_text("garbage")
+    elif damage == "mismatch":  # a checkpoint of another model under the same config
+        meta = json.loads((ckpt / "meta.json").read_text())
+        meta["config"]["model"]["n_embd"] = 32
+        (ckpt / "meta.json").write_text(json.dumps(meta))
+    for script, args in (("sample.py", ["--ckpt", out, "--max-new-tokens", "3"]),
+                         ("train.py", ["--out-dir", out, "--max-iters", "6", "--resume", *TINY[6:]])):
+        p = call(script, *args, check=False)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
+
+
+def test_resume_with_a_conflicting_model_flag_is_refused(trained, tmp_path):
+    out = _copy(trained, tmp_path / "conflict")
+    p = call("train.py", "--out-dir", out, "--max-iters", "6", "--resume", *TINY[:4], "--n-embd", "32", "--block-size", "16", check=False)
+    assert p.returncode == 2 and "config mismatch" in p.stderr and "n_embd" in p.stderr
+
+
+def test_full_disk_during_a_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    model = GPT(GPTConfig(block_size=8, n_layer=1, n_head=2, n_embd=16))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))[1].backward()
+    opt.step()
+    rng = {"torch0": torch.get_rng_state()}
+    checkpoint.save(tmp_path, 1, model, opt, {"model": model.config.to_json()}, rng)
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+
+    def full_disk(tensors, filename, *a, **k):
+        Path(filename).write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_file", full_disk)
+    with pytest.raises(OSError):
+        checkpoint.save(tmp_path, 2, model, opt, {"model": model.config.to_json()}, rng)
+    after = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert after == before  # no temp dir left behind, pointer and checkpoint untouched
+    ckpt = checkpoint.resolve(tmp_path)
+    checkpoint.read_meta(ckpt)
+    checkpoint.load_weights(ckpt, GPT(model.config))
+
+
+def test_sigkill_at_random_moments_always_leaves_a_loadable_checkpoint(tmp_path):
+    out = tmp_path / "killed"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    rnd = random.Random(0)
+    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--out-dir", str(out), "--max-iters", "400",
+           "--eval-interval", "1000", "--ckpt-interval", "1", *TINY]
+    steps = []
+    for attempt in range(3):
+        proc = subprocess.Popen(cmd + (["--resume"] if attempt else []), env=env, cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.time() + 60
+        while not (out / "latest").exists() and time.time() < deadline:  # wait for a first checkpoint
+            time.sleep(0.05)
+        if attempt:
+            time.sleep(0.5)  # resumed runs: let them write more
+        time.sleep(rnd.uniform(0.0, 1.5))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        ckpt = checkpoint.resolve(out)
+        meta = checkpoint.read_meta(ckpt)
+        model = GPT(GPTConfig.from_json(meta["config"]["model"]))
+        checkpoint.load_weights(ckpt, model)
+        steps.append(meta["step"])
+    assert steps == sorted(steps) and steps[-1] >= 1
+    p = train(out, steps[-1] + 2, "--resume", "--eval-interval", "1000", "--ckpt-interval", "1")
+    assert f"iters {steps[-1]}..{steps[-1] + 2}" in p.stdout

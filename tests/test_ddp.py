@@ -1,0 +1,41 @@
+"""DDP on CPU (gloo): 2 processes hold identical weights after training steps, and match one
+process that accumulates the same 2 micro-batches."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from trainutil import ROOT, TINY
+
+WORKER = str(ROOT / "tests" / "ddp_worker.py")
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@pytest.mark.slow
+def test_two_cpu_ranks_match_one_process_with_two_accumulation_steps(tmp_path):
+    common = ["--max-iters", "2", "--eval-interval", "1000", "--ckpt-interval", "1000", *TINY]
+    ddp, single = tmp_path / "ddp", tmp_path / "single"
+    ddp.mkdir()
+    single.mkdir()
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER,
+                    str(ddp), "--out-dir", str(ddp / "run"), "--device", "cpu", *common],
+                   check=True, env=_env(), cwd=ROOT, capture_output=True, timeout=240)
+    subprocess.run([sys.executable, WORKER, str(single), "--out-dir", str(single / "run"), "--device", "cpu",
+                    "--grad-accum", "2", *common], check=True, env=_env(), cwd=ROOT, capture_output=True, timeout=240)
+    r0, r1, one = (load_file(str(p)) for p in (ddp / "rank0.safetensors", ddp / "rank1.safetensors", single / "rank0.safetensors"))
+    assert r0.keys() == r1.keys() == one.keys()
+    for k in r0:
+        assert torch.equal(r0[k], r1[k]), k  # DDP keeps the replicas identical
+        # all-reduce averages (g0 + g1) / 2 where accumulation adds g0/2 + g1/2: fp32 rounding only
+        torch.testing.assert_close(r0[k], one[k], atol=1e-5, rtol=1e-4, msg=k)
+    loss_ddp = json.loads((ddp / "rank0.json").read_text())["loss"]
+    loss_one = json.loads((single / "rank0.json").read_text())["loss"]
+    assert loss_ddp == pytest.approx(loss_one, abs=1e-5)
