@@ -92,3 +92,27 @@ def test_all_zero_row_gives_exactly_the_bias(kind, d):
     assert torch.equal(out[1], b)
     dx, dw = torch.autograd.grad(out.sum(), (x, w))
     assert torch.isfinite(dx).all() and torch.isfinite(dw).all()
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("d", [64, 40000])
+def test_rows_past_2_to_the_31_elements_are_addressed_with_64_bit_offsets(d):
+    # Row 1 starts 2**31 + 64 elements (over 4 GiB) after row 0. 32-bit offsets would wrap
+    # and read the wrong memory. The storage is allocated but only two rows are touched.
+    # The interpreter's numpy pointers are 64-bit anyway: this guards the compiled kernels.
+    if not torch.cuda.is_available() or torch.empty(0).device.type != "cuda":
+        pytest.skip("int32 offset overflow is a property of compiled GPU kernels")
+    stride = 2**31 + 64
+    storage = torch.empty(stride + d, dtype=torch.bfloat16)
+    x = storage.as_strided((2, d), (stride, 1))
+    x.copy_(torch.randn(2, d).bfloat16())
+    w = torch.randn(d)
+    results = []
+    for inp in (x.clone(), x):  # the same values, contiguous and 4 GiB apart
+        inp = inp.detach().requires_grad_()
+        out = fuseblock.norm(inp, w, kind="layer")
+        (dx,) = torch.autograd.grad(out.float().square().sum(), inp)
+        results.append((out, dx))
+    (ref_out, ref_dx), (out, dx) = results
+    assert torch.equal(out, ref_out) and torch.equal(dx, ref_dx)
+    del storage
