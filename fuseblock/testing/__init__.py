@@ -1,0 +1,1 @@
+"""Measurement tools for tests and benchmarks (not needed at run time)."""

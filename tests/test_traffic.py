@@ -1,0 +1,82 @@
+"""The byte counters, and the kernels' traffic held at the compulsory minimum."""
+import sys
+
+import pytest
+import torch
+from conftest import KERNEL_PATH
+from trainutil import ROOT
+
+from fuseblock.testing.traffic import EagerTraffic, KernelTraffic
+
+sys.path.insert(0, str(ROOT / "scripts"))
+kernel_only = pytest.mark.skipif(not KERNEL_PATH or torch.cuda.is_available(), reason="counts the interpreter's loads and stores")
+
+
+@pytest.mark.kernel
+@kernel_only
+def test_kernel_counter_on_a_kernel_of_known_traffic():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_twice(X, Y, N, B: tl.constexpr):
+        o = tl.program_id(0) * B + tl.arange(0, B)
+        m = o < N
+        a = tl.load(X + o, mask=m)
+        b = tl.load(X + o, mask=m)  # a re-read: its bytes count once
+        tl.store(Y + o, (a + b).to(tl.float16), mask=m & (o % 2 == 0))  # only even elements
+
+    x, y = torch.randn(1000), torch.empty(1000, dtype=torch.float16)
+    with KernelTraffic() as t:
+        copy_twice[(triton.cdiv(1000, 128),)](x, y, 1000, B=128)
+        copy_twice[(1,)](x[:10], y, 10, B=16)
+    assert [ln.kernel for ln in t.launches] == ["copy_twice"] * 2
+    assert t.launches[0].read == {"X": 4000} and t.launches[0].written == {"Y": 1000}
+    assert t.launches[1].read == {"X": 40} and t.launches[1].written == {"Y": 10}
+
+
+def test_eager_counter_charges_inputs_and_outputs_not_views():
+    x, r = torch.randn(64, 32), torch.randn(64, 32)
+    with EagerTraffic() as t:
+        p = (x + r).view(32, 64).t()
+        p.sum()
+    assert [name for name, _, _ in t.ops] == ["add", "sum"]
+    assert t.ops[0][1:] == (2 * x.nbytes, x.nbytes) and t.ops[1][1:] == (x.nbytes, 4)
+
+
+@pytest.mark.kernel
+@kernel_only
+@pytest.mark.parametrize("op", ["norm", "add_norm", "add_norm_fp32_residual", "pre_gate", "post_gate", "post_gate_residual"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kernel_traffic_is_the_compulsory_minimum(op, dtype):
+    import bench
+
+    x, residual, w, kw = bench._op_inputs(op, 96, 160, dtype)
+    leaves = [t for t in (x, residual, w, kw.get("gate")) if t is not None]
+    with KernelTraffic() as fwd:
+        out, new_res = bench._fused(op, x, residual, w, kw)
+    outs = [out] + ([new_res] if new_res is not None else [])
+    with KernelTraffic() as bwd:
+        torch.autograd.grad(outs, leaves, [torch.randn_like(t) for t in outs])
+    min_f, min_b = bench._minimum(x, residual, kw, out, new_res)
+    for t, minimum in ((fwd, min_f), (bwd, min_b)):
+        assert len(t.launches) == 1
+        act = sum(v for part in (t.launches[0].read, t.launches[0].written) for k, v in part.items() if k in bench.ACTIVATION_ARGS)
+        assert act == minimum  # every activation byte once, none more
+        assert t.bytes <= 1.05 * minimum  # weights, statistics and partial sums included
+
+
+@pytest.mark.kernel
+@kernel_only
+@pytest.mark.parametrize("d", [256, 1024])
+def test_small_batches_stay_near_the_minimum(d):
+    import bench
+
+    x, residual, w, kw = bench._op_inputs("add_norm", 256, d, torch.bfloat16)
+    with KernelTraffic() as fwd:
+        out, new_res = bench._fused("add_norm", x, residual, w, kw)
+    with KernelTraffic() as bwd:
+        torch.autograd.grad((out, new_res), (x, residual, w), (torch.randn_like(out), torch.randn_like(new_res)))
+    partials = sum(v for k, v in bwd.launches[0].written.items() if k in ("DW", "DB"))
+    total = fwd.bytes + bwd.bytes + partials  # the partial rows are read back once by their sum
+    assert total <= 1.25 * sum(bench._minimum(x, residual, kw, out, new_res))
