@@ -6,8 +6,8 @@ Layout of an output directory:
     ckpt-000100/
         model.safetensors       weights (shared tensors such as the tied head stored once)
         optimizer.safetensors   optimizer state tensors and RNG states
-        meta.json               config, step, optimizer hyperparameters, python RNG, and the
-                                size and sha256 of both safetensors files
+        meta.json               config, step, optimizer hyperparameters, loss history, and
+                                the size and sha256 of both safetensors files
 
 A checkpoint is written into a temporary directory, every file fsynced, then renamed
 into place, and only then does `latest` (itself written to a temp file, fsynced and
@@ -26,6 +26,8 @@ from typing import Any, Optional
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
+
+from .gpt import GPTConfig
 
 FORMAT = 1
 KEEP = 2  # complete checkpoints kept on disk; older ones are pruned
@@ -122,7 +124,7 @@ def save(
             files[f] = _digest(tmp / f)
         meta = {"format": FORMAT, "step": step, "config": config, "optimizer": opt_meta, "files": files, **(extra or {})}
         _write_json_atomic(tmp / "meta.json", meta)
-        if final.exists():  # a re-save of the same step (after a resume): replace it
+        if final.exists():  # left by a run killed before it moved `latest` (never its target)
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(out_dir)
@@ -134,11 +136,34 @@ def save(
     return final
 
 
+def _checkpoints(out_dir: Path) -> list[Path]:
+    """Complete checkpoint directories, oldest step first (by number: ckpt-1000000 > ckpt-999999)."""
+    found = [p for p in Path(out_dir).glob("ckpt-*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
 def _prune(out_dir: Path, keep: str) -> None:
-    ckpts = sorted(p for p in out_dir.glob("ckpt-*") if p.is_dir())
-    for p in ckpts[:-KEEP]:
+    """Drop all but the newest KEEP checkpoints, and temp files a killed writer left behind
+    (one writer per output directory: only rank 0 saves)."""
+    for p in _checkpoints(out_dir)[:-KEEP]:
         if p.name != keep:
             shutil.rmtree(p, ignore_errors=True)
+    for p in out_dir.glob(".*.tmp*"):
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
+def clear(out_dir: Path) -> int:
+    """Remove an earlier run's checkpoints (pointer first, so no half-removed one is ever
+    `latest`); returns how many there were. A fresh run calls this before its first save."""
+    out_dir = Path(out_dir)
+    (out_dir / "latest").unlink(missing_ok=True)
+    old = _checkpoints(out_dir)
+    for p in old:
+        shutil.rmtree(p)
+    return len(old)
 
 
 def resolve(path: Path) -> Path:
@@ -169,7 +194,15 @@ def read_meta(ckpt: Path) -> dict:
         raise CheckpointError(f"{meta_path}: corrupt JSON ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{meta_path}: not a fuseblock checkpoint of format {FORMAT}")
-    for f, want in meta.get("files", {}).items():
+    files = meta.get("files")
+    if (
+        not isinstance(files, dict)
+        or set(files) != {"model.safetensors", "optimizer.safetensors"}
+        or not all(isinstance(w, dict) and {"bytes", "sha256"} <= set(w) for w in files.values())
+        or not isinstance(meta.get("step"), int)
+    ):
+        raise CheckpointError(f"{meta_path}: malformed (no step, or no size and sha256 for each file)")
+    for f, want in files.items():
         p = ckpt / f
         if not p.exists():
             raise CheckpointError(f"{p}: missing")
@@ -179,6 +212,14 @@ def read_meta(ckpt: Path) -> dict:
         if got["sha256"] != want["sha256"]:
             raise CheckpointError(f"{p}: corrupt (sha256 mismatch)")
     return meta
+
+
+def read_config(ckpt: Path, meta: dict) -> GPTConfig:
+    """The GPTConfig recorded in a checkpoint's meta.json."""
+    try:
+        return GPTConfig.from_json(meta["config"]["model"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{ckpt / 'meta.json'}: bad model config ({e})") from None
 
 
 def load_weights(ckpt: Path, model: torch.nn.Module) -> None:

@@ -42,6 +42,11 @@ class GPTConfig:
             raise ValueError(f"norm must be 'rms' or 'layer', got {self.norm!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
+        rd = self.residual_dtype
+        if rd is not None and not (isinstance(rd, torch.dtype) and rd.is_floating_point):
+            raise TypeError(f"residual_dtype must be a floating torch.dtype or None, got {rd!r}")
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -94,6 +99,8 @@ class MLP(nn.Module):
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
+        if not isinstance(cfg, GPTConfig):
+            raise TypeError(f"cfg must be a GPTConfig, got {type(cfg).__name__}")
         self.config = cfg
         mixers = [m for _ in range(cfg.n_layer) for m in (CausalSelfAttention(cfg), MLP(cfg))]
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
@@ -136,18 +143,29 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None, generator=None):
-        """Append max_new_tokens sampled tokens to idx (B, T); temperature 0 is greedy."""
+        """Append max_new_tokens sampled tokens to idx (B, T) -> (B, T + max_new_tokens).
+
+        Each step sees the last block_size tokens; temperature 0 is greedy decoding and
+        top_k keeps only the k likeliest tokens."""
+        if idx.dim() != 2 or idx.shape[1] < 1 or idx.dtype != torch.long:
+            raise ValueError(f"idx must be a (B, T) int64 tensor with T >= 1, got {tuple(idx.shape)} {idx.dtype}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"top_k must be an int >= 1 or None, got {top_k!r}")
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.config.block_size:])
-            logits = logits[:, -1, :].float()
+            logits = logits[:, -1, :].float()  # (B, vocab)
             if temperature == 0:
                 nxt = logits.argmax(-1, keepdim=True)
             else:
                 logits = logits / temperature
                 if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]  # (B, 1)
                     logits = logits.masked_fill(logits < kth, -float("inf"))
-                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)  # (B, 1)
             idx = torch.cat((idx, nxt), dim=1)
         return idx
 

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from models import checkpoint  # noqa: E402
-from models.gpt import GPT, GPTConfig  # noqa: E402
+from models.gpt import GPT  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -27,11 +27,19 @@ def parse_args(argv=None):
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--seed", type=int, default=1337)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     args = ap.parse_args(argv)
+    try:
+        dev = torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"argument --device: unknown device {args.device!r}")
+    if dev.type not in ("cpu", "cuda") or (
+        dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count())
+    ):
+        ap.error(f"argument --device: {args.device} is not available on this machine")
     if args.max_new_tokens < 0:
         ap.error(f"argument --max-new-tokens: must be >= 0, got {args.max_new_tokens}")
-    if not args.temperature >= 0:
+    if not 0 <= args.temperature < float("inf"):
         ap.error(f"argument --temperature: must be >= 0, got {args.temperature}")
     if args.top_k is not None and args.top_k < 1:
         ap.error(f"argument --top-k: must be >= 1, got {args.top_k}")
@@ -44,11 +52,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     ckpt = checkpoint.resolve(args.ckpt)
     meta = checkpoint.read_meta(ckpt)
-    try:
-        cfg = GPTConfig.from_json(meta["config"]["model"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise checkpoint.CheckpointError(f"{ckpt / 'meta.json'}: bad model config ({e})") from None
-    model = GPT(cfg)
+    model = GPT(checkpoint.read_config(ckpt, meta))
     checkpoint.load_weights(ckpt, model)
     model.to(args.device).eval()
     gen = torch.Generator(device=args.device).manual_seed(args.seed)

@@ -1,4 +1,4 @@
-"""Run scripts/train.py's main() and save this rank's final weights and loss (for test_ddp)."""
+"""Run scripts/train.py's main() and save this rank's final weights and loss curve (for test_ddp)."""
 import json
 import os
 import sys
@@ -14,4 +14,4 @@ result = train.main(sys.argv[2:])
 rank = int(os.environ.get("RANK", 0))
 save_file({k: v.detach().clone().contiguous() for k, v in result["model"].state_dict().items() if k != "lm_head.weight"},
           str(dump / f"rank{rank}.safetensors"))
-(dump / f"rank{rank}.json").write_text(json.dumps({"loss": result["loss"]}))
+(dump / f"rank{rank}.json").write_text(json.dumps({"curve": result["curve"]}))

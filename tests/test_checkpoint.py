@@ -77,6 +77,7 @@ def test_load_paths_contain_no_pickle_and_no_unsafe_torch_load():
     ("corrupt_model", "model.safetensors: corrupt"),
     ("corrupt_meta", "meta.json: corrupt JSON"),
     ("missing_meta", "meta.json: missing"),
+    ("malformed_meta", "meta.json: malformed"),
     ("bad_pointer", "latest: unreadable pointer"),
     ("mismatch", "does not fit the model"),
 ])
@@ -94,6 +95,10 @@ def test_damaged_checkpoints_get_one_line_errors(trained, tmp_path, damage, need
         (ckpt / "meta.json").write_text("{not json")
     elif damage == "missing_meta":
         (ckpt / "meta.json").unlink()
+    elif damage == "malformed_meta":  # valid JSON, but no record of the files to check
+        meta = json.loads((ckpt / "meta.json").read_text())
+        del meta["files"]
+        (ckpt / "meta.json").write_text(json.dumps(meta))
     elif damage == "bad_pointer":
         (out / "latest").write_text("garbage")
     elif damage == "mismatch":  # a checkpoint of another model under the same config
@@ -138,28 +143,76 @@ def test_full_disk_during_a_save_leaves_the_previous_checkpoint(tmp_path, monkey
 
 
 def test_sigkill_at_random_moments_always_leaves_a_loadable_checkpoint(tmp_path):
+    """A run checkpointing every iteration is SIGKILLed at random moments, four times;
+    each time `latest` loads, and the next --resume run starts from exactly its step."""
     out = tmp_path / "killed"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     rnd = random.Random(0)
-    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--out-dir", str(out), "--max-iters", "400",
-           "--eval-interval", "1000", "--ckpt-interval", "1", *TINY]
+    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--out-dir", str(out), "--max-iters", "100000",
+           "--eval-interval", "100000", "--ckpt-interval", "1", *TINY]
     steps = []
-    for attempt in range(3):
-        proc = subprocess.Popen(cmd + (["--resume"] if attempt else []), env=env, cwd=ROOT,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.time() + 60
-        while not (out / "latest").exists() and time.time() < deadline:  # wait for a first checkpoint
-            time.sleep(0.05)
-        if attempt:
-            time.sleep(0.5)  # resumed runs: let them write more
-        time.sleep(rnd.uniform(0.0, 1.5))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    for attempt in range(4):
+        log = tmp_path / f"attempt{attempt}.log"
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd + (["--resume"] if attempt else []), env=env, cwd=ROOT, stdout=f,
+                                    stderr=subprocess.STDOUT)
+            deadline = time.time() + 60
+            while "iters " not in log.read_text() and time.time() < deadline:  # started training
+                time.sleep(0.02)
+            time.sleep(rnd.uniform(0.2, 1.2))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        if attempt:  # it resumed from the checkpoint the previous check loaded
+            assert f"iters {steps[-1]}..100000" in log.read_text(), log.read_text()
         ckpt = checkpoint.resolve(out)
         meta = checkpoint.read_meta(ckpt)
-        model = GPT(GPTConfig.from_json(meta["config"]["model"]))
+        model = GPT(checkpoint.read_config(ckpt, meta))
         checkpoint.load_weights(ckpt, model)
+        checkpoint.load_training_state(ckpt, meta, torch.optim.AdamW(model.optimizer_groups(0.1)))
         steps.append(meta["step"])
-    assert steps == sorted(steps) and steps[-1] >= 1
+    assert steps == sorted(steps) and steps[0] >= 1 and steps[-1] > steps[0], steps
     p = train(out, steps[-1] + 2, "--resume", "--eval-interval", "1000", "--ckpt-interval", "1")
     assert f"iters {steps[-1]}..{steps[-1] + 2}" in p.stdout
+    assert json.loads((out / "latest").read_text()) == {"checkpoint": f"ckpt-{steps[-1] + 2:06d}"}
+    assert not list(out.glob(".*")), list(out.glob(".*"))  # temp files of the killed writers are gone
+
+
+def _failing_save_file(fail_at):
+    """A safetensors writer that runs out of disk midway through the given saves (1-based)."""
+    real, calls = checkpoint.save_file, 0
+
+    def save_file(tensors, filename, *a, **k):
+        nonlocal calls
+        calls += 1
+        if calls in fail_at:
+            Path(filename).write_bytes(b"partial")
+            raise OSError(28, "No space left on device")
+        return real(tensors, filename, *a, **k)
+
+    return save_file
+
+
+@pytest.mark.parametrize("fail_at,code", [((2,), 0), ((3,), 2)])
+def test_full_disk_during_training_keeps_the_previous_checkpoint(tmp_path, monkeypatch, fail_at, code):
+    """Saves at steps 2, 4, 6; one fails. Training goes on; a failed last save is a one-line
+    error with exit status 2, and `latest` is then the step-4 checkpoint, intact."""
+    out = tmp_path / "run"
+    monkeypatch.setattr(checkpoint, "save_file", _failing_save_file(fail_at))
+    p = train(out, 6, "--eval-interval", "6", "--ckpt-interval", "2", check=False)
+    assert p.returncode == code and "Traceback" not in p.stderr
+    assert f"warning: checkpoint at step {2 * fail_at[0]} not written (No space left on device)" in p.stderr
+    assert "step 6: train" in p.stdout  # it trained to the end
+    last = 6 if code == 0 else 4
+    ckpt = checkpoint.resolve(out)
+    assert ckpt.name == f"ckpt-{last:06d}"
+    checkpoint.load_weights(ckpt, GPT(checkpoint.read_config(ckpt, checkpoint.read_meta(ckpt))))
+    if code:
+        assert p.stderr.strip().splitlines()[-1].startswith(f"error: {out}: checkpoint at step 6 not written")
+    assert not list(out.glob(".*"))
+
+
+def test_prune_orders_checkpoints_by_step_number(tmp_path):
+    for step in (999_998, 999_999, 1_000_000):
+        (tmp_path / f"ckpt-{step:06d}").mkdir()
+    checkpoint._prune(tmp_path, keep="ckpt-1000000")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-1000000", "ckpt-999999"]

@@ -1,9 +1,14 @@
-"""End to end: train, resume bit-exactly, sample; bad CLI values fail before any work."""
+"""End to end: train, resume bit-exactly, sample; bad CLI values and missing data fail
+before any work."""
 import json
+import lzma
 
+import numpy as np
 import pytest
 from safetensors.torch import load_file
 from trainutil import TINY, call, run, train
+
+from models import data
 
 
 def test_train_resume_sample_end_to_end(tmp_path):
@@ -23,7 +28,11 @@ def test_train_resume_sample_end_to_end(tmp_path):
 
 
 def test_resume_is_bit_exact_on_cpu(tmp_path):
-    args = ("--eval-interval", "5", "--ckpt-interval", "5", "--dropout", "0.1")
+    """10 straight iterations == 5, then --resume to 10: weights, optimizer state, losses.
+    Dropout on (the RNG state is restored), a short warmup so the cosine is live, and one
+    schedule length (--lr-decay-iters) for both, so where a run stops changes nothing."""
+    args = ("--eval-interval", "5", "--ckpt-interval", "5", "--dropout", "0.1", "--warmup-iters", "2",
+            "--lr-decay-iters", "10")
     train(tmp_path / "straight", 10, *args)
     train(tmp_path / "halves", 5, *args)
     train(tmp_path / "halves", 10, "--resume", *args)
@@ -32,10 +41,31 @@ def test_resume_is_bit_exact_on_cpu(tmp_path):
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     oa = load_file(tmp_path / "straight" / "ckpt-000010" / "optimizer.safetensors")
     ob = load_file(tmp_path / "halves" / "ckpt-000010" / "optimizer.safetensors")
-    assert all((oa[k] == ob[k]).all() for k in oa)
-    ha = json.loads((tmp_path / "straight" / "ckpt-000010" / "meta.json").read_text())["history"]
-    hb = json.loads((tmp_path / "halves" / "ckpt-000010" / "meta.json").read_text())["history"]
-    assert ha == hb
+    assert oa.keys() == ob.keys() and all((oa[k] == ob[k]).all() for k in oa)
+    ma = json.loads((tmp_path / "straight" / "ckpt-000010" / "meta.json").read_text())
+    mb = json.loads((tmp_path / "halves" / "ckpt-000010" / "meta.json").read_text())
+    assert ma["history"] == mb["history"] and ma["curve"] == mb["curve"] and len(ma["curve"]) == 10
+
+
+def test_resume_takes_the_model_config_from_the_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    train(out, 2, "--eval-interval", "2", "--ckpt-interval", "2", "--norm", "layer")
+    # no model flags: the checkpoint's (1 layer, n_embd 16, block 16, layer norm), not the defaults
+    p = call("train.py", "--out-dir", out, "--max-iters", "3", "--resume", "--batch-size", "2", "--eval-iters", "1",
+             "--no-progress")
+    assert "0.01M params" in p.stdout and "iters 2..3" in p.stdout
+    cfg = json.loads((out / "ckpt-000003" / "meta.json").read_text())["config"]["model"]
+    assert (cfg["n_layer"], cfg["n_embd"], cfg["block_size"], cfg["norm"]) == (1, 16, 16, "layer")
+    p = call("train.py", "--out-dir", out, "--max-iters", "3", "--resume", check=False)
+    assert p.returncode == 2 and "already at step 3" in p.stderr
+
+
+def test_a_fresh_run_replaces_an_earlier_runs_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    train(out, 6, "--eval-interval", "6", "--ckpt-interval", "3")
+    p = train(out, 2, "--eval-interval", "2", "--ckpt-interval", "2")
+    assert "earlier run" in p.stdout and "--resume" in p.stdout
+    assert sorted(x.name for x in out.iterdir()) == ["ckpt-000002", "latest", "loss.png"]
 
 
 @pytest.mark.parametrize("args,message", [
@@ -56,3 +86,45 @@ def test_bad_cli_values_fail_like_argparse(tmp_path, args, message):
 def test_sample_rejects_bad_values(tmp_path):
     p = call("sample.py", "--ckpt", tmp_path, "--top-k", "0", check=False)
     assert p.returncode == 2 and "--top-k" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_data_cache_is_rebuilt_when_the_source_changes(tmp_path):
+    src, cache = tmp_path / "text.xz", tmp_path / "cache"
+    src.write_bytes(lzma.compress(bytes(range(256)) * 40))
+    paths = data.prepare(src, cache)
+    train_bytes = np.fromfile(paths["train"], dtype=np.uint8)
+    assert len(train_bytes) == int(256 * 40 * 0.9) and train_bytes[:256].tolist() == list(range(256))
+    assert len(np.fromfile(paths["val"], dtype=np.uint8)) == 256 * 40 - len(train_bytes)
+    src.write_bytes(lzma.compress(b"to be or not to be " * 100))  # a rebuilt corpus: the cache is stale
+    data.prepare(src, cache)
+    assert paths["train"].read_bytes().startswith(b"to be or not")
+
+
+@pytest.mark.parametrize("damage,needle", [
+    ("missing", "is missing: restore it with `git checkout --"),
+    ("corrupt", "cannot decompress"),
+])
+def test_missing_or_unreadable_data_says_how_to_fix_it(tmp_path, monkeypatch, damage, needle):
+    src = tmp_path / "shakespeare.txt.xz"
+    if damage == "corrupt":
+        src.write_bytes(b"this is not xz")
+    monkeypatch.setattr(data, "SOURCE", src)
+    monkeypatch.setattr(data, "CACHE", tmp_path / "cache")
+    data.load.cache_clear()
+    try:
+        with pytest.raises(data.DataError, match="scripts/prepare_data.py"):
+            data.prepare()
+        p = call("train.py", "--out-dir", tmp_path / "x", check=False)
+    finally:
+        data.load.cache_clear()
+    assert p.returncode == 2 and "usage:" in p.stderr and needle in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_unwritable_cache_is_a_clear_error(tmp_path):
+    src = tmp_path / "text.xz"
+    src.write_bytes(lzma.compress(b"abc" * 100))
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the cache directory should be")
+    with pytest.raises(data.DataError, match="cannot write the data cache"):
+        data.prepare(src, blocker)
