@@ -92,8 +92,8 @@ def _minimum(x, residual, kw, out, new_res):
 def traffic(args) -> list[dict]:
     from fuseblock.testing.traffic import EagerTraffic, KernelTraffic
 
-    rows_list = [256] if args.quick else [256, 2048, 16384]
-    d = 128 if args.quick else 1024
+    rows_list = args.rows or ([256] if args.quick else [256, 2048, 16384])
+    d = args.d or (128 if args.quick else 1024)
     out_rows = []
     for op in OPS:
         for dtype in (torch.float32, torch.bfloat16):
@@ -268,6 +268,8 @@ def main(argv=None) -> None:
     ap.add_argument("--json", action="store_true", help="one JSON object per row")
     ap.add_argument("--out", default="out/bench", help="gpu: where the table and plots go")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--rows", type=int, nargs="+", default=None, help="traffic: row counts")
+    ap.add_argument("--d", type=int, default=None, help="traffic: row width")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
