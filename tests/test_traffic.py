@@ -12,9 +12,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 kernel_only = pytest.mark.skipif(not KERNEL_PATH or torch.cuda.is_available(), reason="counts the interpreter's loads and stores")
 
 
-@pytest.mark.kernel
-@kernel_only
-def test_kernel_counter_on_a_kernel_of_known_traffic():
+def _copy_twice():
     import triton
     import triton.language as tl
 
@@ -26,13 +24,39 @@ def test_kernel_counter_on_a_kernel_of_known_traffic():
         b = tl.load(X + o, mask=m)  # a re-read: its bytes count once
         tl.store(Y + o, (a + b).to(tl.float16), mask=m & (o % 2 == 0))  # only even elements
 
+    return copy_twice
+
+
+@pytest.mark.kernel
+@kernel_only
+@pytest.mark.parametrize("compact_at", [1 << 23, 100], ids=["whole", "compacted"])
+def test_kernel_counter_on_a_kernel_of_known_traffic(monkeypatch, compact_at):
+    import fuseblock.testing.traffic as traffic
+
+    monkeypatch.setattr(traffic, "COMPACT_AT", compact_at)  # dedup mid-launch gives the same counts
+    copy_twice = _copy_twice()
     x, y = torch.randn(1000), torch.empty(1000, dtype=torch.float16)
     with KernelTraffic() as t:
-        copy_twice[(triton.cdiv(1000, 128),)](x, y, 1000, B=128)
+        copy_twice[(8,)](x, y, 1000, B=128)  # 1024 lanes, the last 24 masked off
         copy_twice[(1,)](x[:10], y, 10, B=16)
     assert [ln.kernel for ln in t.launches] == ["copy_twice"] * 2
     assert t.launches[0].read == {"X": 4000} and t.launches[0].written == {"Y": 1000}
     assert t.launches[1].read == {"X": 40} and t.launches[1].written == {"Y": 10}
+    assert t.bytes == 5050 and t.glue_bytes == 0
+    assert torch.equal(y[:1000:2], (2 * x[:1000:2]).half())  # the counter changed nothing
+
+
+@pytest.mark.kernel
+@kernel_only
+def test_kernel_counter_charges_glue_ops_but_not_the_interpreter_copies():
+    copy_twice = _copy_twice()
+    x, y = torch.randn(1000), torch.empty(1000, dtype=torch.float16)
+    with KernelTraffic(glue=True) as t:
+        copy_twice[(8,)](x, y, 1000, B=128)
+        s = y[::2].float().sum()
+    assert [name for name, _, _ in t.glue.ops] == ["_to_copy", "sum"]
+    assert t.glue_bytes == (1000 + 2000) + (2000 + 4)  # half in, float out; float in, scalar out
+    assert t.bytes == 5000 and torch.isfinite(s)
 
 
 def test_eager_counter_charges_inputs_and_outputs_not_views():
@@ -42,6 +66,18 @@ def test_eager_counter_charges_inputs_and_outputs_not_views():
         p.sum()
     assert [name for name, _, _ in t.ops] == ["add", "sum"]
     assert t.ops[0][1:] == (2 * x.nbytes, x.nbytes) and t.ops[1][1:] == (x.nbytes, 4)
+
+
+def test_eager_counter_reads_repeated_and_broadcast_inputs_once():
+    x, w = torch.randn(64, 32), torch.randn(32)
+    with EagerTraffic() as t:
+        x * x  # one input, read once
+        x + w.expand(64, 32)  # the broadcast weight is 32 distinct floats
+        w.detach().clone()
+    assert [name for name, _, _ in t.ops] == ["mul", "add", "clone"]
+    assert t.ops[0][1:] == (x.nbytes, x.nbytes)
+    assert t.ops[1][1:] == (x.nbytes + w.nbytes, x.nbytes)
+    assert t.ops[2][1:] == (w.nbytes, w.nbytes)
 
 
 @pytest.mark.kernel
