@@ -32,7 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 import fuseblock  # noqa: E402
 
 ACTIVATION_ARGS = {"X", "R", "Y", "O", "RO", "P", "DO", "DRO", "DX", "DR", "DY"}
-OPS = ["norm", "add_norm", "add_norm_fp32_residual", "pre_gate", "post_gate", "post_gate_residual"]
+OPS = ["norm", "add_norm", "add_norm_layer", "add_norm_fp32_residual", "pre_gate", "post_gate", "post_gate_residual"]
 
 
 def emit(rows: list[dict], as_json: bool) -> None:
@@ -50,17 +50,24 @@ def emit(rows: list[dict], as_json: bool) -> None:
 
 # ------------------------------------------------------------------------------ traffic
 def _op_inputs(op: str, rows: int, d: int, dtype):
+    """(x, residual, weight, keywords) for one op of OPS; every tensor requires grad."""
     x = torch.randn(rows, d).to(dtype).requires_grad_()
     residual = torch.randn(rows, d).to(dtype).requires_grad_() if "add_norm" in op or op.endswith("residual") else None
     gate = torch.randn(rows, d).to(dtype).requires_grad_() if "gate" in op else None
-    w = torch.ones(d, dtype=dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(d)).to(dtype).requires_grad_()
     kw = {}
     if gate is not None:
         kw = dict(gate=gate, gate_position="pre" if op.startswith("pre") else "post")
     if op == "add_norm_fp32_residual":
         residual = residual.detach().float().requires_grad_()
         kw["residual_dtype"] = torch.float32
+    if op == "add_norm_layer":
+        kw.update(kind="layer", bias=(0.1 * torch.randn(d)).to(dtype).requires_grad_())
     return x, residual, w, kw
+
+
+def _leaves(x, residual, w, kw):
+    return [t for t in (x, residual, w, kw.get("bias"), kw.get("gate")) if t is not None]
 
 
 def _fused(op, x, residual, w, kw):
@@ -70,58 +77,82 @@ def _fused(op, x, residual, w, kw):
 
 
 def _naive(op, x, residual, w, kw):
+    """The same function as eager torch: x + residual, then torch's own norm (and gate)."""
     p = x if residual is None else (x.to(residual.dtype) + residual if "residual_dtype" in kw else x + residual)
     g = F.silu(kw["gate"]) if "gate" in kw else None
     s = p * g if kw.get("gate_position") == "pre" else p
-    out = F.rms_norm(s, (s.shape[-1],), w.to(s.dtype), 1e-6).to(x.dtype)
+    if kw.get("kind") == "layer":
+        out = F.layer_norm(s, (s.shape[-1],), w.to(s.dtype), kw["bias"].to(s.dtype), 1e-6)
+    else:
+        out = F.rms_norm(s, (s.shape[-1],), w.to(s.dtype), 1e-6)
+    out = out.to(x.dtype)
     if kw.get("gate_position") == "post":
         out = out * g
     return out, (p if residual is not None else None)
 
 
 def _minimum(x, residual, kw, out, new_res):
-    n = x.numel()
-    fwd_in = n * x.element_size() + (residual.nbytes if residual is not None else 0) + (kw["gate"].nbytes if "gate" in kw else 0)
+    """Compulsory (forward, backward) bytes: each activation in once, each out once."""
+    gate = kw["gate"].nbytes if "gate" in kw else 0
+    fwd_in = x.nbytes + (residual.nbytes if residual is not None else 0) + gate
     fwd_out = out.nbytes + (new_res.nbytes if new_res is not None else 0)
     p_bytes = new_res.nbytes if new_res is not None else x.nbytes
-    bwd_in = p_bytes + out.nbytes + (new_res.nbytes if new_res is not None else 0) + (kw["gate"].nbytes if "gate" in kw else 0)
-    bwd_out = x.nbytes + (residual.nbytes if residual is not None and residual.dtype != x.dtype else 0) + (kw["gate"].nbytes if "gate" in kw else 0)
+    bwd_in = p_bytes + out.nbytes + (new_res.nbytes if new_res is not None else 0) + gate
+    separate = residual is not None and residual.dtype != x.dtype  # else dx is also dresidual
+    bwd_out = x.nbytes + (residual.nbytes if separate else 0) + gate
     return fwd_in + fwd_out, bwd_in + bwd_out
 
 
-def traffic(args) -> list[dict]:
+def measure_traffic(op: str, rows: int, d: int, dtype) -> list[dict]:
+    """Rows for fwd, bwd and fwd+bwd of one op: kernel, naive and minimum bytes."""
     from fuseblock.testing.traffic import EagerTraffic, KernelTraffic
 
-    rows_list = [256] if args.quick else [256, 2048, 16384]
-    d = 128 if args.quick else 1024
+    torch.manual_seed(0)
+    x, residual, w, kw = _op_inputs(op, rows, d, dtype)
+    leaves = _leaves(x, residual, w, kw)
+    with KernelTraffic(glue=True) as kf:
+        out, new_res = _fused(op, x, residual, w, kw)
+    outs = [out] + ([new_res] if new_res is not None else [])
+    grads = [torch.randn_like(t) for t in outs]
+    with KernelTraffic(glue=True) as kb:
+        torch.autograd.grad(outs, leaves, grads)
+    with EagerTraffic() as nf:
+        nouts = [t for t in _naive(op, x, residual, w, kw) if t is not None]
+    with EagerTraffic() as nb:
+        torch.autograd.grad(nouts, leaves, grads)
+    min_f, min_b = _minimum(x, residual, kw, out, new_res)
+
+    def act(kt):
+        return sum(v for ln in kt.launches for part in (ln.read, ln.written) for k, v in part.items() if k in ACTIVATION_ARGS)
+
+    parts = {"fwd": ([kf], [nf], min_f), "bwd": ([kb], [nb], min_b), "fwd+bwd": ([kf, kb], [nf, nb], min_f + min_b)}
     out_rows = []
-    for op in OPS:
+    for pas, (kts, nts, mn) in parts.items():
+        a = sum(map(act, kts))
+        kernel = sum(k.bytes + k.glue_bytes for k in kts)
+        naive = sum(n.bytes for n in nts)
+        out_rows.append(dict(
+            op=op, dtype=str(dtype).removeprefix("torch."), rows=rows, d=d, pas=pas,
+            kernel_MB=kernel / 1e6, naive_MB=naive / 1e6, min_MB=mn / 1e6, other_MB=(kernel - a) / 1e6,
+            kernel_over_min=kernel / mn, act_over_min=a / mn, naive_over_kernel=naive / kernel,
+            launches=sum(len(k.launches) for k in kts), glue_ops=sum(len(k.glue.ops) for k in kts),
+            naive_ops=sum(len(n.ops) for n in nts),
+        ))
+    return out_rows
+
+
+def traffic(args) -> list[dict]:
+    rows_list = args.rows or ([256, 2048] if args.quick else [256, 2048, 16384])
+    d = args.d or (256 if args.quick else 1024)
+    out_rows = []
+    for op in args.ops or OPS:
         for dtype in (torch.float32, torch.bfloat16):
+            if op == "add_norm_fp32_residual" and dtype == torch.float32:
+                continue  # the same op as add_norm
             for rows in rows_list:
-                torch.manual_seed(0)
-                x, residual, w, kw = _op_inputs(op, rows, d, dtype)
-                leaves = [t for t in (x, residual, w, kw.get("gate")) if t is not None]
-                with KernelTraffic() as kf:
-                    out, new_res = _fused(op, x, residual, w, kw)
-                grads = [torch.randn_like(out)] + ([torch.randn_like(new_res)] if new_res is not None else [])
-                outs = [out] + ([new_res] if new_res is not None else [])
-                with KernelTraffic() as kb:
-                    torch.autograd.grad(outs, leaves, grads)
-                with EagerTraffic() as nf:
-                    nout, nres = _naive(op, x, residual, w, kw)
-                nouts = [nout] + ([nres] if nres is not None else [])
-                with EagerTraffic() as nb:
-                    torch.autograd.grad(nouts, leaves, grads[: len(nouts)])
-                min_f, min_b = _minimum(x, residual, kw, out, new_res)
-                for pas, kt, nt, mn in (("fwd", kf, nf, min_f), ("bwd", kb, nb, min_b)):
-                    act = sum(v for ln in kt.launches for part in (ln.read, ln.written) for k, v in part.items() if k in ACTIVATION_ARGS)
-                    other = kt.bytes - act
-                    out_rows.append(dict(
-                        op=op, dtype=str(dtype).removeprefix("torch."), rows=rows, d=d, pas=pas,
-                        kernel_act_MB=act / 1e6, other_MB=other / 1e6, naive_MB=nt.bytes / 1e6, min_MB=mn / 1e6,
-                        kernel_over_min=act / mn, naive_over_kernel=nt.bytes / max(kt.bytes, 1),
-                        launches=len(kt.launches), naive_ops=len(nt.ops),
-                    ))
+                out_rows += measure_traffic(op, rows, d, dtype)
+                if not args.json:
+                    print(f"  {op} {dtype} {rows}x{d} done", file=sys.stderr, flush=True)
     return out_rows
 
 
@@ -268,7 +299,12 @@ def main(argv=None) -> None:
     ap.add_argument("--json", action="store_true", help="one JSON object per row")
     ap.add_argument("--out", default="out/bench", help="gpu: where the table and plots go")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--ops", type=lambda v: v.split(","), default=None, help=f"traffic: a comma list of {OPS}")
+    ap.add_argument("--rows", type=lambda v: [int(r) for r in v.split(",")], default=None, help="traffic: row counts")
+    ap.add_argument("--d", type=int, default=None, help="traffic: row width")
     args = ap.parse_args(argv)
+    if args.ops and set(args.ops) - set(OPS):
+        ap.error(f"--ops: unknown {sorted(set(args.ops) - set(OPS))}; choose from {OPS}")
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = {"traffic": traffic, "memory": memory, "speed": speed, "gpu": gpu}[args.what](args)

@@ -43,6 +43,12 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + extent * t.element_size()
 
 
+def _unique(a: np.ndarray) -> np.ndarray:
+    """Sorted distinct values (a sort beats numpy's hash-based unique on large int arrays)."""
+    a = np.sort(a)
+    return a[np.concatenate(([True], a[1:] != a[:-1]))] if a.size else a
+
+
 class _Accesses:
     """Element addresses seen in one launch, per element size, deduplicated lazily."""
 
@@ -54,14 +60,14 @@ class _Accesses:
         self.chunks.setdefault(size, []).append(addrs)
         self.pending += addrs.size
         if self.pending > COMPACT_AT:
-            self.chunks = {s: [np.unique(np.concatenate(c))] for s, c in self.chunks.items()}
+            self.chunks = {s: [_unique(np.concatenate(c))] for s, c in self.chunks.items()}
             self.pending = sum(c[0].size for c in self.chunks.values())
 
     def count(self, spans: dict[str, tuple[int, int]]) -> dict[str, int]:
         """Distinct bytes inside each span; bytes outside every span go to '?'."""
         out = dict.fromkeys([*spans, "?"], 0)
         for size, chunks in self.chunks.items():
-            uniq = np.unique(np.concatenate(chunks))
+            uniq = _unique(np.concatenate(chunks))
             inside = 0
             for name, (lo, hi) in spans.items():
                 n = int(np.searchsorted(uniq, hi, "left") - np.searchsorted(uniq, lo, "left"))
