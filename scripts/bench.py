@@ -32,35 +32,46 @@ import torch.nn.functional as F  # noqa: E402
 import fuseblock  # noqa: E402
 
 ACTIVATION_ARGS = {"X", "R", "Y", "O", "RO", "P", "DO", "DRO", "DX", "DR", "DY"}
-OPS = ["norm", "add_norm", "add_norm_fp32_residual", "pre_gate", "post_gate", "post_gate_residual"]
+OPS = ["norm", "add_norm", "add_norm_layer", "add_norm_fp32_residual", "pre_gate", "post_gate", "post_gate_residual"]
+
+
+def markdown(rows: list[dict]) -> str:
+    cols = list(dict.fromkeys(k for r in rows for k in r))  # rows may differ (gpu: error columns)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = (r.get(c, "") for c in cols)
+        lines.append("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def emit(rows: list[dict], as_json: bool) -> None:
     if as_json:
         for r in rows:
             print(json.dumps(r))
-        return
-    cols = list(rows[0])
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols))
-    for r in rows:
-        print("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
-    print()
+    else:
+        print(markdown(rows))
 
 
 # ------------------------------------------------------------------------------ traffic
 def _op_inputs(op: str, rows: int, d: int, dtype):
+    """(x, residual, weight, keywords) for one op of OPS; every tensor requires grad."""
     x = torch.randn(rows, d).to(dtype).requires_grad_()
     residual = torch.randn(rows, d).to(dtype).requires_grad_() if "add_norm" in op or op.endswith("residual") else None
     gate = torch.randn(rows, d).to(dtype).requires_grad_() if "gate" in op else None
-    w = torch.ones(d, dtype=dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(d)).to(dtype).requires_grad_()
     kw = {}
     if gate is not None:
         kw = dict(gate=gate, gate_position="pre" if op.startswith("pre") else "post")
     if op == "add_norm_fp32_residual":
         residual = residual.detach().float().requires_grad_()
         kw["residual_dtype"] = torch.float32
+    if op == "add_norm_layer":
+        kw.update(kind="layer", bias=(0.1 * torch.randn(d)).to(dtype).requires_grad_())
     return x, residual, w, kw
+
+
+def _leaves(x, residual, w, kw):
+    return [t for t in (x, residual, w, kw.get("bias"), kw.get("gate")) if t is not None]
 
 
 def _fused(op, x, residual, w, kw):
@@ -70,93 +81,128 @@ def _fused(op, x, residual, w, kw):
 
 
 def _naive(op, x, residual, w, kw):
+    """The same function as eager torch: x + residual, then torch's own norm (and gate)."""
     p = x if residual is None else (x.to(residual.dtype) + residual if "residual_dtype" in kw else x + residual)
     g = F.silu(kw["gate"]) if "gate" in kw else None
     s = p * g if kw.get("gate_position") == "pre" else p
-    out = F.rms_norm(s, (s.shape[-1],), w.to(s.dtype), 1e-6).to(x.dtype)
+    if kw.get("kind") == "layer":
+        out = F.layer_norm(s, (s.shape[-1],), w.to(s.dtype), kw["bias"].to(s.dtype), 1e-6)
+    else:
+        out = F.rms_norm(s, (s.shape[-1],), w.to(s.dtype), 1e-6)
+    out = out.to(x.dtype)
     if kw.get("gate_position") == "post":
         out = out * g
     return out, (p if residual is not None else None)
 
 
 def _minimum(x, residual, kw, out, new_res):
-    n = x.numel()
-    fwd_in = n * x.element_size() + (residual.nbytes if residual is not None else 0) + (kw["gate"].nbytes if "gate" in kw else 0)
+    """Compulsory (forward, backward) bytes: each activation in once, each out once."""
+    gate = kw["gate"].nbytes if "gate" in kw else 0
+    fwd_in = x.nbytes + (residual.nbytes if residual is not None else 0) + gate
     fwd_out = out.nbytes + (new_res.nbytes if new_res is not None else 0)
     p_bytes = new_res.nbytes if new_res is not None else x.nbytes
-    bwd_in = p_bytes + out.nbytes + (new_res.nbytes if new_res is not None else 0) + (kw["gate"].nbytes if "gate" in kw else 0)
-    bwd_out = x.nbytes + (residual.nbytes if residual is not None and residual.dtype != x.dtype else 0) + (kw["gate"].nbytes if "gate" in kw else 0)
+    bwd_in = p_bytes + out.nbytes + (new_res.nbytes if new_res is not None else 0) + gate
+    separate = residual is not None and residual.dtype != x.dtype  # else dx is also dresidual
+    bwd_out = x.nbytes + (residual.nbytes if separate else 0) + gate
     return fwd_in + fwd_out, bwd_in + bwd_out
 
 
-def traffic(args) -> list[dict]:
+def measure_traffic(op: str, rows: int, d: int, dtype) -> list[dict]:
+    """Rows for fwd, bwd and fwd+bwd of one op: kernel, naive and minimum bytes."""
     from fuseblock.testing.traffic import EagerTraffic, KernelTraffic
 
-    rows_list = args.rows or ([256] if args.quick else [256, 2048, 16384])
-    d = args.d or (128 if args.quick else 1024)
+    torch.manual_seed(0)
+    x, residual, w, kw = _op_inputs(op, rows, d, dtype)
+    leaves = _leaves(x, residual, w, kw)
+    with KernelTraffic(glue=True) as kf:
+        out, new_res = _fused(op, x, residual, w, kw)
+    outs = [out] + ([new_res] if new_res is not None else [])
+    grads = [torch.randn_like(t) for t in outs]
+    with KernelTraffic(glue=True) as kb:
+        torch.autograd.grad(outs, leaves, grads)
+    with EagerTraffic() as nf:
+        nouts = [t for t in _naive(op, x, residual, w, kw) if t is not None]
+    with EagerTraffic() as nb:
+        torch.autograd.grad(nouts, leaves, grads)
+    min_f, min_b = _minimum(x, residual, kw, out, new_res)
+
+    def act(kt):
+        return sum(v for ln in kt.launches for part in (ln.read, ln.written) for k, v in part.items() if k in ACTIVATION_ARGS)
+
+    parts = {"fwd": ([kf], [nf], min_f), "bwd": ([kb], [nb], min_b), "fwd+bwd": ([kf, kb], [nf, nb], min_f + min_b)}
     out_rows = []
-    for op in OPS:
+    for pas, (kts, nts, mn) in parts.items():
+        a = sum(map(act, kts))
+        kernel = sum(k.bytes + k.glue_bytes for k in kts)
+        naive = sum(n.bytes for n in nts)
+        out_rows.append(dict(
+            op=op, dtype=str(dtype).removeprefix("torch."), rows=rows, d=d, pas=pas,
+            kernel_MB=kernel / 1e6, naive_MB=naive / 1e6, min_MB=mn / 1e6, other_MB=(kernel - a) / 1e6,
+            kernel_over_min=kernel / mn, act_over_min=a / mn, naive_over_kernel=naive / kernel,
+            launches=sum(len(k.launches) for k in kts), glue_ops=sum(len(k.glue.ops) for k in kts),
+            naive_ops=sum(len(n.ops) for n in nts),
+        ))
+    return out_rows
+
+
+def traffic(args) -> list[dict]:
+    rows_list = args.rows or ([256, 2048] if args.quick else [256, 2048, 16384])
+    d = args.d or (256 if args.quick else 1024)
+    out_rows = []
+    for op in args.ops or OPS:
         for dtype in (torch.float32, torch.bfloat16):
+            if op == "add_norm_fp32_residual" and dtype == torch.float32:
+                continue  # the same op as add_norm
             for rows in rows_list:
-                torch.manual_seed(0)
-                x, residual, w, kw = _op_inputs(op, rows, d, dtype)
-                leaves = [t for t in (x, residual, w, kw.get("gate")) if t is not None]
-                with KernelTraffic() as kf:
-                    out, new_res = _fused(op, x, residual, w, kw)
-                grads = [torch.randn_like(out)] + ([torch.randn_like(new_res)] if new_res is not None else [])
-                outs = [out] + ([new_res] if new_res is not None else [])
-                with KernelTraffic() as kb:
-                    torch.autograd.grad(outs, leaves, grads)
-                with EagerTraffic() as nf:
-                    nout, nres = _naive(op, x, residual, w, kw)
-                nouts = [nout] + ([nres] if nres is not None else [])
-                with EagerTraffic() as nb:
-                    torch.autograd.grad(nouts, leaves, grads[: len(nouts)])
-                min_f, min_b = _minimum(x, residual, kw, out, new_res)
-                for pas, kt, nt, mn in (("fwd", kf, nf, min_f), ("bwd", kb, nb, min_b)):
-                    act = sum(v for ln in kt.launches for part in (ln.read, ln.written) for k, v in part.items() if k in ACTIVATION_ARGS)
-                    other = kt.bytes - act
-                    out_rows.append(dict(
-                        op=op, dtype=str(dtype).removeprefix("torch."), rows=rows, d=d, pas=pas,
-                        kernel_act_MB=act / 1e6, other_MB=other / 1e6, naive_MB=nt.bytes / 1e6, min_MB=mn / 1e6,
-                        kernel_over_min=act / mn, naive_over_kernel=nt.bytes / max(kt.bytes, 1),
-                        launches=len(kt.launches), naive_ops=len(nt.ops),
-                    ))
+                out_rows += measure_traffic(op, rows, d, dtype)
+                if not args.json:
+                    print(f"  {op} {dtype} {rows}x{d} done", file=sys.stderr, flush=True)
     return out_rows
 
 
 # ------------------------------------------------------------------------------ memory / speed
-def _gpt(fused: bool, quick: bool, norm: str = "rms"):
+def _gpt(fused: bool, quick: bool, norm: str = "rms", n_layer: int | None = None):
     from models.gpt import GPT, GPTConfig
 
-    cfg = GPTConfig(block_size=64, n_layer=2 if quick else 4, n_head=4, n_embd=64 if quick else 128, norm=norm, fused=fused)
+    n_layer = n_layer or (2 if quick else 4)
+    cfg = GPTConfig(block_size=64, n_layer=n_layer, n_head=4, n_embd=64 if quick else 128, norm=norm, fused=fused)
     torch.manual_seed(0)
     return GPT(cfg)
 
 
+def _saved(model, idx) -> tuple[int, int]:
+    """(bytes, storages) of the distinct activation storages autograd keeps for backward
+    (parameters excluded: they live anyway)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _, loss = model(idx, idx)
+    del loss
+    return sum(seen.values()), len(seen)
+
+
 def memory(args) -> list[dict]:
-    rows = []
+    """Per layer = (saved with L2 layers - saved with L1 layers) / (L2 - L1): embedding,
+    head and loss cancel out."""
     B, T = 4, 64
+    l1, l2 = (1, 2) if args.quick else (1, 3)
+    rows = []
     for norm in ("rms", "layer"):
-        res = {}
         for fused in (False, True):
-            model = _gpt(fused, args.quick, norm)
             idx = torch.randint(0, 256, (B, T))
-            seen: dict[int, int] = {}
-
-            def pack(t):
-                if t.device.type != "meta":
-                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                _, loss = model(idx, idx)
-            res[fused] = sum(seen.values())
-            del loss
-        layers = model.config.n_layer
-        for fused in (False, True):
-            rows.append(dict(norm=norm, impl="fused" if fused else "naive", saved_MB=res[fused] / 1e6,
-                             bytes_per_layer_per_token=res[fused] / (layers * B * T)))
+            (b1, n1), (b2, n2) = (_saved(_gpt(fused, args.quick, norm, n), idx) for n in (l1, l2))
+            dim = _gpt(fused, args.quick, norm, 1).config.n_embd
+            per = (b2 - b1) / ((l2 - l1) * B * T)
+            rows.append(dict(norm=norm, impl="fused" if fused else "naive", n_embd=dim,
+                             bytes_per_layer_per_token=per, in_units_of_d_fp32=per / (4 * dim),
+                             storages_per_layer=(n2 - n1) / (l2 - l1), total_saved_MB=b2 / 1e6))
     return rows
 
 
@@ -188,14 +234,60 @@ def speed(args) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------ gpu
+def _others(kind: str, d: int, dt):
+    """Published kernels, when installed: name -> fn(x, r, w) returning (out, x + r)."""
+    found = {}
+    try:
+        from liger_kernel.transformers import LigerLayerNorm, LigerRMSNorm
+
+        mod = (LigerRMSNorm(d, eps=1e-6) if kind == "rms" else LigerLayerNorm(d, eps=1e-6)).to("cuda", dt)
+
+        def liger(x, r, w):
+            p = x + r
+            return mod(p), p
+
+        found["liger"] = liger
+    except Exception:  # not installed, or an API we do not know
+        pass
+    try:
+        from flash_attn.ops.triton.layer_norm import layer_norm_fn
+
+        def flash(x, r, w):
+            return layer_norm_fn(x, w, None, residual=r, eps=1e-6, prenorm=True, is_rms_norm=kind == "rms")
+
+        found["flash_attn"] = flash
+    except Exception:
+        pass
+    return found
+
+
+def _gpt_step_ms(fused: bool, do_bench) -> float:
+    from models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=1024, n_layer=12, n_head=12, n_embd=768, fused=fused)
+    model = GPT(cfg).to("cuda", torch.bfloat16)
+    idx = torch.randint(0, cfg.vocab_size, (8, cfg.block_size), device="cuda")
+
+    def step():
+        model(idx, idx)[1].backward()
+
+    ms = do_bench(step, warmup=3, rep=20, grad_to_none=list(model.parameters()))
+    del model
+    torch.cuda.empty_cache()
+    return ms
+
+
 def gpu(args) -> list[dict]:
+    """bf16 add_norm bandwidth (compulsory bytes / time) against eager torch, torch.compile
+    and published kernels; the GPT step time; table and plots into --out."""
     if not torch.cuda.is_available():
         print("no CUDA device: the gpu benchmark needs one (nothing to do)")
         return []
     import torch._functorch.config as fconfig
     from triton.testing import do_bench
 
-    fconfig.donated_buffer = False  # the naive compiled backward is re-run with retain_graph
+    fconfig.donated_buffer = False  # the compiled backward is re-run with retain_graph
     dt = torch.bfloat16
     rows = []
 
@@ -205,60 +297,83 @@ def gpu(args) -> list[dict]:
         return out, p
 
     compiled = torch.compile(naive)
-    ds = [1024, 4096, 16384, 65536, 262144] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144]
+    ds = [1024, 4096, 16384, 65536, 262144] if args.quick else [1 << k for k in range(10, 19)]
     for kind in ("rms", "layer"):
         for d in ds:
             M = min(32768, (1 << 29) // d)
-            x = torch.randn(M, d, device="cuda", dtype=dt, requires_grad=True)
-            r = torch.randn(M, d, device="cuda", dtype=dt, requires_grad=True)
-            w = torch.ones(d, device="cuda", dtype=dt, requires_grad=True)
-            nbytes = 4 * M * d * 2  # fwd: x, r in; out, p out. bwd: p, dout, dp in; dx out
-            impls = {"fuseblock": lambda: fuseblock.add_norm(x, r, w, kind=kind),
-                     "eager": lambda: naive(x, r, w, kind), "compile": lambda: compiled(x, r, w, kind)}
             row = dict(kind=kind, d=d, rows=M)
+            try:
+                x = torch.randn(M, d, device="cuda", dtype=dt, requires_grad=True)
+                r = torch.randn(M, d, device="cuda", dtype=dt, requires_grad=True)
+                w = torch.ones(d, device="cuda", dtype=dt, requires_grad=True)
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:80]}"
+                rows.append(row)
+                continue
+            # fwd: x, r in; out, p out. bwd: p, dout, dp in; dx (= dr) out. Weights excluded.
+            nbytes = 4 * M * d * x.element_size()
+            impls = {"fuseblock": lambda x, r, w: fuseblock.add_norm(x, r, w, kind=kind, eps=1e-6),
+                     "eager": lambda x, r, w: naive(x, r, w, kind), "compile": lambda x, r, w: compiled(x, r, w, kind),
+                     **_others(kind, d, dt)}
             for name, fn in impls.items():
                 try:
                     with torch.no_grad():
-                        tf = do_bench(fn, warmup=5, rep=25)
-                    out, p = fn()
+                        tf = do_bench(lambda: fn(x, r, w), warmup=5, rep=25)
+                    out, p = fn(x, r, w)
                     go, gp = torch.randn_like(out), torch.randn_like(p)
-                    tb = do_bench(lambda: torch.autograd.grad((out, p), (x, r, w), (go, gp), retain_graph=True), warmup=5, rep=25)
+                    tb = do_bench(lambda: torch.autograd.grad((out, p), (x, r, w), (go, gp), retain_graph=True),
+                                  warmup=5, rep=25)
                     row[f"{name}_fwd_TBps"] = nbytes / tf / 1e9
                     row[f"{name}_bwd_TBps"] = nbytes / tb / 1e9
-                except Exception as e:  # report, keep going
-                    row[f"{name}_error"] = type(e).__name__
+                    del out, p, go, gp
+                except Exception as e:  # report it in the table, keep going
+                    row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:80]}"
             rows.append(row)
             del x, r, w
             torch.cuda.empty_cache()
+    steps = {}
+    for fused in (False, True):
+        try:
+            steps["fused" if fused else "naive"] = _gpt_step_ms(fused, do_bench)
+        except Exception as e:
+            steps[("fused" if fused else "naive") + "_error"] = f"{type(e).__name__}: {str(e)[:80]}"
+    step_rows = [dict(kind="gpt_step_ms", **steps)]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "gpu.json").write_text(json.dumps(rows, indent=1))
+    (out_dir / "gpu.json").write_text(json.dumps(rows + step_rows, indent=1))
+    (out_dir / "gpu.md").write_text(f"# add_norm bandwidth, bf16, {torch.cuda.get_device_name()}\n\n"
+                                    + markdown(rows) + "\n# GPT-2 small shape step (fwd+bwd), ms\n\n" + markdown(step_rows))
+    _plot(rows, out_dir)
+    return rows + step_rows
+
+
+def _plot(rows, out_dir: Path) -> None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        for kind in ("rms", "layer"):
-            fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-            sel = [r for r in rows if r["kind"] == kind]
-            for ax, pas in zip(axes, ("fwd", "bwd")):
-                for name in ("fuseblock", "eager", "compile"):
-                    pts = [(r["d"], r[f"{name}_{pas}_TBps"]) for r in sel if f"{name}_{pas}_TBps" in r]
-                    if pts:
-                        ax.plot(*zip(*pts), marker="o", label=name)
-                ax.set_xscale("log", base=2)
-                ax.set_title(f"add_norm {kind} {pas}, bf16")
-                ax.set_xlabel("d")
-                ax.set_ylabel("TB/s (compulsory bytes / time)")
-                ax.legend()
-                ax.grid(alpha=0.3)
-            fig.tight_layout()
-            fig.savefig(out_dir / f"gpu_{kind}.png")
-            plt.close(fig)
     except ImportError:
-        pass
-    return rows
+        print("matplotlib not installed: no plots", file=sys.stderr)
+        return
+    names = sorted({k.rsplit("_", 2)[0] for r in rows for k in r if k.endswith("_TBps")})
+    for kind in ("rms", "layer"):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        sel = [r for r in rows if r["kind"] == kind]
+        for ax, pas in zip(axes, ("fwd", "bwd")):
+            for name in names:
+                pts = [(r["d"], r[f"{name}_{pas}_TBps"]) for r in sel if f"{name}_{pas}_TBps" in r]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"add_norm {kind} {pas}, bf16, M = min(32K, 2^29/d)")
+            ax.set_xlabel("d")
+            ax.set_ylabel("TB/s (compulsory bytes / time)")
+            ax.legend()
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out_dir / f"gpu_{kind}.png")
+        plt.close(fig)
 
 
 def main(argv=None) -> None:
@@ -268,9 +383,12 @@ def main(argv=None) -> None:
     ap.add_argument("--json", action="store_true", help="one JSON object per row")
     ap.add_argument("--out", default="out/bench", help="gpu: where the table and plots go")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--rows", type=int, nargs="+", default=None, help="traffic: row counts")
+    ap.add_argument("--ops", type=lambda v: v.split(","), default=None, help=f"traffic: a comma list of {OPS}")
+    ap.add_argument("--rows", type=lambda v: [int(r) for r in v.split(",")], default=None, help="traffic: row counts")
     ap.add_argument("--d", type=int, default=None, help="traffic: row width")
     args = ap.parse_args(argv)
+    if args.ops and set(args.ops) - set(OPS):
+        ap.error(f"--ops: unknown {sorted(set(args.ops) - set(OPS))}; choose from {OPS}")
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = {"traffic": traffic, "memory": memory, "speed": speed, "gpu": gpu}[args.what](args)

@@ -4,24 +4,30 @@
   interpreter performs and reports, per kernel launch and per tensor argument, the
   distinct bytes read and the distinct bytes written (a byte read twice counts once: on
   a GPU the second read is a cache hit at best, and never less than one HBM read).
-- `EagerTraffic`: a TorchDispatchMode charging each aten op its tensor inputs read and
-  its outputs written (views are free): the traffic of an unfused eager composition.
+  With `glue=True` it also charges the torch ops run between launches (e.g. the sum of
+  the dw partial rows), as `EagerTraffic` would.
+- `EagerTraffic`: a TorchDispatchMode charging each aten op its distinct tensor inputs
+  read and its outputs written (views and allocations are free): the traffic of an
+  unfused eager composition.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+COMPACT_AT = 1 << 23  # recorded addresses per launch before deduplicating (bounds memory)
+
 
 @dataclass
 class Launch:
     kernel: str
-    read: dict[str, int] = field(default_factory=dict)  # bytes per tensor argument
+    read: dict[str, int] = field(default_factory=dict)  # distinct bytes per tensor argument
     written: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -37,25 +43,50 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + extent * t.element_size()
 
 
-def _count(accesses: list, spans: dict[str, tuple[int, int]]) -> dict[str, int]:
-    """Distinct bytes of `accesses` [(element addresses, itemsize)] inside each span."""
-    out = dict.fromkeys(spans, 0)
-    by_size: dict[int, list] = {}
-    for addrs, size in accesses:
-        by_size.setdefault(size, []).append(addrs)
-    for size, chunks in by_size.items():
-        uniq = np.unique(np.concatenate(chunks))
-        for name, (lo, hi) in spans.items():
-            n = np.searchsorted(uniq, hi, "left") - np.searchsorted(uniq, lo, "left")
-            out[name] += int(n) * size
-    return {k: v for k, v in out.items() if v}
+def _unique(a: np.ndarray) -> np.ndarray:
+    """Sorted distinct values (a sort beats numpy's hash-based unique on large int arrays)."""
+    a = np.sort(a)
+    return a[np.concatenate(([True], a[1:] != a[:-1]))] if a.size else a
+
+
+class _Accesses:
+    """Element addresses seen in one launch, per element size, deduplicated lazily."""
+
+    def __init__(self):
+        self.chunks: dict[int, list[np.ndarray]] = {}
+        self.pending = 0
+
+    def add(self, addrs: np.ndarray, size: int) -> None:
+        self.chunks.setdefault(size, []).append(addrs)
+        self.pending += addrs.size
+        if self.pending > COMPACT_AT:
+            self.chunks = {s: [_unique(np.concatenate(c))] for s, c in self.chunks.items()}
+            self.pending = sum(c[0].size for c in self.chunks.values())
+
+    def count(self, spans: dict[str, tuple[int, int]]) -> dict[str, int]:
+        """Distinct bytes inside each span; bytes outside every span go to '?'."""
+        out = dict.fromkeys([*spans, "?"], 0)
+        for size, chunks in self.chunks.items():
+            uniq = _unique(np.concatenate(chunks))
+            inside = 0
+            for name, (lo, hi) in spans.items():
+                n = int(np.searchsorted(uniq, hi, "left") - np.searchsorted(uniq, lo, "left"))
+                out[name] += n * size
+                inside += n
+            out["?"] += (uniq.size - inside) * size
+        return {k: v for k, v in out.items() if v}
 
 
 class KernelTraffic(contextlib.AbstractContextManager):
-    """Record Triton launches run by the interpreter; `.launches` lists them in order."""
+    """Record Triton launches run by the interpreter; `.launches` lists them in order.
 
-    def __init__(self):
+    Assumes aligned, non-overlapping element accesses (true of pointer arithmetic on one
+    dtype per buffer), so distinct bytes = distinct element addresses * element size.
+    """
+
+    def __init__(self, glue: bool = False):
         self.launches: list[Launch] = []
+        self.glue = EagerTraffic() if glue else None
 
     def __enter__(self):
         from triton.runtime import interpreter as it
@@ -67,62 +98,84 @@ class KernelTraffic(contextlib.AbstractContextManager):
         orig_load, orig_store, orig_call = self._orig
         state = {"reads": None, "writes": None}
 
-        def load(b, ptrs, mask, other, *a):
-            if state["reads"] is not None:
+        def record(kind, ptrs, mask):
+            if state[kind] is not None:
                 size = np.dtype(it._get_np_dtype(ptrs.get_element_ty())).itemsize
-                state["reads"].append((ptrs.data[mask.data].astype(np.int64).ravel(), size))
+                m = np.broadcast_to(mask.data, ptrs.data.shape)
+                state[kind].add(ptrs.data[m].astype(np.int64).ravel(), size)
+
+        def load(b, ptrs, mask, other, *a):
+            record("reads", ptrs, mask)
             return orig_load(b, ptrs, mask, other, *a)
 
         def store(b, ptrs, value, mask, *a):
-            if state["writes"] is not None:
-                size = np.dtype(it._get_np_dtype(ptrs.get_element_ty())).itemsize
-                state["writes"].append((ptrs.data[mask.data].astype(np.int64).ravel(), size))
+            record("writes", ptrs, mask)
             return orig_store(b, ptrs, value, mask, *a)
 
         def call(ex, *args, **kwargs):
-            named = inspect.getcallargs(ex.fn, *args, **{k: v for k, v in kwargs.items()
-                                                         if k in inspect.signature(ex.fn).parameters})
+            params = inspect.signature(ex.fn).parameters
+            named = inspect.getcallargs(ex.fn, *args, **{k: v for k, v in kwargs.items() if k in params})
             spans = {k: _span(v) for k, v in named.items() if isinstance(v, torch.Tensor)}
-            state["reads"], state["writes"] = [], []
+            state["reads"], state["writes"] = _Accesses(), _Accesses()
+            if counter.glue is not None:
+                counter.glue.paused += 1  # the interpreter's own host copies are not traffic
             try:
                 return orig_call(ex, *args, **kwargs)
             finally:
-                counter.launches.append(Launch(ex.fn.__name__, _count(state["reads"], spans), _count(state["writes"], spans)))
+                if counter.glue is not None:
+                    counter.glue.paused -= 1
+                counter.launches.append(Launch(ex.fn.__name__, state["reads"].count(spans), state["writes"].count(spans)))
                 state["reads"] = state["writes"] = None
 
         builder.create_masked_load, builder.create_masked_store, it.GridExecutor.__call__ = load, store, call
+        if self.glue is not None:
+            self.glue.__enter__()
         return self
 
     def __exit__(self, *exc):
         from triton.runtime import interpreter as it
 
+        if self.glue is not None:
+            self.glue.__exit__(*exc)
         it.InterpreterBuilder.create_masked_load, it.InterpreterBuilder.create_masked_store, it.GridExecutor.__call__ = self._orig
         return False
 
     @property
     def bytes(self) -> int:
+        """Bytes moved by the kernel launches (glue ops excluded)."""
         return sum(launch.bytes for launch in self.launches)
 
+    @property
+    def glue_bytes(self) -> int:
+        return 0 if self.glue is None else self.glue.bytes
 
-FREE_OPS = {"view", "_unsafe_view", "reshape", "expand", "t", "transpose", "permute", "unsqueeze", "squeeze",
-            "select", "slice", "as_strided", "alias", "detach", "empty", "empty_like", "new_empty",
-            "empty_strided", "_to_copy_noop", "lift_fresh", "unbind", "split", "split_with_sizes"}
+
+# Allocations and metadata-only ops move no bytes (views are caught by `func.is_view`).
+FREE_OPS = {"_unsafe_view", "reshape", "empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided",
+            "lift_fresh", "set_", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size"}
+
+
+def distinct_bytes(t: torch.Tensor) -> int:
+    """Bytes of the distinct elements a view addresses (broadcast dims count once)."""
+    return t.element_size() * math.prod(s for s, st in zip(t.shape, t.stride()) if st != 0)
 
 
 class EagerTraffic(TorchDispatchMode):
-    """Bytes each aten op reads (tensor inputs) and writes (outputs), views free."""
+    """Bytes each aten op reads (distinct tensor inputs) and writes (outputs), views free."""
 
     def __init__(self):
         super().__init__()
         self.ops: list[tuple[str, int, int]] = []
+        self.paused = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if name not in FREE_OPS:
-            ins = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not self.paused and not func.is_view and name not in FREE_OPS:
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+            ins = {(t.data_ptr(), t.dtype, tuple(t.shape), t.stride()): t for t in leaves if isinstance(t, torch.Tensor)}
             outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-            self.ops.append((name, sum(t.nbytes for t in ins), sum(t.nbytes for t in outs)))
+            self.ops.append((name, sum(map(distinct_bytes, ins.values())), sum(t.nbytes for t in outs)))
         return out
 
     @property
