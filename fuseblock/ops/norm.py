@@ -147,6 +147,7 @@ class _EagerNorm(torch.autograd.Function):
         )
         _save(ctx, x, residual, gate, weight, bias, center, scale, gate_mode, act, groups, residual_dtype, new_res, rstd, mean)
         ctx.mark_non_differentiable(rstd, mean)
+        ctx.set_materialize_grads(False)  # no zero-filled gradients (a memset launch each) for rstd, mean
         return out, new_res, rstd, mean
 
     @staticmethod
