@@ -1,576 +1,400 @@
-"""Benchmarks. Each prints markdown tables; --json prints one JSON object per row instead.
+"""Benchmarks, each printing a markdown table (--json: one JSON row per line).
 
-    python scripts/bench.py traffic [--quick] [--rows N ..] [--d D ..] [--kinds rms layer] [--dtypes fp32 bf16]
-    python scripts/bench.py memory  [--quick]
-    python scripts/bench.py speed   [--quick] [--steps N] [--no-compile]
-    python scripts/bench.py gpu     [--quick] [--out DIR] [--no-compile]
+    python scripts/bench.py traffic [--quick]   bytes moved: Triton kernels (interpreter) vs naive eager vs minimum
+    python scripts/bench.py memory  [--quick]   bytes saved for backward per layer per token, fused vs naive GPT
+    python scripts/bench.py speed   [--quick]   CPU training-step time: naive, fused, and torch.compile of each
+    python scripts/bench.py gpu     [--out DIR] GPU bandwidth and GPT step time (exits 0 without CUDA)
 
-traffic: bytes moved by the Triton kernels (run by the interpreter, on the grid of an
-  H100), by the naive eager composition, and the compulsory minimum (byte model:
-  fuseblock/testing/cases.py). This subcommand sets TRITON_INTERPRET=1 itself.
-memory: bytes the GPT saves for backward per layer per token, fused against naive.
-speed: CPU training-step time of the GPT: naive, fused, and torch.compile of each.
-gpu: bandwidth of add_norm forward and backward against eager PyTorch, torch.compile,
-  Liger-Kernel and flash-attn when installed; GPT step time; tables and PNGs in --out.
-  Without CUDA it says so and exits 0.
+Byte model for `traffic`: the compulsory minimum reads each external activation input once
+and writes each activation output once (forward: x, residual, gate in; out, new_residual
+out. Backward: the saved p, gate, grad_out, grad_new_residual in; dx, a separate
+dresidual when its dtype differs, dgate out). Weights, biases, row statistics and the
+per-program dw/db partial rows are reported apart, as "other".
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ("traffic", "memory", "speed", "gpu")
+if len(sys.argv) > 1 and sys.argv[1] == "traffic":
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 
-
-def _select_backend(argv) -> None:
-    # The interpreter is chosen when triton is imported: decide before any import of torch.
-    command = next((a for a in argv if not a.startswith("-")), None)
-    if command == "traffic":
-        os.environ["TRITON_INTERPRET"] = "1"
-    else:
-        os.environ.pop("TRITON_INTERPRET", None)
-
-
-_select_backend(sys.argv[1:])
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import fuseblock  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-MB = 1e6
+ACTIVATION_ARGS = {"X", "R", "Y", "O", "RO", "P", "DO", "DRO", "DX", "DR", "DY"}
+OPS = ["norm", "add_norm", "add_norm_layer", "add_norm_fp32_residual", "pre_gate", "post_gate", "post_gate_residual"]
 
 
-# --------------------------------------------------------------------------- output
-def table(title: str, rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
-    """A markdown table of `rows`; cols are (header, key, format spec)."""
-    lines = [f"### {title}", "", "| " + " | ".join(h for h, _, _ in cols) + " |", "|" + "---|" * len(cols)]
+def markdown(rows: list[dict]) -> str:
+    cols = list(dict.fromkeys(k for r in rows for k in r))  # rows may differ (gpu: error columns)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        cells = []
-        for _, key, spec in cols:
-            v = r.get(key)
-            cells.append("-" if v is None else format(v, spec) if spec else str(v))
-        lines.append("| " + " | ".join(cells) + " |")
+        cells = (r.get(c, "") for c in cols)
+        lines.append("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def emit(args, rows: list[dict], tables: list[str]) -> None:
-    if args.json:
+def emit(rows: list[dict], as_json: bool) -> None:
+    if as_json:
         for r in rows:
             print(json.dumps(r))
     else:
-        print("\n".join(tables))
+        print(markdown(rows))
 
 
-def dtype_name(dt: torch.dtype) -> str:
-    return next(k for k, v in DTYPES.items() if v == dt)
+# ------------------------------------------------------------------------------ traffic
+def _op_inputs(op: str, rows: int, d: int, dtype):
+    """(x, residual, weight, keywords) for one op of OPS; every tensor requires grad."""
+    x = torch.randn(rows, d).to(dtype).requires_grad_()
+    residual = torch.randn(rows, d).to(dtype).requires_grad_() if "add_norm" in op or op.endswith("residual") else None
+    gate = torch.randn(rows, d).to(dtype).requires_grad_() if "gate" in op else None
+    w = (1 + 0.1 * torch.randn(d)).to(dtype).requires_grad_()
+    kw = {}
+    if gate is not None:
+        kw = dict(gate=gate, gate_position="pre" if op.startswith("pre") else "post")
+    if op == "add_norm_fp32_residual":
+        residual = residual.detach().float().requires_grad_()
+        kw["residual_dtype"] = torch.float32
+    if op == "add_norm_layer":
+        kw.update(kind="layer", bias=(0.1 * torch.randn(d)).to(dtype).requires_grad_())
+    return x, residual, w, kw
 
 
-# --------------------------------------------------------------------------- traffic
-def _traffic_case(case) -> list[dict]:
-    """Forward and backward rows for one case: fused (kernels + torch glue) and naive."""
-    from fuseblock.testing import cases as C
+def _leaves(x, residual, w, kw):
+    return [t for t in (x, residual, w, kw.get("bias"), kw.get("gate")) if t is not None]
+
+
+def _fused(op, x, residual, w, kw):
+    if residual is None and "residual_dtype" not in kw:
+        return fuseblock.norm(x, w, **kw), None
+    return fuseblock.add_norm(x, residual, w, **kw)
+
+
+def _naive(op, x, residual, w, kw):
+    """The same function as eager torch: x + residual, then torch's own norm (and gate)."""
+    p = x if residual is None else (x.to(residual.dtype) + residual if "residual_dtype" in kw else x + residual)
+    g = F.silu(kw["gate"]) if "gate" in kw else None
+    s = p * g if kw.get("gate_position") == "pre" else p
+    if kw.get("kind") == "layer":
+        out = F.layer_norm(s, (s.shape[-1],), w.to(s.dtype), kw["bias"].to(s.dtype), 1e-6)
+    else:
+        out = F.rms_norm(s, (s.shape[-1],), w.to(s.dtype), 1e-6)
+    out = out.to(x.dtype)
+    if kw.get("gate_position") == "post":
+        out = out * g
+    return out, (p if residual is not None else None)
+
+
+def _minimum(x, residual, kw, out, new_res):
+    """Compulsory (forward, backward) bytes: each activation in once, each out once."""
+    gate = kw["gate"].nbytes if "gate" in kw else 0
+    fwd_in = x.nbytes + (residual.nbytes if residual is not None else 0) + gate
+    fwd_out = out.nbytes + (new_res.nbytes if new_res is not None else 0)
+    p_bytes = new_res.nbytes if new_res is not None else x.nbytes
+    bwd_in = p_bytes + out.nbytes + (new_res.nbytes if new_res is not None else 0) + gate
+    separate = residual is not None and residual.dtype != x.dtype  # else dx is also dresidual
+    bwd_out = x.nbytes + (residual.nbytes if separate else 0) + gate
+    return fwd_in + fwd_out, bwd_in + bwd_out
+
+
+def measure_traffic(op: str, rows: int, d: int, dtype) -> list[dict]:
+    """Rows for fwd, bwd and fwd+bwd of one op: kernel, naive and minimum bytes."""
     from fuseblock.testing.traffic import EagerTraffic, KernelTraffic
 
-    with KernelTraffic() as kf, EagerTraffic() as gf:
-        outs = case.fused()
-    grads = case.grad_outputs(outs)
-    with KernelTraffic() as kb, EagerTraffic() as gb:
-        torch.autograd.grad(outs, case.leaves, grads)
+    torch.manual_seed(0)
+    x, residual, w, kw = _op_inputs(op, rows, d, dtype)
+    leaves = _leaves(x, residual, w, kw)
+    with KernelTraffic(glue=True) as kf:
+        out, new_res = _fused(op, x, residual, w, kw)
+    outs = [out] + ([new_res] if new_res is not None else [])
+    grads = [torch.randn_like(t) for t in outs]
+    with KernelTraffic(glue=True) as kb:
+        torch.autograd.grad(outs, leaves, grads)
     with EagerTraffic() as nf:
-        nouts = case.naive()
+        nouts = [t for t in _naive(op, x, residual, w, kw) if t is not None]
     with EagerTraffic() as nb:
-        torch.autograd.grad(nouts, case.leaves, grads)
-    with EagerTraffic() as n1f:
-        nouts = case.naive(one_kernel_norm=True)
-    with EagerTraffic() as n1b:
-        torch.autograd.grad(nouts, case.leaves, grads)
-    rows = []
-    for pas, kern, glue, naive, naive1, minimum in zip(
-        ("fwd", "bwd"), (kf, kb), (gf, gb), (nf, nb), (n1f, n1b), case.minimum()
-    ):
-        act = kern.bytes_of(C.ACTIVATION_ARGS)
-        fused = kern.bytes + glue.bytes
-        rows.append(dict(
-            op=case.op, kind=case.kind, dtype=dtype_name(case.x.dtype), rows=case.x.shape[0], d=case.x.shape[1],
-            min_bytes=minimum, kernel_act_bytes=act,
-            kernel_weight_bytes=kern.bytes_of(C.WEIGHT_ARGS), kernel_stat_bytes=kern.bytes_of(C.STAT_ARGS),
-            kernel_partial_bytes=kern.bytes_of(C.PARTIAL_ARGS), unattributed_bytes=kern.unattributed,
-            glue_bytes=glue.bytes, fused_bytes=fused, naive_bytes=naive.bytes, naive1_bytes=naive1.bytes,
-            act_accessed_bytes=kern.accessed_of(C.ACTIVATION_ARGS),
-            launches=kern.count(), glue_ops=[op.name for op in glue.ops], naive_ops=naive.count(),
-            act_over_min=act / minimum, fused_over_min=fused / minimum, naive_over_min=naive.bytes / minimum,
-            naive_over_fused=naive.bytes / fused, naive1_over_fused=naive1.bytes / fused, uncached_over_min=kern.accessed_of(C.ACTIVATION_ARGS) / minimum,
+        torch.autograd.grad(nouts, leaves, grads)
+    min_f, min_b = _minimum(x, residual, kw, out, new_res)
+
+    def act(kt):
+        return sum(v for ln in kt.launches for part in (ln.read, ln.written) for k, v in part.items() if k in ACTIVATION_ARGS)
+
+    parts = {"fwd": ([kf], [nf], min_f), "bwd": ([kb], [nb], min_b), "fwd+bwd": ([kf, kb], [nf, nb], min_f + min_b)}
+    out_rows = []
+    for pas, (kts, nts, mn) in parts.items():
+        a = sum(map(act, kts))
+        kernel = sum(k.bytes + k.glue_bytes for k in kts)
+        naive = sum(n.bytes for n in nts)
+        out_rows.append(dict(
+            op=op, dtype=str(dtype).removeprefix("torch."), rows=rows, d=d, pas=pas,
+            kernel_MB=kernel / 1e6, naive_MB=naive / 1e6, min_MB=mn / 1e6, other_MB=(kernel - a) / 1e6,
+            kernel_over_min=kernel / mn, act_over_min=a / mn, naive_over_kernel=naive / kernel,
+            launches=sum(len(k.launches) for k in kts), glue_ops=sum(len(k.glue.ops) for k in kts),
+            naive_ops=sum(len(n.ops) for n in nts),
         ))
-        rows[-1]["pass"] = pas
+    return out_rows
+
+
+def traffic(args) -> list[dict]:
+    rows_list = args.rows or ([256, 2048] if args.quick else [256, 2048, 16384])
+    d = args.d or (256 if args.quick else 1024)
+    out_rows = []
+    for op in args.ops or OPS:
+        for dtype in (torch.float32, torch.bfloat16):
+            if op == "add_norm_fp32_residual" and dtype == torch.float32:
+                continue  # the same op as add_norm
+            for rows in rows_list:
+                out_rows += measure_traffic(op, rows, d, dtype)
+                if not args.json:
+                    print(f"  {op} {dtype} {rows}x{d} done", file=sys.stderr, flush=True)
+    return out_rows
+
+
+# ------------------------------------------------------------------------------ memory / speed
+def _gpt(fused: bool, quick: bool, norm: str = "rms", n_layer: int | None = None):
+    from models.gpt import GPT, GPTConfig
+
+    n_layer = n_layer or (2 if quick else 4)
+    cfg = GPTConfig(block_size=64, n_layer=n_layer, n_head=4, n_embd=64 if quick else 128, norm=norm, fused=fused)
+    torch.manual_seed(0)
+    return GPT(cfg)
+
+
+def _saved(model, idx) -> tuple[int, int]:
+    """(bytes, storages) of the distinct activation storages autograd keeps for backward
+    (parameters excluded: they live anyway)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _, loss = model(idx, idx)
+    del loss
+    return sum(seen.values()), len(seen)
+
+
+def memory(args) -> list[dict]:
+    """Per layer = (saved with L2 layers - saved with L1 layers) / (L2 - L1): embedding,
+    head and loss cancel out."""
+    B, T = 4, 64
+    l1, l2 = (1, 2) if args.quick else (1, 3)
+    rows = []
+    for norm in ("rms", "layer"):
+        for fused in (False, True):
+            idx = torch.randint(0, 256, (B, T))
+            (b1, n1), (b2, n2) = (_saved(_gpt(fused, args.quick, norm, n), idx) for n in (l1, l2))
+            dim = _gpt(fused, args.quick, norm, 1).config.n_embd
+            per = (b2 - b1) / ((l2 - l1) * B * T)
+            rows.append(dict(norm=norm, impl="fused" if fused else "naive", n_embd=dim,
+                             bytes_per_layer_per_token=per, in_units_of_d_fp32=per / (4 * dim),
+                             storages_per_layer=(n2 - n1) / (l2 - l1), total_saved_MB=b2 / 1e6))
     return rows
 
 
-def traffic(args) -> tuple[list[dict], list[str]]:
-    from fuseblock.testing import cases as C
-
-    rows_list = args.rows or ([256] if args.quick else [256, 2048, 16384])
-    ds = args.d or ([128] if args.quick else [1024])
-    kinds = args.kinds or (["rms", "layer"] if args.quick else ["rms"])
-    dtypes = [DTYPES[n] for n in (args.dtypes or ["fp32", "bf16"])]
-    out = []
-    for kind in kinds:
-        for op in C.OPS:
-            for dtype in dtypes:
-                if op == "add_norm_fp32_residual" and dtype == torch.float32:
-                    continue  # the same as add_norm
-                for d in ds:
-                    for rows in rows_list:
-                        out += _traffic_case(C.make_case(op, rows, d, dtype, kind))
-    for r in out:
-        r["min_MB"], r["fused_MB"], r["naive_MB"] = r["min_bytes"] / MB, r["fused_bytes"] / MB, r["naive_bytes"] / MB
-        r["launches_str"] = f"{r['launches']}+{len(r['glue_ops'])}"
-    per_pass = table("traffic per pass (MB; fused = Triton kernels + torch glue)", out, [
-        ("op", "op", ""), ("kind", "kind", ""), ("dtype", "dtype", ""), ("rows", "rows", ""), ("d", "d", ""),
-        ("pass", "pass", ""), ("min MB", "min_MB", ".4g"), ("fused MB", "fused_MB", ".4g"),
-        ("act/min", "act_over_min", ".3f"), ("fused/min", "fused_over_min", ".3f"),
-        ("uncached/min", "uncached_over_min", ".3f"), ("naive MB", "naive_MB", ".4g"),
-        ("naive/min", "naive_over_min", ".2f"), ("naive/fused", "naive_over_fused", ".2f"),
-        ("naive1/fused", "naive1_over_fused", ".2f"), ("launches", "launches_str", ""), ("naive ops", "naive_ops", ""),
-    ])
-    both = []
-    for f, b in zip(out[::2], out[1::2]):
-        mn, fu, na, n1 = (f[k] + b[k] for k in ("min_bytes", "fused_bytes", "naive_bytes", "naive1_bytes"))
-        both.append(dict(op=f["op"], kind=f["kind"], dtype=f["dtype"], rows=f["rows"], d=f["d"], fused_over_min=fu / mn,
-                         naive_over_min=na / mn, naive_over_fused=na / fu, naive1_over_fused=n1 / fu))
-    total = table("forward + backward", both, [
-        ("op", "op", ""), ("kind", "kind", ""), ("dtype", "dtype", ""), ("rows", "rows", ""), ("d", "d", ""),
-        ("fused/min", "fused_over_min", ".3f"), ("naive/min", "naive_over_min", ".2f"),
-        ("naive/fused", "naive_over_fused", ".2f"), ("naive1/fused", "naive1_over_fused", ".2f"),
-    ])
-    return out, [per_pass, total]
-
-
-# --------------------------------------------------------------------------- models
-def _gpt(n_layer: int, fused: bool, norm: str, quick: bool, residual_dtype=None, **over):
-    from models.gpt import GPT, GPTConfig
-
-    cfg = dict(block_size=64, n_layer=n_layer, n_head=4, n_embd=64 if quick else 128, norm=norm, fused=fused,
-               residual_dtype=residual_dtype)
-    cfg.update(over)
-    torch.manual_seed(0)
-    return GPT(GPTConfig(**cfg))
-
-
-def _saved_bytes(model, idx, autocast: bool) -> dict:
-    """Bytes of the unique storages autograd saves, by where they are saved:
-    inside an attention/MLP mixer, elsewhere in the residual stack (norms and adds),
-    or outside the stack. Parameters are not counted."""
-    from models.gpt import MLP, CausalSelfAttention
-
-    params = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    where = ["other"]  # a stack: the category of each module being run
-
-    def enter(m, _):
-        where.append("mixers" if isinstance(m, (CausalSelfAttention, MLP)) else "norms" if m is model.stack else where[-1])
-
-    def leave(*_):
-        where.pop()
-
-    handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
-    seen: dict = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params and st.data_ptr() not in seen:
-            seen[st.data_ptr()] = (where[-1], st.nbytes())
-        return t
-
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
-            model(idx, idx)
-    finally:
-        for h in handles:
-            h.remove()
-    out = {"norms": 0, "mixers": 0, "other": 0}
-    for cat, n in seen.values():
-        out[cat] += n
-    return out
-
-
-def memory(args) -> tuple[list[dict], list[str]]:
-    """Saved bytes per layer per token, by a double difference over depth and batch, so
-    per-model and per-layer constants (the embedding, the head, autocast's weight
-    copies) drop out."""
-    T = 64
-    (l1, l2), (b1, b2) = (1, 2), (2, 4)
-    out = []
-    for norm in ("rms", "layer"):
-        for precision in ("fp32", "bf16-autocast"):
-            auto = precision != "fp32"
-            per = {}
-            for impl in ("naive", "fused"):
-                s = {}
-                for L in (l1, l2):
-                    model = _gpt(L, impl == "fused", norm, args.quick, torch.float32 if auto else None)
-                    for B in (b1, b2):
-                        idx = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0))
-                        s[L, B] = _saved_bytes(model, idx, auto)
-                per[impl] = {k: (s[l2, b2][k] - s[l1, b2][k] - s[l2, b1][k] + s[l1, b1][k]) / ((l2 - l1) * (b2 - b1) * T)
-                             for k in ("norms", "mixers", "other")}
-                per[impl]["total"] = sum(per[impl].values())
-            d = model.config.n_embd
-            for impl in ("naive", "fused"):
-                p = per[impl]
-                out.append(dict(norm=norm, precision=precision, impl=impl, n_embd=d, bytes_per_layer_token=p["total"],
-                                norm_bytes=p["norms"], mixer_bytes=p["mixers"], per_channel=p["total"] / d,
-                                norm_per_channel=p["norms"] / d, fused_over_naive=p["total"] / per["naive"]["total"]))
-    t = table(f"bytes saved for backward per layer per token (GPT, n_embd {out[0]['n_embd']}; per channel = / n_embd)", out, [
-        ("norm", "norm", ""), ("precision", "precision", ""), ("impl", "impl", ""),
-        ("bytes", "bytes_per_layer_token", ".0f"), ("per channel", "per_channel", ".2f"),
-        ("norms + adds", "norm_bytes", ".0f"), ("norms per channel", "norm_per_channel", ".2f"),
-        ("mixers", "mixer_bytes", ".0f"), ("vs naive", "fused_over_naive", ".3f"),
-    ])
-    return out, [t]
-
-
-def _step_timer(variants: dict, idx, steps: int, warmup: int, sync=lambda: None, autocast=None) -> dict:
-    """Median seconds per training step of each (model, optimizer), run alternately."""
-    import contextlib
-
-    def step(model, opt):
-        with autocast() if autocast else contextlib.nullcontext():
-            _, loss = model(idx, idx)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for model, opt in variants.values():
-        for _ in range(warmup):
-            step(model, opt)
-    times = {k: [] for k in variants}
-    for _ in range(steps):  # alternate, so any drift of the machine hits every variant alike
-        for k, (model, opt) in variants.items():
-            sync()
+def speed(args) -> list[dict]:
+    steps = 5 if args.quick else 20
+    B = 8 if args.quick else 32
+    impls = {}
+    for fused in (False, True):
+        model = _gpt(fused, args.quick)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        impls["fused" if fused else "naive"] = (model, opt)
+        if not args.quick:
+            impls[("fused" if fused else "naive") + "+compile"] = (torch.compile(model), opt)
+    idx = torch.randint(0, 256, (B, 64))
+    times = {k: [] for k in impls}
+    for k, (m, opt) in impls.items():  # warm up (and compile)
+        m(idx, idx)[1].backward()
+        opt.zero_grad()
+    for _ in range(steps):  # alternate, so drift hits every variant alike
+        for k, (m, opt) in impls.items():
             t0 = time.perf_counter()
-            step(model, opt)
-            sync()
+            m(idx, idx)[1].backward()
+            opt.step()
+            opt.zero_grad()
             times[k].append(time.perf_counter() - t0)
-    return times
-
-
-def _gpt_variants(make, compile_too: bool) -> dict:
-    """naive, fused (and compiled twins): separate models with the same initial weights."""
-    variants = {}
-    for impl in ("naive", "fused"):
-        model = make(impl == "fused")
-        variants[impl] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-    if compile_too:
-        for impl in ("naive", "fused"):
-            model = make(impl == "fused")
-            variants[impl + "+compile"] = (torch.compile(model), torch.optim.AdamW(model.parameters(), lr=1e-4))
-    return variants
-
-
-def speed(args) -> tuple[list[dict], list[str]]:
-    steps = args.steps or (3 if args.quick else 20)
-    B, T = (8, 64) if args.quick else (32, 64)
-    n_layer = 2 if args.quick else 4
-    compile_too = not (args.quick or args.no_compile)
-    variants = _gpt_variants(lambda fused: _gpt(n_layer, fused, "rms", args.quick), compile_too)
-    idx = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0))
-    times = _step_timer(variants, idx, steps, warmup=1 if args.quick else 2)
     base = statistics.median(times["naive"])
-    out = [dict(impl=k, median_ms=statistics.median(v) * 1e3, min_ms=min(v) * 1e3, max_ms=max(v) * 1e3,
-                tokens_per_s=B * T / statistics.median(v), speedup_vs_naive=base / statistics.median(v), steps=len(v),
-                threads=torch.get_num_threads())
-           for k, v in times.items()]
-    m = variants["naive"][0].config
-    t = table(f"CPU training step (GPT {m.n_layer} layers, n_embd {m.n_embd}, batch {B} x {T}, fp32, "
-              f"median of {steps} alternating steps, {torch.get_num_threads()} threads)", out, [
-        ("impl", "impl", ""), ("median ms", "median_ms", ".1f"), ("min ms", "min_ms", ".1f"),
-        ("max ms", "max_ms", ".1f"), ("tokens/s", "tokens_per_s", ".0f"), ("speedup vs naive", "speedup_vs_naive", ".3f"),
-    ])
-    return out, [t]
+    return [dict(impl=k, median_ms=statistics.median(v) * 1e3, tokens_per_s=B * 64 / statistics.median(v),
+                 speedup_vs_naive=base / statistics.median(v)) for k, v in times.items()]
 
 
-# --------------------------------------------------------------------------- gpu
-GPU_ELEMS = 1 << 30  # rows x d cap per tensor: M = 32K rows up to d = 32K, fewer beyond
+# ------------------------------------------------------------------------------ gpu
+def _others(kind: str, d: int, dt):
+    """Published kernels, when installed: name -> fn(x, r, w) returning (out, x + r)."""
+    found = {}
+    try:
+        from liger_kernel.transformers import LigerLayerNorm, LigerRMSNorm
 
+        mod = (LigerRMSNorm(d, eps=1e-6) if kind == "rms" else LigerLayerNorm(d, eps=1e-6)).to("cuda", dt)
 
-def _gpu_impls(kind: str, d: int, eps: float, compile_too: bool, dev: torch.device) -> dict:
-    """name -> fn(x, r, w, b) -> (out, new_residual) for add_norm; unavailable ones absent."""
+        def liger(x, r, w):
+            p = x + r
+            return mod(p), p
 
-    def naive(x, r, w, b):
-        p = x + r
-        out = F.rms_norm(p, (d,), w, eps) if kind == "rms" else F.layer_norm(p, (d,), w, b, eps)
-        return out, p
-
-    impls = {"fuseblock": lambda x, r, w, b: fuseblock.add_norm(x, r, w, b, kind=kind, eps=eps), "eager": naive}
-    if compile_too:
-        impls["compile"] = torch.compile(naive, dynamic=False)
-    if dev.type != "cuda":
-        return impls
-    try:  # flash-attn's fused residual + norm
+        found["liger"] = liger
+    except Exception:  # not installed, or an API we do not know
+        pass
+    try:
         from flash_attn.ops.triton.layer_norm import layer_norm_fn
 
-        impls["flash_attn"] = lambda x, r, w, b: layer_norm_fn(
-            x, w, b, residual=r, eps=eps, prenorm=True, is_rms_norm=kind == "rms")
+        def flash(x, r, w):
+            return layer_norm_fn(x, w, None, residual=r, eps=1e-6, prenorm=True, is_rms_norm=kind == "rms")
+
+        found["flash_attn"] = flash
     except Exception:
         pass
-    try:  # Liger-Kernel: its fused add + RMSNorm when it has one, else the add then its norm
-        if kind == "rms":
-            try:
-                from liger_kernel.transformers.fused_add_rms_norm import LigerFusedAddRMSNorm
-
-                mod = LigerFusedAddRMSNorm(d, eps=eps).to(dev)
-                impls["liger"] = lambda x, r, w, b: _with_params(mod, w, None, lambda: mod(x, r))
-            except ImportError:
-                from liger_kernel.transformers.rms_norm import LigerRMSNorm
-
-                mod = LigerRMSNorm(d, eps=eps).to(dev)
-                impls["liger"] = lambda x, r, w, b: _with_params(mod, w, None, lambda: _add_then(mod, x, r))
-        else:
-            from liger_kernel.transformers.layer_norm import LigerLayerNorm
-
-            mod = LigerLayerNorm(d, eps=eps).to(dev)
-            impls["liger"] = lambda x, r, w, b: _with_params(mod, w, b, lambda: _add_then(mod, x, r))
-    except Exception:
-        pass
-    return impls
+    return found
 
 
-def _with_params(mod, w, b, fn):
-    # the benchmark's own parameters, so their gradients are part of the measured work
-    mod.weight = w
-    if b is not None and getattr(mod, "bias", None) is not None:
-        mod.bias = b
-    return fn()
+def _gpt_step_ms(fused: bool, do_bench) -> float:
+    from models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=1024, n_layer=12, n_head=12, n_embd=768, fused=fused)
+    model = GPT(cfg).to("cuda", torch.bfloat16)
+    idx = torch.randint(0, cfg.vocab_size, (8, cfg.block_size), device="cuda")
+
+    def step():
+        model(idx, idx)[1].backward()
+
+    ms = do_bench(step, warmup=3, rep=20, grad_to_none=list(model.parameters()))
+    del model
+    torch.cuda.empty_cache()
+    return ms
 
 
-def _add_then(mod, x, r):
-    p = x + r
-    return mod(p), p
+def gpu(args) -> list[dict]:
+    """bf16 add_norm bandwidth (compulsory bytes / time) against eager torch, torch.compile
+    and published kernels; the GPT step time; table and plots into --out."""
+    if not torch.cuda.is_available():
+        print("no CUDA device: the gpu benchmark needs one (nothing to do)")
+        return []
+    import torch._functorch.config as fconfig
+    from triton.testing import do_bench
 
+    fconfig.donated_buffer = False  # the compiled backward is re-run with retain_graph
+    dt = torch.bfloat16
+    rows = []
 
-def _time_ms(fn, dev: torch.device) -> float:
-    if dev.type == "cuda":
-        from triton.testing import do_bench
+    def naive(x, r, w, kind):
+        p = x + r
+        out = F.rms_norm(p, (p.shape[-1],), w, 1e-6) if kind == "rms" else F.layer_norm(p, (p.shape[-1],), w, None, 1e-6)
+        return out, p
 
-        return do_bench(fn, warmup=5, rep=30)
-    fn()
-    ts = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
-
-
-def _copy_tbps(dev: torch.device, n: int) -> float:
-    """Copy bandwidth (read + write) of n bf16 elements: the practical ceiling of a
-    memory-bound kernel."""
-    src = torch.empty(n, dtype=torch.bfloat16, device=dev)
-    dst = torch.empty_like(src)
-    ms = _time_ms(lambda: dst.copy_(src), dev)
-    return 2 * 2 * n / ms / 1e9
-
-
-def _empty_cache(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _bandwidth(args, compile_too: bool, dev: torch.device) -> list[dict]:
-    eps, dt = 1e-6, torch.bfloat16
-    ds = args.d or ([1024, 8192, 65536, 262144] if args.quick else [1 << k for k in range(10, 19)])
-    max_rows = args.rows[0] if args.rows else 32768
-    out = []
+    compiled = torch.compile(naive)
+    ds = [1024, 4096, 16384, 65536, 262144] if args.quick else [1 << k for k in range(10, 19)]
     for kind in ("rms", "layer"):
         for d in ds:
-            M = min(max_rows, max(1, GPU_ELEMS // d))
-            torch._dynamo.reset()  # a fresh compile per shape, never the recompile limit's eager fallback
-            impls = _gpu_impls(kind, d, eps, compile_too, dev)
-            gen = torch.Generator(device=dev).manual_seed(0)
-            x = torch.randn(M, d, device=dev, dtype=dt, generator=gen).requires_grad_()
-            r = torch.randn(M, d, device=dev, dtype=dt, generator=gen).requires_grad_()
-            w = torch.ones(d, device=dev, dtype=dt).requires_grad_()
-            b = torch.zeros(d, device=dev, dtype=dt).requires_grad_() if kind == "layer" else None
-            leaves = [t for t in (x, r, w, b) if t is not None]
-            nbytes = 4 * M * d * dt.itemsize  # fwd: x, r in; out, new_res out. bwd: p, dout, dres in; dx out
+            M = min(32768, (1 << 29) // d)
+            row = dict(kind=kind, d=d, rows=M)
+            try:
+                x = torch.randn(M, d, device="cuda", dtype=dt, requires_grad=True)
+                r = torch.randn(M, d, device="cuda", dtype=dt, requires_grad=True)
+                w = torch.ones(d, device="cuda", dtype=dt, requires_grad=True)
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:80]}"
+                rows.append(row)
+                continue
+            # fwd: x, r in; out, p out. bwd: p, dout, dp in; dx (= dr) out. Weights excluded.
+            nbytes = 4 * M * d * x.element_size()
+            impls = {"fuseblock": lambda x, r, w: fuseblock.add_norm(x, r, w, kind=kind, eps=1e-6),
+                     "eager": lambda x, r, w: naive(x, r, w, kind), "compile": lambda x, r, w: compiled(x, r, w, kind),
+                     **_others(kind, d, dt)}
             for name, fn in impls.items():
-                row = dict(kind=kind, d=d, rows=M, impl=name, bytes=nbytes)
-                outs = grads = None
                 try:
                     with torch.no_grad():
-                        row["fwd_ms"] = _time_ms(lambda: fn(x, r, w, b), dev)
-                    outs = list(fn(x, r, w, b))
-                    grads = [torch.randn_like(t) for t in outs]
-                    row["bwd_ms"] = _time_ms(lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True), dev)
-                except Exception as e:  # out of memory, an unsupported width: say so, go on
-                    msg = str(e).splitlines()[0][:100] if str(e) else ""
-                    row["error"] = f"{type(e).__name__}: {msg}"
-                for p in ("fwd", "bwd"):
-                    if f"{p}_ms" in row:
-                        row[f"{p}_TBps"] = nbytes / row[f"{p}_ms"] / 1e9
-                out.append(row)
-                outs = grads = None
-                _empty_cache(dev)
-            del x, r, w, b, leaves
-            _empty_cache(dev)
-    return out
+                        tf = do_bench(lambda: fn(x, r, w), warmup=5, rep=25)
+                    out, p = fn(x, r, w)
+                    go, gp = torch.randn_like(out), torch.randn_like(p)
+                    tb = do_bench(lambda: torch.autograd.grad((out, p), (x, r, w), (go, gp), retain_graph=True),
+                                  warmup=5, rep=25)
+                    row[f"{name}_fwd_TBps"] = nbytes / tf / 1e9
+                    row[f"{name}_bwd_TBps"] = nbytes / tb / 1e9
+                    del out, p, go, gp
+                except Exception as e:  # report it in the table, keep going
+                    row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:80]}"
+            rows.append(row)
+            del x, r, w
+            torch.cuda.empty_cache()
+    steps = {}
+    for fused in (False, True):
+        try:
+            steps["fused" if fused else "naive"] = _gpt_step_ms(fused, do_bench)
+        except Exception as e:
+            steps[("fused" if fused else "naive") + "_error"] = f"{type(e).__name__}: {str(e)[:80]}"
+    step_rows = [dict(kind="gpt_step_ms", **steps)]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "gpu.json").write_text(json.dumps(rows + step_rows, indent=1))
+    (out_dir / "gpu.md").write_text(f"# add_norm bandwidth, bf16, {torch.cuda.get_device_name()}\n\n"
+                                    + markdown(rows) + "\n# GPT-2 small shape step (fwd+bwd), ms\n\n" + markdown(step_rows))
+    _plot(rows, out_dir)
+    return rows + step_rows
 
 
-def _plots(rows: list[dict], out_dir: Path, copy_tbps: float) -> list[str]:
+def _plot(rows, out_dir: Path) -> None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return []
-    files = []
-    for kind in dict.fromkeys(r["kind"] for r in rows):
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+        print("matplotlib not installed: no plots", file=sys.stderr)
+        return
+    names = sorted({k.rsplit("_", 2)[0] for r in rows for k in r if k.endswith("_TBps")})
+    for kind in ("rms", "layer"):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         sel = [r for r in rows if r["kind"] == kind]
         for ax, pas in zip(axes, ("fwd", "bwd")):
-            for name in dict.fromkeys(r["impl"] for r in sel):
-                pts = [(r["d"], r[f"{pas}_TBps"]) for r in sel if r["impl"] == name and f"{pas}_TBps" in r]
+            for name in names:
+                pts = [(r["d"], r[f"{name}_{pas}_TBps"]) for r in sel if f"{name}_{pas}_TBps" in r]
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=name)
-            ax.axhline(copy_tbps, color="gray", ls="--", lw=1, label="device copy")
             ax.set_xscale("log", base=2)
-            ax.set_title(f"add_norm ({kind}) {pas}, bf16")
-            ax.set_xlabel("d (row width)")
+            ax.set_title(f"add_norm {kind} {pas}, bf16, M = min(32K, 2^29/d)")
+            ax.set_xlabel("d")
             ax.set_ylabel("TB/s (compulsory bytes / time)")
+            ax.legend()
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
         fig.tight_layout()
-        path = out_dir / f"gpu_{kind}.png"
-        fig.savefig(path, dpi=120)
+        fig.savefig(out_dir / f"gpu_{kind}.png")
         plt.close(fig)
-        files.append(str(path))
-    return files
 
 
-def _gpu_gpt(args, compile_too: bool, dev: torch.device) -> list[dict]:
-    """End-to-end GPT training step: bf16 autocast, fp32 residual stream, LayerNorm."""
-    if dev.type != "cuda":  # a smoke run of this code path
-        over, B = dict(n_layer=1, n_head=2, n_embd=64, block_size=64), 2
-    elif args.quick:
-        over, B = dict(n_layer=4, n_head=4, n_embd=256, block_size=256), 8
-    else:  # GPT-2 small
-        over, B = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024), 8
-    T = over["block_size"]
-
-    def make(fused):
-        return _gpt(over["n_layer"], fused, "layer", False, torch.float32,
-                    **{k: v for k, v in over.items() if k != "n_layer"}).to(dev)
-
-    variants = _gpt_variants(make, compile_too)
-    idx = torch.randint(0, 256, (B, T), device=dev, generator=torch.Generator(device=dev).manual_seed(0))
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    steps = 3 if dev.type != "cuda" else 5 if args.quick else 20
-    times = _step_timer(variants, idx, steps=steps, warmup=3, sync=sync,
-                        autocast=lambda: torch.autocast(dev.type, dtype=torch.bfloat16))
-    peak = {}
-    if dev.type == "cuda":  # peak memory of one more step each, alone
-        for k, v in variants.items():
-            torch.cuda.reset_peak_memory_stats()
-            _step_timer({k: v}, idx, steps=1, warmup=0, sync=sync,
-                        autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16))
-            peak[k] = torch.cuda.max_memory_allocated() / 2**20
-    base = statistics.median(times["naive"])
-    return [dict(impl=k, median_ms=statistics.median(v) * 1e3, tokens_per_s=B * T / statistics.median(v),
-                 speedup_vs_naive=base / statistics.median(v), peak_MiB=peak.get(k), n_layer=over["n_layer"],
-                 n_embd=over["n_embd"], batch=B, block=T)
-            for k, v in times.items()]
-
-
-def gpu(args) -> tuple[list[dict], list[str]]:
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: the gpu benchmark needs one; nothing to do")
-        return [], []
-    import torch._functorch.config as fconfig
-    from torch import _dynamo  # noqa: F401 (loads torch._dynamo, for its reset())
-
-    fconfig.donated_buffer = False  # the compiled backward is re-run with retain_graph
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    compile_too = not args.no_compile
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (smoke run)"
-    copy_tbps = _copy_tbps(dev, 1 << 29 if dev.type == "cuda" else 1 << 20)
-    bw = _bandwidth(args, compile_too, dev)
-    for r in bw:
-        for p in ("fwd", "bwd"):
-            if f"{p}_TBps" in r:
-                r[f"{p}_of_copy"] = r[f"{p}_TBps"] / copy_tbps
-    gpt = _gpu_gpt(args, compile_too, dev)
-    head = f"{name}, torch {torch.__version__}; copy bandwidth {copy_tbps:.3g} TB/s"
-    tables = []
-    for kind in ("rms", "layer"):
-        sel = [r for r in bw if r["kind"] == kind]
-        names = list(dict.fromkeys(r["impl"] for r in sel))
-        for pas in ("fwd", "bwd"):
-            piv = []
-            for d in dict.fromkeys(r["d"] for r in sel):
-                row = {"d": d, "rows": next(r["rows"] for r in sel if r["d"] == d)}
-                row.update({r["impl"]: r.get(f"{pas}_TBps") for r in sel if r["d"] == d})
-                piv.append(row)
-            cols = [("d", "d", ""), ("rows", "rows", "")] + [(n + " TB/s", n, ".3g") for n in names]
-            tables.append(table(f"add_norm ({kind}) {pas}, bf16: compulsory bytes / time ({head})", piv, cols))
-    tables.append(table(f"GPT training step, bf16 autocast, fp32 residual stream ({name})", gpt, [
-        ("impl", "impl", ""), ("layers", "n_layer", ""), ("n_embd", "n_embd", ""), ("batch", "batch", ""),
-        ("block", "block", ""), ("median ms", "median_ms", ".2f"), ("tokens/s", "tokens_per_s", ".0f"),
-        ("speedup vs naive", "speedup_vs_naive", ".3f"), ("peak MiB", "peak_MiB", ".0f"),
-    ]))
-    errors = [r for r in bw if "error" in r]
-    if errors:
-        tables.append(table("failed cells", errors, [("kind", "kind", ""), ("d", "d", ""), ("impl", "impl", ""),
-                                                      ("error", "error", "")]))
-    pngs = _plots(bw, out_dir, copy_tbps)
-    rows = [dict(r, section="bandwidth") for r in bw] + [dict(r, section="gpt") for r in gpt]
-    (out_dir / "gpu.json").write_text(json.dumps(dict(device=name, copy_TBps=copy_tbps, rows=rows), indent=1))
-    (out_dir / "gpu.md").write_text("\n".join(tables) + "".join(f"\n![{Path(p).stem}]({Path(p).name})\n" for p in pngs))
-    print(f"wrote {out_dir}/gpu.md, gpu.json" + "".join(f", {Path(p).name}" for p in pngs), file=sys.stderr)
-    return rows, tables
-
-
-# --------------------------------------------------------------------------- main
-def main(argv=None) -> int:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=COMMANDS)
+    ap.add_argument("what", choices=["traffic", "memory", "speed", "gpu"])
     ap.add_argument("--quick", action="store_true", help="small sizes, for CI")
-    ap.add_argument("--json", action="store_true", help="print one JSON object per row instead of tables")
-    ap.add_argument("--rows", type=int, nargs="+",
-                    help="traffic: row counts (default 256 2048 16384; quick 256); gpu: the row count M (default 32768)")
-    ap.add_argument("--d", type=int, nargs="+",
-                    help="traffic: row widths (default 1024; quick 128); gpu: widths (default 1024 .. 262144)")
-    ap.add_argument("--kinds", nargs="+", choices=["rms", "layer"], help="traffic: norms (default rms; quick both)")
-    ap.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="traffic: dtypes (default fp32 bf16)")
-    ap.add_argument("--steps", type=int, help="speed: timed steps per variant (default 20; quick 3)")
-    ap.add_argument("--no-compile", action="store_true", help="speed, gpu: skip the torch.compile variants")
-    ap.add_argument("--out", default="out/bench", help="gpu: folder for gpu.md, gpu.json and the PNGs")
-    ap.add_argument("--device", default="cuda", help="gpu: the device (cpu runs a smoke test of the code path)")
-    ap.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
+    ap.add_argument("--json", action="store_true", help="one JSON object per row")
+    ap.add_argument("--out", default="out/bench", help="gpu: where the table and plots go")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--ops", type=lambda v: v.split(","), default=None, help=f"traffic: a comma list of {OPS}")
+    ap.add_argument("--rows", type=lambda v: [int(r) for r in v.split(",")], default=None, help="traffic: row counts")
+    ap.add_argument("--d", type=int, default=None, help="traffic: row width")
     args = ap.parse_args(argv)
-    for name in ("rows", "d", "steps", "threads"):
-        v = getattr(args, name)
-        if v is not None and any(x < 1 for x in (v if isinstance(v, list) else [v])):
-            ap.error(f"--{name.replace('_', '-')} must be positive")
+    if args.ops and set(args.ops) - set(OPS):
+        ap.error(f"--ops: unknown {sorted(set(args.ops) - set(OPS))}; choose from {OPS}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows, tables = {"traffic": traffic, "memory": memory, "speed": speed, "gpu": gpu}[args.what](args)
+    rows = {"traffic": traffic, "memory": memory, "speed": speed, "gpu": gpu}[args.what](args)
     if rows:
-        emit(args, rows, tables)
-    return 0
+        emit(rows, args.json)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
