@@ -32,6 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 import fuseblock  # noqa: E402
 
 ACTIVATION_ARGS = {"X", "R", "Y", "O", "RO", "P", "DO", "DRO", "DX", "DR", "DY"}
+UNCACHED_ARGS = ACTIVATION_ARGS | {"RSTD", "MEAN", "DW", "DB", "?"}  # all but the weights, which stay cached
 OPS = ["norm", "add_norm", "add_norm_layer", "add_norm_fp32_residual", "pre_gate", "post_gate", "post_gate_residual"]
 
 
@@ -80,13 +81,46 @@ def _fused(op, x, residual, w, kw):
     return fuseblock.add_norm(x, residual, w, **kw)
 
 
-def _naive(op, x, residual, w, kw):
-    """The same function as eager torch: x + residual, then torch's own norm (and gate)."""
+class _OneKernelRMSNorm(torch.autograd.Function):
+    """torch's rms_norm charged as one kernel each way, as CUDA runs it: forward reads x, w
+    and writes out, rstd; backward reads grad_out, x, rstd, w and writes dx, dw."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        from fuseblock.testing.traffic import charge, uncounted
+
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        with uncounted():
+            rstd = torch.rsqrt(x.to(acc).square().mean(-1, keepdim=True) + 1e-6)  # (M, 1)
+            out = (x.to(acc) * rstd * w.to(acc)).to(x.dtype)
+        charge("rms_norm (one kernel)", [x, w], [out, rstd])
+        ctx.save_for_backward(x, w, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        from fuseblock.testing.traffic import charge, uncounted
+
+        x, w, rstd = ctx.saved_tensors
+        with uncounted():
+            r = x.to(rstd.dtype) * rstd
+            dr = dout.to(rstd.dtype) * w.to(rstd.dtype)
+            dx = (rstd * (dr - r * (dr * r).mean(-1, keepdim=True))).to(x.dtype)
+            dw = (dout.to(rstd.dtype) * r).sum(0).to(w.dtype)
+        charge("rms_norm_backward (one kernel)", [dout, x, rstd, w], [dx, dw])
+        return dx, dw
+
+
+def _naive(op, x, residual, w, kw, one_kernel_norm: bool = False):
+    """The same function as eager torch: x + residual, then torch's own norm (and gate).
+    one_kernel_norm: charge rms_norm as one kernel (CUDA) instead of the CPU's composite."""
     p = x if residual is None else (x.to(residual.dtype) + residual if "residual_dtype" in kw else x + residual)
     g = F.silu(kw["gate"]) if "gate" in kw else None
     s = p * g if kw.get("gate_position") == "pre" else p
     if kw.get("kind") == "layer":
         out = F.layer_norm(s, (s.shape[-1],), w.to(s.dtype), kw["bias"].to(s.dtype), 1e-6)
+    elif one_kernel_norm:
+        out = _OneKernelRMSNorm.apply(s, w.to(s.dtype))
     else:
         out = F.rms_norm(s, (s.shape[-1],), w.to(s.dtype), 1e-6)
     out = out.to(x.dtype)
@@ -124,21 +158,28 @@ def measure_traffic(op: str, rows: int, d: int, dtype) -> list[dict]:
         nouts = [t for t in _naive(op, x, residual, w, kw) if t is not None]
     with EagerTraffic() as nb:
         torch.autograd.grad(nouts, leaves, grads)
+    with EagerTraffic() as n1f:
+        nouts = [t for t in _naive(op, x, residual, w, kw, one_kernel_norm=True) if t is not None]
+    with EagerTraffic() as n1b:
+        torch.autograd.grad(nouts, leaves, grads)
     min_f, min_b = _minimum(x, residual, kw, out, new_res)
 
     def act(kt):
         return sum(v for ln in kt.launches for part in (ln.read, ln.written) for k, v in part.items() if k in ACTIVATION_ARGS)
 
-    parts = {"fwd": ([kf], [nf], min_f), "bwd": ([kb], [nb], min_b), "fwd+bwd": ([kf, kb], [nf, nb], min_f + min_b)}
+    parts = {"fwd": ([kf], [nf], [n1f], min_f), "bwd": ([kb], [nb], [n1b], min_b),
+             "fwd+bwd": ([kf, kb], [nf, nb], [n1f, n1b], min_f + min_b)}
     out_rows = []
-    for pas, (kts, nts, mn) in parts.items():
+    for pas, (kts, nts, n1s, mn) in parts.items():
         a = sum(map(act, kts))
         kernel = sum(k.bytes + k.glue_bytes for k in kts)
-        naive = sum(n.bytes for n in nts)
+        uncached = sum(k.accessed(UNCACHED_ARGS) + k.glue_bytes for k in kts)
+        naive, naive1 = sum(n.bytes for n in nts), sum(n.bytes for n in n1s)
         out_rows.append(dict(
             op=op, dtype=str(dtype).removeprefix("torch."), rows=rows, d=d, pas=pas,
             kernel_MB=kernel / 1e6, naive_MB=naive / 1e6, min_MB=mn / 1e6, other_MB=(kernel - a) / 1e6,
-            kernel_over_min=kernel / mn, act_over_min=a / mn, naive_over_kernel=naive / kernel,
+            kernel_over_min=kernel / mn, act_over_min=a / mn, uncached_over_min=uncached / mn,
+            naive_over_kernel=naive / kernel, naive1_over_kernel=naive1 / kernel,
             launches=sum(len(k.launches) for k in kts), glue_ops=sum(len(k.glue.ops) for k in kts),
             naive_ops=sum(len(n.ops) for n in nts),
         ))
@@ -261,32 +302,56 @@ def _others(kind: str, d: int, dt):
     return found
 
 
-def _gpt_step_ms(fused: bool, do_bench) -> float:
+def _cpu_bench(fn, warmup=1, rep=3, grad_to_none=None) -> float:
+    """Median ms of a few calls: do_bench's stand-in for the CPU smoke run of `gpu`."""
+    fn()
+    ts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def _gpt_step_ms(fused: bool, do_bench, dev) -> float:
     from models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
-    cfg = GPTConfig(block_size=1024, n_layer=12, n_head=12, n_embd=768, fused=fused)
-    model = GPT(cfg).to("cuda", torch.bfloat16)
-    idx = torch.randint(0, cfg.vocab_size, (8, cfg.block_size), device="cuda")
+    shape = dict(block_size=1024, n_layer=12, n_head=12, n_embd=768) if dev.type == "cuda" else \
+        dict(block_size=32, n_layer=1, n_head=2, n_embd=32)  # the CPU smoke run
+    cfg = GPTConfig(fused=fused, **shape)
+    model = GPT(cfg).to(dev, torch.bfloat16)
+    idx = torch.randint(0, cfg.vocab_size, (8, cfg.block_size), device=dev)
 
     def step():
         model(idx, idx)[1].backward()
 
     ms = do_bench(step, warmup=3, rep=20, grad_to_none=list(model.parameters()))
     del model
-    torch.cuda.empty_cache()
+    _empty_cache(dev)
     return ms
+
+
+def _empty_cache(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def gpu(args) -> list[dict]:
     """bf16 add_norm bandwidth (compulsory bytes / time) against eager torch, torch.compile
-    and published kernels; the GPT step time; table and plots into --out."""
-    if not torch.cuda.is_available():
+    and published kernels; the GPT step time; table and plots into --out.
+    --device cpu runs the same code at toy sizes, a smoke test for machines without a GPU."""
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: the gpu benchmark needs one (nothing to do)")
         return []
     import torch._functorch.config as fconfig
-    from triton.testing import do_bench
+    from torch import _dynamo
 
+    if dev.type == "cuda":
+        from triton.testing import do_bench
+    else:
+        do_bench = _cpu_bench
     fconfig.donated_buffer = False  # the compiled backward is re-run with retain_graph
     dt = torch.bfloat16
     rows = []
@@ -296,16 +361,20 @@ def gpu(args) -> list[dict]:
         out = F.rms_norm(p, (p.shape[-1],), w, 1e-6) if kind == "rms" else F.layer_norm(p, (p.shape[-1],), w, None, 1e-6)
         return out, p
 
-    compiled = torch.compile(naive)
-    ds = [1024, 4096, 16384, 65536, 262144] if args.quick else [1 << k for k in range(10, 19)]
+    ds = [args.d] if args.d else [1024, 4096, 16384, 65536, 262144] if args.quick else [1 << k for k in range(10, 19)]
     for kind in ("rms", "layer"):
         for d in ds:
-            M = min(32768, (1 << 29) // d)
+            # A fresh static-shape compile per shape: one compiled function reused across
+            # shapes turns dynamic after the first (automatic dynamic shapes), which
+            # generates slower, shape-generic reductions and understates torch.compile.
+            _dynamo.reset()
+            compiled = None if args.no_compile else torch.compile(naive, dynamic=False)
+            M = min(args.rows[0] if args.rows else 32768, (1 << 29) // d)
             row = dict(kind=kind, d=d, rows=M)
             try:
-                x = torch.randn(M, d, device="cuda", dtype=dt, requires_grad=True)
-                r = torch.randn(M, d, device="cuda", dtype=dt, requires_grad=True)
-                w = torch.ones(d, device="cuda", dtype=dt, requires_grad=True)
+                x = torch.randn(M, d, device=dev, dtype=dt, requires_grad=True)
+                r = torch.randn(M, d, device=dev, dtype=dt, requires_grad=True)
+                w = torch.ones(d, device=dev, dtype=dt, requires_grad=True)
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e)[:80]}"
                 rows.append(row)
@@ -313,8 +382,11 @@ def gpu(args) -> list[dict]:
             # fwd: x, r in; out, p out. bwd: p, dout, dp in; dx (= dr) out. Weights excluded.
             nbytes = 4 * M * d * x.element_size()
             impls = {"fuseblock": lambda x, r, w: fuseblock.add_norm(x, r, w, kind=kind, eps=1e-6),
-                     "eager": lambda x, r, w: naive(x, r, w, kind), "compile": lambda x, r, w: compiled(x, r, w, kind),
-                     **_others(kind, d, dt)}
+                     "eager": lambda x, r, w: naive(x, r, w, kind)}
+            if compiled is not None:
+                impls["compile"] = lambda x, r, w: compiled(x, r, w, kind)
+            if dev.type == "cuda":
+                impls.update(_others(kind, d, dt))
             for name, fn in impls.items():
                 try:
                     with torch.no_grad():
@@ -330,18 +402,19 @@ def gpu(args) -> list[dict]:
                     row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:80]}"
             rows.append(row)
             del x, r, w
-            torch.cuda.empty_cache()
+            _empty_cache(dev)
     steps = {}
     for fused in (False, True):
         try:
-            steps["fused" if fused else "naive"] = _gpt_step_ms(fused, do_bench)
+            steps["fused" if fused else "naive"] = _gpt_step_ms(fused, do_bench, dev)
         except Exception as e:
             steps[("fused" if fused else "naive") + "_error"] = f"{type(e).__name__}: {str(e)[:80]}"
     step_rows = [dict(kind="gpt_step_ms", **steps)]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "gpu.json").write_text(json.dumps(rows + step_rows, indent=1))
-    (out_dir / "gpu.md").write_text(f"# add_norm bandwidth, bf16, {torch.cuda.get_device_name()}\n\n"
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (smoke run)"
+    (out_dir / "gpu.md").write_text(f"# add_norm bandwidth, bf16, {name}, torch {torch.__version__}\n\n"
                                     + markdown(rows) + "\n# GPT-2 small shape step (fwd+bwd), ms\n\n" + markdown(step_rows))
     _plot(rows, out_dir)
     return rows + step_rows
@@ -382,6 +455,8 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes, for CI")
     ap.add_argument("--json", action="store_true", help="one JSON object per row")
     ap.add_argument("--out", default="out/bench", help="gpu: where the table and plots go")
+    ap.add_argument("--device", default="cuda", help="gpu: the device; cpu runs a toy-size smoke test of the code")
+    ap.add_argument("--no-compile", action="store_true", help="gpu: skip the torch.compile baseline")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--ops", type=lambda v: v.split(","), default=None, help=f"traffic: a comma list of {OPS}")
     ap.add_argument("--rows", type=lambda v: [int(r) for r in v.split(",")], default=None, help="traffic: row counts")

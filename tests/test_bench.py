@@ -41,6 +41,23 @@ def test_speed_quick_runs():
     assert {r["impl"] for r in rows} == {"naive", "fused"} and all(r["median_ms"] > 0 for r in rows)
 
 
+@pytest.mark.slow
+def test_gpu_code_path_smoke_run_on_cpu(tmp_path):
+    # the GPU benchmark's own code at toy sizes on the CPU, torch.compile included
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "gpu", "--device", "cpu", "--d", "64",
+                        "--rows", "32", "--out", str(tmp_path), "--json"],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    bw = [r for r in rows if r["kind"] in ("rms", "layer")]
+    assert len(bw) == 2 and not any(k.endswith("_error") for r in rows for k in r)
+    for r in bw:
+        assert all(r[f"{impl}_{pas}_TBps"] > 0 for impl in ("fuseblock", "eager", "compile") for pas in ("fwd", "bwd"))
+    assert rows[-1]["naive"] > 0 and rows[-1]["fused"] > 0  # GPT step ms
+    assert {f.name for f in tmp_path.iterdir()} == {"gpu.md", "gpu.json", "gpu_rms.png", "gpu_layer.png"}
+
+
 def test_gpu_without_cuda_says_so():
     import torch
 

@@ -6,7 +6,7 @@ import torch
 from conftest import KERNEL_PATH
 from trainutil import ROOT
 
-from fuseblock.testing.traffic import EagerTraffic, KernelTraffic
+from fuseblock.testing.traffic import EagerTraffic, KernelTraffic, charge, uncounted
 
 sys.path.insert(0, str(ROOT / "scripts"))
 kernel_only = pytest.mark.skipif(not KERNEL_PATH or torch.cuda.is_available(), reason="counts the interpreter's loads and stores")
@@ -48,6 +48,41 @@ def test_kernel_counter_on_a_kernel_of_known_traffic(monkeypatch, compact_at):
 
 @pytest.mark.kernel
 @kernel_only
+def test_kernel_counter_counts_every_access_and_stray_bytes():
+    copy_twice = _copy_twice()
+    buf, y = torch.randn(100), torch.empty(100, dtype=torch.float16)
+    with KernelTraffic() as t:
+        copy_twice[(1,)](buf[:20], y, 30, B=32)  # reads 10 elements past its view of buf
+    (ln,) = t.launches
+    assert ln.read == {"X": 80, "?": 40} and ln.written == {"Y": 30}
+    assert ln.accessed == {"X": 160, "?": 80, "Y": 30}  # the re-read counts here: no cache
+    assert t.accessed({"X", "Y"}) == 190 and t.accessed() == 270
+
+
+@pytest.mark.kernel
+@kernel_only
+def test_kernel_counter_counts_atomics_and_restores_the_interpreter():
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    @triton.jit
+    def atomic_sum(X, S, B: tl.constexpr):
+        o = tl.program_id(0) * B + tl.arange(0, B)
+        tl.atomic_add(S, tl.sum(tl.load(X + o), 0))  # each program reads and writes S
+
+    before = interpreter.InterpreterBuilder.create_atomic_rmw
+    x, s = torch.ones(64), torch.zeros(1)
+    with KernelTraffic() as t:
+        atomic_sum[(4,)](x, s, B=16)
+    assert s.item() == 64
+    (ln,) = t.launches
+    assert ln.read == {"X": 256, "S": 4} and ln.written == {"S": 4} and ln.accessed["S"] == 4 * 4 * 2
+    assert interpreter.InterpreterBuilder.create_atomic_rmw is before
+
+
+@pytest.mark.kernel
+@kernel_only
 def test_kernel_counter_charges_glue_ops_but_not_the_interpreter_copies():
     copy_twice = _copy_twice()
     x, y = torch.randn(1000), torch.empty(1000, dtype=torch.float16)
@@ -78,6 +113,46 @@ def test_eager_counter_reads_repeated_and_broadcast_inputs_once():
     assert t.ops[0][1:] == (x.nbytes, x.nbytes)
     assert t.ops[1][1:] == (x.nbytes + w.nbytes, x.nbytes)
     assert t.ops[2][1:] == (w.nbytes, w.nbytes)
+
+
+def test_charge_models_one_kernel_and_uncounted_hides_its_ops():
+    x = torch.randn(8, 16)
+    with EagerTraffic() as outer, EagerTraffic() as inner:
+        with uncounted():
+            y = x.exp().exp()
+        charge("two exps", [x, None, x], [y])
+    assert outer.ops == inner.ops == [("two exps", 512, 512)]
+
+
+def test_one_kernel_rms_norm_is_torchs_rms_norm_and_charged_once():
+    import bench
+
+    x, residual, w, kw = bench._op_inputs("add_norm", 16, 48, torch.float64)
+    leaves = bench._leaves(x, residual, w, kw)
+    one, ref = bench._naive("add_norm", x, residual, w, kw, one_kernel_norm=True), bench._naive("add_norm", x, residual, w, kw)
+    grads = [torch.randn_like(t) for t in one]
+    for a, b in zip([*one, *torch.autograd.grad(one, leaves, grads)], [*ref, *torch.autograd.grad(ref, leaves, grads)]):
+        torch.testing.assert_close(a, b)
+    with EagerTraffic() as t:
+        out, _ = bench._naive("add_norm", x, residual, w, kw, one_kernel_norm=True)
+        torch.autograd.grad(out, leaves[:3], grads[0])
+    n, row, col = 16 * 48 * 8, 16 * 8, 48 * 8  # fp64 activation, rstd, weight
+    norm_ops = [op for op in t.ops if "rms_norm" in op[0]]
+    assert norm_ops == [("rms_norm (one kernel)", n + col, n + row),
+                        ("rms_norm_backward (one kernel)", 2 * n + row + col, n + col)]
+
+
+@pytest.mark.kernel
+@kernel_only
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_wide_rows_loop_kernels_move_each_byte_once(kind):
+    import bench
+
+    op = "add_norm_layer" if kind == "layer" else "add_norm"
+    fwd, bwd, _ = bench.measure_traffic(op, 3, 65536, torch.bfloat16)  # past both tile limits: the loop kernels
+    for r in (fwd, bwd):
+        assert r["launches"] == 1 and r["act_over_min"] == 1.0
+        assert r["uncached_over_min"] > 1.3  # later passes re-read the row: distinct once, accessed more
 
 
 @pytest.mark.kernel

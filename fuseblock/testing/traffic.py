@@ -1,14 +1,17 @@
 """Count the bytes a computation moves, without a GPU.
 
-- `KernelTraffic`: under TRITON_INTERPRET=1, records every masked load and store the
-  interpreter performs and reports, per kernel launch and per tensor argument, the
-  distinct bytes read and the distinct bytes written (a byte read twice counts once: on
-  a GPU the second read is a cache hit at best, and never less than one HBM read).
+- `KernelTraffic`: under TRITON_INTERPRET=1, records every masked load and store (and
+  atomic) the interpreter performs and reports, per kernel launch and per tensor
+  argument, the distinct bytes read and the distinct bytes written (a byte read twice
+  counts once: on a GPU the second read is a cache hit at best, and never less than one
+  HBM read). `accessed` also counts every access, repeats included: the traffic with no
+  cache at all, an upper bound where a launch's working set outgrows the L2.
   With `glue=True` it also charges the torch ops run between launches (e.g. the sum of
   the dw partial rows), as `EagerTraffic` would.
 - `EagerTraffic`: a TorchDispatchMode charging each aten op its distinct tensor inputs
   read and its outputs written (views and allocations are free): the traffic of an
-  unfused eager composition.
+  unfused eager composition. `charge` and `uncounted` model a computation as one kernel
+  (e.g. torch's rms_norm, one kernel on CUDA but a composite of ops on the CPU).
 """
 from __future__ import annotations
 
@@ -29,10 +32,30 @@ class Launch:
     kernel: str
     read: dict[str, int] = field(default_factory=dict)  # distinct bytes per tensor argument
     written: dict[str, int] = field(default_factory=dict)
+    accessed: dict[str, int] = field(default_factory=dict)  # bytes loaded + stored, repeats counted
 
     @property
     def bytes(self) -> int:
         return sum(self.read.values()) + sum(self.written.values())
+
+
+def _tally(tally: dict, spans: dict[str, tuple[int, int]], addrs: np.ndarray, size: int) -> None:
+    """Add the bytes of one access to the span (tensor argument) each address falls in."""
+    if addrs.size == 0:
+        return
+    lo, hi = int(addrs.min()), int(addrs.max())
+    for name, (a, b) in spans.items():  # the usual case: one argument holds the whole access
+        if a <= lo and hi < b:
+            tally[name] = tally.get(name, 0) + addrs.size * size
+            return
+    rest = addrs.size
+    for name, (a, b) in spans.items():
+        n = int(np.count_nonzero((addrs >= a) & (addrs < b)))
+        if n:
+            tally[name] = tally.get(name, 0) + n * size
+            rest -= n
+    if rest:
+        tally["?"] = tally.get("?", 0) + rest * size
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -94,15 +117,19 @@ class KernelTraffic(contextlib.AbstractContextManager):
         if not hasattr(it, "GridExecutor"):
             raise RuntimeError("KernelTraffic needs triton's interpreter (set TRITON_INTERPRET=1 before importing triton)")
         builder, counter = it.InterpreterBuilder, self
-        self._orig = (builder.create_masked_load, builder.create_masked_store, it.GridExecutor.__call__)
-        orig_load, orig_store, orig_call = self._orig
-        state = {"reads": None, "writes": None}
+        self._orig = (builder.create_masked_load, builder.create_masked_store, builder.create_atomic_rmw,
+                      builder.create_atomic_cas, it.GridExecutor.__call__)
+        orig_load, orig_store, orig_rmw, orig_cas, orig_call = self._orig
+        state = {"reads": None, "writes": None, "spans": {}, "accessed": {}}
 
         def record(kind, ptrs, mask):
             if state[kind] is not None:
                 size = np.dtype(it._get_np_dtype(ptrs.get_element_ty())).itemsize
-                m = np.broadcast_to(mask.data, ptrs.data.shape)
-                state[kind].add(ptrs.data[m].astype(np.int64).ravel(), size)
+                data = np.asarray(ptrs.data)
+                m = np.ones(data.shape, dtype=bool) if mask is None else np.asarray(mask.data, dtype=bool)
+                addrs = data[np.broadcast_to(m, data.shape)].astype(np.int64).ravel()
+                state[kind].add(addrs, size)
+                _tally(state["accessed"], state["spans"], addrs, size)
 
         def load(b, ptrs, mask, other, *a):
             record("reads", ptrs, mask)
@@ -112,11 +139,21 @@ class KernelTraffic(contextlib.AbstractContextManager):
             record("writes", ptrs, mask)
             return orig_store(b, ptrs, value, mask, *a)
 
+        def atomic_rmw(b, op, ptr, val, mask, *a):  # a read and a write of each address
+            record("reads", ptr, mask)
+            record("writes", ptr, mask)
+            return orig_rmw(b, op, ptr, val, mask, *a)
+
+        def atomic_cas(b, ptr, cmp, val, *a):
+            record("reads", ptr, None)
+            record("writes", ptr, None)
+            return orig_cas(b, ptr, cmp, val, *a)
+
         def call(ex, *args, **kwargs):
             params = inspect.signature(ex.fn).parameters
             named = inspect.getcallargs(ex.fn, *args, **{k: v for k, v in kwargs.items() if k in params})
             spans = {k: _span(v) for k, v in named.items() if isinstance(v, torch.Tensor)}
-            state["reads"], state["writes"] = _Accesses(), _Accesses()
+            state["reads"], state["writes"], state["spans"], state["accessed"] = _Accesses(), _Accesses(), spans, {}
             if counter.glue is not None:
                 counter.glue.paused += 1  # the interpreter's own host copies are not traffic
             try:
@@ -124,10 +161,11 @@ class KernelTraffic(contextlib.AbstractContextManager):
             finally:
                 if counter.glue is not None:
                     counter.glue.paused -= 1
-                counter.launches.append(Launch(ex.fn.__name__, state["reads"].count(spans), state["writes"].count(spans)))
+                read, written = state["reads"].count(spans), state["writes"].count(spans)
+                counter.launches.append(Launch(ex.fn.__name__, read, written, state["accessed"]))
                 state["reads"] = state["writes"] = None
 
-        builder.create_masked_load, builder.create_masked_store, it.GridExecutor.__call__ = load, store, call
+        self._set(it, (load, store, atomic_rmw, atomic_cas, call))
         if self.glue is not None:
             self.glue.__enter__()
         return self
@@ -137,8 +175,13 @@ class KernelTraffic(contextlib.AbstractContextManager):
 
         if self.glue is not None:
             self.glue.__exit__(*exc)
-        it.InterpreterBuilder.create_masked_load, it.InterpreterBuilder.create_masked_store, it.GridExecutor.__call__ = self._orig
+        self._set(it, self._orig)
         return False
+
+    @staticmethod
+    def _set(it, fns) -> None:
+        b = it.InterpreterBuilder
+        b.create_masked_load, b.create_masked_store, b.create_atomic_rmw, b.create_atomic_cas, it.GridExecutor.__call__ = fns
 
     @property
     def bytes(self) -> int:
@@ -148,6 +191,10 @@ class KernelTraffic(contextlib.AbstractContextManager):
     @property
     def glue_bytes(self) -> int:
         return 0 if self.glue is None else self.glue.bytes
+
+    def accessed(self, names=None) -> int:
+        """Bytes loaded plus stored on the arguments `names` (default all), repeats counted."""
+        return sum(v for ln in self.launches for k, v in ln.accessed.items() if names is None or k in names)
 
 
 # Allocations and metadata-only ops move no bytes (views are caught by `func.is_view`).
@@ -160,6 +207,32 @@ def distinct_bytes(t: torch.Tensor) -> int:
     return t.element_size() * math.prod(s for s, st in zip(t.shape, t.stride()) if st != 0)
 
 
+_EAGER: list = []  # the active EagerTraffic counters
+
+
+@contextlib.contextmanager
+def uncounted():
+    """The aten ops run inside are charged to no active EagerTraffic counter."""
+    active = list(_EAGER)
+    for mode in active:
+        mode.paused += 1
+    try:
+        yield
+    finally:
+        for mode in active:
+            mode.paused -= 1
+
+
+def charge(name: str, inputs, outputs) -> None:
+    """Charge the active EagerTraffic counters one op that reads `inputs` and writes
+    `outputs` (None entries skipped): a computation modelled as one kernel."""
+    ins = {(t.data_ptr(), t.dtype, tuple(t.shape), t.stride()): t for t in inputs if t is not None}
+    read, written = sum(map(distinct_bytes, ins.values())), sum(t.nbytes for t in outputs if t is not None)
+    for mode in _EAGER:
+        if not mode.paused:
+            mode.ops.append((name, read, written))
+
+
 class EagerTraffic(TorchDispatchMode):
     """Bytes each aten op reads (distinct tensor inputs) and writes (outputs), views free."""
 
@@ -167,6 +240,14 @@ class EagerTraffic(TorchDispatchMode):
         super().__init__()
         self.ops: list[tuple[str, int, int]] = []
         self.paused = 0
+
+    def __enter__(self):
+        _EAGER.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _EAGER.remove(self)
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
