@@ -48,6 +48,26 @@ def test_kernel_counter_on_a_kernel_of_known_traffic(monkeypatch, compact_at):
 
 @pytest.mark.kernel
 @kernel_only
+def test_kernel_counter_compacts_rarely_when_distinct_addresses_pass_the_threshold(monkeypatch):
+    import triton
+
+    import fuseblock.testing.traffic as traffic
+
+    calls = []
+    monkeypatch.setattr(traffic, "COMPACT_AT", 100)
+    monkeypatch.setattr(traffic, "_unique", lambda a, f=traffic._unique: calls.append(a.size) or f(a))
+    copy_twice = _copy_twice()
+    x, y = torch.randn(64 * 1024), torch.empty(64 * 1024, dtype=torch.float16)
+    with KernelTraffic() as t:
+        copy_twice[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), B=1024)  # 192 accesses of 1024 addresses
+    assert t.launches[0].read == {"X": x.nbytes}
+    # compaction happens when the held addresses double, not on every access once the
+    # distinct count passes COMPACT_AT (that re-sorted everything each time: quadratic)
+    assert len(calls) <= 2 * 10 + 3
+
+
+@pytest.mark.kernel
+@kernel_only
 def test_kernel_counter_counts_every_access_and_stray_bytes():
     copy_twice = _copy_twice()
     buf, y = torch.randn(100), torch.empty(100, dtype=torch.float16)

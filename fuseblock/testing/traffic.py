@@ -77,14 +77,17 @@ class _Accesses:
 
     def __init__(self):
         self.chunks: dict[int, list[np.ndarray]] = {}
-        self.pending = 0
+        self.pending = 0  # addresses held
+        self.kept = 0  # distinct addresses after the last compaction
 
     def add(self, addrs: np.ndarray, size: int) -> None:
         self.chunks.setdefault(size, []).append(addrs)
         self.pending += addrs.size
-        if self.pending > COMPACT_AT:
+        # Compact when the held addresses double: a fixed threshold below the distinct
+        # count would re-sort everything on every access (quadratic on wide launches).
+        if self.pending > max(COMPACT_AT, 2 * self.kept):
             self.chunks = {s: [_unique(np.concatenate(c))] for s, c in self.chunks.items()}
-            self.pending = sum(c[0].size for c in self.chunks.values())
+            self.pending = self.kept = sum(c[0].size for c in self.chunks.values())
 
     def count(self, spans: dict[str, tuple[int, int]]) -> dict[str, int]:
         """Distinct bytes inside each span; bytes outside every span go to '?'."""
