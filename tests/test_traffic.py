@@ -190,6 +190,9 @@ def test_kernel_traffic_is_the_compulsory_minimum(op, dtype):
     for r in (fwd, bwd):
         assert r["launches"] == 1
         assert r["act_over_min"] == 1.0  # every activation byte once, none more
+        # the tile kernels touch each byte once: even with no cache at all (every access
+        # counted, the weights aside) they move no more than the distinct bytes
+        assert r["uncached_over_min"] <= r["kernel_over_min"]
         assert r["naive_over_kernel"] > 1.2  # and the eager composition moves more
     assert fwd["kernel_over_min"] <= 1.05  # weights and statistics included
     # backward: dw (and db) partial rows of fp32, at least MIN_ROWS_PER_PROGRAM rows per
