@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from .ops.batch_norm import batch_norm, check_momentum, group_norm, instance_norm
 from .ops.embed_norm import embed_norm
-from .ops.spec import _check_number
+from .ops.spec import check_number
 
 __all__ = ["embed_norm", "batch_norm", "group_norm", "instance_norm", "BatchNorm", "InstanceNorm"]
 
@@ -21,7 +21,7 @@ __all__ = ["embed_norm", "batch_norm", "group_norm", "instance_norm", "BatchNorm
 def _check_config(num_features, eps) -> None:
     if isinstance(num_features, bool) or not isinstance(num_features, numbers.Integral) or num_features < 1:
         raise ValueError(f"num_features must be a positive int, got {num_features!r}")
-    _check_number("eps", eps)
+    check_number("eps", eps)
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
 

@@ -8,7 +8,6 @@ o1 = (c/sqrt(d)) * (q/sigma) * w + b; o = o1 * g(gate) (post) or o1.
 import math
 
 import torch
-import torch.nn.functional as F
 
 ACTS = {
     "none": lambda y: y,

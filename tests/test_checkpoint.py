@@ -68,8 +68,8 @@ def test_load_paths_contain_no_pickle_and_no_unsafe_torch_load():
     for path in list((ROOT / "models").glob("*.py")) + list((ROOT / "scripts").glob("*.py")) + list((ROOT / "fuseblock").rglob("*.py")):
         src = path.read_text()
         assert not re.search(r"^\s*import pickle|^\s*from pickle|cPickle", src, re.M), path
-        for call in re.findall(r"torch\.load\([^)]*\)", src):
-            assert "weights_only=True" in call, f"{path}: {call}"
+        for load in re.findall(r"torch\.load\([^)]*\)", src):
+            assert "weights_only=True" in load, f"{path}: {load}"
 
 
 @pytest.mark.parametrize("damage,needle", [

@@ -28,12 +28,12 @@ import torch
 from torch import Tensor
 
 from .norm import _EagerNorm, norm
-from .spec import _check_number, _check_tensor
+from .spec import check_number, check_tensor
 
 
 def _check_input(x, what: str, min_dim: int) -> tuple[int, int, int]:
     """(N, C, L) of an (N, C, *) input, L the product of the trailing dims."""
-    _check_tensor("x", x)
+    check_tensor("x", x)
     if x.dim() < min_dim:
         raise ValueError(f"x must be {what}, got shape {tuple(x.shape)}")
     n, c = x.shape[0], x.shape[1]
@@ -46,13 +46,13 @@ def _check_input(x, what: str, min_dim: int) -> tuple[int, int, int]:
 def _check_channel_vectors(x: Tensor, c: int, **tensors) -> None:
     for name, t in tensors.items():
         if t is not None:
-            _check_tensor(name, t, x)
+            check_tensor(name, t, x)
             if tuple(t.shape) != (c,):
                 raise ValueError(f"{name} must have shape ({c},) (one value per channel of x), got {tuple(t.shape)}")
 
 
 def _check_eps(eps) -> None:
-    _check_number("eps", eps)
+    check_number("eps", eps)
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
 
@@ -60,7 +60,7 @@ def _check_eps(eps) -> None:
 def check_momentum(momentum, *, allow_none: bool = False) -> None:
     if momentum is None and allow_none:
         return
-    _check_number("momentum", momentum)
+    check_number("momentum", momentum)
     if not 0 <= momentum <= 1:
         raise ValueError(f"momentum must be in [0, 1], got {momentum}")
 

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..kernels import embed_norm as kernels
 from .norm import uses_triton
-from .spec import _check_number, _check_tensor
+from .spec import check_number, check_tensor
 
 ORDS = {"l1": 1, "l2": 2, "max": 3}
 
@@ -125,12 +125,12 @@ def embed_norm(x: Tensor, ord: str = "l2", eps: float = 1e-12) -> Tensor:
     Equals torch.nn.functional.normalize(x, p, dim=-1, eps) for p = 1, 2, inf, values and
     gradients (see the module docstring for the subgradients). Output has x's dtype.
     """
-    _check_tensor("x", x)
+    check_tensor("x", x)
     if x.dim() == 0 or x.shape[-1] < 1:
         raise ValueError(f"x must have a non-empty last dimension to normalize, got shape {tuple(x.shape)}")
     if not isinstance(ord, str) or ord not in ORDS:
         raise ValueError(f"ord must be one of {tuple(ORDS)}, got {ord!r}")
-    _check_number("eps", eps)
+    check_number("eps", eps)
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     fwd = torch.ops.fuseblock.embed_norm_fwd if torch.compiler.is_compiling() else _EagerEmbedNorm.apply

@@ -36,7 +36,7 @@ class NormSpec:
     groups: int
 
 
-def _check_tensor(name: str, t, x: Optional[torch.Tensor] = None) -> None:
+def check_tensor(name: str, t, x: Optional[torch.Tensor] = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in FLOAT_DTYPES:
@@ -45,7 +45,7 @@ def _check_tensor(name: str, t, x: Optional[torch.Tensor] = None) -> None:
         raise ValueError(f"{name} is on {t.device} but x is on {x.device}; all tensors must share one device")
 
 
-def _check_number(name: str, v, *, allow_none: bool = False) -> None:
+def check_number(name: str, v, *, allow_none: bool = False) -> None:
     if v is None and allow_none:
         return
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
@@ -58,8 +58,8 @@ def check_options(d: int, *, kind, c, eps, num_groups, gate_act, gate_position) 
     """Checks of the non-tensor options, shared by the functions and the modules."""
     if not isinstance(kind, str) or kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    _check_number("c", c, allow_none=True)
-    _check_number("eps", eps)
+    check_number("c", c, allow_none=True)
+    check_number("eps", eps)
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral):
@@ -88,7 +88,7 @@ def resolve(
     residual_dtype,
 ) -> NormSpec:
     """Validate every argument of norm/add_norm and return the kernel-level spec."""
-    _check_tensor("x", x)
+    check_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the normalized last dim)")
     d = x.shape[-1]
@@ -97,12 +97,12 @@ def resolve(
     check_options(d, kind=kind, c=c, eps=eps, num_groups=num_groups, gate_act=gate_act, gate_position=gate_position)
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None:
-            _check_tensor(name, t, x)
+            check_tensor(name, t, x)
             if tuple(t.shape) != (d,):
                 raise ValueError(f"{name} must have shape ({d},), got {tuple(t.shape)}")
     for name, t in (("residual", residual), ("gate", gate)):
         if t is not None:
-            _check_tensor(name, t, x)
+            check_tensor(name, t, x)
             if t.shape != x.shape:
                 raise ValueError(f"{name} must have x's shape {tuple(x.shape)}, got {tuple(t.shape)}")
     if residual_dtype is not None:
