@@ -32,7 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 import fuseblock  # noqa: E402
 
 ACTIVATION_ARGS = {"X", "R", "Y", "O", "RO", "P", "DO", "DRO", "DX", "DR", "DY"}
-UNCACHED_ARGS = ACTIVATION_ARGS | {"RSTD", "MEAN", "DW", "DB", "?"}  # all but the weights, which stay cached
+UNCACHED_ARGS = ACTIVATION_ARGS | {"RSTD", "MEAN", "DOT", "DW", "DB", "?"}  # all but the weights, which stay cached
 OPS = ["norm", "add_norm", "add_norm_layer", "add_norm_fp32_residual", "pre_gate", "post_gate", "post_gate_residual"]
 
 

@@ -2,18 +2,20 @@
 
 Two layouts, picked per call by the width of one normalized group:
 - `tile`: a [BR rows, BG groups, BD columns] block holds whole rows in registers, many
-  rows per program. Used when a row fits (BG * BD <= MAX_TILE).
-- `loop`: one (row, group) at a time, looping over column chunks of BD. Used for wide
-  rows (d = 131072 and beyond), which never fit in registers.
+  rows per program. Used when a row fits (BG * BD <= MAX_TILE_FWD / MAX_TILE_BWD).
+- wide rows (d = 65536 and beyond), which never fit in registers: the forward loops
+  over column chunks of one row at a time (`_fwd_loop`); the backward takes two
+  launches, the per-row constants (`_bwd_dots`) then a column-chunk pass (`_bwd_cols`).
 
 Names: i_ program ids, o_ offsets, m_ masks, b_ blocks (fp32 in registers).
 Statistics (rstd, mean) are fp32 whatever the storage dtype.
 
-Traffic: forward reads x, residual, gate once and writes out, new_residual once.
-Backward reads the saved p (new_residual or x), gate, dout and the gradient arriving at
-new_residual once, and writes dx (which is also the residual's gradient), dgate once.
-dw and db are reduced per program in registers and written as one partial row per
-program; the caller sums those rows.
+Traffic (tile kernels): forward reads x, residual, gate once and writes out,
+new_residual once. Backward reads the saved p (new_residual or x), gate, dout and the
+gradient arriving at new_residual once, and writes dx (which is also the residual's
+gradient), dgate once. dw and db are reduced per program in registers and written as
+one partial row per program; the caller sums those rows. Wide rows read p (and dout,
+in the backward) twice: docs/performance.md counts it.
 """
 from __future__ import annotations
 
@@ -32,7 +34,10 @@ LAUNCHES: collections.Counter = collections.Counter()
 MAX_TILE_FWD = 32768  # widest row (elements) the forward tile kernel holds in registers
 MAX_TILE_BWD = 16384  # the backward keeps more blocks live: it spills beyond this
 LOOP_PROGRAMS_PER_SM = 2  # loop kernels: persistent programs per SM
-LOOP_BLOCK = 4096  # column chunk of the loop kernel
+LOOP_BLOCK = 4096  # column chunk of the row-looping kernels
+COLS_BLOCK = 2048  # wide-row backward: columns per program of the column-chunk kernel
+COLS_TILE = 8192  # and elements per [rows, columns] block it loads
+COLS_PROGRAMS_PER_SM = 4
 H100_SMS = 132  # SM count assumed when there is no GPU (the interpreter)
 MIN_ROWS_PER_PROGRAM = 64  # keeps dw/db partial rows (fp32, written and summed) near 3% of bf16 traffic
 
@@ -138,9 +143,11 @@ def _fwd_loop(
     HAS_R: tl.constexpr, STORE_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, STORE_STATS: tl.constexpr,
 ):
-    # Persistent: program i_p handles (row, group) pairs i_p, i_p + n_p, ... Later passes
-    # re-read the inputs rather than the new_residual just written (HBM sees each input
-    # once); with about one program per SM the rows in flight fit in L2, so they hit.
+    # Persistent: program i_p handles (row, group) pairs i_p, i_p + n_p, ... A row this
+    # wide does not fit on chip, so it is read twice, never three times: pass 1 reads the
+    # inputs, writes new_residual and gathers the statistics in one sweep; pass 2 reads
+    # p back and writes out. With a residual, pass 2 reads new_residual (one tensor, just
+    # written) rather than x and residual again (two).
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
     o_d = tl.arange(0, BD)
@@ -148,7 +155,10 @@ def _fwd_loop(
         i_mg = tl.cast(i_it, tl.int64)
         i_m = i_mg // G
         o_base = (i_mg % G) * DG  # first column of this group
-        b_sum = tl.zeros([BD], dtype=tl.float32)
+        # per lane: element count, running mean, and the sum of squares (RMS) or of
+        # squared deviations from that mean (Welford: no sum-of-squares cancellation)
+        b_n = tl.zeros([BD], dtype=tl.float32)
+        b_mu = tl.zeros([BD], dtype=tl.float32)
         b_sq = tl.zeros([BD], dtype=tl.float32)
         for i_d in range(0, DG, BD):
             o_col = o_base + i_d + o_d
@@ -156,28 +166,28 @@ def _fwd_loop(
             b_s = _load_p(X, R, RO, i_m * s_x + o_col, i_m * s_r + o_col, i_m * s_ro + o_col, m_d, HAS_R, STORE_R)
             if GATE == 1:
                 b_s *= _act(tl.load(Y + i_m * s_y + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
-            b_sum += b_s
-            b_sq += b_s * b_s
-        if CENTER:
-            b_mean = _mean(tl.sum(b_sum, 0), DG)
-            b_sq = tl.zeros([BD], dtype=tl.float32)
-            for i_d in range(0, DG, BD):  # exact two-pass variance: no sum-of-squares cancellation
-                o_col = o_base + i_d + o_d
-                m_d = i_d + o_d < DG
-                b_s = _load_p(X, R, RO, i_m * s_x + o_col, i_m * s_r + o_col, i_m * s_ro + o_col, m_d, HAS_R, False)
-                if STORE_R:
-                    b_s = b_s.to(RO.dtype.element_ty).to(tl.float32)
-                if GATE == 1:
-                    b_s *= _act(tl.load(Y + i_m * s_y + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
-                b_q = tl.where(m_d, b_s - b_mean, 0.0)
-                b_sq += b_q * b_q
-        b_rstd = tl.rsqrt(_mean(tl.sum(b_sq, 0), DG) + eps)
+            if CENTER:
+                b_n += tl.where(m_d, 1.0, 0.0)
+                b_delta = tl.where(m_d, b_s - b_mu, 0.0)
+                b_mu += b_delta / tl.maximum(b_n, 1.0)
+                b_sq += b_delta * (b_s - b_mu)
+            else:
+                b_sq += b_s * b_s
+        if CENTER:  # merge the lanes (Chan et al.): M2 = sum M2_j + sum n_j (mu_j - mean)^2
+            b_mean = _mean(tl.sum(b_n * b_mu, 0), DG)
+            b_dev = b_mu - b_mean
+            b_rstd = tl.rsqrt(_mean(tl.sum(b_sq, 0) + tl.sum(b_n * b_dev * b_dev, 0), DG) + eps)
+        else:
+            b_rstd = tl.rsqrt(_mean(tl.sum(b_sq, 0), DG) + eps)
         for i_d in range(0, DG, BD):
             o_col = o_base + i_d + o_d
             m_d = i_d + o_d < DG
-            b_s = _load_p(X, R, RO, i_m * s_x + o_col, i_m * s_r + o_col, i_m * s_ro + o_col, m_d, HAS_R, False)
-            if STORE_R:
-                b_s = b_s.to(RO.dtype.element_ty).to(tl.float32)
+            if HAS_R and STORE_R:
+                b_s = tl.load(RO + i_m * s_ro + o_col, mask=m_d, other=0.0).to(tl.float32)
+            else:
+                b_s = _load_p(X, R, RO, i_m * s_x + o_col, i_m * s_r + o_col, i_m * s_ro + o_col, m_d, HAS_R, False)
+                if STORE_R:  # new_residual is x in another dtype: the norm sees the rounded value
+                    b_s = b_s.to(RO.dtype.element_ty).to(tl.float32)
             if GATE != 0:
                 b_g = _act(tl.load(Y + i_m * s_y + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
             if GATE == 1:
@@ -280,93 +290,135 @@ def _bwd_tile(
         tl.store(DB + o_part, b_db, mask=m_gd)
 
 
+@triton.jit(do_not_specialize=["MG", "scale"])
+def _bwd_dots(
+    P, Y, W, RSTD, MEAN, DO, DOT,
+    s_p, s_y, s_do,
+    MG, G, DG, scale,
+    BD: tl.constexpr,
+    HAS_W: tl.constexpr, CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr,
+):
+    # Wide rows, step 1 of 2: the per-(row, group) constants of dq, which need the whole
+    # row before any dx can be written. DOT[mg] = (mean(r * dr), mean(dq)).
+    i_p = tl.program_id(0)
+    n_p = tl.num_programs(0)
+    o_d = tl.arange(0, BD)
+    for i_it in range(i_p, MG, n_p):
+        i_mg = tl.cast(i_it, tl.int64)
+        i_m = i_mg // G
+        o_base = (i_mg % G) * DG
+        b_rstd = tl.load(RSTD + i_mg)
+        if CENTER:
+            b_mean = tl.load(MEAN + i_mg)
+        b_c1 = tl.zeros([BD], dtype=tl.float32)  # sum r * dr
+        b_c2 = tl.zeros([BD], dtype=tl.float32)  # sum dr
+        b_c3 = tl.zeros([BD], dtype=tl.float32)  # sum r
+        for i_d in range(0, DG, BD):
+            o_col = o_base + i_d + o_d
+            m_d = i_d + o_d < DG
+            b_s = tl.load(P + i_m * s_p + o_col, mask=m_d, other=0.0).to(tl.float32)
+            b_do = tl.load(DO + i_m * s_do + o_col, mask=m_d, other=0.0).to(tl.float32)
+            if GATE != 0:
+                b_g = _act(tl.load(Y + i_m * s_y + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
+                if GATE == 1:
+                    b_s *= b_g
+                else:
+                    b_do *= b_g
+            b_r = tl.where(m_d, b_s - b_mean, 0.0) * b_rstd if CENTER else b_s * b_rstd
+            b_dr = b_do * scale
+            if HAS_W:
+                b_dr *= tl.load(W + o_col, mask=m_d, other=0.0).to(tl.float32)
+            b_c1 += b_r * b_dr
+            b_c2 += b_dr
+            b_c3 += b_r
+        c1 = _mean(tl.sum(b_c1, 0), DG)
+        tl.store(DOT + 2 * i_mg, c1)
+        if CENTER:  # mean of dq = rstd * (mean(dr) - c1 * mean(r)); mean(r) is 0 up to rounding
+            tl.store(DOT + 2 * i_mg + 1, (_mean(tl.sum(b_c2, 0), DG) - c1 * _mean(tl.sum(b_c3, 0), DG)) * b_rstd)
+
+
 @triton.jit(do_not_specialize=["M", "scale"])
-def _bwd_loop(
-    P, Y, W, B, RSTD, MEAN, DO, DRO, DX, DR, DY, DW, DB,
+def _bwd_cols(
+    P, Y, W, B, RSTD, MEAN, DOT, DO, DRO, DX, DR, DY, DW, DB,
     s_p, s_y, s_do, s_dro, s_dx, s_dr, s_dy,
     M, G, DG, scale,
-    BD: tl.constexpr,
+    BR: tl.constexpr, BD: tl.constexpr,
     HAS_DRO: tl.constexpr, STORE_DR: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr,
 ):
-    # Wide rows: program i_p handles rows i_p, i_p + n_p, ..., one group at a time.
-    # Pass 1 forms the dot products; pass 2 writes dx and adds into this program's
-    # own dw/db partial row in memory (its first row initialises it: no memset).
-    i_p = tl.program_id(0)
-    n_p = tl.num_programs(0)
-    o_d = tl.arange(0, BD)
-    D = G * DG
-    for i_it in range(i_p, M, n_p):
-        i_m = tl.cast(i_it, tl.int64)
-        for i_g in range(0, G):
-            i_mg = i_m * G + i_g
-            o_base = i_g * DG
-            b_rstd = tl.load(RSTD + i_mg)
-            if CENTER:
-                b_mean = tl.load(MEAN + i_mg)
-            b_c1 = tl.zeros([BD], dtype=tl.float32)  # sum r * dr
-            b_c2 = tl.zeros([BD], dtype=tl.float32)  # sum dr
-            b_c3 = tl.zeros([BD], dtype=tl.float32)  # sum r
-            for pass_ in tl.static_range(2):
-                if pass_ == 1:
-                    c1 = _mean(tl.sum(b_c1, 0), DG)
-                    # mean of dq = rstd * (mean(dr) - c1 * mean(r))
-                    c2 = (_mean(tl.sum(b_c2, 0), DG) - c1 * _mean(tl.sum(b_c3, 0), DG)) * b_rstd
-                for i_d in range(0, DG, BD):
-                    o_col = o_base + i_d + o_d
-                    m_d = i_d + o_d < DG
-                    b_p = tl.load(P + i_m * s_p + o_col, mask=m_d, other=0.0).to(tl.float32)
-                    if GATE != 0:
-                        b_y = tl.load(Y + i_m * s_y + o_col, mask=m_d, other=0.0).to(tl.float32)
-                        b_g = _act(b_y, ACT)
-                    b_s = b_p * b_g if GATE == 1 else b_p
-                    b_r = tl.where(m_d, b_s - b_mean, 0.0) * b_rstd if CENTER else b_s * b_rstd
-                    b_do = tl.load(DO + i_m * s_do + o_col, mask=m_d, other=0.0).to(tl.float32)
-                    if HAS_W:
-                        b_w = tl.load(W + o_col, mask=m_d, other=0.0).to(tl.float32)
-                    if GATE == 2:
-                        if pass_ == 1:
-                            b_o1 = b_r * scale
-                            if HAS_W:
-                                b_o1 *= b_w
-                            if HAS_B:
-                                b_o1 += tl.load(B + o_col, mask=m_d, other=0.0).to(tl.float32)
-                            b_dy = b_do * b_o1 * _act_grad(b_y, ACT)
-                            tl.store(DY + i_m * s_dy + o_col, b_dy.to(DY.dtype.element_ty), mask=m_d)
-                        b_do *= b_g
-                    b_dr = b_do * scale
-                    if HAS_W:
-                        b_dr *= b_w
-                    if pass_ == 0:
-                        b_c1 += b_r * b_dr
-                        b_c2 += b_dr
-                        b_c3 += b_r
-                    else:
-                        b_dq = (b_dr - b_r * c1) * b_rstd
-                        if CENTER:
-                            b_dq -= c2
-                        if GATE == 1:
-                            b_dy = b_dq * b_p * _act_grad(b_y, ACT)
-                            tl.store(DY + i_m * s_dy + o_col, b_dy.to(DY.dtype.element_ty), mask=m_d)
-                            b_dq *= b_g
-                        if HAS_DRO:
-                            b_dq += tl.load(DRO + i_m * s_dro + o_col, mask=m_d, other=0.0).to(tl.float32)
-                        tl.store(DX + i_m * s_dx + o_col, b_dq.to(DX.dtype.element_ty), mask=m_d)
-                        if STORE_DR:
-                            tl.store(DR + i_m * s_dr + o_col, b_dq.to(DR.dtype.element_ty), mask=m_d)
-                        o_part = i_p.to(tl.int64) * D + o_col
-                        b_pw = b_do * b_r * scale
-                        b_pb = b_do
-                        if i_it >= n_p:  # not this program's first row: accumulate
-                            if NEED_DW:
-                                b_pw += tl.load(DW + o_part, mask=m_d, other=0.0)
-                            if NEED_DB:
-                                b_pb += tl.load(DB + o_part, mask=m_d, other=0.0)
-                        if NEED_DW:
-                            tl.store(DW + o_part, b_pw, mask=m_d)
-                        if NEED_DB:
-                            tl.store(DB + o_part, b_pb, mask=m_d)
+    # Wide rows, step 2 of 2: program (i_c, i_p) owns column chunk i_c (inside one group)
+    # of row blocks i_p, i_p + n_p, ... With the row constants from _bwd_dots, dx needs
+    # only its own columns; and walking down the columns keeps dw/db in registers, so
+    # each program writes one partial row once (a row-major loop would read and write
+    # its partial row for every row it handles).
+    i_c = tl.program_id(0)
+    i_p = tl.program_id(1)
+    n_p = tl.num_programs(1)
+    n_cg = tl.cdiv(DG, BD)  # chunks per group
+    i_g = i_c // n_cg
+    o_in = (i_c % n_cg) * BD + tl.arange(0, BD)  # columns within the group
+    m_d = o_in < DG
+    o_col = i_g * DG + o_in
+    col = o_col[None, :]
+    if HAS_W:
+        b_w = tl.load(W + o_col, mask=m_d, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        b_b = tl.load(B + o_col, mask=m_d, other=0.0).to(tl.float32)[None, :]
+    b_dw = tl.zeros([BD], dtype=tl.float32)
+    b_db = tl.zeros([BD], dtype=tl.float32)
+    for i_m in range(i_p, tl.cdiv(M, BR), n_p):
+        o_m = (i_m * BR + tl.arange(0, BR)).to(tl.int64)
+        m_m = o_m < M
+        mask = m_m[:, None] & m_d[None, :]
+        row = o_m[:, None]
+        o_mg = o_m * G + i_g
+        b_rstd = tl.load(RSTD + o_mg, mask=m_m, other=0.0)[:, None]
+        b_c1 = tl.load(DOT + 2 * o_mg, mask=m_m, other=0.0)[:, None]
+        b_p = tl.load(P + row * s_p + col, mask=mask, other=0.0).to(tl.float32)
+        if GATE != 0:
+            b_y = tl.load(Y + row * s_y + col, mask=mask, other=0.0).to(tl.float32)
+            b_g = _act(b_y, ACT)
+        b_s = b_p * b_g if GATE == 1 else b_p
+        if CENTER:
+            b_mean = tl.load(MEAN + o_mg, mask=m_m, other=0.0)[:, None]
+            b_r = tl.where(mask, b_s - b_mean, 0.0) * b_rstd
+        else:
+            b_r = b_s * b_rstd
+        b_do = tl.load(DO + row * s_do + col, mask=mask, other=0.0).to(tl.float32)
+        if GATE == 2:  # post-gate: do1 = do * g(y); dgate = do * o1 * g'(y)
+            b_o1 = b_r * scale
+            if HAS_W:
+                b_o1 *= b_w
+            if HAS_B:
+                b_o1 += b_b
+            b_dy = b_do * b_o1 * _act_grad(b_y, ACT)
+            tl.store(DY + row * s_dy + col, b_dy.to(DY.dtype.element_ty), mask=mask)
+            b_do *= b_g
+        if NEED_DW:
+            b_dw += tl.sum(b_do * b_r, 0) * scale
+        if NEED_DB:
+            b_db += tl.sum(b_do, 0)
+        b_dr = b_do * scale
+        if HAS_W:
+            b_dr *= b_w
+        b_dq = (b_dr - b_r * b_c1) * b_rstd
+        if CENTER:
+            b_dq -= tl.load(DOT + 2 * o_mg + 1, mask=m_m, other=0.0)[:, None]
+        if GATE == 1:  # pre-gate: dgate = dq * p * g'(y); dp = dq * g(y)
+            b_dy = b_dq * b_p * _act_grad(b_y, ACT)
+            tl.store(DY + row * s_dy + col, b_dy.to(DY.dtype.element_ty), mask=mask)
+            b_dq *= b_g
+        if HAS_DRO:
+            b_dq += tl.load(DRO + row * s_dro + col, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + row * s_dx + col, b_dq.to(DX.dtype.element_ty), mask=mask)
+        if STORE_DR:
+            tl.store(DR + row * s_dr + col, b_dq.to(DR.dtype.element_ty), mask=mask)
+    o_part = i_p.to(tl.int64) * G * DG + o_col
+    if NEED_DW:
+        tl.store(DW + o_part, b_dw, mask=m_d)
+    if NEED_DB:
+        tl.store(DB + o_part, b_db, mask=m_d)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -441,33 +493,46 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     d = p.shape[-1]
     p2, do2, dro2, y2 = _rows(p, d), _rows(dout, d), _rows(dres, d), _rows(gate, d)
     M, G = p2.shape[0], spec.groups
+    dg = d // G
     dev = p.device
     dx = torch.empty((M, d), dtype=x_dtype, device=dev)
     dr = torch.empty((M, d), dtype=residual_grad_dtype, device=dev) if residual_grad_dtype is not None else None
     dy = torch.empty((M, d), dtype=gate.dtype, device=dev) if gate is not None else None
     tile, bg, bd, br, warps, per_sm = _layout(d, G, MAX_TILE_BWD)
+    if tile:
+        n_cols, n_items = 1, triton.cdiv(M, br)
+    else:  # the column-chunk kernel's layout: [BR, BD] blocks, BD columns of one group
+        bd = min(COLS_BLOCK, triton.next_power_of_2(dg))
+        br, per_sm = COLS_TILE // bd, COLS_PROGRAMS_PER_SM
+        n_cols, n_items = G * triton.cdiv(dg, bd), triton.cdiv(M, br)
     # A few programs per SM, and at least MIN_ROWS_PER_PROGRAM rows each, so the
     # (n_prog, d) partial buffers stay small next to the activations on small batches.
-    n_items = triton.cdiv(M, br) if tile else M
-    n_prog = max(1, min(_num_sms(dev) * per_sm, n_items, triton.cdiv(M, MIN_ROWS_PER_PROGRAM)))
+    n_prog = max(1, min(triton.cdiv(_num_sms(dev) * per_sm, n_cols), n_items, triton.cdiv(M, MIN_ROWS_PER_PROGRAM)))
     need_dw, need_db = weight is not None, bias is not None
     dw_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_dw else None
     db_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_db else None
     if M > 0:
-        args = (
-            p2, y2, weight, bias, rstd, mean, do2, dro2, dx, dr, dy, dw_part, db_part,
-            p2.stride(0), _stride(y2), do2.stride(0), _stride(dro2), dx.stride(0), _stride(dr), _stride(dy),
-        )
+        strides = (p2.stride(0), _stride(y2), do2.stride(0), _stride(dro2), dx.stride(0), _stride(dr), _stride(dy))
+        outs = (do2, dro2, dx, dr, dy, dw_part, db_part)
         flags = dict(
             HAS_DRO=dro2 is not None, STORE_DR=dr is not None, HAS_W=need_dw, HAS_B=need_db,
             NEED_DW=need_dw, NEED_DB=need_db, CENTER=spec.center, GATE=spec.gate_mode, ACT=spec.act,
-            num_warps=warps,
         )
         if tile:
-            _bwd_tile[(n_prog,)](*args, M, G, d // G, spec.scale, BR=br, BG=bg, BD=bd, **flags)
+            _bwd_tile[(n_prog,)](p2, y2, weight, bias, rstd, mean, *outs, *strides, M, G, dg, spec.scale,
+                                 BR=br, BG=bg, BD=bd, num_warps=warps, **flags)
+            LAUNCHES["bwd"] += 1
         else:
-            _bwd_loop[(n_prog,)](*args, M, G, d // G, spec.scale, BD=bd, **flags)
-        LAUNCHES["bwd"] += 1
+            dots = torch.empty((M * G, 2), dtype=torch.float32, device=dev)
+            loop_bd = min(LOOP_BLOCK, triton.next_power_of_2(dg))
+            _bwd_dots[(min(M * G, _num_sms(dev) * LOOP_PROGRAMS_PER_SM),)](
+                p2, y2, weight, rstd, mean, do2, dots, p2.stride(0), _stride(y2), do2.stride(0),
+                M * G, G, dg, spec.scale, BD=loop_bd, HAS_W=need_dw, CENTER=spec.center, GATE=spec.gate_mode,
+                ACT=spec.act, num_warps=8,
+            )
+            _bwd_cols[(n_cols, n_prog)](p2, y2, weight, bias, rstd, mean, dots, *outs, *strides, M, G, dg,
+                                        spec.scale, BR=br, BD=bd, num_warps=8, **flags)
+            LAUNCHES["bwd"] += 2
     if M == 0:  # no program ran: the partial rows hold garbage, the true sums are zero
         dw_part = None if dw_part is None else dw_part.zero_()
         db_part = None if db_part is None else db_part.zero_()

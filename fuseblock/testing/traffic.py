@@ -4,7 +4,8 @@
   atomic) the interpreter performs and reports, per kernel launch and per tensor
   argument, the distinct bytes read and the distinct bytes written (a byte read twice
   counts once: on a GPU the second read is a cache hit at best, and never less than one
-  HBM read). `accessed` also counts every access, repeats included: the traffic with no
+  HBM read; a byte read after the launch wrote it is not a read at all, as it is in
+  that cache already). `accessed` also counts every access, repeats included: the traffic with no
   cache at all, an upper bound where a launch's working set outgrows the L2.
   With `glue=True` it also charges the torch ops run between launches (e.g. the sum of
   the dw partial rows), as `EagerTraffic` would.
@@ -66,34 +67,49 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + extent * t.element_size()
 
 
-def _unique(a: np.ndarray) -> np.ndarray:
-    """Sorted distinct values (a sort beats numpy's hash-based unique on large int arrays)."""
-    a = np.sort(a)
-    return a[np.concatenate(([True], a[1:] != a[:-1]))] if a.size else a
+def _first(addrs: np.ndarray, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted distinct addresses, each with the sequence number of its first access."""
+    order = np.lexsort((seqs, addrs))  # by address, then by sequence
+    addrs, seqs = addrs[order], seqs[order]
+    keep = np.concatenate(([True], addrs[1:] != addrs[:-1])) if addrs.size else np.zeros(0, bool)
+    return addrs[keep], seqs[keep]
 
 
 class _Accesses:
-    """Element addresses seen in one launch, per element size, deduplicated lazily."""
+    """Element addresses seen in one launch, per element size, with the sequence number
+    of the access that first touched each; deduplicated lazily."""
 
     def __init__(self):
-        self.chunks: dict[int, list[np.ndarray]] = {}
+        self.chunks: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
         self.pending = 0  # addresses held
         self.kept = 0  # distinct addresses after the last compaction
 
-    def add(self, addrs: np.ndarray, size: int) -> None:
-        self.chunks.setdefault(size, []).append(addrs)
+    def add(self, addrs: np.ndarray, size: int, seq: int) -> None:
+        self.chunks.setdefault(size, []).append((addrs, np.full(addrs.size, seq, dtype=np.int64)))
         self.pending += addrs.size
         # Compact when the held addresses double: a fixed threshold below the distinct
         # count would re-sort everything on every access (quadratic on wide launches).
         if self.pending > max(COMPACT_AT, 2 * self.kept):
-            self.chunks = {s: [_unique(np.concatenate(c))] for s, c in self.chunks.items()}
-            self.pending = self.kept = sum(c[0].size for c in self.chunks.values())
+            self.chunks = {s: [self._merged(s)] for s in self.chunks}
+            self.pending = self.kept = sum(c[0][0].size for c in self.chunks.values())
 
-    def count(self, spans: dict[str, tuple[int, int]]) -> dict[str, int]:
-        """Distinct bytes inside each span; bytes outside every span go to '?'."""
+    def _merged(self, size: int) -> tuple[np.ndarray, np.ndarray]:
+        chunks = self.chunks.get(size, [])
+        if not chunks:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return _first(np.concatenate([a for a, _ in chunks]), np.concatenate([q for _, q in chunks]))
+
+    def count(self, spans: dict[str, tuple[int, int]], after: "_Accesses | None" = None) -> dict[str, int]:
+        """Distinct bytes inside each span; bytes outside every span go to '?'.
+        after: leave out addresses that `after` touched first (reads of bytes written earlier)."""
         out = dict.fromkeys([*spans, "?"], 0)
-        for size, chunks in self.chunks.items():
-            uniq = _unique(np.concatenate(chunks))
+        for size in self.chunks:
+            uniq, seq = self._merged(size)
+            if after is not None:
+                w_addr, w_seq = after._merged(size)
+                i = np.minimum(np.searchsorted(w_addr, uniq), max(w_addr.size - 1, 0))
+                earlier = (w_addr[i] == uniq) & (w_seq[i] < seq) if w_addr.size else np.zeros(uniq.size, bool)
+                uniq = uniq[~earlier]
             inside = 0
             for name, (lo, hi) in spans.items():
                 n = int(np.searchsorted(uniq, hi, "left") - np.searchsorted(uniq, lo, "left"))
@@ -123,7 +139,7 @@ class KernelTraffic(contextlib.AbstractContextManager):
         self._orig = (builder.create_masked_load, builder.create_masked_store, builder.create_atomic_rmw,
                       builder.create_atomic_cas, it.GridExecutor.__call__)
         orig_load, orig_store, orig_rmw, orig_cas, orig_call = self._orig
-        state = {"reads": None, "writes": None, "spans": {}, "accessed": {}}
+        state = {"reads": None, "writes": None, "spans": {}, "accessed": {}, "seq": 0}
 
         def record(kind, ptrs, mask):
             if state[kind] is not None:
@@ -131,7 +147,8 @@ class KernelTraffic(contextlib.AbstractContextManager):
                 data = np.asarray(ptrs.data)
                 m = np.ones(data.shape, dtype=bool) if mask is None else np.asarray(mask.data, dtype=bool)
                 addrs = data[np.broadcast_to(m, data.shape)].astype(np.int64).ravel()
-                state[kind].add(addrs, size)
+                state["seq"] += 1
+                state[kind].add(addrs, size, state["seq"])
                 _tally(state["accessed"], state["spans"], addrs, size)
 
         def load(b, ptrs, mask, other, *a):
@@ -164,7 +181,7 @@ class KernelTraffic(contextlib.AbstractContextManager):
             finally:
                 if counter.glue is not None:
                     counter.glue.paused -= 1
-                read, written = state["reads"].count(spans), state["writes"].count(spans)
+                read, written = state["reads"].count(spans, after=state["writes"]), state["writes"].count(spans)
                 counter.launches.append(Launch(ex.fn.__name__, read, written, state["accessed"]))
                 state["reads"] = state["writes"] = None
 

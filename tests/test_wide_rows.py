@@ -1,0 +1,84 @@
+"""The wide-row kernels (`_fwd_loop`, `_bwd_dots` + `_bwd_cols`) at small scale.
+
+Rows of 65536+ columns take these kernels; through the interpreter such rows are slow,
+so here the tile limits and chunk sizes shrink until rows of a few dozen columns take
+them, with ragged last chunks, several chunks per group, several row blocks per program
+and several programs: every path of their indexing, against the fp64 reference.
+"""
+import pytest
+import torch
+from conftest import KERNEL_PATH
+from test_norm import run_case
+
+import fuseblock
+import fuseblock.kernels.norm as K
+
+pytestmark = [pytest.mark.kernel, pytest.mark.skipif(not KERNEL_PATH, reason="the Triton kernels' layouts")]
+
+
+@pytest.fixture(autouse=True)
+def small_wide_rows(monkeypatch):
+    for name, value in dict(MAX_TILE_FWD=16, MAX_TILE_BWD=16, LOOP_BLOCK=8, COLS_BLOCK=8, COLS_TILE=32,
+                            MIN_ROWS_PER_PROGRAM=4, H100_SMS=2).items():
+        monkeypatch.setattr(K, name, value)
+
+
+def launches(fn):
+    before = K.LAUNCHES.copy()
+    fn()
+    return K.LAUNCHES["fwd"] - before["fwd"], K.LAUNCHES["bwd"] - before["bwd"]
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer", "l2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("res", ["none", "same", "fp32"])
+@pytest.mark.parametrize("affine", ["w", "wb"])
+def test_wide_row_kernels_match_fp64_reference(kind, dtype, res, affine):
+    d, rows = 37, 29  # 5 chunks of 8 (the last has 5 columns); 8 row blocks of 4 over 2 programs
+    x = torch.randn(rows, d).to(dtype) * 3 + 2  # an offset mean: the centring matters
+    residual = None if res == "none" else torch.randn(rows, d).to(dtype)
+    w = torch.randn(d).to(dtype)
+    b = torch.randn(d).to(dtype) if affine == "wb" else None
+    rdtype = torch.float32 if res == "fp32" else None
+    assert launches(lambda: run_case(x, residual, w, b, kind=kind, residual_dtype=rdtype)) == (1, 2)
+
+
+@pytest.mark.parametrize("position", ["pre", "post"])
+@pytest.mark.parametrize("act", ["sigmoid", "silu"])
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_wide_row_kernels_gated(position, act, kind):
+    d, rows = 21, 10
+    run_case(torch.randn(rows, d), torch.randn(rows, d), torch.randn(d), torch.randn(d), kind=kind,
+             gate=torch.randn(rows, d), gate_act=act, gate_position=position)
+
+
+@pytest.mark.parametrize("groups,dg", [(3, 24), (4, 5)])
+def test_wide_row_kernels_with_groups(groups, dg):
+    # (3, 24): three chunks per group; (4, 5): one ragged chunk per group
+    d = groups * dg
+    run_case(torch.randn(9, d) + 1, torch.randn(9, d), torch.randn(d), torch.randn(d), kind="layer",
+             num_groups=groups)
+
+
+def test_wide_row_kernels_without_weight_or_residual_gradient():
+    x = torch.randn(13, 40)
+    run_case(x, None, None, None, kind="rms", grad_res=False)
+
+
+def test_wide_row_layer_statistics_survive_a_large_offset():
+    # Welford per lane, merged: a sum-of-squares variance, E[x^2] - mean^2, would lose
+    # ~6% of it here in fp32 (ulp(1e6) = 0.06); what remains is the fp32 rounding of the
+    # mean itself (ulp(1000) / 2 = 3e-5, times rstd = 1)
+    x = 1000.0 + torch.randn(6, 50)
+    out = fuseblock.norm(x, kind="layer", eps=0.0)
+    ref = torch.nn.functional.layer_norm(x.double(), (50,), eps=0.0)
+    torch.testing.assert_close(out.double(), ref, atol=2e-4, rtol=0)
+
+
+def test_constant_wide_rows_give_zero_output_and_finite_gradients():
+    x = torch.full((5, 40), 3.0, requires_grad=True)
+    out = fuseblock.norm(x, kind="layer", eps=1e-5)
+    assert torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    assert torch.isfinite(x.grad).all()
+
