@@ -4,6 +4,7 @@
     python scripts/bench.py memory  [--quick]   bytes saved for backward per layer per token, fused vs naive GPT
     python scripts/bench.py speed   [--quick]   CPU training-step time: naive, fused, and torch.compile of each
     python scripts/bench.py gpu     [--out DIR] GPU bandwidth and GPT step time (exits 0 without CUDA)
+    python scripts/bench.py sm90    [--quick]   each kernel compiled for an H100 without one: registers, spills
 
 Byte model for `traffic`: the compulsory minimum reads each external activation input once
 and writes each activation output once (forward: x, residual, gate in; out, new_residual
@@ -420,6 +421,41 @@ def gpu(args) -> list[dict]:
     return rows + step_rows
 
 
+def sm90(args) -> list[dict]:
+    """Compile every kernel the launchers pick for bf16 add_norm (rms; layer with bias)
+    for an H100 (sm_90) with Triton's compiler and ptxas: no GPU needed. Reports what
+    the cubin uses per thread (registers; stack, where spilled registers go, through
+    L1 and L2), the programs an SM holds at once, and the grid in waves of those: a
+    persistent kernel wants at most 1 (a second, partial wave runs with idle SMs)."""
+    import math
+
+    from fuseblock.kernels.norm import H100_SMS
+    from fuseblock.testing.sm90 import compile_sm90, norm_launches, resident_programs, resource_usage
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("sm90 needs triton's compiler: unset TRITON_INTERPRET")
+    widths = [args.d] if args.d else ([1024, 65536] if args.quick else [256, 1024, 4096, 16384, 32768, 65536, 262144])
+    out_rows = []
+    for d in widths:
+        rows = min(32768, (1 << 29) // d)  # as `gpu` does: the grids are the benchmark's
+        x = torch.empty(rows, d, dtype=torch.bfloat16)
+        w = torch.empty(d, dtype=torch.bfloat16)
+        for kind in ("rms", "layer"):
+            for ln in norm_launches(x, torch.empty_like(x), w, w if kind == "layer" else None, kind=kind):
+                t0 = time.perf_counter()
+                usage = resource_usage(compile_sm90(ln))
+                warps = ln.kwargs.get("num_warps", 4)
+                resident = resident_programs(usage, warps)
+                block = "x".join(str(ln.kwargs[k]) for k in ("BR", "BG", "BD") if k in ln.kwargs)
+                out_rows.append(dict(kind=kind, d=d, rows=rows, kernel=ln.name, grid="x".join(map(str, ln.grid)),
+                                     block=block, num_warps=warps, **usage, resident_per_sm=resident,
+                                     waves=math.prod(ln.grid) / (H100_SMS * resident),
+                                     compile_s=time.perf_counter() - t0))
+                if not args.json:
+                    print(f"  {kind} d={d} {ln.name} done", file=sys.stderr, flush=True)
+    return out_rows
+
+
 def _plot(rows, out_dir: Path) -> None:
     try:
         import matplotlib
@@ -451,7 +487,7 @@ def _plot(rows, out_dir: Path) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["traffic", "memory", "speed", "gpu"])
+    ap.add_argument("what", choices=["traffic", "memory", "speed", "gpu", "sm90"])
     ap.add_argument("--quick", action="store_true", help="small sizes, for CI")
     ap.add_argument("--json", action="store_true", help="one JSON object per row")
     ap.add_argument("--out", default="out/bench", help="gpu: where the table and plots go")
@@ -460,13 +496,13 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--ops", type=lambda v: v.split(","), default=None, help=f"traffic: a comma list of {OPS}")
     ap.add_argument("--rows", type=lambda v: [int(r) for r in v.split(",")], default=None, help="traffic: row counts")
-    ap.add_argument("--d", type=int, default=None, help="traffic: row width")
+    ap.add_argument("--d", type=int, default=None, help="traffic, sm90: row width")
     args = ap.parse_args(argv)
     if args.ops and set(args.ops) - set(OPS):
         ap.error(f"--ops: unknown {sorted(set(args.ops) - set(OPS))}; choose from {OPS}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = {"traffic": traffic, "memory": memory, "speed": speed, "gpu": gpu}[args.what](args)
+    rows = {"traffic": traffic, "memory": memory, "speed": speed, "gpu": gpu, "sm90": sm90}[args.what](args)
     if rows:
         emit(rows, args.json)
 

@@ -1,0 +1,166 @@
+"""Compile the Triton kernels for an H100 (sm_90) on a machine with no GPU.
+
+The interpreter runs the kernels' arithmetic, not the compiler: a construct it accepts
+may still fail to compile, and a layout may spill registers to local memory, which only
+a GPU build shows. Triton's compiler and the ptxas it ships need no GPU, so:
+
+- `captured_launches()`: a context in which the launchers (`norm_fwd`, `norm_bwd`, ...)
+  record their kernel launches instead of running them: the exact kernels, arguments,
+  constexprs and `num_warps` a GPU would get for those inputs;
+- `compile_sm90(launch)`: that launch's signature (with the 16-byte divisibility hints
+  Triton's JIT would add) compiled to PTX and a cubin for sm_90;
+- `resource_usage(kernel)`: registers and stack (spill) bytes per thread, shared bytes,
+  read from the cubin; `resident_programs` turns them into programs per SM.
+
+Needs triton's compiler: not under TRITON_INTERPRET=1.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
+           torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.bool: "i1"}
+
+
+@dataclass
+class Launch:
+    fn: object  # the triton.JITFunction
+    grid: tuple
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.fn.__name__
+
+
+class _Recorder:
+    def __init__(self, fn, out: list):
+        self.fn, self.out = fn, out
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.out.append(Launch(self.fn, tuple(grid), args, kwargs))
+
+
+@contextlib.contextmanager
+def captured_launches(*modules):
+    """Within the context, every JIT kernel in `modules` (default: fuseblock's kernel
+    modules) records its launches into the yielded list instead of running."""
+    import triton
+
+    if not modules:
+        from ..kernels import embed_norm, norm
+
+        modules = (norm, embed_norm)
+    out: list[Launch] = []
+    saved = []
+    for mod in modules:
+        for name, obj in list(vars(mod).items()):
+            if isinstance(obj, triton.runtime.JITFunction):
+                saved.append((mod, name, obj))
+                setattr(mod, name, _Recorder(obj, out))
+    try:
+        yield out
+    finally:
+        for mod, name, obj in saved:
+            setattr(mod, name, obj)
+
+
+def _signature(launch: Launch):
+    """(signature, constexprs, attrs, options) as Triton's JIT would build them."""
+    fn = launch.fn
+    values = dict(zip(fn.arg_names, launch.args))
+    values.update({k: v for k, v in launch.kwargs.items() if k in fn.arg_names})
+    options = {k: v for k, v in launch.kwargs.items() if k not in fn.arg_names}
+    signature, constexprs, attrs = {}, {}, {}
+    for param in fn.params:
+        name, v = param.name, values[param.name]
+        if param.is_constexpr or v is None:
+            signature[name], constexprs[name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            signature[name] = "*" + _DTYPES[v.dtype]
+            if v.data_ptr() % 16 == 0 and not param.do_not_specialize_on_alignment:
+                attrs[(param.num,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, bool):
+            signature[name] = "i1"
+        elif isinstance(v, int):
+            if v == 1 and not param.do_not_specialize:  # the JIT makes 1 a constant
+                signature[name], constexprs[name] = "constexpr", 1
+                continue
+            signature[name] = "i32" if -2**31 <= v < 2**31 else "i64"
+            if v % 16 == 0 and not param.do_not_specialize:
+                attrs[(param.num,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{launch.name}: cannot type argument {name} = {v!r}")
+    return signature, constexprs, attrs, options
+
+
+def compile_sm90(launch: Launch):
+    """The launch compiled for an H100: a triton CompiledKernel (`.asm['ptx']`, `['cubin']`)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constexprs, attrs, options = _signature(launch)
+    options.setdefault("enable_fp_fusion", True)  # Triton 3.9's default, which the JIT uses
+    src = ASTSource(fn=launch.fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+# An H100 SM: 64K 32-bit registers (allocated per warp in steps of 256), 2048 threads,
+# 32 resident blocks, 228 KB of shared memory (1 KB of it reserved per block).
+H100_SM = dict(registers=65536, threads=2048, blocks=32, shared=233472, shared_per_block_reserved=1024)
+
+
+def resource_usage(kernel) -> dict[str, int]:
+    """{'registers' per thread, 'stack' bytes per thread (spilled registers live there),
+    'shared' bytes per program} of a compiled kernel, from its cubin (cuobjdump)."""
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(kernel.asm["cubin"])
+        out = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", str(path)],
+                             capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    if found is None:
+        raise RuntimeError(f"unexpected cuobjdump output:\n{out}")
+    return {"registers": int(found.group(1)), "stack": int(found.group(2)), "shared": int(kernel.metadata.shared)}
+
+
+def resident_programs(usage: dict[str, int], num_warps: int, sm: dict = H100_SM) -> int:
+    """Programs of this kernel one SM holds at once (the CUDA occupancy rule)."""
+    regs_per_warp = -(-usage["registers"] * 32 // 256) * 256
+    by_regs = sm["registers"] // (regs_per_warp * num_warps)
+    by_threads = sm["threads"] // (32 * num_warps)
+    by_shared = sm["shared"] // (usage["shared"] + sm["shared_per_block_reserved"])
+    return min(by_regs, by_threads, by_shared, sm["blocks"])
+
+
+def norm_launches(x, residual=None, weight=None, bias=None, gate=None, *, kind="rms", residual_dtype=None,
+                  gate_position="post", gate_act="silu", num_groups=1) -> list[Launch]:
+    """The kernel launches of one add_norm forward and backward on these inputs (CPU
+    tensors are fine: nothing runs)."""
+    from ..kernels import norm as kernels
+    from ..ops.spec import resolve
+
+    spec = resolve(x, residual, weight, bias, gate, kind=kind, c=None, eps=1e-6, gate_act=gate_act,
+                   gate_position=gate_position, num_groups=num_groups, residual_dtype=residual_dtype)
+    rdtype = residual_dtype or x.dtype
+    with captured_launches(kernels) as out:
+        _, new_res, rstd, mean = kernels.norm_fwd(x, residual, gate, weight, bias, spec, rdtype, True)
+        p = x if new_res is None else new_res
+        dres = None if residual is None else torch.empty_like(p)
+        separate = residual is not None and residual.dtype != x.dtype
+        kernels.norm_bwd(torch.empty_like(x), dres, p, gate, weight, bias, rstd, mean, spec, x.dtype,
+                         residual.dtype if separate else None)
+    return out

@@ -1,0 +1,73 @@
+"""Every kernel the launchers pick compiles for an H100 (sm_90), without a GPU.
+
+The interpreter checks the kernels' arithmetic but never runs Triton's compiler, which
+rejects some constructs the interpreter accepts; and only a GPU build shows spilled
+registers. Triton's compiler and the ptxas and cuobjdump it ships need no GPU.
+"""
+import os
+
+import pytest
+import torch
+
+from fuseblock.testing.sm90 import (H100_SM, captured_launches, compile_sm90, norm_launches, resident_programs,
+                                    resource_usage)
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton's compiler")
+
+CONFIGS = {  # name: (kwargs for norm_launches, residual dtype or None)
+    "rms": (dict(kind="rms"), None),
+    "layer_fp32_residual": (dict(kind="layer", residual_dtype=torch.float32), "same"),
+    "pre_gate_layer": (dict(kind="layer", gate_position="pre", gate_act="sigmoid"), "same"),
+    "post_gate_rms": (dict(kind="rms", gate_position="post"), "same"),
+    "groups": (dict(kind="layer", num_groups=4), None),
+}
+
+
+def _launches(config, d, dtype, rows=512):
+    kw, res = CONFIGS[config]
+    x = torch.empty(rows, d, dtype=dtype)
+    w = torch.empty(d, dtype=dtype)
+    residual = torch.empty_like(x) if res else None
+    gate = torch.empty_like(x) if "gate_position" in kw else None
+    return norm_launches(x, residual, w, w if kw["kind"] == "layer" else None, gate, **kw)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("d", [1000, 20000, 40000])  # tile both ways; tile forward, wide backward; wide both ways
+def test_core_kernels_compile_for_h100(config, d):
+    launches = _launches(config, d, torch.bfloat16)
+    names = [ln.name for ln in launches]
+    assert names == {1000: ["_fwd_tile", "_bwd_tile"], 20000: ["_fwd_tile", "_bwd_dots", "_bwd_cols"],
+                     40000: ["_fwd_loop", "_bwd_dots", "_bwd_cols"]}[d]
+    for ln in launches:
+        usage = resource_usage(compile_sm90(ln))
+        assert 0 < usage["registers"] <= 255
+        if ln.name in ("_fwd_loop", "_bwd_dots", "_bwd_cols"):  # the wide-row kernels keep little live: no spills
+            assert usage["stack"] <= 16, (ln.name, usage)
+
+
+def test_fp32_and_embed_norm_kernels_compile_for_h100():
+    import fuseblock.kernels.embed_norm as ek
+
+    launches = _launches("rms", 1000, torch.float32) + _launches("rms", 40000, torch.float32)
+    for d in (1000, 40000):
+        x = torch.empty(64, d)
+        with captured_launches(ek) as got:
+            n = ek.embed_norm_fwd(x, 2, 1e-6)[1]
+            ek.embed_norm_bwd(torch.empty_like(x), x, n, 2, 1e-6)
+        launches += got
+    assert {ln.name for ln in launches} >= {"_fwd_tile", "_bwd_tile", "_fwd_loop", "_bwd_loop"}
+    for ln in launches:
+        assert resource_usage(compile_sm90(ln))["registers"] > 0
+
+
+def test_resident_programs_follow_the_occupancy_rule():
+    # registers bind: 166 -> 168 per thread, x 32 x 4 warps = 21504 per program: 3 fit in 64K
+    assert resident_programs({"registers": 166, "shared": 4096}, 4) == 3
+    assert resident_programs({"registers": 128, "shared": 0}, 4) == 4
+    # threads bind: 16 warps = 512 threads, 4 per SM of 2048
+    assert resident_programs({"registers": 24, "shared": 0}, 16) == 4
+    # shared memory binds
+    assert resident_programs({"registers": 32, "shared": 100 * 1024}, 4) == H100_SM["shared"] // (101 * 1024)
+    # the 32-block limit
+    assert resident_programs({"registers": 16, "shared": 0}, 1) == 32
