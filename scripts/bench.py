@@ -425,12 +425,15 @@ def sm90(args) -> list[dict]:
     """Compile every kernel the launchers pick for bf16 add_norm (rms; layer with bias)
     for an H100 (sm_90) with Triton's compiler and ptxas: no GPU needed. Reports what
     the cubin uses per thread (registers; stack, where spilled registers go, through
-    L1 and L2), the programs an SM holds at once, and the grid in waves of those: a
-    persistent kernel wants at most 1 (a second, partial wave runs with idle SMs)."""
+    L1 and L2), the programs an SM holds at once, and the grid in waves of those, on
+    the first launch (default programs per SM) and once the launch has learned what
+    fits (`fuseblock.kernels.occupancy`): a persistent kernel wants at most 1."""
     import math
+    from types import SimpleNamespace
 
+    from fuseblock.kernels import occupancy
     from fuseblock.kernels.norm import H100_SMS
-    from fuseblock.testing.sm90 import compile_sm90, norm_launches, resident_programs, resource_usage
+    from fuseblock.testing.sm90 import compile_sm90, norm_launches, resource_usage
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("sm90 needs triton's compiler: unset TRITON_INTERPRET")
@@ -441,18 +444,32 @@ def sm90(args) -> list[dict]:
         x = torch.empty(rows, d, dtype=torch.bfloat16)
         w = torch.empty(d, dtype=torch.bfloat16)
         for kind in ("rms", "layer"):
-            for ln in norm_launches(x, torch.empty_like(x), w, w if kind == "layer" else None, kind=kind):
+            usage = {}
+
+            def compiled(ln):  # as a GPU launch returns its compiled kernel, registers known
                 t0 = time.perf_counter()
-                usage = resource_usage(compile_sm90(ln))
+                kernel = compile_sm90(ln)
+                usage[ln.name] = dict(resource_usage(kernel), compile_s=time.perf_counter() - t0)
+                return SimpleNamespace(n_regs=usage[ln.name]["registers"], metadata=kernel.metadata)
+
+            inputs = (x, torch.empty_like(x), w, w if kind == "layer" else None)
+            occupancy._RESIDENT.clear()
+            first = norm_launches(*inputs, kind=kind, compiled=compiled)
+            learned = {ln.name: ln for ln in norm_launches(*inputs, kind=kind)}
+            for ln in first:
+                u = usage[ln.name]
                 warps = ln.kwargs.get("num_warps", 4)
-                resident = resident_programs(usage, warps)
+                slots = H100_SMS * occupancy.resident_programs(u, warps)
                 block = "x".join(str(ln.kwargs[k]) for k in ("BR", "BG", "BD") if k in ln.kwargs)
-                out_rows.append(dict(kind=kind, d=d, rows=rows, kernel=ln.name, grid="x".join(map(str, ln.grid)),
-                                     block=block, num_warps=warps, **usage, resident_per_sm=resident,
-                                     waves=math.prod(ln.grid) / (H100_SMS * resident),
-                                     compile_s=time.perf_counter() - t0))
-                if not args.json:
-                    print(f"  {kind} d={d} {ln.name} done", file=sys.stderr, flush=True)
+                out_rows.append(dict(
+                    kind=kind, d=d, rows=rows, kernel=ln.name, block=block, num_warps=warps,
+                    registers=u["registers"], stack=u["stack"], shared=u["shared"], resident_per_sm=slots // H100_SMS,
+                    grid_first="x".join(map(str, ln.grid)), waves_first=math.prod(ln.grid) / slots,
+                    grid="x".join(map(str, learned[ln.name].grid)), waves=math.prod(learned[ln.name].grid) / slots,
+                    compile_s=u["compile_s"],
+                ))
+            if not args.json:
+                print(f"  {kind} d={d} done", file=sys.stderr, flush=True)
     return out_rows
 
 

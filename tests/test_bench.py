@@ -66,3 +66,13 @@ def test_gpu_without_cuda_says_so():
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "gpu"], capture_output=True, text=True,
                        timeout=120, cwd=ROOT)
     assert p.returncode == 0 and "no CUDA" in p.stdout
+
+
+def test_sm90_quick_persistent_grids_fit_one_wave():
+    rows = _bench("sm90")
+    assert {r["d"] for r in rows} == {1024, 65536} and {r["kind"] for r in rows} == {"rms", "layer"}
+    assert {r["kernel"] for r in rows} == {"_fwd_tile", "_bwd_tile", "_fwd_loop", "_bwd_dots", "_bwd_cols"}
+    for r in rows:
+        assert 0 < r["registers"] <= 255 and r["resident_per_sm"] >= 1
+        if r["kernel"] != "_fwd_tile":  # persistent: once the launch knows what fits, one wave at most
+            assert r["waves"] <= 1.0 and r["waves"] <= r["waves_first"]

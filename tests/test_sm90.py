@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from fuseblock.testing.sm90 import (H100_SM, captured_launches, compile_sm90, norm_launches, resident_programs,
-                                    resource_usage)
+from fuseblock.kernels.occupancy import H100_SM, resident_programs
+from fuseblock.testing.sm90 import captured_launches, compile_sm90, norm_launches, resource_usage
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton's compiler")
 
@@ -23,13 +23,13 @@ CONFIGS = {  # name: (kwargs for norm_launches, residual dtype or None)
 }
 
 
-def _launches(config, d, dtype, rows=512):
+def _launches(config, d, dtype, rows=512, compiled=None):
     kw, res = CONFIGS[config]
     x = torch.empty(rows, d, dtype=dtype)
     w = torch.empty(d, dtype=dtype)
     residual = torch.empty_like(x) if res else None
     gate = torch.empty_like(x) if "gate_position" in kw else None
-    return norm_launches(x, residual, w, w if kw["kind"] == "layer" else None, gate, **kw)
+    return norm_launches(x, residual, w, w if kw["kind"] == "layer" else None, gate, compiled=compiled, **kw)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -71,3 +71,39 @@ def test_resident_programs_follow_the_occupancy_rule():
     assert resident_programs({"registers": 32, "shared": 100 * 1024}, 4) == H100_SM["shared"] // (101 * 1024)
     # the 32-block limit
     assert resident_programs({"registers": 16, "shared": 0}, 1) == 32
+
+
+def _compiled(launch):
+    """What a GPU launch returns: the compiled kernel, with its registers once loaded."""
+    from types import SimpleNamespace
+
+    kernel = compile_sm90(launch)
+    return SimpleNamespace(n_regs=resource_usage(kernel)["registers"], metadata=kernel.metadata)
+
+
+@pytest.mark.parametrize("config,d", [("layer_fp32_residual", 1024), ("pre_gate_layer", 1024), ("post_gate_rms", 4096),
+                                      ("pre_gate_layer", 65536)])
+def test_persistent_grids_shrink_to_one_wave_once_compiled(monkeypatch, config, d):
+    from fuseblock.kernels import occupancy
+    from fuseblock.kernels.norm import H100_SMS
+
+    monkeypatch.setattr(occupancy, "_RESIDENT", {})
+
+    def waves(launches):
+        out = {}
+        for ln in launches:
+            usage = resource_usage(compile_sm90(ln))
+            slots = H100_SMS * resident_programs(usage, ln.kwargs["num_warps"])
+            out[ln.name] = (ln.grid[0] * (ln.grid[1] if len(ln.grid) > 1 else 1)) / slots
+        return out
+
+    first = _launches(config, d, torch.bfloat16, rows=32768)
+    learned = _launches(config, d, torch.bfloat16, rows=32768)  # nothing compiled yet: the same grids
+    assert [ln.grid for ln in learned] == [ln.grid for ln in first]
+    _launches(config, d, torch.bfloat16, rows=32768, compiled=_compiled)  # "runs" once on a GPU: learns
+    again = _launches(config, d, torch.bfloat16, rows=32768)
+    before, after = waves(first), waves(again)
+    persistent = [name for name in after if name != "_fwd_tile"]  # _fwd_tile has a program per row block
+    assert any(before[name] > 1.05 for name in persistent)  # a second, partly idle wave: the default's cost
+    for name in persistent:
+        assert after[name] <= 1.0, (name, before[name], after[name])

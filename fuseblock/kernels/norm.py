@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..ops.spec import NormSpec
+from .occupancy import learn, programs_per_sm
 
 # Kernel launches per kind, for tests and benchmarks that check "one launch per call".
 LAUNCHES: collections.Counter = collections.Counter()
@@ -37,7 +38,7 @@ LOOP_PROGRAMS_PER_SM = 2  # loop kernels: persistent programs per SM
 LOOP_BLOCK = 4096  # column chunk of the row-looping kernels
 COLS_BLOCK = 2048  # wide-row backward: columns per program of the column-chunk kernel
 COLS_TILE = 8192  # and elements per [rows, columns] block it loads
-COLS_PROGRAMS_PER_SM = 4
+COLS_PROGRAMS_PER_SM = 2  # what fits of it (91 to 128 registers x 256 threads; bench.py sm90)
 H100_SMS = 132  # SM count assumed when there is no GPU (the interpreter)
 MIN_ROWS_PER_PROGRAM = 64  # keeps dw/db partial rows (fp32, written and summed) near 3% of bf16 traffic
 
@@ -455,6 +456,11 @@ def _stride(t: Optional[torch.Tensor]) -> int:
     return t.stride(0) if t is not None else 0
 
 
+def _dtypes(*tensors) -> tuple:
+    """Part of a kernel variant's key: its compiled code (and registers) depend on these."""
+    return tuple(None if t is None else t.dtype for t in tensors)
+
+
 def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, need_stats):
     """Triton forward, same contract as `fuseblock.reference.norm_fwd`."""
     d = x.shape[-1]
@@ -478,8 +484,10 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
         if tile:
             _fwd_tile[(triton.cdiv(M, br),)](*args, M, G, d // G, spec.eps, spec.scale, BR=br, BG=bg, BD=bd, **flags)
         else:
-            n_prog = min(M * G, _num_sms(x.device) * per_sm)
-            _fwd_loop[(n_prog,)](*args, M * G, G, d // G, spec.eps, spec.scale, BD=bd, **flags)
+            variant = ("_fwd_loop", _dtypes(*args[:9]), bd, *sorted(flags.items()))
+            n_prog = min(M * G, _num_sms(x.device) * programs_per_sm(x.device, variant, per_sm))
+            compiled = _fwd_loop[(n_prog,)](*args, M * G, G, d // G, spec.eps, spec.scale, BD=bd, **flags)
+            learn(x.device, variant, compiled, warps)
         LAUNCHES["fwd"] += 1
     return out.view(x.shape), None if new_res is None else new_res.view(x.shape), rstd, mean
 
@@ -498,41 +506,47 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     dx = torch.empty((M, d), dtype=x_dtype, device=dev)
     dr = torch.empty((M, d), dtype=residual_grad_dtype, device=dev) if residual_grad_dtype is not None else None
     dy = torch.empty((M, d), dtype=gate.dtype, device=dev) if gate is not None else None
+    need_dw, need_db = weight is not None, bias is not None
+    flags = dict(
+        HAS_DRO=dro2 is not None, STORE_DR=dr is not None, HAS_W=need_dw, HAS_B=need_db,
+        NEED_DW=need_dw, NEED_DB=need_db, CENTER=spec.center, GATE=spec.gate_mode, ACT=spec.act,
+    )
     tile, bg, bd, br, warps, per_sm = _layout(d, G, MAX_TILE_BWD)
     if tile:
         n_cols, n_items = 1, triton.cdiv(M, br)
     else:  # the column-chunk kernel's layout: [BR, BD] blocks, BD columns of one group
         bd = min(COLS_BLOCK, triton.next_power_of_2(dg))
-        br, per_sm = COLS_TILE // bd, COLS_PROGRAMS_PER_SM
+        br, warps, per_sm = COLS_TILE // bd, 8, COLS_PROGRAMS_PER_SM
         n_cols, n_items = G * triton.cdiv(dg, bd), triton.cdiv(M, br)
-    # A few programs per SM, and at least MIN_ROWS_PER_PROGRAM rows each, so the
-    # (n_prog, d) partial buffers stay small next to the activations on small batches.
-    n_prog = max(1, min(triton.cdiv(_num_sms(dev) * per_sm, n_cols), n_items, triton.cdiv(M, MIN_ROWS_PER_PROGRAM)))
-    need_dw, need_db = weight is not None, bias is not None
+    variant = ("_bwd_tile" if tile else "_bwd_cols", _dtypes(p2, y2, weight, bias, do2, dro2, dx, dr, dy),
+               br, bg, bd, warps, *sorted(flags.items()))
+    # Programs per SM as many as fit at once (one wave), and at least
+    # MIN_ROWS_PER_PROGRAM rows each, so the (n_prog, d) partial buffers stay small next
+    # to the activations on small batches.
+    slots = _num_sms(dev) * programs_per_sm(dev, variant, per_sm)
+    n_prog = max(1, min(slots // n_cols, n_items, triton.cdiv(M, MIN_ROWS_PER_PROGRAM)))
     dw_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_dw else None
     db_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_db else None
     if M > 0:
         strides = (p2.stride(0), _stride(y2), do2.stride(0), _stride(dro2), dx.stride(0), _stride(dr), _stride(dy))
         outs = (do2, dro2, dx, dr, dy, dw_part, db_part)
-        flags = dict(
-            HAS_DRO=dro2 is not None, STORE_DR=dr is not None, HAS_W=need_dw, HAS_B=need_db,
-            NEED_DW=need_dw, NEED_DB=need_db, CENTER=spec.center, GATE=spec.gate_mode, ACT=spec.act,
-        )
         if tile:
-            _bwd_tile[(n_prog,)](p2, y2, weight, bias, rstd, mean, *outs, *strides, M, G, dg, spec.scale,
-                                 BR=br, BG=bg, BD=bd, num_warps=warps, **flags)
+            compiled = _bwd_tile[(n_prog,)](p2, y2, weight, bias, rstd, mean, *outs, *strides, M, G, dg, spec.scale,
+                                            BR=br, BG=bg, BD=bd, num_warps=warps, **flags)
             LAUNCHES["bwd"] += 1
         else:
             dots = torch.empty((M * G, 2), dtype=torch.float32, device=dev)
             loop_bd = min(LOOP_BLOCK, triton.next_power_of_2(dg))
-            _bwd_dots[(min(M * G, _num_sms(dev) * LOOP_PROGRAMS_PER_SM),)](
-                p2, y2, weight, rstd, mean, do2, dots, p2.stride(0), _stride(y2), do2.stride(0),
-                M * G, G, dg, spec.scale, BD=loop_bd, HAS_W=need_dw, CENTER=spec.center, GATE=spec.gate_mode,
-                ACT=spec.act, num_warps=8,
-            )
-            _bwd_cols[(n_cols, n_prog)](p2, y2, weight, bias, rstd, mean, dots, *outs, *strides, M, G, dg,
-                                        spec.scale, BR=br, BD=bd, num_warps=8, **flags)
+            dots_flags = dict(BD=loop_bd, HAS_W=need_dw, CENTER=spec.center, GATE=spec.gate_mode, ACT=spec.act)
+            dots_variant = ("_bwd_dots", _dtypes(p2, y2, weight, do2), *sorted(dots_flags.items()))
+            n_dots = min(M * G, _num_sms(dev) * programs_per_sm(dev, dots_variant, LOOP_PROGRAMS_PER_SM))
+            dots_compiled = _bwd_dots[(n_dots,)](p2, y2, weight, rstd, mean, do2, dots, p2.stride(0), _stride(y2),
+                                                 do2.stride(0), M * G, G, dg, spec.scale, num_warps=8, **dots_flags)
+            learn(dev, dots_variant, dots_compiled, 8)
+            compiled = _bwd_cols[(n_cols, n_prog)](p2, y2, weight, bias, rstd, mean, dots, *outs, *strides, M, G,
+                                                   dg, spec.scale, BR=br, BD=bd, num_warps=warps, **flags)
             LAUNCHES["bwd"] += 2
+        learn(dev, variant, compiled, warps)
     if M == 0:  # no program ran: the partial rows hold garbage, the true sums are zero
         dw_part = None if dw_part is None else dw_part.zero_()
         db_part = None if db_part is None else db_part.zero_()

@@ -10,7 +10,7 @@ a GPU build shows. Triton's compiler and the ptxas it ships need no GPU, so:
 - `compile_sm90(launch)`: that launch's signature (with the 16-byte divisibility hints
   Triton's JIT would add) compiled to PTX and a cubin for sm_90;
 - `resource_usage(kernel)`: registers and stack (spill) bytes per thread, shared bytes,
-  read from the cubin; `resident_programs` turns them into programs per SM.
+  read from the cubin (`fuseblock.kernels.occupancy` turns them into programs per SM).
 
 Needs triton's compiler: not under TRITON_INTERPRET=1.
 """
@@ -42,17 +42,25 @@ class Launch:
 
 
 class _Recorder:
-    def __init__(self, fn, out: list):
-        self.fn, self.out = fn, out
+    def __init__(self, fn, out: list, compiled, originals):
+        self.fn, self.out, self.compiled, self.originals = fn, out, compiled, originals
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.out.append(Launch(self.fn, tuple(grid), args, kwargs))
+        def launch(*args, **kwargs):
+            self.out.append(Launch(self.fn, tuple(grid), args, kwargs))
+            if self.compiled is None:
+                return None
+            with self.originals():  # the kernel being compiled calls the real helpers
+                return self.compiled(self.out[-1])
+
+        return launch
 
 
 @contextlib.contextmanager
-def captured_launches(*modules):
+def captured_launches(*modules, compiled=None):
     """Within the context, every JIT kernel in `modules` (default: fuseblock's kernel
-    modules) records its launches into the yielded list instead of running."""
+    modules) records its launches into the yielded list instead of running.
+    compiled(launch): what a launch returns, as a GPU launch returns its compiled kernel."""
     import triton
 
     if not modules:
@@ -60,17 +68,26 @@ def captured_launches(*modules):
 
         modules = (norm, embed_norm)
     out: list[Launch] = []
-    saved = []
-    for mod in modules:
-        for name, obj in list(vars(mod).items()):
-            if isinstance(obj, triton.runtime.JITFunction):
-                saved.append((mod, name, obj))
-                setattr(mod, name, _Recorder(obj, out))
+    saved = [(mod, name, obj) for mod in modules for name, obj in list(vars(mod).items())
+             if isinstance(obj, triton.runtime.JITFunction)]
+
+    def install(recording: bool) -> None:
+        for mod, name, obj in saved:
+            setattr(mod, name, _Recorder(obj, out, compiled, originals) if recording else obj)
+
+    @contextlib.contextmanager
+    def originals():
+        install(False)
+        try:
+            yield
+        finally:
+            install(True)
+
+    install(True)
     try:
         yield out
     finally:
-        for mod, name, obj in saved:
-            setattr(mod, name, obj)
+        install(False)
 
 
 def _signature(launch: Launch):
@@ -116,11 +133,6 @@ def compile_sm90(launch: Launch):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-# An H100 SM: 64K 32-bit registers (allocated per warp in steps of 256), 2048 threads,
-# 32 resident blocks, 228 KB of shared memory (1 KB of it reserved per block).
-H100_SM = dict(registers=65536, threads=2048, blocks=32, shared=233472, shared_per_block_reserved=1024)
-
-
 def resource_usage(kernel) -> dict[str, int]:
     """{'registers' per thread, 'stack' bytes per thread (spilled registers live there),
     'shared' bytes per program} of a compiled kernel, from its cubin (cuobjdump)."""
@@ -137,26 +149,17 @@ def resource_usage(kernel) -> dict[str, int]:
     return {"registers": int(found.group(1)), "stack": int(found.group(2)), "shared": int(kernel.metadata.shared)}
 
 
-def resident_programs(usage: dict[str, int], num_warps: int, sm: dict = H100_SM) -> int:
-    """Programs of this kernel one SM holds at once (the CUDA occupancy rule)."""
-    regs_per_warp = -(-usage["registers"] * 32 // 256) * 256
-    by_regs = sm["registers"] // (regs_per_warp * num_warps)
-    by_threads = sm["threads"] // (32 * num_warps)
-    by_shared = sm["shared"] // (usage["shared"] + sm["shared_per_block_reserved"])
-    return min(by_regs, by_threads, by_shared, sm["blocks"])
-
-
 def norm_launches(x, residual=None, weight=None, bias=None, gate=None, *, kind="rms", residual_dtype=None,
-                  gate_position="post", gate_act="silu", num_groups=1) -> list[Launch]:
+                  gate_position="post", gate_act="silu", num_groups=1, compiled=None) -> list[Launch]:
     """The kernel launches of one add_norm forward and backward on these inputs (CPU
-    tensors are fine: nothing runs)."""
+    tensors are fine: nothing runs). compiled: as for `captured_launches`."""
     from ..kernels import norm as kernels
     from ..ops.spec import resolve
 
     spec = resolve(x, residual, weight, bias, gate, kind=kind, c=None, eps=1e-6, gate_act=gate_act,
                    gate_position=gate_position, num_groups=num_groups, residual_dtype=residual_dtype)
     rdtype = residual_dtype or x.dtype
-    with captured_launches(kernels) as out:
+    with captured_launches(kernels, compiled=compiled) as out:
         _, new_res, rstd, mean = kernels.norm_fwd(x, residual, gate, weight, bias, spec, rdtype, True)
         p = x if new_res is None else new_res
         dres = None if residual is None else torch.empty_like(p)

@@ -1,0 +1,59 @@
+"""Programs per SM: how many of a compiled kernel's programs an SM holds at once.
+
+The persistent kernels (the backward's, the wide-row forward's) split the rows among a
+fixed number of programs per SM. Launch more than an SM holds and the rest run as a
+second, partly idle wave: with 3 resident where 4 were launched, a quarter of the
+programs start only when the first ones finish, and the pass takes about 1.5x as long.
+(LayerNorm's backward at d = 1024 ran at 0.68 TB/s on an H100, against RMSNorm's 1.02;
+compiled for it, that kernel needs 166 registers per thread, so 3 programs fit where
+the grid launched 4 per SM. `python scripts/bench.py sm90` shows every variant.)
+
+Registers per thread are known only once a kernel is compiled, so the first launch of
+each variant records what fits (`learn`), and its later launches cap their grid at that
+(`programs_per_sm`). Under the interpreter nothing is compiled and the defaults stand.
+"""
+from __future__ import annotations
+
+import torch
+
+# An H100 SM (as A100 and H200): 64K 32-bit registers, allocated per warp in steps of
+# 256; 2048 threads; 32 resident blocks; 228 KB of shared memory, 1 KB of it reserved
+# per block.
+H100_SM = dict(registers=65536, threads=2048, blocks=32, shared=233472, shared_per_block_reserved=1024)
+
+_RESIDENT: dict[tuple, int] = {}  # (device, kernel variant) -> programs per SM
+
+
+def resident_programs(usage: dict[str, int], num_warps: int, sm: dict = H100_SM) -> int:
+    """Programs an SM holds at once, given a kernel's 'registers' per thread and 'shared'
+    bytes per program: the CUDA occupancy rule."""
+    regs_per_warp = -(-usage["registers"] * 32 // 256) * 256
+    by_regs = sm["registers"] // (regs_per_warp * num_warps)
+    by_threads = sm["threads"] // (32 * num_warps)
+    by_shared = sm["shared"] // (usage["shared"] + sm["shared_per_block_reserved"])
+    return min(by_regs, by_threads, by_shared, sm["blocks"])
+
+
+def _sm(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return H100_SM
+    props = torch.cuda.get_device_properties(device)
+    return dict(H100_SM, registers=getattr(props, "regs_per_multiprocessor", H100_SM["registers"]),
+                threads=props.max_threads_per_multi_processor,
+                shared=getattr(props, "shared_memory_per_multiprocessor", H100_SM["shared"]))
+
+
+def programs_per_sm(device: torch.device, variant: tuple, default: int) -> int:
+    """`default`, capped at what fits once a launch of this variant has been compiled."""
+    return min(default, _RESIDENT.get((str(device), variant), default))
+
+
+def learn(device: torch.device, variant: tuple, compiled, num_warps: int) -> None:
+    """Record what fits from the compiled kernel a launch returns (on a GPU; under the
+    interpreter it returns nothing, and nothing is learned)."""
+    n_regs = getattr(compiled, "n_regs", None)
+    key = (str(device), variant)
+    if n_regs is None or key in _RESIDENT:
+        return
+    usage = {"registers": n_regs, "shared": compiled.metadata.shared}
+    _RESIDENT[key] = max(1, resident_programs(usage, num_warps, _sm(device)))
