@@ -327,10 +327,17 @@ def _gpt_step_ms(fused: bool, do_bench, dev) -> float:
     def step():
         model(idx, idx)[1].backward()
 
-    ms = do_bench(step, warmup=3, rep=20, grad_to_none=list(model.parameters()))
-    del model
-    _empty_cache(dev)
-    return ms
+    return do_bench(step, warmup=3, rep=20, grad_to_none=list(model.parameters()))
+
+
+def _fwd_bwd_TBps(fn, x, r, w, nbytes: int, do_bench) -> tuple[float, float]:
+    """Compulsory bytes / time of fn(x, r, w) -> (out, p), forward and backward."""
+    with torch.no_grad():
+        t_fwd = do_bench(lambda: fn(x, r, w), warmup=5, rep=25)
+    out, p = fn(x, r, w)
+    grads = (torch.randn_like(out), torch.randn_like(p))
+    t_bwd = do_bench(lambda: torch.autograd.grad((out, p), (x, r, w), grads, retain_graph=True), warmup=5, rep=25)
+    return nbytes / t_fwd / 1e9, nbytes / t_bwd / 1e9
 
 
 def _empty_cache(dev) -> None:
@@ -390,15 +397,7 @@ def gpu(args) -> list[dict]:
                 impls.update(_others(kind, d, dt))
             for name, fn in impls.items():
                 try:
-                    with torch.no_grad():
-                        tf = do_bench(lambda: fn(x, r, w), warmup=5, rep=25)
-                    out, p = fn(x, r, w)
-                    go, gp = torch.randn_like(out), torch.randn_like(p)
-                    tb = do_bench(lambda: torch.autograd.grad((out, p), (x, r, w), (go, gp), retain_graph=True),
-                                  warmup=5, rep=25)
-                    row[f"{name}_fwd_TBps"] = nbytes / tf / 1e9
-                    row[f"{name}_bwd_TBps"] = nbytes / tb / 1e9
-                    del out, p, go, gp
+                    row[f"{name}_fwd_TBps"], row[f"{name}_bwd_TBps"] = _fwd_bwd_TBps(fn, x, r, w, nbytes, do_bench)
                 except Exception as e:  # report it in the table, keep going
                     row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:80]}"
             rows.append(row)
@@ -408,6 +407,7 @@ def gpu(args) -> list[dict]:
     for fused in (False, True):
         try:
             steps["fused" if fused else "naive"] = _gpt_step_ms(fused, do_bench, dev)
+            _empty_cache(dev)
         except Exception as e:
             steps[("fused" if fused else "naive") + "_error"] = f"{type(e).__name__}: {str(e)[:80]}"
     step_rows = [dict(kind="gpt_step_ms", **steps)]
