@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .norm import LAUNCHES, MAX_TILE_BWD, MAX_TILE_FWD, _layout, _rows
+from .norm import LAUNCHES, MAX_TILE_BWD, MAX_TILE_FWD, _cdiv, _layout, _rows
 
 
 @triton.jit
@@ -158,7 +158,7 @@ def embed_norm_fwd(x: torch.Tensor, ord: int, eps: float):
         tile, _, bd, br, warps, _ = _layout(d, 1, MAX_TILE_FWD)
         args = (x2, y, n, x2.stride(0), y.stride(0))
         if tile:
-            _fwd_tile[(triton.cdiv(M, br),)](*args, M, d, eps, BR=br, BD=bd, ORD=ord, num_warps=warps)
+            _fwd_tile[(_cdiv(M, br),)](*args, M, d, eps, BR=br, BD=bd, ORD=ord, num_warps=warps)
         else:
             _fwd_loop[(M,)](*args, d, eps, BD=bd, ORD=ord, num_warps=warps)
         LAUNCHES["embed_fwd"] += 1
@@ -176,7 +176,7 @@ def embed_norm_bwd(dy: torch.Tensor, x: torch.Tensor, n: torch.Tensor, ord: int,
         tile, _, bd, br, warps, _ = _layout(d, 1, MAX_TILE_BWD)
         args = (x2, n1, dy2, dx, x2.stride(0), dy2.stride(0), dx.stride(0))
         if tile:
-            _bwd_tile[(triton.cdiv(M, br),)](*args, M, d, eps, BR=br, BD=bd, ORD=ord, num_warps=warps)
+            _bwd_tile[(_cdiv(M, br),)](*args, M, d, eps, BR=br, BD=bd, ORD=ord, num_warps=warps)
         else:
             _bwd_loop[(M,)](*args, d, eps, BD=bd, ORD=ord, num_warps=warps)
         LAUNCHES["embed_bwd"] += 1

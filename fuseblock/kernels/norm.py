@@ -423,6 +423,17 @@ def _bwd_cols(
 
 
 # --------------------------------------------------------------------------- launchers
+# Plain-integer helpers: triton.cdiv and triton.next_power_of_2 are constexpr functions
+# whose Python-side calls cost microseconds each, on every launch.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -436,7 +447,7 @@ def _layout(d: int, groups: int, max_tile: int):
     fewer programs; rows of 4K and more want 16K-element tiles and 8 programs per SM.
     """
     dg = d // groups
-    bg, bd = triton.next_power_of_2(groups), triton.next_power_of_2(dg)
+    bg, bd = _pow2(groups), _pow2(dg)
     if bg * bd <= max_tile:
         wide = bg * bd >= 4096
         br = max(1, min(64, (16384 if wide else 4096) // (bg * bd)))
@@ -482,7 +493,7 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
             STORE_STATS=need_stats, num_warps=warps,
         )
         if tile:
-            _fwd_tile[(triton.cdiv(M, br),)](*args, M, G, d // G, spec.eps, spec.scale, BR=br, BG=bg, BD=bd, **flags)
+            _fwd_tile[(_cdiv(M, br),)](*args, M, G, d // G, spec.eps, spec.scale, BR=br, BG=bg, BD=bd, **flags)
         else:
             variant = ("_fwd_loop", _dtypes(*args[:9]), bd, *sorted(flags.items()))
             n_prog = min(M * G, _num_sms(x.device) * programs_per_sm(x.device, variant, per_sm))
@@ -513,18 +524,18 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     )
     tile, bg, bd, br, warps, per_sm = _layout(d, G, MAX_TILE_BWD)
     if tile:
-        n_cols, n_items = 1, triton.cdiv(M, br)
+        n_cols, n_items = 1, _cdiv(M, br)
     else:  # the column-chunk kernel's layout: [BR, BD] blocks, BD columns of one group
-        bd = min(COLS_BLOCK, triton.next_power_of_2(dg))
+        bd = min(COLS_BLOCK, _pow2(dg))
         br, warps, per_sm = COLS_TILE // bd, 8, COLS_PROGRAMS_PER_SM
-        n_cols, n_items = G * triton.cdiv(dg, bd), triton.cdiv(M, br)
+        n_cols, n_items = G * _cdiv(dg, bd), _cdiv(M, br)
     variant = ("_bwd_tile" if tile else "_bwd_cols", _dtypes(p2, y2, weight, bias, do2, dro2, dx, dr, dy),
                br, bg, bd, warps, *sorted(flags.items()))
     # Programs per SM as many as fit at once (one wave), and at least
     # MIN_ROWS_PER_PROGRAM rows each, so the (n_prog, d) partial buffers stay small next
     # to the activations on small batches.
     slots = _num_sms(dev) * programs_per_sm(dev, variant, per_sm)
-    n_prog = max(1, min(slots // n_cols, n_items, triton.cdiv(M, MIN_ROWS_PER_PROGRAM)))
+    n_prog = max(1, min(slots // n_cols, n_items, _cdiv(M, MIN_ROWS_PER_PROGRAM)))
     dw_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_dw else None
     db_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_db else None
     if M > 0:
@@ -536,7 +547,7 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
             LAUNCHES["bwd"] += 1
         else:
             dots = torch.empty((M * G, 2), dtype=torch.float32, device=dev)
-            loop_bd = min(LOOP_BLOCK, triton.next_power_of_2(dg))
+            loop_bd = min(LOOP_BLOCK, _pow2(dg))
             dots_flags = dict(BD=loop_bd, HAS_W=need_dw, CENTER=spec.center, GATE=spec.gate_mode, ACT=spec.act)
             dots_variant = ("_bwd_dots", _dtypes(p2, y2, weight, do2), *sorted(dots_flags.items()))
             n_dots = min(M * G, _num_sms(dev) * programs_per_sm(dev, dots_variant, LOOP_PROGRAMS_PER_SM))
