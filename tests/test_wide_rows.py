@@ -82,3 +82,23 @@ def test_constant_wide_rows_give_zero_output_and_finite_gradients():
     out.sum().backward()
     assert torch.isfinite(x.grad).all()
 
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_wide_row_non_finite_values_stay_in_their_row(kind, bad):
+    # the per-lane Welford statistics and the column-chunk backward, which walks down
+    # the rows, must not carry a bad row's values into its neighbours
+    x, w, b = torch.randn(9, 40), torch.randn(40), torch.randn(40)
+    dirty = x.clone()
+    dirty[4, 13] = bad
+
+    def run(inp):
+        inp = inp.clone().requires_grad_()
+        out = fuseblock.norm(inp, w, b, kind=kind)
+        return out.detach(), torch.autograd.grad(out, inp, torch.ones_like(out))[0]
+
+    (clean_out, clean_dx), (out, dx) = run(x), run(dirty)
+    others = [0, 1, 2, 3, 5, 6, 7, 8]
+    assert torch.equal(out[others], clean_out[others]) and torch.equal(dx[others], clean_dx[others])
+    assert not torch.isfinite(out[4]).all()
