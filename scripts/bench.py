@@ -5,6 +5,7 @@
     python scripts/bench.py speed   [--quick]   CPU training-step time: naive, fused, and torch.compile of each
     python scripts/bench.py gpu     [--out DIR] GPU bandwidth and GPT step time (exits 0 without CUDA)
     python scripts/bench.py sm90    [--quick]   each kernel compiled for an H100 without one: registers, spills
+    python scripts/bench.py overhead [--quick]  host-side (Python) time per call, kernels not run
 
 Byte model for `traffic`: the compulsory minimum reads each external activation input once
 and writes each activation output once (forward: x, residual, gate in; out, new_residual
@@ -275,6 +276,59 @@ def speed(args) -> list[dict]:
                  speedup_vs_naive=base / statistics.median(v)) for k, v in times.items()]
 
 
+def overhead(args) -> list[dict]:
+    """Host time per call with every kernel launch replaced by a recorder: the Python,
+    allocation and autograd work a GPU host also does around each launch, which bounds
+    small kernels (the backward at d = 1024 is ~100 us of GPU work on an H100). Measured
+    with tiny CPU tensors, so allocation here stands in for the GPU caching allocator."""
+    from fuseblock.kernels import norm as kernels
+    from fuseblock.ops import norm as ops
+    from fuseblock.ops.spec import resolve
+    from fuseblock.testing.sm90 import captured_launches
+
+    reps, calls = (3, 100) if args.quick else (7, 500)
+    out_rows = []
+    for kind in ("rms", "layer"):
+        x = torch.randn(64, 1024, requires_grad=True)
+        r, w = torch.randn_like(x, requires_grad=True), torch.randn(1024, requires_grad=True)
+        b = torch.randn(1024, requires_grad=True) if kind == "layer" else None
+        spec = resolve(x, r, w, b, None, kind=kind, c=None, eps=1e-6, gate_act="silu", gate_position="post",
+                       num_groups=1, residual_dtype=None)
+        xd, rd, wd = x.detach(), r.detach(), w.detach()
+        bd = None if b is None else b.detach()
+        stats = {}
+
+        def launcher_fwd():
+            _, _, stats["rstd"], stats["mean"] = kernels.norm_fwd(xd, rd, None, wd, bd, spec, xd.dtype, True)
+
+        def launcher_bwd():
+            kernels.norm_bwd(xd, xd, xd, None, wd, bd, stats["rstd"], stats["mean"], spec, xd.dtype, None)
+
+        def eager_step():  # fuseblock.add_norm through autograd, as a training step calls it
+            out, res = fuseblock.add_norm(x, r, w, b, kind=kind)
+            torch.autograd.grad((out, res), [t for t in (x, r, w, b) if t is not None], (out, res))
+
+        row = dict(kind=kind, d=1024)
+        backend = ops._backend
+        ops._backend = lambda t: kernels  # the Triton path for CPU tensors; its kernels only recorded
+        try:
+            with captured_launches(kernels):
+                for name, fn in (("launcher_fwd_us", launcher_fwd), ("launcher_bwd_us", launcher_bwd),
+                                 ("eager_fwd_bwd_us", eager_step)):
+                    fn()
+                    best = float("inf")
+                    for _ in range(reps):
+                        t0 = time.perf_counter()
+                        for _ in range(calls):
+                            fn()
+                        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+                    row[name] = best
+        finally:
+            ops._backend = backend
+        out_rows.append(row)
+    return out_rows
+
+
 # ------------------------------------------------------------------------------ gpu
 def _others(kind: str, d: int, dt):
     """Published kernels, when installed: name -> fn(x, r, w) returning (out, x + r)."""
@@ -504,7 +558,7 @@ def _plot(rows, out_dir: Path) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["traffic", "memory", "speed", "gpu", "sm90"])
+    ap.add_argument("what", choices=["traffic", "memory", "speed", "gpu", "sm90", "overhead"])
     ap.add_argument("--quick", action="store_true", help="small sizes, for CI")
     ap.add_argument("--json", action="store_true", help="one JSON object per row")
     ap.add_argument("--out", default="out/bench", help="gpu: where the table and plots go")
@@ -519,7 +573,7 @@ def main(argv=None) -> None:
         ap.error(f"--ops: unknown {sorted(set(args.ops) - set(OPS))}; choose from {OPS}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = {"traffic": traffic, "memory": memory, "speed": speed, "gpu": gpu, "sm90": sm90}[args.what](args)
+    rows = {"traffic": traffic, "memory": memory, "speed": speed, "gpu": gpu, "sm90": sm90, "overhead": overhead}[args.what](args)
     if rows:
         emit(rows, args.json)
 

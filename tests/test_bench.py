@@ -76,3 +76,11 @@ def test_sm90_quick_persistent_grids_fit_one_wave():
         assert 0 < r["registers"] <= 255 and r["resident_per_sm"] >= 1
         if r["kernel"] != "_fwd_tile":  # persistent: once the launch knows what fits, one wave at most
             assert r["waves"] <= 1.0 and r["waves"] <= r["waves_first"]
+
+
+def test_overhead_quick_times_the_host_side_alone():
+    rows = _bench("overhead")
+    assert {r["kind"] for r in rows} == {"rms", "layer"}
+    for r in rows:  # the eager step includes both launchers, plus autograd and argument checks
+        assert 0 < r["launcher_fwd_us"] and 0 < r["launcher_bwd_us"]
+        assert r["eager_fwd_bwd_us"] > r["launcher_fwd_us"] + r["launcher_bwd_us"]
