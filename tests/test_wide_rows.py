@@ -102,3 +102,14 @@ def test_wide_row_non_finite_values_stay_in_their_row(kind, bad):
     others = [0, 1, 2, 3, 5, 6, 7, 8]
     assert torch.equal(out[others], clean_out[others]) and torch.equal(dx[others], clean_dx[others])
     assert not torch.isfinite(out[4]).all()
+
+
+def test_wide_row_kernels_on_strided_rows_and_empty_batches():
+    # rows of a wider buffer (row stride 50, not 37): the kernels index by stride
+    base, res_base = torch.randn(11, 50), torch.randn(11, 50)
+    run_case(base[:, 5:42], res_base[:, :37], torch.randn(37), torch.randn(37), kind="layer")
+    x = torch.randn(0, 37, requires_grad=True)
+    w = torch.randn(37, requires_grad=True)
+    out = fuseblock.norm(x, w, kind="rms")
+    dx, dw = torch.autograd.grad(out.sum(), (x, w))
+    assert out.shape == (0, 37) and torch.equal(dw, torch.zeros(37))
