@@ -209,6 +209,43 @@ def _fwd_loop(
 
 
 # --------------------------------------------------------------------------- backward
+@triton.jit
+def _normalized(b_p, b_g, b_rstd, b_mean, mask, CENTER: tl.constexpr, GATE: tl.constexpr):
+    """r = (s - mean) * rstd, s = p * g(y) for a pre-gate, else p (any block shape)."""
+    b_s = b_p * b_g if GATE == 1 else b_p
+    return tl.where(mask, b_s - b_mean, 0.0) * b_rstd if CENTER else b_s * b_rstd
+
+
+@triton.jit
+def _post_gate(b_do, b_r, b_y, b_g, b_w, b_b, DY, o_dy, mask, scale,
+               HAS_W: tl.constexpr, HAS_B: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr):
+    """The gradient reaching o1. Post-gate: dgate = do * o1 * g'(y) (stored), do1 = do * g(y)."""
+    if GATE == 2:
+        b_o1 = b_r * scale
+        if HAS_W:
+            b_o1 *= b_w
+        if HAS_B:
+            b_o1 += b_b
+        tl.store(DY + o_dy, (b_do * b_o1 * _act_grad(b_y, ACT)).to(DY.dtype.element_ty), mask=mask)
+        b_do *= b_g
+    return b_do
+
+
+@triton.jit
+def _store_dx(b_dq, b_p, b_y, b_g, DY, DRO, DX, DR, o_dy, o_dro, o_dx, o_dr, mask,
+              HAS_DRO: tl.constexpr, STORE_DR: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr):
+    """From dq to the stored input gradients. Pre-gate: dgate = dq * p * g'(y), dp = dq * g(y);
+    seed 001: dx = dp + dr, the gradient arriving at new_residual."""
+    if GATE == 1:
+        tl.store(DY + o_dy, (b_dq * b_p * _act_grad(b_y, ACT)).to(DY.dtype.element_ty), mask=mask)
+        b_dq *= b_g
+    if HAS_DRO:
+        b_dq += tl.load(DRO + o_dro, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DX + o_dx, b_dq.to(DX.dtype.element_ty), mask=mask)
+    if STORE_DR:
+        tl.store(DR + o_dr, b_dq.to(DR.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["M", "scale"])
 def _bwd_tile(
     P, Y, W, B, RSTD, MEAN, DO, DRO, DX, DR, DY, DW, DB,
@@ -228,10 +265,8 @@ def _bwd_tile(
     m_gd = (o_g[:, None] < G) & (o_d[None, :] < DG)
     o_gd = o_g[:, None] * DG + o_d[None, :]
     col = o_gd[None, :, :]
-    if HAS_W:
-        b_w = tl.load(W + o_gd, mask=m_gd, other=0.0).to(tl.float32)[None, :, :]
-    if HAS_B:
-        b_b = tl.load(B + o_gd, mask=m_gd, other=0.0).to(tl.float32)[None, :, :]
+    b_w = tl.load(W + o_gd, mask=m_gd, other=0.0).to(tl.float32)[None, :, :] if HAS_W else None
+    b_b = tl.load(B + o_gd, mask=m_gd, other=0.0).to(tl.float32)[None, :, :] if HAS_B else None
     b_dw = tl.zeros([BG, BD], dtype=tl.float32)
     b_db = tl.zeros([BG, BD], dtype=tl.float32)
     for i_m in range(i_p, tl.cdiv(M, BR), n_p):
@@ -243,26 +278,13 @@ def _bwd_tile(
         m_stat = m_m[:, None] & (o_g[None, :] < G)
 
         b_p = tl.load(P + row * s_p + col, mask=mask, other=0.0).to(tl.float32)
-        if GATE != 0:
-            b_y = tl.load(Y + row * s_y + col, mask=mask, other=0.0).to(tl.float32)
-            b_g = _act(b_y, ACT)
-        b_s = b_p * b_g if GATE == 1 else b_p
+        b_y = tl.load(Y + row * s_y + col, mask=mask, other=0.0).to(tl.float32) if GATE != 0 else None
+        b_g = _act(b_y, ACT) if GATE != 0 else None
         b_rstd = tl.load(RSTD + o_stat, mask=m_stat, other=0.0)[:, :, None]
-        if CENTER:
-            b_mean = tl.load(MEAN + o_stat, mask=m_stat, other=0.0)[:, :, None]
-            b_r = tl.where(mask, b_s - b_mean, 0.0) * b_rstd
-        else:
-            b_r = b_s * b_rstd
+        b_mean = tl.load(MEAN + o_stat, mask=m_stat, other=0.0)[:, :, None] if CENTER else None
+        b_r = _normalized(b_p, b_g, b_rstd, b_mean, mask, CENTER, GATE)
         b_do = tl.load(DO + row * s_do + col, mask=mask, other=0.0).to(tl.float32)
-        if GATE == 2:  # post-gate: do1 = do * g(y); dgate = do * o1 * g'(y)
-            b_o1 = b_r * scale
-            if HAS_W:
-                b_o1 *= b_w
-            if HAS_B:
-                b_o1 += b_b
-            b_dy = b_do * b_o1 * _act_grad(b_y, ACT)
-            tl.store(DY + row * s_dy + col, b_dy.to(DY.dtype.element_ty), mask=mask)
-            b_do *= b_g
+        b_do = _post_gate(b_do, b_r, b_y, b_g, b_w, b_b, DY, row * s_dy + col, mask, scale, HAS_W, HAS_B, GATE, ACT)
         if NEED_DW:
             b_dw += tl.sum(b_do * b_r, 0) * scale
         if NEED_DB:
@@ -275,15 +297,8 @@ def _bwd_tile(
         b_dq = (b_dr - b_r * b_c1[:, :, None]) * b_rstd
         if CENTER:
             b_dq = tl.where(mask, b_dq - (_mean(tl.sum(b_dq, 2), DG))[:, :, None], 0.0)
-        if GATE == 1:  # pre-gate: dgate = dq * p * g'(y); dp = dq * g(y)
-            b_dy = b_dq * b_p * _act_grad(b_y, ACT)
-            tl.store(DY + row * s_dy + col, b_dy.to(DY.dtype.element_ty), mask=mask)
-            b_dq *= b_g
-        if HAS_DRO:  # seed 001: dx = dx + dr, the gradient arriving at new_residual
-            b_dq += tl.load(DRO + row * s_dro + col, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + row * s_dx + col, b_dq.to(DX.dtype.element_ty), mask=mask)
-        if STORE_DR:
-            tl.store(DR + row * s_dr + col, b_dq.to(DR.dtype.element_ty), mask=mask)
+        _store_dx(b_dq, b_p, b_y, b_g, DY, DRO, DX, DR, row * s_dy + col, row * s_dro + col, row * s_dx + col,
+                  row * s_dr + col, mask, HAS_DRO, STORE_DR, GATE, ACT)
     o_part = i_p.to(tl.int64) * G * DG + o_gd
     if NEED_DW:
         tl.store(DW + o_part, b_dw, mask=m_gd)
@@ -309,23 +324,19 @@ def _bwd_dots(
         i_m = i_mg // G
         o_base = (i_mg % G) * DG
         b_rstd = tl.load(RSTD + i_mg)
-        if CENTER:
-            b_mean = tl.load(MEAN + i_mg)
+        b_mean = tl.load(MEAN + i_mg) if CENTER else None
         b_c1 = tl.zeros([BD], dtype=tl.float32)  # sum r * dr
         b_c2 = tl.zeros([BD], dtype=tl.float32)  # sum dr
         b_c3 = tl.zeros([BD], dtype=tl.float32)  # sum r
         for i_d in range(0, DG, BD):
             o_col = o_base + i_d + o_d
             m_d = i_d + o_d < DG
-            b_s = tl.load(P + i_m * s_p + o_col, mask=m_d, other=0.0).to(tl.float32)
+            b_p = tl.load(P + i_m * s_p + o_col, mask=m_d, other=0.0).to(tl.float32)
             b_do = tl.load(DO + i_m * s_do + o_col, mask=m_d, other=0.0).to(tl.float32)
-            if GATE != 0:
-                b_g = _act(tl.load(Y + i_m * s_y + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
-                if GATE == 1:
-                    b_s *= b_g
-                else:
-                    b_do *= b_g
-            b_r = tl.where(m_d, b_s - b_mean, 0.0) * b_rstd if CENTER else b_s * b_rstd
+            b_g = _act(tl.load(Y + i_m * s_y + o_col, mask=m_d, other=0.0).to(tl.float32), ACT) if GATE != 0 else None
+            b_r = _normalized(b_p, b_g, b_rstd, b_mean, m_d, CENTER, GATE)
+            if GATE == 2:
+                b_do *= b_g
             b_dr = b_do * scale
             if HAS_W:
                 b_dr *= tl.load(W + o_col, mask=m_d, other=0.0).to(tl.float32)
@@ -362,10 +373,8 @@ def _bwd_cols(
     m_d = o_in < DG
     o_col = i_g * DG + o_in
     col = o_col[None, :]
-    if HAS_W:
-        b_w = tl.load(W + o_col, mask=m_d, other=0.0).to(tl.float32)[None, :]
-    if HAS_B:
-        b_b = tl.load(B + o_col, mask=m_d, other=0.0).to(tl.float32)[None, :]
+    b_w = tl.load(W + o_col, mask=m_d, other=0.0).to(tl.float32)[None, :] if HAS_W else None
+    b_b = tl.load(B + o_col, mask=m_d, other=0.0).to(tl.float32)[None, :] if HAS_B else None
     b_dw = tl.zeros([BD], dtype=tl.float32)
     b_db = tl.zeros([BD], dtype=tl.float32)
     for i_m in range(i_p, tl.cdiv(M, BR), n_p):
@@ -377,25 +386,12 @@ def _bwd_cols(
         b_rstd = tl.load(RSTD + o_mg, mask=m_m, other=0.0)[:, None]
         b_c1 = tl.load(DOT + 2 * o_mg, mask=m_m, other=0.0)[:, None]
         b_p = tl.load(P + row * s_p + col, mask=mask, other=0.0).to(tl.float32)
-        if GATE != 0:
-            b_y = tl.load(Y + row * s_y + col, mask=mask, other=0.0).to(tl.float32)
-            b_g = _act(b_y, ACT)
-        b_s = b_p * b_g if GATE == 1 else b_p
-        if CENTER:
-            b_mean = tl.load(MEAN + o_mg, mask=m_m, other=0.0)[:, None]
-            b_r = tl.where(mask, b_s - b_mean, 0.0) * b_rstd
-        else:
-            b_r = b_s * b_rstd
+        b_y = tl.load(Y + row * s_y + col, mask=mask, other=0.0).to(tl.float32) if GATE != 0 else None
+        b_g = _act(b_y, ACT) if GATE != 0 else None
+        b_mean = tl.load(MEAN + o_mg, mask=m_m, other=0.0)[:, None] if CENTER else None
+        b_r = _normalized(b_p, b_g, b_rstd, b_mean, mask, CENTER, GATE)
         b_do = tl.load(DO + row * s_do + col, mask=mask, other=0.0).to(tl.float32)
-        if GATE == 2:  # post-gate: do1 = do * g(y); dgate = do * o1 * g'(y)
-            b_o1 = b_r * scale
-            if HAS_W:
-                b_o1 *= b_w
-            if HAS_B:
-                b_o1 += b_b
-            b_dy = b_do * b_o1 * _act_grad(b_y, ACT)
-            tl.store(DY + row * s_dy + col, b_dy.to(DY.dtype.element_ty), mask=mask)
-            b_do *= b_g
+        b_do = _post_gate(b_do, b_r, b_y, b_g, b_w, b_b, DY, row * s_dy + col, mask, scale, HAS_W, HAS_B, GATE, ACT)
         if NEED_DW:
             b_dw += tl.sum(b_do * b_r, 0) * scale
         if NEED_DB:
@@ -406,15 +402,8 @@ def _bwd_cols(
         b_dq = (b_dr - b_r * b_c1) * b_rstd
         if CENTER:
             b_dq -= tl.load(DOT + 2 * o_mg + 1, mask=m_m, other=0.0)[:, None]
-        if GATE == 1:  # pre-gate: dgate = dq * p * g'(y); dp = dq * g(y)
-            b_dy = b_dq * b_p * _act_grad(b_y, ACT)
-            tl.store(DY + row * s_dy + col, b_dy.to(DY.dtype.element_ty), mask=mask)
-            b_dq *= b_g
-        if HAS_DRO:
-            b_dq += tl.load(DRO + row * s_dro + col, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + row * s_dx + col, b_dq.to(DX.dtype.element_ty), mask=mask)
-        if STORE_DR:
-            tl.store(DR + row * s_dr + col, b_dq.to(DR.dtype.element_ty), mask=mask)
+        _store_dx(b_dq, b_p, b_y, b_g, DY, DRO, DX, DR, row * s_dy + col, row * s_dro + col, row * s_dx + col,
+                  row * s_dr + col, mask, HAS_DRO, STORE_DR, GATE, ACT)
     o_part = i_p.to(tl.int64) * G * DG + o_col
     if NEED_DW:
         tl.store(DW + o_part, b_dw, mask=m_d)
@@ -495,7 +484,7 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
         if tile:
             _fwd_tile[(_cdiv(M, br),)](*args, M, G, d // G, spec.eps, spec.scale, BR=br, BG=bg, BD=bd, **flags)
         else:
-            variant = ("_fwd_loop", _dtypes(*args[:9]), bd, *sorted(flags.items()))
+            variant = ("_fwd_loop", _dtypes(x2, r2, y2, weight, bias, out, new_res), bd, *sorted(flags.items()))
             n_prog = min(M * G, _num_sms(x.device) * programs_per_sm(x.device, variant, per_sm))
             compiled = _fwd_loop[(n_prog,)](*args, M * G, G, d // G, spec.eps, spec.scale, BD=bd, **flags)
             learn(x.device, variant, compiled, warps)
