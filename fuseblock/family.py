@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from .modules import check_factory_dtype, check_flag
 from .ops.batch_norm import batch_norm, check_momentum, group_norm, instance_norm
 from .ops.embed_norm import embed_norm
 from .ops.spec import check_number
@@ -50,8 +51,11 @@ class BatchNorm(nn.Module):
         super().__init__()
         _check_config(num_features, eps)
         check_momentum(momentum, allow_none=True)
+        check_flag("affine", affine)
+        check_flag("track_running_stats", track_running_stats)
+        check_factory_dtype(dtype)
         self.num_features, self.eps, self.momentum = int(num_features), float(eps), momentum
-        self.affine, self.track_running_stats = bool(affine), bool(track_running_stats)
+        self.affine, self.track_running_stats = affine, track_running_stats
         factory = dict(device=device, dtype=dtype)
         if affine:
             self.weight = nn.Parameter(torch.ones(num_features, **factory))
@@ -108,7 +112,9 @@ class InstanceNorm(nn.Module):
     def __init__(self, num_features: int, eps: float = 1e-5, affine: bool = False, device=None, dtype=None):
         super().__init__()
         _check_config(num_features, eps)
-        self.num_features, self.eps, self.affine = int(num_features), float(eps), bool(affine)
+        check_flag("affine", affine)
+        check_factory_dtype(dtype)
+        self.num_features, self.eps, self.affine = int(num_features), float(eps), affine
         factory = dict(device=device, dtype=dtype)
         self.weight = nn.Parameter(torch.ones(num_features, **factory)) if affine else None
         self.bias = nn.Parameter(torch.zeros(num_features, **factory)) if affine else None

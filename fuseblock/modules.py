@@ -24,6 +24,24 @@ def check_dim(dim) -> None:
         raise ValueError(f"dim must be >= 1, got {dim}")
 
 
+def check_factory_dtype(dtype) -> None:
+    """The `dtype=` of a module's parameters: None (torch's default) or a floating dtype."""
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be None or a floating dtype {FLOAT_DTYPES}, got {dtype!r}")
+
+
+def check_flag(name: str, flag) -> None:
+    """A module switch such as affine=: a bool, never a truthy string or a tensor."""
+    if not isinstance(flag, bool):
+        raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
+
+
+def check_last_dim(x, dim: int) -> None:
+    """x's last dim against the module's: named so, rather than blaming weight's shape."""
+    if isinstance(x, Tensor) and x.dim() > 0 and x.shape[-1] != dim:
+        raise ValueError(f"x's last dim {x.shape[-1]} does not match the module's dim {dim}")
+
+
 def check_residual_dtype(residual_dtype) -> None:
     if residual_dtype is not None and residual_dtype not in FLOAT_DTYPES:
         raise TypeError(f"residual_dtype must be None or one of {FLOAT_DTYPES}, got {residual_dtype!r}")
@@ -52,9 +70,9 @@ class Norm(nn.Module):
     ):
         super().__init__()
         check_dim(dim)
-        for name, flag in (("weight", weight), ("bias", bias)):
-            if not isinstance(flag, bool):  # a tensor here would be a mistaken initial value
-                raise TypeError(f"{name} must be a bool (whether the parameter exists), got {type(flag).__name__}")
+        check_flag("weight", weight)  # whether the parameter exists; a tensor here is a mistaken initial value
+        check_flag("bias", bias)
+        check_factory_dtype(dtype)
         check_options(dim, kind=kind, c=c, eps=eps, num_groups=num_groups, gate_act=gate_act, gate_position=gate_position)
         self.dim, self.kind, self.c, self.eps = int(dim), kind, c, float(eps)
         self.num_groups, self.gate_act, self.gate_position = int(num_groups), gate_act, gate_position
@@ -69,6 +87,7 @@ class Norm(nn.Module):
         return kw
 
     def forward(self, x: Tensor, gate: Optional[Tensor] = None) -> Tensor:
+        check_last_dim(x, self.dim)
         return norm(x, self.weight, self.bias, **self._kwargs(gate))
 
     def naive(self, x: Tensor) -> Tensor:
@@ -115,6 +134,7 @@ class AddNorm(Norm):
         rdtype = self.residual_dtype
         if rdtype is None and isinstance(residual, Tensor) and isinstance(x, Tensor):
             rdtype = torch.promote_types(x.dtype, residual.dtype)
+        check_last_dim(x, self.dim)
         return add_norm(x, residual, self.weight, self.bias, residual_dtype=rdtype, **self._kwargs(gate))
 
     def extra_repr(self) -> str:

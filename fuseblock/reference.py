@@ -104,7 +104,7 @@ def _native_bwd(dout: Tensor, p: Tensor, weight, bias, rstd: Tensor, mean, spec:
     else:  # ATen has no CPU kernel for the fused RMS backward: dq = (dr - mean(r*dr) r) rstd
         rs = rstd.reshape(p.shape[:-1] + (1,))
         dr = dout if w is None else dout * w
-        c1 = (dr * p).mean(-1, keepdim=True) * rs.square()  # mean(r * dr) / rstd
+        c1 = (dr * p).mean(-1, keepdim=True) * rs * rs  # mean(r * dr) / rstd; not rs^2, which overflows at eps = 0
         dp = torch.addcmul(dr, p, c1, value=-1).mul_(rs)  # in place: fewer passes
         dws = (dout * p).reshape(-1, d).t() @ rs.reshape(-1) if need_w else None
     rows = (-1, d)
@@ -112,6 +112,42 @@ def _native_bwd(dout: Tensor, p: Tensor, weight, bias, rstd: Tensor, mean, spec:
     dw = None if not need_w else dws * spec.scale
     db = None if bias is None else dout.reshape(rows).sum(0)
     return dp, dw, db
+
+
+def _stats(s: Tensor, spec: NormSpec) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(q, rstd, mean) of s per group: q grouped (M, G, d/G), rstd and mean (M, G).
+
+    Differentiable torch ops throughout, so double backward and torch.func see the math.
+    """
+    sg = _grouped(s, spec.groups)
+    mean = None
+    if spec.center:
+        # Centre on each group's first element before summing: a constant group is then
+        # exactly its value (q = 0, so out = bias), where a plain fp32 mean leaves a
+        # remainder that rstd ~ 1/sqrt(eps) would amplify. Also less cancellation.
+        shift = sg[..., :1]
+        cs = sg - shift
+        dmean = cs.mean(-1, keepdim=True)
+        mean = (shift + dmean).squeeze(-1)
+        q = cs - dmean
+    else:
+        q = sg
+    if spec.eps == 0:  # scale-safe: fp64 squares of any fp32 value neither underflow nor overflow
+        rstd = torch.rsqrt(q.double().square().mean(-1)).to(q.dtype)
+    else:
+        rstd = torch.rsqrt(q.square().mean(-1) + spec.eps)
+    return q, rstd, mean
+
+
+def norm_out(p: Tensor, gate: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor], spec: NormSpec):
+    """(out, rstd, mean) from p in p's (accumulation) dtype, as differentiable torch ops."""
+    g = gate_act(gate.to(p.dtype), spec.act) if spec.gate_mode else None
+    s = p * g if spec.gate_mode == 1 else p
+    q, rstd, mean = _stats(s, spec)
+    o = _affine((q * rstd[..., None]).reshape(s.shape), spec, weight, bias)
+    if spec.gate_mode == 2:
+        o = o * g
+    return o, rstd, mean
 
 
 def norm_fwd(
@@ -123,12 +159,15 @@ def norm_fwd(
     spec: NormSpec,
     residual_dtype: Optional[torch.dtype],
     need_stats: bool,
+    native: bool = True,
 ):
     """Returns (out, new_residual or None, rstd (M, G) or None, mean (M, G) or None).
 
     new_residual is written only when residual_dtype is given (the caller passes it
     whenever there is a residual or a dtype change). The norm then reads the stored,
     rounded value, so the fused stream sees exactly what the naive one would.
+    native=False keeps to plain differentiable ops (no ATen fused norm kernels), for
+    torch.func transforms.
     """
     acc = acc_dtype(x.dtype)
     p = x.to(acc) if residual is None else x.to(acc) + residual.to(acc)
@@ -136,21 +175,14 @@ def norm_fwd(
     if residual_dtype is not None:
         new_residual = p.to(residual_dtype)
         p = new_residual.to(acc)
-    if _native_ok(p, spec):
+    # eps = 0 takes the composition: its statistics are scale-safe, ATen's are not
+    if native and spec.eps > 0 and _native_ok(p, spec):
         out, rstd, mean = _native_fwd(p, weight, bias, spec)
-        return out.to(x.dtype), new_residual, rstd if need_stats else None, mean if need_stats else None
-    g = gate_act(gate.to(acc), spec.act) if spec.gate_mode else None
-    s = p * g if spec.gate_mode == 1 else p
-    sg = _grouped(s, spec.groups)
-    mean = sg.mean(-1) if spec.center else None
-    q = sg - mean[..., None] if spec.center else sg
-    rstd = torch.rsqrt(q.square().mean(-1) + spec.eps)
-    o = _affine((q * rstd[..., None]).reshape(s.shape), spec, weight, bias)
-    if spec.gate_mode == 2:
-        o = o * g
+    else:
+        out, rstd, mean = norm_out(p, gate, weight, bias, spec)
     if not need_stats:
         rstd = mean = None
-    return o.to(x.dtype), new_residual, rstd, mean
+    return out.to(x.dtype), new_residual, rstd, mean
 
 
 def norm_bwd(
@@ -174,7 +206,7 @@ def norm_bwd(
     acc = rstd.dtype
     p = p.to(acc)
     dout = dout.to(acc)
-    if _native_ok(p, spec):
+    if spec.eps > 0 and _native_ok(p, spec):  # ATen's layer-norm backward overflows at rstd ~ 1/|x| ~ 1e30
         ds, dw, db = _native_bwd(dout, p, weight, bias, rstd, mean, spec)
         if dres is not None:
             ds = ds + dres.to(acc)

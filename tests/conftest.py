@@ -24,3 +24,15 @@ KERNEL_PATH = os.environ.get("TRITON_INTERPRET") == "1" or DEVICE == "cuda"
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def small_wide_rows(monkeypatch):
+    """Shrink the tile limits and chunk sizes so rows of a few dozen columns take the
+    wide-row kernels (`_fwd_loop`, `_bwd_dots` + `_bwd_cols`), with ragged chunks and
+    several programs: fast enough for the interpreter."""
+    import fuseblock.kernels.norm as K
+
+    for name, value in dict(MAX_TILE_FWD=16, MAX_TILE_BWD=16, LOOP_BLOCK=8, COLS_BLOCK=8, COLS_TILE=32,
+                            MIN_ROWS_PER_PROGRAM=4, H100_SMS=2).items():
+        monkeypatch.setattr(K, name, value)

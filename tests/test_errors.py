@@ -70,3 +70,24 @@ def test_norm_module_rejects_bad_config():
         fuseblock.Norm(8, kind="nope")
     with pytest.raises(ValueError, match="eps"):
         fuseblock.Norm(8, eps=-1.0)
+
+
+def test_modules_blame_x_for_a_last_dim_that_does_not_match():
+    for module in (fuseblock.Norm(8), fuseblock.AddNorm(8), fuseblock.Norm(8, weight=False)):
+        with pytest.raises(ValueError, match=r"x's last dim 16 does not match the module's dim 8"):
+            module(torch.randn(2, 16))
+
+
+@pytest.mark.parametrize("make,argument", [
+    (lambda: fuseblock.BatchNorm(4, affine="no"), "affine"),
+    (lambda: fuseblock.BatchNorm(4, track_running_stats="no"), "track_running_stats"),
+    (lambda: fuseblock.InstanceNorm(4, affine="x"), "affine"),
+    (lambda: fuseblock.BatchNorm(4, affine=1), "affine"),
+    (lambda: fuseblock.Norm(8, dtype=torch.int64), "dtype"),
+    (lambda: fuseblock.AddNorm(8, dtype=torch.bool), "dtype"),
+    (lambda: fuseblock.BatchNorm(4, dtype=torch.int32), "dtype"),
+    (lambda: fuseblock.InstanceNorm(4, affine=True, dtype=torch.int64), "dtype"),
+])
+def test_module_switches_and_dtypes_are_type_checked(make, argument):
+    with pytest.raises(TypeError, match=argument):
+        make()

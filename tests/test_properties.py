@@ -116,3 +116,55 @@ def test_rows_past_2_to_the_31_elements_are_addressed_with_64_bit_offsets(d):
     (ref_out, ref_dx), (out, dx) = results
     assert torch.equal(out, ref_out) and torch.equal(dx, ref_dx)
     del storage
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("value", [3.3, 7.77, -1234.567])
+@pytest.mark.parametrize("d,groups", [(8, 1), (1000, 1), (20000, 1), (24, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_constant_rows_of_a_layer_norm_give_exactly_the_bias(value, d, groups, dtype):
+    # a remainder in the fp32 mean would be multiplied by rstd = 1/sqrt(eps) = 1000
+    x = torch.full((4, d), value).to(dtype)
+    w, b = torch.randn(d).to(dtype), torch.randn(d).to(dtype)
+    for res in (None, torch.zeros_like(x)):
+        out, _ = fuseblock.add_norm(x, res, w, b, kind="layer", eps=1e-6, num_groups=groups)
+        assert torch.equal(out, b.expand_as(out)), (out - b).abs().max()
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("value", [3.3, 7.77])
+def test_constant_rows_through_the_wide_row_kernels(small_wide_rows, value):
+    x = torch.full((9, 37), value, requires_grad=True)
+    b = torch.randn(37)
+    out = fuseblock.norm(x, torch.randn(37), b, kind="layer", eps=1e-6)
+    assert torch.equal(out, b.expand_as(out))
+    assert torch.isfinite(torch.autograd.grad(out.sum(), x)[0]).all()
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("scale", [1e-30, 1e-20, 1.0, 1e20, 1e30])
+@pytest.mark.parametrize("kind", ["l2", "rms", "layer"])
+@pytest.mark.parametrize("d", [16, 20000])
+def test_eps_zero_normalizes_rows_of_any_scale(scale, kind, d):
+    # eps = 0: the statistics sum squares in fp64, so 1e-30^2 does not underflow to 0
+    # (out = inf) and 1e30^2 does not overflow (out = 0): l2 rows have unit length, rms
+    # and layer rows unit root-mean-square, and the gradients stay finite
+    x = (torch.randn(3, d) * scale).requires_grad_()
+    out = fuseblock.norm(x, kind=kind, eps=0.0)
+    size = out.double().norm(dim=-1) / (1.0 if kind == "l2" else d ** 0.5)
+    torch.testing.assert_close(size, torch.ones(3, dtype=torch.float64), rtol=1e-5, atol=0)
+    x64 = x.detach().double()
+    ref = x64 / x64.norm(dim=-1, keepdim=True) * (1.0 if kind == "l2" else d ** 0.5)
+    if kind != "layer":
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(torch.autograd.grad(out[:, :3].sum(), x)[0]).all()
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("scale", [1e-30, 1e30])
+def test_eps_zero_through_the_wide_row_kernels(small_wide_rows, scale):
+    x = torch.randn(9, 37) * scale
+    for kind in ("l2", "layer"):
+        out = fuseblock.norm(x, kind=kind, eps=0.0)
+        size = out.double().norm(dim=-1) / (1.0 if kind == "l2" else 37 ** 0.5)
+        torch.testing.assert_close(size, torch.ones(9, dtype=torch.float64), rtol=1e-5, atol=0)

@@ -13,14 +13,8 @@ from test_norm import run_case
 import fuseblock
 import fuseblock.kernels.norm as K
 
-pytestmark = [pytest.mark.kernel, pytest.mark.skipif(not KERNEL_PATH, reason="the Triton kernels' layouts")]
-
-
-@pytest.fixture(autouse=True)
-def small_wide_rows(monkeypatch):
-    for name, value in dict(MAX_TILE_FWD=16, MAX_TILE_BWD=16, LOOP_BLOCK=8, COLS_BLOCK=8, COLS_TILE=32,
-                            MIN_ROWS_PER_PROGRAM=4, H100_SMS=2).items():
-        monkeypatch.setattr(K, name, value)
+pytestmark = [pytest.mark.kernel, pytest.mark.skipif(not KERNEL_PATH, reason="the Triton kernels' layouts"),
+              pytest.mark.usefixtures("small_wide_rows")]
 
 
 def launches(fn):

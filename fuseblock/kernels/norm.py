@@ -75,6 +75,27 @@ def _mean(b_sum, DG):
 
 
 @triton.jit
+def _rstd(b_ss, DG, eps, EXACT_SQ: tl.constexpr):
+    """1 / sqrt(b_ss / DG + eps) from a sum of squares. EXACT_SQ (eps = 0): b_ss was summed in
+    fp64, where no fp32 value's square underflows or overflows, so rows of any scale
+    normalize to unit size; with eps > 0, eps sets the floor and fp32 suffices."""
+    if EXACT_SQ:
+        b_r = (1.0 / tl.sqrt(b_ss / DG)).to(tl.float32)
+    else:
+        b_r = tl.rsqrt(_mean(b_ss, DG) + eps)
+    return b_r
+
+
+@triton.jit
+def _prod(b_a, b_b, EXACT_SQ: tl.constexpr):
+    """b_a * b_b for a sum of squares: in fp64 when EXACT_SQ (see _rstd)."""
+    if EXACT_SQ:
+        b_a = b_a.to(tl.float64)
+        b_b = b_b.to(tl.float64)
+    return b_a * b_b
+
+
+@triton.jit
 def _load_p(X, R, RO, o_x, o_r, o_ro, mask, HAS_R: tl.constexpr, STORE_R: tl.constexpr):
     """p = x (+ residual) in fp32; stores new_residual and returns its rounded value, so
     the norm sees exactly what was stored (and what the naive stack would add)."""
@@ -97,6 +118,7 @@ def _fwd_tile(
     BR: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
     HAS_R: tl.constexpr, STORE_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, STORE_STATS: tl.constexpr,
+    EXACT_SQ: tl.constexpr,
 ):
     i_m = tl.program_id(0)
     o_m = (i_m * BR + tl.arange(0, BR)).to(tl.int64)  # int64: M * stride may pass 2**31
@@ -114,11 +136,17 @@ def _fwd_tile(
         b_g = _act(tl.load(Y + row * s_y + col, mask=mask, other=0.0).to(tl.float32), ACT)
     b_s = b_p * b_g if GATE == 1 else b_p
     if CENTER:
-        b_mean = _mean(tl.sum(b_s, 2), DG)  # [BR, BG]
-        b_q = tl.where(mask, b_s - b_mean[:, :, None], 0.0)
+        # Centre on each group's first element before summing: a constant group is then
+        # exactly its value (q = 0, out = bias), where the fp32 mean's remainder would be
+        # amplified by rstd ~ 1/sqrt(eps). It also cancels less on offset rows.
+        b_shift = tl.sum(tl.where(o_d[None, None, :] == 0, b_s, 0.0), 2)  # [BR, BG]
+        b_c = tl.where(mask, b_s - b_shift[:, :, None], 0.0)
+        b_dmean = _mean(tl.sum(b_c, 2), DG)
+        b_mean = b_shift + b_dmean
+        b_q = tl.where(mask, b_c - b_dmean[:, :, None], 0.0)
     else:
         b_q = b_s
-    b_rstd = tl.rsqrt(_mean(tl.sum(b_q * b_q, 2), DG) + eps)
+    b_rstd = _rstd(tl.sum(_prod(b_q, b_q, EXACT_SQ), 2), DG, eps, EXACT_SQ)
     b_o = b_q * (b_rstd[:, :, None] * scale)
     if HAS_W:
         b_o *= tl.load(W + o_gd, mask=m_gd, other=0.0).to(tl.float32)[None, :, :]
@@ -143,6 +171,7 @@ def _fwd_loop(
     BD: tl.constexpr,
     HAS_R: tl.constexpr, STORE_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, STORE_STATS: tl.constexpr,
+    EXACT_SQ: tl.constexpr,
 ):
     # Persistent: program i_p handles (row, group) pairs i_p, i_p + n_p, ... A row this
     # wide does not fit on chip, so it is read twice, never three times: pass 1 reads the
@@ -160,7 +189,10 @@ def _fwd_loop(
         # squared deviations from that mean (Welford: no sum-of-squares cancellation)
         b_n = tl.zeros([BD], dtype=tl.float32)
         b_mu = tl.zeros([BD], dtype=tl.float32)
-        b_sq = tl.zeros([BD], dtype=tl.float32)
+        if EXACT_SQ:
+            b_sq = tl.zeros([BD], dtype=tl.float64)
+        else:
+            b_sq = tl.zeros([BD], dtype=tl.float32)
         for i_d in range(0, DG, BD):
             o_col = o_base + i_d + o_d
             m_d = i_d + o_d < DG
@@ -171,15 +203,18 @@ def _fwd_loop(
                 b_n += tl.where(m_d, 1.0, 0.0)
                 b_delta = tl.where(m_d, b_s - b_mu, 0.0)
                 b_mu += b_delta / tl.maximum(b_n, 1.0)
-                b_sq += b_delta * (b_s - b_mu)
+                b_sq += _prod(b_delta, b_s - b_mu, EXACT_SQ)
             else:
-                b_sq += b_s * b_s
+                b_sq += _prod(b_s, b_s, EXACT_SQ)
         if CENTER:  # merge the lanes (Chan et al.): M2 = sum M2_j + sum n_j (mu_j - mean)^2
-            b_mean = _mean(tl.sum(b_n * b_mu, 0), DG)
+            # relative to lane 0's mean: a constant row's lane means all equal it, so its
+            # mean is exact and q = 0 (out = bias), as in the tile kernel
+            b_mu0 = tl.sum(tl.where(o_d == 0, b_mu, 0.0), 0)
+            b_mean = b_mu0 + _mean(tl.sum(b_n * (b_mu - b_mu0), 0), DG)
             b_dev = b_mu - b_mean
-            b_rstd = tl.rsqrt(_mean(tl.sum(b_sq, 0) + tl.sum(b_n * b_dev * b_dev, 0), DG) + eps)
+            b_rstd = _rstd(tl.sum(b_sq, 0) + tl.sum(_prod(b_n * b_dev, b_dev, EXACT_SQ), 0), DG, eps, EXACT_SQ)
         else:
-            b_rstd = tl.rsqrt(_mean(tl.sum(b_sq, 0), DG) + eps)
+            b_rstd = _rstd(tl.sum(b_sq, 0), DG, eps, EXACT_SQ)
         for i_d in range(0, DG, BD):
             o_col = o_base + i_d + o_d
             m_d = i_d + o_d < DG
@@ -452,6 +487,12 @@ def _rows(t: Optional[torch.Tensor], d: int) -> Optional[torch.Tensor]:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
+def _vec(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A (d,) weight or bias with unit stride, as the kernels index it (W + column): a
+    sliced view, a matrix column or an expanded stride-0 vector is copied, never assumed."""
+    return t if t is None or t.stride(0) == 1 else t.contiguous()
+
+
 def _stride(t: Optional[torch.Tensor]) -> int:
     return t.stride(0) if t is not None else 0
 
@@ -463,8 +504,12 @@ def _dtypes(*tensors) -> tuple:
 
 def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, need_stats):
     """Triton forward, same contract as `fuseblock.reference.norm_fwd`."""
+    # The launchers' stride contract: activations may have any strides (rows are passed
+    # by stride, columns must be unit-stride or are copied: `_rows`); weight and bias are
+    # made unit-stride (`_vec`). Outputs and statistics are allocated here, contiguous.
     d = x.shape[-1]
     x2, r2, y2 = _rows(x, d), _rows(residual, d), _rows(gate, d)
+    weight, bias = _vec(weight), _vec(bias)
     M, G = x2.shape[0], spec.groups
     out = torch.empty((M, d), dtype=x.dtype, device=x.device)
     new_res = torch.empty((M, d), dtype=residual_dtype, device=x.device) if residual_dtype is not None else None
@@ -479,7 +524,7 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
         flags = dict(
             HAS_R=r2 is not None, STORE_R=new_res is not None, HAS_W=weight is not None,
             HAS_B=bias is not None, CENTER=spec.center, GATE=spec.gate_mode, ACT=spec.act,
-            STORE_STATS=need_stats, num_warps=warps,
+            STORE_STATS=need_stats, EXACT_SQ=spec.eps == 0, num_warps=warps,
         )
         if tile:
             _fwd_tile[(_cdiv(M, br),)](*args, M, G, d // G, spec.eps, spec.scale, BR=br, BG=bg, BD=bd, **flags)
@@ -499,7 +544,8 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     differs (an fp32 residual stream under bf16 activations): otherwise dx serves both.
     """
     d = p.shape[-1]
-    p2, do2, dro2, y2 = _rows(p, d), _rows(dout, d), _rows(dres, d), _rows(gate, d)
+    p2, do2, dro2, y2 = _rows(p, d), _rows(dout, d), _rows(dres, d), _rows(gate, d)  # as in norm_fwd
+    weight, bias = _vec(weight), _vec(bias)
     M, G = p2.shape[0], spec.groups
     dg = d // G
     dev = p.device

@@ -27,8 +27,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .norm import _EagerNorm, norm
-from .spec import check_number, check_tensor
+from .norm import apply_norm, norm
+from .spec import NormSpec, check_number, check_tensor
 
 
 def _check_input(x, what: str, min_dim: int) -> tuple[int, int, int]:
@@ -117,12 +117,10 @@ def batch_norm(
         raise ValueError(f"x: expected more than 1 value per channel when training, got shape {tuple(x.shape)}")
     # (N, C, *) -> (C, N, *) in fp32, one copy; then each channel is one contiguous row
     xt = _dense(x.transpose(0, 1), _acc(x))
-    # the core op's positional spec: center (layer), scale c/sqrt(d) = 1, eps, no gate,
-    # one group, no residual, and return the row statistics
-    fwd = torch.ops.fuseblock.norm_fwd if torch.compiler.is_compiling() else _EagerNorm.apply
-    out, _, rstd, mean = fwd(
-        xt.view(c, rows), None, None, None, None, True, 1.0, float(eps), 0, 0, 1, None, True
-    )
+    # the core layer norm (scale c/sqrt(d) = 1, no gate, one group, no residual), with
+    # the row statistics
+    spec = NormSpec(center=True, scale=1.0, eps=float(eps), gate_mode=0, act=0, groups=1)
+    out, _, rstd, mean = apply_norm(xt.view(c, rows), None, None, None, None, spec, None, True)
     if running_mean is not None:
         with torch.no_grad():
             # biased variance back from rstd = 1/sqrt(var + eps); clamp the rounding at 0

@@ -12,6 +12,7 @@ Dispatch, inside the ops:
 from __future__ import annotations
 
 import os
+from dataclasses import astuple
 from typing import Optional
 
 import torch
@@ -32,6 +33,11 @@ def uses_triton(x: Tensor) -> bool:
 
 def _backend(x: Tensor):
     return kernels if uses_triton(x) else reference
+
+
+def _transformed() -> bool:
+    """Whether a torch.func transform (vmap, grad, jvp, ...) is tracing this call."""
+    return torch._C._are_functorch_transforms_active()
 
 
 def _empty(x: Tensor) -> Tensor:
@@ -67,10 +73,10 @@ def _norm_fwd_fake(x, residual, gate, weight, bias, center, scale, eps, gate_mod
 def _norm_bwd_impl(
     dout: Tensor, dres: Optional[Tensor], p: Tensor, gate: Optional[Tensor], weight: Optional[Tensor],
     bias: Optional[Tensor], rstd: Tensor, mean: Optional[Tensor],
-    center: bool, scale: float, gate_mode: int, act: int, groups: int,
+    center: bool, scale: float, eps: float, gate_mode: int, act: int, groups: int,
     x_dtype: torch.dtype, residual_grad_dtype: Optional[torch.dtype],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    spec = NormSpec(center, scale, 0.0, gate_mode, act, groups)
+    spec = NormSpec(center, scale, eps, gate_mode, act, groups)
     grads = _backend(p).norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec, x_dtype, residual_grad_dtype)
     return tuple(t if t is not None else _empty(p) for t in grads)
 
@@ -79,7 +85,8 @@ _norm_bwd = torch.library.custom_op("fuseblock::norm_bwd", _norm_bwd_impl, mutat
 
 
 @_norm_bwd.register_fake
-def _norm_bwd_fake(dout, dres, p, gate, weight, bias, rstd, mean, center, scale, gate_mode, act, groups, x_dtype, residual_grad_dtype):
+def _norm_bwd_fake(dout, dres, p, gate, weight, bias, rstd, mean, center, scale, eps, gate_mode, act, groups, x_dtype,
+                   residual_grad_dtype):
     d = p.shape[-1]
     return (
         p.new_empty(p.shape, dtype=x_dtype),
@@ -90,12 +97,13 @@ def _norm_bwd_fake(dout, dres, p, gate, weight, bias, rstd, mean, center, scale,
     )
 
 
-def _save(ctx, x, residual, gate, weight, bias, center, scale, gate_mode, act, groups, residual_dtype, new_res, rstd, mean):
+def _save(ctx, x, residual, gate, weight, bias, center, scale, eps, gate_mode, act, groups, residual_dtype, new_res,
+          rstd, mean):
     # Backward re-derives everything from p and the row statistics, so the normalized
     # output is never kept: p is the stored new_residual, or x itself when none is stored.
     p = new_res if residual_dtype is not None else x
     ctx.save_for_backward(p, gate, weight, bias, rstd, mean if center else None)
-    ctx.spec = (center, scale, gate_mode, act, groups)
+    ctx.spec = NormSpec(center, scale, eps, gate_mode, act, groups)
     ctx.x_dtype = x.dtype
     ctx.residual_dtype = None if residual is None else residual.dtype
     ctx.stored = residual_dtype is not None
@@ -112,7 +120,7 @@ def _input_grads(ctx, dout, dnew_res, norm_bwd):
     dres = dnew_res if ctx.stored else None  # else new_residual is x: autograd routes it
     separate = ctx.residual_dtype is not None and ctx.residual_dtype != ctx.x_dtype
     dx, dres_sep, dgate, dw, db = norm_bwd(
-        dout, dres, p, gate, weight, bias, rstd, mean, *ctx.spec, ctx.x_dtype, ctx.residual_dtype if separate else None
+        dout, dres, p, gate, weight, bias, rstd, mean, *astuple(ctx.spec), ctx.x_dtype, ctx.residual_dtype if separate else None
     )
     return (
         dx,
@@ -123,10 +131,35 @@ def _input_grads(ctx, dout, dnew_res, norm_bwd):
     )
 
 
+def _differentiable_grads(ctx, dout, dnew_res):
+    """(dx, dresidual, dgate, dweight, dbias) as differentiable torch ops, for
+    create_graph=True: out is rebuilt from the saved p by the reference's composition
+    (any backend: the kernels' gradients are not differentiable) and autograd takes its
+    gradient with a graph, so second derivatives are right. A stored p is this node's own
+    output: the second derivative reaches x and residual through it."""
+    p, gate, weight, bias, _, _ = ctx.saved_tensors
+    spec = ctx.spec
+    leaves = [t for t in (p, gate, weight, bias) if t is not None and t.requires_grad]
+    found = {}
+    if leaves and dout is not None:
+        out = reference.norm_out(p.to(reference.acc_dtype(p.dtype)), gate, weight, bias, spec)[0].to(ctx.x_dtype)
+        found = dict(zip(map(id, leaves), torch.autograd.grad(out, leaves, dout, create_graph=True, allow_unused=True)))
+    dp = found.get(id(p))
+    dres = dnew_res if ctx.stored else None
+    if dres is not None:
+        dp = dres if dp is None else dp + dres
+    if dp is None and p.requires_grad:
+        dp = torch.zeros(p.shape, dtype=ctx.x_dtype, device=p.device)
+    dx = None if dp is None else dp.to(ctx.x_dtype)
+    dresidual = None if ctx.residual_dtype is None or dp is None else dp.to(ctx.residual_dtype)
+    return dx, dresidual, found.get(id(gate)), found.get(id(weight)), found.get(id(bias))
+
+
 def _setup_context(ctx, inputs, output):
     x, residual, gate, weight, bias, center, scale, eps, gate_mode, act, groups, residual_dtype, need_stats = inputs
     _, new_res, rstd, mean = output
-    _save(ctx, x, residual, gate, weight, bias, center, scale, gate_mode, act, groups, residual_dtype, new_res, rstd, mean)
+    _save(ctx, x, residual, gate, weight, bias, center, scale, eps, gate_mode, act, groups, residual_dtype, new_res,
+          rstd, mean)
 
 
 def _op_backward(ctx, dout, dnew_res, _drstd, _dmean):
@@ -145,14 +178,29 @@ class _EagerNorm(torch.autograd.Function):
         out, new_res, rstd, mean = _norm_fwd_impl(
             x, residual, gate, weight, bias, center, scale, eps, gate_mode, act, groups, residual_dtype, need_stats
         )
-        _save(ctx, x, residual, gate, weight, bias, center, scale, gate_mode, act, groups, residual_dtype, new_res, rstd, mean)
+        _save(ctx, x, residual, gate, weight, bias, center, scale, eps, gate_mode, act, groups, residual_dtype, new_res,
+              rstd, mean)
         ctx.mark_non_differentiable(rstd, mean)
         ctx.set_materialize_grads(False)  # no zero-filled gradients (a memset launch each) for rstd, mean
         return out, new_res, rstd, mean
 
     @staticmethod
     def backward(ctx, dout, dnew_res, _drstd, _dmean):
+        if torch.is_grad_enabled():  # create_graph=True: a second derivative may follow
+            return _differentiable_grads(ctx, dout, dnew_res) + (None,) * 8
         return _input_grads(ctx, dout, dnew_res, _norm_bwd_impl) + (None,) * 8
+
+
+def apply_norm(x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], weight: Optional[Tensor],
+               bias: Optional[Tensor], spec: NormSpec, residual_dtype: Optional[torch.dtype], need_stats: bool):
+    """The op on validated arguments, for add_norm and the family ops: (out, new_residual,
+    rstd, mean), absent ones None or empty. The custom op under torch.compile, the eager
+    autograd.Function otherwise, and under a torch.func transform (vmap, grad, jvp) the
+    reference's plain differentiable ops, which are all such a transform can see through."""
+    if _transformed():
+        return reference.norm_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, native=False)
+    fwd = torch.ops.fuseblock.norm_fwd if torch.compiler.is_compiling() else _EagerNorm.apply
+    return fwd(x, residual, gate, weight, bias, *astuple(spec), residual_dtype, need_stats)
 
 
 def add_norm(
@@ -191,11 +239,7 @@ def add_norm(
     need_stats = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, residual, gate, weight, bias)
     )
-    fwd = torch.ops.fuseblock.norm_fwd if torch.compiler.is_compiling() else _EagerNorm.apply
-    out, new_res, _, _ = fwd(
-        x, residual, gate, weight, bias, spec.center, spec.scale, spec.eps, spec.gate_mode, spec.act,
-        spec.groups, rdtype if store else None, need_stats,
-    )
+    out, new_res, _, _ = apply_norm(x, residual, gate, weight, bias, spec, rdtype if store else None, need_stats)
     return out, (new_res if store else x)
 
 
