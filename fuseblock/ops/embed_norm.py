@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import embed_norm as kernels
-from .norm import _transformed, uses_triton
+from .norm import func_transforms_active, uses_triton
 from .spec import check_number, check_tensor
 
 ORDS = {"l1": 1, "l2": 2, "max": 3}
@@ -133,7 +133,7 @@ def embed_norm(x: Tensor, ord: str = "l2", eps: float = 1e-12) -> Tensor:
     check_number("eps", eps)
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
-    if _transformed():  # torch.func sees through plain torch ops only (see fuseblock.ops.norm.apply_norm)
+    if func_transforms_active():  # torch.func sees through plain torch ops only (see fuseblock.ops.norm.apply_norm)
         return torch_fwd(x, ORDS[ord], float(eps))[0]
     fwd = torch.ops.fuseblock.embed_norm_fwd if torch.compiler.is_compiling() else _EagerEmbedNorm.apply
     return fwd(x, ORDS[ord], float(eps))[0]

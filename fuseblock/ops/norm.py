@@ -35,7 +35,7 @@ def _backend(x: Tensor):
     return kernels if uses_triton(x) else reference
 
 
-def _transformed() -> bool:
+def func_transforms_active() -> bool:
     """Whether a torch.func transform (vmap, grad, jvp, ...) is tracing this call."""
     return torch._C._are_functorch_transforms_active()
 
@@ -197,7 +197,7 @@ def apply_norm(x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], we
     rstd, mean), absent ones None or empty. The custom op under torch.compile, the eager
     autograd.Function otherwise, and under a torch.func transform (vmap, grad, jvp) the
     reference's plain differentiable ops, which are all such a transform can see through."""
-    if _transformed():
+    if func_transforms_active():
         return reference.norm_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, native=False)
     fwd = torch.ops.fuseblock.norm_fwd if torch.compiler.is_compiling() else _EagerNorm.apply
     return fwd(x, residual, gate, weight, bias, *astuple(spec), residual_dtype, need_stats)
