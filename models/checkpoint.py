@@ -2,6 +2,8 @@
 
 Layout of an output directory:
 
+    .lock                   held (flock) by the one run writing here; the OS drops it when
+                            the process dies
     latest                  JSON {"checkpoint": "ckpt-000100"}: the newest complete checkpoint
     ckpt-000100/
         model.safetensors       weights (shared tensors such as the tied head stored once)
@@ -12,29 +14,56 @@ Layout of an output directory:
 A checkpoint is written into a temporary directory, every file fsynced, then renamed
 into place, and only then does `latest` (itself written to a temp file, fsynced and
 renamed) move to it. A crash or a full disk at any moment leaves the previous checkpoint
-and pointer intact.
+and pointer intact; an earlier run's checkpoints are removed only after that.
+
+Everything loaded is checked before use: the files against their recorded size and
+sha256, meta.json's fields by type and range, and every tensor's name, dtype and shape
+against the model and optimizer it is loaded into.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file, save_model
 
 from .gpt import GPTConfig
 
-FORMAT = 1
+FORMAT = 2  # 2: meta.json records the training settings (typed), so --resume can restore them
+READABLE = (1, 2)  # sample.py reads format 1 too: its weights and model config are unchanged
 KEEP = 2  # complete checkpoints kept on disk; older ones are pruned
+LOCK = ".lock"
+_NAME = re.compile(r"ckpt-\d+")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, truncated, corrupt or does not fit; names the file."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint that could not be written (full disk, file too large, permissions).
+    The directory is as it was before the attempt; `reason` is the system's words."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class OutDirError(RuntimeError):
+    """An output directory that cannot be used: not creatable, not writable, or held by another run."""
+
+
+# ----------------------------------------------------------------------------- writing
 
 
 def _fsync_dir(path: Path) -> None:
@@ -71,6 +100,15 @@ def _digest(path: Path) -> dict:
     return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
 
 
+def _write_reason(e: BaseException) -> str:
+    """The system's words for a failed write. The safetensors writer raises SafetensorError
+    ("Error while serializing: I/O error: File too large (os error 27)"), not OSError."""
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    m = re.search(r"I/O error: (.*?) \(os error \d+\)", str(e))
+    return m.group(1) if m else str(e)
+
+
 def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict, dict]:
     """Split an optimizer state_dict into safetensors tensors and JSON-able rest."""
     sd = opt.state_dict()
@@ -84,16 +122,68 @@ def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict, dict]:
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
-def _optimizer_state_dict(tensors: dict, meta: dict) -> dict:
-    state: dict = {}
-    for key, v in tensors.items():
-        if key.startswith("state."):
-            _, i, k = key.split(".", 2)
-            state.setdefault(int(i), {})[k] = v
-    for key, v in meta["scalars"].items():
-        i, k = key.split(".", 1)
-        state.setdefault(int(i), {})[k] = v
-    return {"state": state, "param_groups": meta["param_groups"]}
+def _remove(path: Path) -> None:
+    """Remove a checkpoint entry: a symlink only as a link (what it points to is not ours)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def _write_dir(tmp: Path, step: int, model, optimizer, config: dict, rng: dict, extra: dict | None) -> None:
+    """The complete checkpoint in `tmp`, every file fsynced."""
+    tmp.mkdir()
+    save_model(model, str(tmp / "model.safetensors"))
+    opt_tensors, opt_meta = _optimizer_tensors(optimizer)
+    tensors = dict(opt_tensors, **{f"rng.{k}": v.cpu().contiguous() for k, v in rng.items()})
+    save_file(tensors, str(tmp / "optimizer.safetensors"))
+    files = {}
+    for f in ("model.safetensors", "optimizer.safetensors"):
+        _fsync_file(tmp / f)
+        files[f] = _digest(tmp / f)
+    meta = {"format": FORMAT, "step": step, "config": config, "optimizer": opt_meta, "files": files, **(extra or {})}
+    _write_json_atomic(tmp / "meta.json", meta)
+
+
+def _pointer_target(out_dir: Path) -> str | None:
+    try:
+        name = json.loads((out_dir / "latest").read_text())["checkpoint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return name if isinstance(name, str) else None
+
+
+def _second_name(src: Path, alias: Path) -> None:
+    """`alias` holds the same checkpoint as `src` without copying its data: hard links
+    (a copy where the filesystem has none), or a second symlink for a symlinked one."""
+    def link_or_copy(a, b):
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    _remove(alias)
+    if src.is_symlink():
+        os.symlink(os.readlink(src), alias)
+    else:
+        shutil.copytree(src, alias, copy_function=link_or_copy)
+        _fsync_dir(alias)
+    _fsync_dir(alias.parent)
+
+
+def _put_in_place(out_dir: Path, tmp: Path, final: Path) -> None:
+    """Rename the finished `tmp` to `final`. A directory already named `final` is an
+    earlier run's, or one a killed writer never pointed `latest` at. When `latest` names
+    it (a fresh run reaching the step an earlier run ended on), `latest` first moves to a
+    second name of it, so that at every moment `latest` names a complete checkpoint."""
+    if final.exists() or final.is_symlink():
+        if _pointer_target(out_dir) == final.name:
+            alias = final.with_name(final.name + ".old")
+            _second_name(final, alias)
+            _write_json_atomic(out_dir / "latest", {"checkpoint": alias.name})
+        _remove(final)
+    os.replace(tmp, final)
+    _fsync_dir(out_dir)
 
 
 def save(
@@ -103,67 +193,112 @@ def save(
     optimizer: torch.optim.Optimizer,
     config: dict,
     rng: dict[str, torch.Tensor],
-    extra: Optional[dict] = None,
+    extra: dict | None = None,
+    supersedes: tuple[str, ...] = (),
 ) -> Path:
-    """Write checkpoint `ckpt-{step}` atomically, then point `latest` at it."""
+    """Write checkpoint `ckpt-{step}` atomically, then point `latest` at it; only then
+    remove the checkpoints named in `supersedes` (an earlier run's) and prune old ones.
+    Any failure to write raises CheckpointWriteError and leaves `latest` and what it
+    names as they were. The caller holds the directory's lock (one writer at a time)."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     name = f"ckpt-{step:06d}"
     final = out_dir / name
     tmp = out_dir / f".{name}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir()
-        save_model(model, str(tmp / "model.safetensors"))
-        opt_tensors, opt_meta = _optimizer_tensors(optimizer)
-        tensors = dict(opt_tensors, **{f"rng.{k}": v.cpu().contiguous() for k, v in rng.items()})
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
-        files = {}
-        for f in ("model.safetensors", "optimizer.safetensors"):
-            _fsync_file(tmp / f)
-            files[f] = _digest(tmp / f)
-        meta = {"format": FORMAT, "step": step, "config": config, "optimizer": opt_meta, "files": files, **(extra or {})}
-        _write_json_atomic(tmp / "meta.json", meta)
-        if final.exists():  # left by a run killed before it moved `latest` (never its target)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(out_dir)
-    except BaseException:
+        _remove(tmp)
+        _write_dir(tmp, step, model, optimizer, config, rng, extra)
+        _put_in_place(out_dir, tmp, final)
+        _write_json_atomic(out_dir / "latest", {"checkpoint": name})
+    except (OSError, SafetensorError) as e:
+        raise CheckpointWriteError(_write_reason(e)) from None
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _write_json_atomic(out_dir / "latest", {"checkpoint": name})
+    for old in supersedes:
+        if old != name:
+            _remove(out_dir / old)
     _prune(out_dir, keep=name)
     return final
 
 
 def _checkpoints(out_dir: Path) -> list[Path]:
     """Complete checkpoint directories, oldest step first (by number: ckpt-1000000 > ckpt-999999)."""
-    found = [p for p in Path(out_dir).glob("ckpt-*") if p.is_dir() and p.name[5:].isdigit()]
+    found = [p for p in Path(out_dir).glob("ckpt-*") if p.is_dir() and _NAME.fullmatch(p.name)]
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
+def checkpoint_names(out_dir: Path) -> tuple[str, ...]:
+    """The checkpoints in `out_dir` (symlinked ones included), and second names left by an
+    interrupted replacement: what a fresh run supersedes once its first checkpoint is safe."""
+    old = [p.name for p in Path(out_dir).glob("ckpt-*.old")]
+    return tuple(p.name for p in _checkpoints(out_dir)) + tuple(old)
+
+
 def _prune(out_dir: Path, keep: str) -> None:
-    """Drop all but the newest KEEP checkpoints, and temp files a killed writer left behind
-    (one writer per output directory: only rank 0 saves)."""
+    """Drop all but the newest KEEP checkpoints, second names, and temp files a killed
+    writer left behind (one writer per output directory: its lock says so)."""
     for p in _checkpoints(out_dir)[:-KEEP]:
         if p.name != keep:
-            shutil.rmtree(p, ignore_errors=True)
-    for p in out_dir.glob(".*.tmp*"):
-        if p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
+            _remove(p)
+    for p in [*out_dir.glob("ckpt-*.old"), *out_dir.glob(".*.tmp*")]:
+        try:
+            _remove(p)
+        except OSError:
+            pass  # a leftover we could not remove costs space, not correctness
 
 
-def clear(out_dir: Path) -> int:
-    """Remove an earlier run's checkpoints (pointer first, so no half-removed one is ever
-    `latest`); returns how many there were. A fresh run calls this before its first save."""
+# ----------------------------------------------------------------------------- the output directory
+
+
+class OutDirLock:
+    """The flock on `out_dir/.lock`, held for the life of the run."""
+
+    def __init__(self, fd: int):
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = -1
+
+
+def claim(out_dir: Path, create: bool = True) -> OutDirLock:
+    """Check that `out_dir` is a directory this process can write (creating it when asked),
+    and take its lock, before any training: a second run into it, or an unusable one, is
+    an OutDirError at once instead of a lost run at its end."""
     out_dir = Path(out_dir)
-    (out_dir / "latest").unlink(missing_ok=True)
-    old = _checkpoints(out_dir)
-    for p in old:
-        shutil.rmtree(p)
-    return len(old)
+    if create:
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise OutDirError(f"--out-dir {out_dir}: exists and is not a directory") from None
+        except OSError as e:
+            raise OutDirError(f"--out-dir {out_dir}: cannot create it ({e.strerror or e})") from None
+    if not out_dir.is_dir():
+        raise OutDirError(f"--out-dir {out_dir}: not a directory")
+    try:
+        fd = os.open(out_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise OutDirError(f"--out-dir {out_dir}: not writable ({e.strerror or e})") from None
+    lock = OutDirLock(fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        lock.release()
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise OutDirError(f"--out-dir {out_dir}: another run is writing to it (it holds {out_dir / LOCK}); "
+                              "wait for it to end or choose another --out-dir") from None
+        raise OutDirError(f"--out-dir {out_dir}: cannot lock {out_dir / LOCK} ({e.strerror or e})") from None
+    try:  # the lock file may predate a chmod: prove that new files can be made here
+        probe = out_dir / f".probe.tmp{os.getpid()}"
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        probe.unlink()
+    except OSError as e:
+        lock.release()
+        raise OutDirError(f"--out-dir {out_dir}: not writable ({e.strerror or e})") from None
+    return lock
+
+
+# ----------------------------------------------------------------------------- reading
 
 
 def resolve(path: Path) -> Path:
@@ -178,13 +313,47 @@ def resolve(path: Path) -> Path:
         name = json.loads(pointer.read_text())["checkpoint"]
     except (ValueError, KeyError, TypeError, OSError) as e:
         raise CheckpointError(f"{pointer}: unreadable pointer file ({e})") from None
-    if not isinstance(name, str) or "/" in name or name.startswith("."):
+    if not isinstance(name, str) or "/" in name or name.startswith(".") or not name:
         raise CheckpointError(f"{pointer}: invalid checkpoint name {name!r}")
     return path / name
 
 
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _meta_problem(meta: dict) -> str | None:
+    """What is wrong with a parsed meta.json's bookkeeping fields, or None."""
+    files = meta.get("files")
+    if not (isinstance(files, dict) and set(files) == {"model.safetensors", "optimizer.safetensors"}
+            and all(isinstance(w, dict) and is_int(w.get("bytes")) and w["bytes"] >= 0
+                    and isinstance(w.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", w["sha256"])
+                    for w in files.values())):
+        return "malformed (no size and sha256 for each file)"
+    step = meta.get("step")
+    if not is_int(step) or step < 1:
+        return f"malformed (step must be an int >= 1, got {step!r})"
+    history = meta.get("history", [])
+    if not isinstance(history, list) or not all(
+        isinstance(h, dict) and set(h) == {"step", "train", "val"} and is_int(h["step"]) and 1 <= h["step"] <= step
+        and is_number(h["train"]) and is_number(h["val"]) for h in history
+    ) or [h["step"] for h in history] != sorted({h["step"] for h in history}):
+        return "malformed history (a list of {step, train, val} with increasing steps up to the checkpoint's)"
+    curve = meta.get("curve", [])
+    if not isinstance(curve, list) or not all(is_number(c) for c in curve) or len(curve) not in (0, step):
+        return f"malformed curve (a list of {step} numbers, one loss per step)"
+    if not isinstance(meta.get("config"), dict) or not isinstance(meta.get("optimizer"), dict):
+        return "malformed (no config or optimizer section)"
+    return None
+
+
 def read_meta(ckpt: Path) -> dict:
-    """meta.json of a checkpoint, with its files checked against their recorded size and hash."""
+    """meta.json of a checkpoint, its fields checked by type and range, and its files
+    checked against their recorded size and hash."""
     meta_path = ckpt / "meta.json"
     try:
         meta = json.loads(meta_path.read_text())
@@ -192,17 +361,12 @@ def read_meta(ckpt: Path) -> dict:
         raise CheckpointError(f"{meta_path}: missing") from None
     except (ValueError, OSError) as e:
         raise CheckpointError(f"{meta_path}: corrupt JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{meta_path}: not a fuseblock checkpoint of format {FORMAT}")
-    files = meta.get("files")
-    if (
-        not isinstance(files, dict)
-        or set(files) != {"model.safetensors", "optimizer.safetensors"}
-        or not all(isinstance(w, dict) and {"bytes", "sha256"} <= set(w) for w in files.values())
-        or not isinstance(meta.get("step"), int)
-    ):
-        raise CheckpointError(f"{meta_path}: malformed (no step, or no size and sha256 for each file)")
-    for f, want in files.items():
+    if not isinstance(meta, dict) or meta.get("format") not in READABLE:
+        raise CheckpointError(f"{meta_path}: not a fuseblock checkpoint of format {' or '.join(map(str, READABLE))}")
+    problem = _meta_problem(meta)
+    if problem:
+        raise CheckpointError(f"{meta_path}: {problem}")
+    for f, want in meta["files"].items():
         p = ckpt / f
         if not p.exists():
             raise CheckpointError(f"{p}: missing")
@@ -214,33 +378,154 @@ def read_meta(ckpt: Path) -> dict:
     return meta
 
 
-def read_config(ckpt: Path, meta: dict) -> GPTConfig:
-    """The GPTConfig recorded in a checkpoint's meta.json."""
+# GPTConfig fields as meta.json records them: the type each must have
+_CONFIG_TYPES = {"vocab_size": is_int, "block_size": is_int, "n_layer": is_int, "n_head": is_int, "n_embd": is_int,
+                 "dropout": is_number, "bias": lambda v: isinstance(v, bool), "norm": lambda v: isinstance(v, str),
+                 "norm_eps": lambda v: is_number(v) and math.isfinite(v), "fused": lambda v: isinstance(v, bool),
+                 "residual_dtype": lambda v: v is None or v in ("float32", "float16", "bfloat16", "float64")}
+
+
+def _header(path: Path) -> dict[str, tuple]:
+    """name -> shape of every tensor in a safetensors file, from its header alone."""
     try:
-        return GPTConfig.from_json(meta["config"]["model"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{ckpt / 'meta.json'}: bad model config ({e})") from None
+        with safe_open(str(path), "pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (a safe_open handle is not a dict)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e})") from None
+
+
+def read_config(ckpt: Path, meta: dict) -> GPTConfig:
+    """The GPTConfig recorded in a checkpoint's meta.json, checked field by field and
+    against the weights' header (so that a wrong size fails here, before a model of that
+    size is built)."""
+    where = ckpt / "meta.json"
+    model = meta["config"].get("model")
+    if not isinstance(model, dict) or set(model) != set(_CONFIG_TYPES):
+        raise CheckpointError(f"{where}: bad model config (fields {sorted(model) if isinstance(model, dict) else model!r})")
+    for k, ok in _CONFIG_TYPES.items():
+        if not ok(model[k]):
+            raise CheckpointError(f"{where}: bad model config ({k}={model[k]!r})")
+    if model["vocab_size"] != 256:
+        raise CheckpointError(f"{where}: bad model config (vocab_size {model['vocab_size']}; bytes need 256)")
+    try:
+        cfg = GPTConfig.from_json(model)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: bad model config ({e})") from None
+    weights = ckpt / "model.safetensors"
+    shapes = _header(weights)
+    layers = {int(k.split(".")[2]) for k in shapes if re.match(r"stack\.blocks\.\d+\.", k)}
+    found = {"wpe.weight": shapes.get("wpe.weight"), "blocks": len(layers)}
+    want = {"wpe.weight": (cfg.block_size, cfg.n_embd), "blocks": 2 * cfg.n_layer}
+    if found != want:
+        raise CheckpointError(f"{weights}: does not fit the model config in meta.json "
+                              f"(file: {found}; config: {want})")
+    return cfg
+
+
+def _tied(model: torch.nn.Module) -> dict[str, set]:
+    """state_dict name -> the other names of the same tensor (the tied LM head): a
+    safetensors file stores each shared tensor under one of its names only."""
+    sd = model.state_dict()
+    groups: dict[tuple, set] = {}
+    for k, t in sd.items():
+        groups.setdefault((t.data_ptr(), tuple(t.shape), t.stride()), set()).add(k)
+    return {k: g - {k} for g in groups.values() for k in g}
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
+
+
+def _check_tensor(path: Path, key: str, got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    if got.dtype != want.dtype or got.shape != want.shape:
+        raise CheckpointError(f"{path}: does not fit the {what} ({key} is {_describe(got)}, expected {_describe(want)})")
 
 
 def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
-    """Load model.safetensors into `model` (strict: every key and shape must match)."""
+    """Load model.safetensors into `model`: every name, dtype and shape must match (no
+    silent casts), and every value must be finite (a diverged run is refused here rather
+    than sampling NaN)."""
     path = ckpt / "model.safetensors"
     try:
-        missing, unexpected = load_model(model, str(path), strict=False)
+        tensors = load_file(str(path))
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{path}: unreadable ({e})") from None
-    except RuntimeError as e:  # shape mismatch
-        raise CheckpointError(f"{path}: does not fit the model ({str(e).splitlines()[-1].strip()})") from None
+    expected, tied = model.state_dict(), _tied(model)
+    unexpected = sorted(set(tensors) - set(expected))
+    missing = sorted(k for k in expected if k not in tensors and not tied[k] & set(tensors))
     if missing or unexpected:
-        raise CheckpointError(f"{path}: does not fit the model (missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
+        raise CheckpointError(f"{path}: does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    for k, t in tensors.items():
+        _check_tensor(path, k, t, expected[k], "model")
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise CheckpointError(f"{path}: {k} holds NaN or inf: the run this came from diverged")
+    model.load_state_dict(tensors, strict=False)  # tied names share the tensor just loaded
+
+
+def _expected_optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """name -> a tensor of the dtype and shape the AdamW state of each parameter must have."""
+    out = {}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        out[f"state.{i}.step"] = torch.zeros((), dtype=torch.float32)
+        keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if optimizer.defaults.get("amsgrad") else ("exp_avg", "exp_avg_sq")
+        for k in keys:
+            out[f"state.{i}.{k}"] = p.detach()
+    return out
+
+
+def _param_groups_problem(saved, fresh: list[dict]) -> str | None:
+    """How saved param_groups differ in shape or type from the optimizer's own, or None."""
+    if not isinstance(saved, list) or len(saved) != len(fresh):
+        return f"{len(fresh)} param groups expected"
+    for i, (s, f) in enumerate(zip(saved, fresh)):
+        if not isinstance(s, dict) or set(s) != set(f):
+            return f"param group {i} has fields {sorted(s) if isinstance(s, dict) else s!r}, expected {sorted(f)}"
+        for k, want in f.items():
+            got = s[k]
+            if k == "params":
+                ok = got == want
+            elif isinstance(want, bool) or want is None:
+                ok = type(got) is type(want)
+            elif isinstance(want, (tuple, list)):
+                ok = isinstance(got, list) and len(got) == len(want) and all(is_number(x) and 0 <= x < 1 for x in got)
+            elif is_number(want):
+                ok = is_number(got) and math.isfinite(got) and (got > 0 if k == "eps" else got >= 0)
+            else:
+                ok = type(got) is type(want)
+            if not ok:
+                return f"param group {i}: bad {k} {got!r}"
+    return None
 
 
 def load_training_state(ckpt: Path, meta: dict, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Restore the optimizer; return the saved RNG states by name."""
+    """Restore the optimizer, every state tensor checked by name, dtype and shape against
+    its parameters and its step count against the checkpoint's; return the saved RNG
+    states by name (checked against the shape and dtype of torch's)."""
     path = ckpt / "optimizer.safetensors"
     try:
         tensors = load_file(str(path))
-        optimizer.load_state_dict(_optimizer_state_dict(tensors, meta["optimizer"]))
-    except (SafetensorError, OSError, KeyError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: does not fit the optimizer ({e})") from None
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e})") from None
+    rng_like = torch.get_rng_state()
+    expected = dict(_expected_optimizer_tensors(optimizer), **{"rng.batches": rng_like, "rng.torch0": rng_like})
+    if set(tensors) != set(expected):
+        missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+        raise CheckpointError(f"{path}: does not fit the optimizer (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    for k, t in tensors.items():
+        _check_tensor(path, k, t, expected[k], "optimizer")
+        if k.endswith(".step") and t.item() != meta["step"]:
+            raise CheckpointError(f"{path}: does not fit the optimizer ({k} is {t.item()}, the checkpoint's step {meta['step']})")
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise CheckpointError(f"{path}: {k} holds NaN or inf: the run this came from diverged")
+    opt_meta = meta["optimizer"]
+    problem = _param_groups_problem(opt_meta.get("param_groups"), optimizer.state_dict()["param_groups"])
+    if problem or opt_meta.get("scalars") != {}:
+        raise CheckpointError(f"{ckpt / 'meta.json'}: optimizer section does not fit the optimizer ({problem or 'scalars'})")
+    state = {}
+    for key, v in tensors.items():
+        if key.startswith("state."):
+            _, i, k = key.split(".", 2)
+            state.setdefault(int(i), {})[k] = v
+    optimizer.load_state_dict({"state": state, "param_groups": opt_meta["param_groups"]})
     return {k[len("rng."):]: v for k, v in tensors.items() if k.startswith("rng.")}

@@ -3,7 +3,8 @@
     python scripts/sample.py --ckpt out/shakespeare --prompt "ROMEO:" --max-new-tokens 300
 
 --ckpt is an output directory (its `latest` checkpoint) or one checkpoint directory.
-A missing, truncated, corrupt or mismatched checkpoint is a one-line error and exit 2.
+A missing, truncated, corrupt, mismatched or diverged (NaN) checkpoint is a one-line
+error and exit 2.
 """
 from __future__ import annotations
 
@@ -13,21 +14,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from models import checkpoint  # noqa: E402
-from models.gpt import GPT  # noqa: E402
+from models import checkpoint
+from models.gpt import GPT
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description="Sample from a fuseblock GPT checkpoint.")
+    ap.add_argument("--ckpt", type=Path, required=True,
+                    help="a training --out-dir (its `latest` checkpoint) or one checkpoint directory (required)")
+    ap.add_argument("--prompt", default="\n", help="text the sample continues, UTF-8 bytes (default: a newline)")
+    ap.add_argument("--max-new-tokens", type=int, default=500, help="bytes to generate (default: 500)")
+    ap.add_argument("--temperature", type=float, default=0.8,
+                    help="softmax temperature, 0 for greedy decoding (default: 0.8)")
+    ap.add_argument("--top-k", type=int, default=None,
+                    help="sample among the k likeliest bytes only (default: none, all 256)")
+    ap.add_argument("--seed", type=int, default=1337, help="seeds the sampling generator (default: 1337)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    return ap
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description="Sample from a fuseblock GPT checkpoint.")
-    ap.add_argument("--ckpt", type=Path, required=True, help="output dir or checkpoint dir")
-    ap.add_argument("--prompt", default="\n")
-    ap.add_argument("--max-new-tokens", type=int, default=500)
-    ap.add_argument("--temperature", type=float, default=0.8)
-    ap.add_argument("--top-k", type=int, default=None)
-    ap.add_argument("--seed", type=int, default=1337)
-    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    ap = build_parser()
     args = ap.parse_args(argv)
     try:
         dev = torch.device(args.device)

@@ -7,98 +7,168 @@
 Every rank draws the same global batch of world_size * grad_accum micro-batches from one
 seeded generator and takes its own slice, so N processes match one process with N times
 the gradient accumulation.
+
+One run writes to an --out-dir at a time (rank 0 holds its lock). Ctrl-C or SIGTERM
+finishes the current step, writes a checkpoint and exits with 130 or 143; --resume then
+continues bit-exactly with the settings the run was started with. Exit status 2: a usage
+error, a bad checkpoint, an unusable --out-dir, or a last checkpoint that could not be
+written.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
+import signal
 import sys
+import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from models import checkpoint, data  # noqa: E402
-from models.gpt import GPT, GPTConfig  # noqa: E402
+from models import checkpoint, data
+from models.gpt import GPT, GPTConfig
 
-# Model flags default to None so that --resume can tell explicit values (checked against
-# the checkpoint) from unset ones (taken from it); these are the fresh-run defaults.
+# Flags default to None so that --resume can tell explicit values from unset ones; these
+# are the fresh-run defaults. Model flags must match the checkpoint on --resume.
 MODEL_FLAGS = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "norm": "rms"}
 
+# Training settings: recorded in every checkpoint and restored by --resume. A flag given
+# on --resume replaces the recorded value and the run prints the change. BOOKKEEPING
+# ones only move the end and the reports; the others change the optimisation itself, so
+# the resumed run is then no longer the run that was started. --seed cannot change (the
+# checkpoint holds the RNG states that the seed started).
+TRAIN_DEFAULTS = {
+    "max_iters": 1000, "batch_size": 32, "grad_accum": 1, "lr": 2e-3, "min_lr": 2e-4, "warmup_iters": 50,
+    "lr_decay_iters": None, "weight_decay": 0.1, "grad_clip": 1.0, "dropout": 0.0, "impl": "fused",
+    "seed": 1337, "eval_interval": 250, "eval_iters": 25, "ckpt_interval": 250,
+}
+BOOKKEEPING = ("max_iters", "eval_interval", "eval_iters", "ckpt_interval")
+FIXED_ON_RESUME = ("seed",)
 
-def positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _number(s: str, ok, what: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
-    if not (math.isfinite(v) and ok(v)):
-        raise argparse.ArgumentTypeError(f"must be {what}, got {s}")
-    return v
-
-
-def positive_float(s: str) -> float:
-    return _number(s, lambda v: v > 0, "a positive number")
-
-
-def nonnegative_float(s: str) -> float:
-    return _number(s, lambda v: v >= 0, "a number >= 0")
+# What each setting must be, for the command line and for a checkpoint's meta.json alike.
+KINDS = {"max_iters": "count", "batch_size": "count", "grad_accum": "count", "lr": "positive", "min_lr": "nonneg",
+         "warmup_iters": "nonneg_int", "lr_decay_iters": "count", "weight_decay": "nonneg", "grad_clip": "nonneg",
+         "dropout": "probability", "impl": "impl", "seed": "seed", "eval_interval": "count", "eval_iters": "count",
+         "ckpt_interval": "count"}
+_KIND_TEXT = {"count": "an int >= 1", "nonneg_int": "an int >= 0", "seed": "an int in [-2**63, 2**64)",
+              "positive": "a positive number", "nonneg": "a number >= 0", "probability": "a number in [0, 1)",
+              "impl": "fused or naive"}
+_INT_KINDS = ("count", "nonneg_int", "seed")
 
 
-def probability(s: str) -> float:
-    return _number(s, lambda v: 0 <= v < 1, "in [0, 1)")
+def kind_ok(kind: str, v) -> bool:
+    """Whether `v` (already an int, float or str) is a valid value of this kind."""
+    if kind in _INT_KINDS:
+        lo = {"count": 1, "nonneg_int": 0, "seed": -(2**63)}[kind]
+        return checkpoint.is_int(v) and lo <= v < 2**64
+    if kind == "impl":
+        return v in ("fused", "naive")
+    if not checkpoint.is_number(v) or not math.isfinite(v):
+        return False
+    return {"positive": v > 0, "nonneg": v >= 0, "probability": 0 <= v < 1}[kind]
+
+
+def arg_type(kind: str):
+    """An argparse type for one kind: parses, then checks the range."""
+    def parse(s: str):
+        try:
+            v = int(s) if kind in _INT_KINDS else float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r} is not {'an integer' if kind in _INT_KINDS else 'a number'}") from None
+        if not kind_ok(kind, v):
+            raise argparse.ArgumentTypeError(f"must be {_KIND_TEXT[kind]}, got {s}")
+        return v
+
+    parse.__name__ = kind
+    return parse
+
+
+def settings_problem(s) -> str | None:
+    """A conflict between settings that are each valid alone, or None."""
+    if s.min_lr > s.lr:
+        return f"--min-lr {s.min_lr} is above --lr {s.lr}"
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d, t = MODEL_FLAGS, TRAIN_DEFAULTS
+    ap = argparse.ArgumentParser(
+        description="Train the fuseblock GPT on Shakespeare.",
+        epilog="On --resume every model and training setting comes from the checkpoint. A training flag given "
+               "with --resume replaces the recorded value and the run prints what changed (all but --seed may "
+               "change; changing any but --max-iters, --eval-interval, --eval-iters and --ckpt-interval makes a "
+               "different run). A longer --max-iters keeps the recorded learning-rate schedule unless "
+               "--lr-decay-iters is given. Ctrl-C or SIGTERM: the current step finishes, a checkpoint is "
+               "written, exit 130 / 143. Exit 2: a usage error, a bad checkpoint, an unusable or busy "
+               "--out-dir, or a last checkpoint that could not be written.")
+    run = ap.add_argument_group("this invocation (not recorded)")
+    run.add_argument("--out-dir", type=Path, default=Path("out/shakespeare"),
+                     help="checkpoints, `latest` and loss.png go here; one run at a time (default: out/shakespeare)")
+    run.add_argument("--resume", action="store_true",
+                     help="continue from the latest checkpoint in --out-dir (default: off, a fresh run, which "
+                          "replaces an earlier run's checkpoints once its own first one is written)")
+    run.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    run.add_argument("--threads", type=arg_type("count"), default=None, help="CPU threads (default: torch's choice)")
+    run.add_argument("--compile", action="store_true", help="torch.compile the model (default: off)")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar (default: off, a tqdm bar)")
+
+    model = ap.add_argument_group("model (recorded; on --resume they must match the checkpoint)")
+    model.add_argument("--n-layer", type=arg_type("count"), default=None, help=f"transformer layers (default: {d['n_layer']})")
+    model.add_argument("--n-head", type=arg_type("count"), default=None, help=f"attention heads (default: {d['n_head']})")
+    model.add_argument("--n-embd", type=arg_type("count"), default=None,
+                       help=f"width, divisible by --n-head (default: {d['n_embd']})")
+    model.add_argument("--block-size", type=arg_type("count"), default=None,
+                       help=f"context length in bytes (default: {d['block_size']})")
+    model.add_argument("--norm", choices=["rms", "layer"], default=None,
+                       help=f"RMSNorm or LayerNorm (default: {d['norm']})")
+
+    train = ap.add_argument_group("training (recorded; --resume restores them, and a value given with it "
+                                  "replaces the recorded one with a printed note)")
+    train.add_argument("--max-iters", type=arg_type("count"), default=None,
+                       help=f"optimizer steps in all, counted from step 0 (default: {t['max_iters']})")
+    train.add_argument("--batch-size", type=arg_type("count"), default=None,
+                       help=f"sequences per micro-batch and rank (default: {t['batch_size']})")
+    train.add_argument("--grad-accum", type=arg_type("count"), default=None,
+                       help=f"micro-batches per step and rank (default: {t['grad_accum']})")
+    train.add_argument("--lr", type=arg_type("positive"), default=None,
+                       help=f"peak learning rate, after warmup (default: {t['lr']})")
+    train.add_argument("--min-lr", type=arg_type("nonneg"), default=None,
+                       help=f"the cosine's floor, at most --lr (default: {t['min_lr']})")
+    train.add_argument("--warmup-iters", type=arg_type("nonneg_int"), default=None,
+                       help=f"steps of linear warmup (default: {t['warmup_iters']})")
+    train.add_argument("--lr-decay-iters", type=arg_type("count"), default=None,
+                       help="step at which the cosine reaches --min-lr (default: --max-iters of a fresh run)")
+    train.add_argument("--weight-decay", type=arg_type("nonneg"), default=None,
+                       help=f"AdamW decay of matrices and embeddings (default: {t['weight_decay']})")
+    train.add_argument("--grad-clip", type=arg_type("nonneg"), default=None,
+                       help=f"max gradient norm, 0 for none (default: {t['grad_clip']})")
+    train.add_argument("--dropout", type=arg_type("probability"), default=None,
+                       help=f"dropout probability (default: {t['dropout']})")
+    train.add_argument("--impl", choices=["fused", "naive"], default=None,
+                       help=f"fused residual stream, or its naive twin (same weights) (default: {t['impl']})")
+    train.add_argument("--seed", type=arg_type("seed"), default=None,
+                       help=f"seeds weights, batches and dropout; fixed on --resume (default: {t['seed']})")
+    train.add_argument("--eval-interval", type=arg_type("count"), default=None,
+                       help=f"steps between train/val evaluations, and at the end (default: {t['eval_interval']})")
+    train.add_argument("--eval-iters", type=arg_type("count"), default=None,
+                       help=f"batches per split and evaluation (default: {t['eval_iters']})")
+    train.add_argument("--ckpt-interval", type=arg_type("count"), default=None,
+                       help=f"steps between checkpoints, and at the end (default: {t['ckpt_interval']})")
+    return ap
 
 
 def parse_args(argv=None):
-    d = MODEL_FLAGS
-    ap = argparse.ArgumentParser(description="Train the fuseblock GPT on Shakespeare.")
-    ap.add_argument("--out-dir", type=Path, default=Path("out/shakespeare"))
-    ap.add_argument("--max-iters", type=positive_int, default=1000)
-    ap.add_argument("--impl", choices=["fused", "naive"], default="fused", help="fused stream, or its naive twin")
-    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
-    ap.add_argument("--n-layer", type=positive_int, default=None, help=f"default {d['n_layer']}")
-    ap.add_argument("--n-head", type=positive_int, default=None, help=f"default {d['n_head']}")
-    ap.add_argument("--n-embd", type=positive_int, default=None, help=f"default {d['n_embd']}")
-    ap.add_argument("--block-size", type=positive_int, default=None, help=f"default {d['block_size']}")
-    ap.add_argument("--norm", choices=["rms", "layer"], default=None, help=f"default {d['norm']}")
-    ap.add_argument("--batch-size", type=positive_int, default=32, help="per micro-batch and rank")
-    ap.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per step and rank")
-    ap.add_argument("--lr", type=positive_float, default=2e-3)
-    ap.add_argument("--min-lr", type=nonnegative_float, default=2e-4, help="the cosine's floor")
-    ap.add_argument("--warmup-iters", type=int, default=50)
-    ap.add_argument("--lr-decay-iters", type=positive_int, default=None, help="cosine length (default --max-iters)")
-    ap.add_argument("--weight-decay", type=nonnegative_float, default=0.1)
-    ap.add_argument("--grad-clip", type=nonnegative_float, default=1.0, help="max gradient norm, 0 for none")
-    ap.add_argument("--dropout", type=probability, default=None, help="default 0, or the checkpoint's on --resume")
-    ap.add_argument("--seed", type=int, default=1337)
-    ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
-    ap.add_argument("--eval-interval", type=positive_int, default=250)
-    ap.add_argument("--eval-iters", type=positive_int, default=25, help="batches per split and evaluation")
-    ap.add_argument("--ckpt-interval", type=positive_int, default=250)
-    ap.add_argument("--compile", action="store_true", help="torch.compile the model")
-    ap.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's)")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    """Flags, checked before any work. A fresh run's settings are filled in here; a
+    resumed run's come from its checkpoint (resume_settings)."""
+    ap = build_parser()
     args = ap.parse_args(argv)
-
-    args.explicit_model_flags = {k for k in d if getattr(args, k) is not None}
-    for k, v in d.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    if args.n_embd % args.n_head:
-        ap.error(f"argument --n-embd: {args.n_embd} is not divisible by --n-head {args.n_head}")
+    args.explicit = {k for k in (*MODEL_FLAGS, *TRAIN_DEFAULTS) if getattr(args, k) is not None}
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -109,11 +179,19 @@ def parse_args(argv=None):
         ap.error(f"argument --device: {args.device!r} is not supported (use cpu or cuda)")
     if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
         ap.error(f"argument --device: {args.device} is not available on this machine")
-    if args.min_lr > args.lr:
-        ap.error(f"argument --min-lr: {args.min_lr} is above --lr {args.lr}")
-    if args.warmup_iters < 0:
-        ap.error(f"argument --warmup-iters: must be >= 0, got {args.warmup_iters}")
-    args.lr_decay_iters = args.lr_decay_iters or args.max_iters
+    for k, v in MODEL_FLAGS.items():  # on --resume, replaced by the checkpoint's
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.n_embd % args.n_head:
+        ap.error(f"argument --n-embd: {args.n_embd} is not divisible by --n-head {args.n_head}")
+    if not args.resume:
+        for k, v in TRAIN_DEFAULTS.items():
+            if getattr(args, k) is None:
+                setattr(args, k, v)
+        args.lr_decay_iters = args.lr_decay_iters or args.max_iters
+        problem = settings_problem(args)
+        if problem:
+            ap.error(f"argument {problem.split()[0]}: {problem}")
     try:
         sizes = {s: len(data.load(s)) for s in ("train", "val")}
     except data.DataError as e:
@@ -181,10 +259,26 @@ def plot(curve: list, history: list, path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def main(argv=None) -> dict:
-    """Train; returns {"model", "loss", "history", "curve"} for tests and notebooks."""
-    t_start = time.perf_counter()
-    args = parse_args(argv)
+# ----------------------------------------------------------------------------- setup steps
+
+
+class SettingsError(RuntimeError):
+    """Flags that cannot apply to the checkpoint being resumed."""
+
+
+@dataclass
+class Dist:
+    ddp: bool
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(args) -> Dist:
     ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
     device = torch.device(args.device)
@@ -192,163 +286,374 @@ def main(argv=None) -> dict:
         import torch.distributed as dist
 
         if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if args.threads:
         torch.set_num_threads(args.threads)
-    master = rank == 0
+    return Dist(ddp, rank, world, device)
 
-    torch.manual_seed(args.seed + rank)  # dropout differs per rank; data does not
-    batch_gen = torch.Generator().manual_seed(args.seed)
-    # the stream stays fp32 under bf16 autocast (a no-op in fp32)
-    cfg = GPTConfig(
-        block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-        dropout=args.dropout or 0.0, norm=args.norm, fused=args.impl == "fused", residual_dtype=torch.float32,
-    )
-    start, history, curve, ckpt = 0, [], [], None
+
+def claim_out_dir(args, dist: Dist) -> checkpoint.OutDirLock | None:
+    """Rank 0 checks --out-dir and locks it before any training; under DDP the other ranks
+    learn the outcome from it, so that all stop together instead of waiting on rank 0."""
+    lock, error = None, None
+    if dist.master:
+        try:
+            if args.resume and not args.out_dir.is_dir():
+                raise checkpoint.CheckpointError(f"{args.out_dir}: no checkpoint here (no such directory)")
+            lock = checkpoint.claim(args.out_dir, create=not args.resume)
+        except (checkpoint.OutDirError, checkpoint.CheckpointError) as e:
+            error = e
+    if dist.ddp:
+        ok = torch.tensor([0.0 if error else 1.0], device=dist.device)
+        torch.distributed.broadcast(ok, src=0)
+        if not dist.master and ok.item() == 0:
+            raise checkpoint.OutDirError(f"rank {dist.rank}: rank 0 could not use --out-dir {args.out_dir}")
+    if error:
+        raise error
+    return lock
+
+
+def read_train_settings(ckpt: Path, meta: dict) -> dict:
+    """The training settings a checkpoint recorded, checked by type and range."""
+    where = ckpt / "meta.json"
+    if meta["format"] < 2:
+        raise checkpoint.CheckpointError(f"{where}: format {meta['format']} was written by an older train.py that did "
+                                         "not record its training settings; --resume needs format 2")
+    saved = meta["config"].get("train")
+    if not isinstance(saved, dict) or set(saved) != set(TRAIN_DEFAULTS):
+        raise checkpoint.CheckpointError(f"{where}: bad training settings (expected the fields {sorted(TRAIN_DEFAULTS)})")
+    for k, v in saved.items():
+        if not kind_ok(KINDS[k], v):
+            raise checkpoint.CheckpointError(f"{where}: bad training setting {k}={v!r} (must be {_KIND_TEXT[KINDS[k]]})")
+    world = meta["config"].get("world_size")
+    if not kind_ok("count", world):
+        raise checkpoint.CheckpointError(f"{where}: bad world_size {world!r}")
+    return dict(saved, world_size=world)
+
+
+def resume_settings(args, ckpt: Path, meta: dict, world: int) -> tuple[GPTConfig, list, list]:
+    """Fill `args` from the checkpoint: model config (explicit model flags must agree) and
+    training settings (explicit flags win). Returns the config and the changes, as
+    (name, recorded, now) for bookkeeping and for the training itself."""
+    saved_cfg = checkpoint.read_config(ckpt, meta)
+    for k in sorted(args.explicit & set(MODEL_FLAGS)):
+        if getattr(saved_cfg, k) != getattr(args, k):
+            raise checkpoint.CheckpointError(
+                f"{ckpt / 'meta.json'}: config mismatch: checkpoint has {k}={getattr(saved_cfg, k)}, "
+                f"--{k.replace('_', '-')} asks for {getattr(args, k)}")
+    for k in MODEL_FLAGS:
+        setattr(args, k, getattr(saved_cfg, k))
+    saved = read_train_settings(ckpt, meta)
+    for k in FIXED_ON_RESUME:
+        if k in args.explicit and getattr(args, k) != saved[k]:
+            raise SettingsError(f"--{k.replace('_', '-')} {getattr(args, k)} cannot change on --resume: the checkpoint "
+                                f"holds the random states that {k} {saved[k]} started")
+    bookkeeping, training = [], []
+    for k in TRAIN_DEFAULTS:
+        if k in args.explicit and getattr(args, k) != saved[k]:
+            (bookkeeping if k in BOOKKEEPING else training).append((k, saved[k], getattr(args, k)))
+        else:
+            setattr(args, k, saved[k])
+    if world != saved["world_size"]:
+        training.append(("world_size", saved["world_size"], world))
+    problem = settings_problem(args)
+    if problem:
+        raise SettingsError(f"{problem} (on --resume, unset flags take the checkpoint's values)")
+    if meta["step"] >= args.max_iters:
+        raise checkpoint.CheckpointError(f"{ckpt}: already at step {meta['step']}; pass a --max-iters above it to go on")
+    cfg = GPTConfig(**{**saved_cfg.__dict__, "fused": args.impl == "fused", "dropout": args.dropout,
+                       "residual_dtype": torch.float32})
+    return cfg, bookkeeping, training
+
+
+def describe_changes(bookkeeping: list, training: list) -> list[str]:
+    """The lines that tell a resumed run which recorded settings the flags replaced."""
+    def fmt(changes):
+        return ", ".join(f"{k} {old} -> {new}" for k, old, new in changes)
+
+    lines = []
+    if bookkeeping:
+        lines.append(f"resume: flags replace the checkpoint's {fmt(bookkeeping)}")
+    if training:
+        lines.append(f"resume: flags change the training itself (no longer the run as started): {fmt(training)}")
+    return lines
+
+
+@dataclass
+class Run:
+    """Everything the training loop reads and updates."""
+    args: argparse.Namespace
+    dist: Dist
+    cfg: GPTConfig
+    model: torch.nn.Module
+    train_model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    batch_gen: torch.Generator
+    splits: dict
+    start: int
+    history: list
+    curve: list
+    supersedes: tuple  # an earlier run's checkpoints, removed once this run's first is written
+    last_saved: int  # step of the newest checkpoint of this run (the resumed one at first), 0 for none
+    unsaved: str | None = None  # why the newest checkpoint attempt failed, if it did
+    plotted: int = -1
+    bar: object = None
+    times: dict = field(default_factory=lambda: {"train": 0.0, "eval": 0.0, "ckpt": 0.0})
+
+    @property
+    def tokens_per_iter(self) -> int:
+        a = self.args
+        return a.batch_size * a.block_size * a.grad_accum * self.dist.world
+
+    def say(self, msg: str, err: bool = False) -> None:
+        """A line for the user (rank 0 only), above the progress bar when there is one."""
+        if not self.dist.master:
+            return
+        stream = sys.stderr if err else sys.stdout
+        if self.bar is not None:
+            self.bar.write(msg, file=stream)
+        else:
+            print(msg, file=stream, flush=True)
+
+
+def build_run(args, dist: Dist) -> tuple[Run, list[str]]:
+    """Model, optimizer and RNGs: fresh from the seed, or restored from the checkpoint."""
+    notes, ckpt, meta = [], None, None
     if args.resume:
         ckpt = checkpoint.resolve(args.out_dir)
         meta = checkpoint.read_meta(ckpt)
-        saved = checkpoint.read_config(ckpt, meta)
-        for k in sorted(args.explicit_model_flags):
-            if getattr(saved, k) != getattr(args, k):
-                raise checkpoint.CheckpointError(
-                    f"{ckpt / 'meta.json'}: config mismatch: checkpoint has {k}={getattr(saved, k)}, "
-                    f"--{k.replace('_', '-')} asks for {getattr(args, k)}"
-                )
-        dropout = saved.dropout if args.dropout is None else args.dropout
-        cfg = GPTConfig(**{**saved.__dict__, "fused": args.impl == "fused", "dropout": dropout})
-        for k in MODEL_FLAGS:  # unset flags take the checkpoint's values
-            setattr(args, k, getattr(cfg, k))
-        start, history, curve = meta["step"], meta.get("history", []), meta.get("curve", [])[: meta["step"]]
-        if start >= args.max_iters:
-            raise checkpoint.CheckpointError(f"{ckpt}: already at step {start}; pass a --max-iters above it to go on")
-    elif master and (args.out_dir / "latest").exists():
-        print(f"note: {args.out_dir} holds an earlier run's checkpoints; this fresh run replaces them at its "
-              "first checkpoint (pass --resume to continue them instead)", flush=True)
-    model = GPT(cfg).to(device)
+        cfg, bookkeeping, training = resume_settings(args, ckpt, meta, dist.world)
+        notes = describe_changes(bookkeeping, training)
+    else:
+        # the stream stays fp32 under bf16 autocast (a no-op in fp32)
+        cfg = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                        dropout=args.dropout, norm=args.norm, fused=args.impl == "fused", residual_dtype=torch.float32)
+    torch.manual_seed(args.seed + dist.rank)  # dropout differs per rank; data does not
+    batch_gen = torch.Generator().manual_seed(args.seed)
+    model = GPT(cfg).to(dist.device)
     optimizer = torch.optim.AdamW(model.optimizer_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
+    start, history, curve, supersedes = 0, [], [], ()
     if ckpt is not None:
         checkpoint.load_weights(ckpt, model)
         rng = checkpoint.load_training_state(ckpt, meta, optimizer)
-        try:
-            batch_gen.set_state(rng["batches"])
-            if rank == 0:
-                torch.set_rng_state(rng["torch0"])
-            else:  # only rank 0's dropout RNG is saved; the others restart theirs from the step
-                torch.manual_seed(args.seed + rank + 1_000_003 * start)
-        except (KeyError, RuntimeError, TypeError) as e:
-            raise checkpoint.CheckpointError(f"{ckpt / 'optimizer.safetensors'}: bad RNG state ({e})") from None
+        optimizer.param_groups[0]["weight_decay"] = args.weight_decay  # the decay group; the checkpoint's otherwise
+        batch_gen.set_state(rng["batches"])
+        start, history, curve = meta["step"], meta.get("history", []), meta.get("curve", [])
+        if dist.master:
+            torch.set_rng_state(rng["torch0"])
+        else:  # only rank 0's dropout RNG is saved; the others restart theirs from the step
+            torch.manual_seed(args.seed + dist.rank + 1_000_003 * start)
+    elif dist.master:
+        supersedes = checkpoint.checkpoint_names(args.out_dir)
+        if supersedes:
+            notes.append(f"note: {args.out_dir} holds an earlier run's checkpoints; they stay until this fresh run's "
+                         "first checkpoint is written, then go (pass --resume to continue them instead)")
     train_model = model
-    if ddp:
+    if dist.ddp:
         from torch.nn.parallel import DistributedDataParallel
 
         # parameters and gradients are fp32 (autocast only lowers the matmuls), so the
         # gradient all-reduce runs in fp32
-        train_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        train_model = DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
     if args.compile:
         train_model = torch.compile(train_model)
-
     splits = {"train": data.load("train"), "val": data.load("val")}
-    tokens_per_iter = args.batch_size * args.block_size * args.grad_accum * world
-    if master:
-        print(f"GPT {model.num_params() / 1e6:.2f}M params, {args.impl}, {device}, world {world}, "
-              f"{tokens_per_iter} tokens/iter, iters {start}..{args.max_iters}", flush=True)
+    run = Run(args, dist, cfg, model, train_model, optimizer, batch_gen, splits, start, history, curve,
+              supersedes, last_saved=start)
+    return run, notes
 
-    fresh, unsaved, plotted = ckpt is None, None, -1
 
-    def warn(msg: str) -> None:
-        (bar.write if bar is not None else print)(f"warning: {msg}", file=sys.stderr)
+# ----------------------------------------------------------------------------- the loop
 
-    def save(step: int) -> None:
-        """Checkpoint, and redraw the loss plot when there is a new evaluation or at the end.
-        A failed write (a full disk) is reported and training goes on; the previous
-        checkpoint stays intact."""
-        nonlocal fresh, unsaved, plotted
+
+class StopSignals:
+    """SIGINT and SIGTERM ask the run to stop after the current step, with a checkpoint,
+    instead of killing it mid-step. Later signals are only noted, so that nothing (a
+    second Ctrl-C, torchrun's SIGTERM after the SIGINT) cuts that checkpoint short;
+    SIGKILL still does, and the previous checkpoint survives it."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum = 0
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        self.signum = self.signum or signum
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # signal.signal works there only
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def train_step(run: Run, it: int, stop: StopSignals) -> tuple[float, int]:
+    """One optimizer step; returns its loss, averaged over ranks, and the signal that
+    stops the run after it (0 for none), agreed by all ranks in the loss's all-reduce so
+    that every rank stops at the same step."""
+    args, dist = run.args, run.dist
+    for g in run.optimizer.param_groups:
+        g["lr"] = lr_at(it, args)
+    n_micro = dist.world * args.grad_accum
+    starts = torch.randint(len(run.splits["train"]) - args.block_size - 1, (n_micro, args.batch_size),
+                           generator=run.batch_gen)
+    mine = starts[dist.rank * args.grad_accum:(dist.rank + 1) * args.grad_accum]  # (grad_accum, batch_size)
+    total = torch.zeros((), device=dist.device)
+    for micro, st in enumerate(mine):
+        x, y = (t.to(dist.device) for t in data.batch(run.splits["train"], st, args.block_size))
+        sync = not dist.ddp or micro == args.grad_accum - 1  # all-reduce once, on the last micro-batch
+        with (nullcontext() if sync else run.train_model.no_sync()), autocast(dist.device):
+            loss = run.train_model(x, y)[1] / args.grad_accum
+        loss.backward()
+        total += loss.detach()
+    signum = stop.signum
+    if dist.ddp:
+        flags = torch.tensor([signum == signal.SIGINT, signum == signal.SIGTERM], dtype=torch.float32, device=dist.device)
+        stats = torch.cat([total.reshape(1), flags])
+        torch.distributed.all_reduce(stats)
+        total = stats[0] / dist.world
+        signum = signal.SIGINT if stats[1] > 0 else signal.SIGTERM if stats[2] > 0 else 0  # Ctrl-C wins
+    if args.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), args.grad_clip)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return total.item(), int(signum)
+
+
+def save(run: Run, step: int) -> None:
+    """Checkpoint (rank 0), and redraw the loss plot when there is a new evaluation or at
+    the end. A failed write (a full disk) is a warning and training goes on; `latest` and
+    what it names stay as they were."""
+    args = run.args
+    rng = {"batches": run.batch_gen.get_state(), "torch0": torch.get_rng_state()}
+    settings = {k: getattr(args, k) for k in TRAIN_DEFAULTS}
+    config = {"model": run.cfg.to_json(), "train": settings, "world_size": run.dist.world}
+    try:
+        checkpoint.save(args.out_dir, step, run.model, run.optimizer, config, rng,
+                        extra={"history": run.history, "curve": run.curve}, supersedes=run.supersedes)
+    except checkpoint.CheckpointWriteError as e:
+        kept = (f"{args.out_dir}/latest still holds step {run.last_saved}" if run.last_saved
+                else "the earlier run's checkpoints in it are intact" if run.supersedes
+                else "this run has no checkpoint yet")
+        run.unsaved = f"checkpoint at step {step} not written ({e.reason}); {kept}"
+        run.say(f"warning: {run.unsaved}", err=True)
+        return
+    run.unsaved, run.last_saved, run.supersedes = None, step, ()
+    if len(run.history) != run.plotted or step == args.max_iters:
         try:
-            if fresh:
-                checkpoint.clear(args.out_dir)
-                fresh = False
-            rng = {"batches": batch_gen.get_state(), "torch0": torch.get_rng_state()}
-            train_cfg = {k: str(v) for k, v in vars(args).items()}
-            checkpoint.save(args.out_dir, step, model, optimizer, {"model": cfg.to_json(), "train": train_cfg},
-                            rng, extra={"history": history, "curve": curve})
-            unsaved = None
+            plot(run.curve, run.history, args.out_dir / "loss.png")
+            run.plotted = len(run.history)
         except OSError as e:
-            unsaved = f"checkpoint at step {step} not written ({e.strerror or e}); the previous one is intact"
-            warn(unsaved)
-            return
-        if len(history) != plotted or step == args.max_iters:
-            try:
-                plot(curve, history, args.out_dir / "loss.png")
-                plotted = len(history)
-            except OSError as e:
-                warn(f"loss plot not written ({e.strerror or e})")
+            run.say(f"warning: loss plot not written ({e.strerror or e})", err=True)
 
-    bar = None
-    if master and not args.no_progress:
+
+@contextmanager
+def timed(run: Run, phase: str):
+    """Adds the time of a `with` block to run.times[phase]: the closing tokens/s counts
+    training alone, with evaluation and checkpoints reported apart."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        run.times[phase] += time.perf_counter() - t0
+
+
+def train_loop(run: Run, stop: StopSignals) -> tuple[float, int, int]:
+    """Train from run.start to --max-iters, or to the step a signal stopped at; returns
+    the last loss, the last step, and the stopping signal (0 for none)."""
+    args = run.args
+    loss, step, signum = float("nan"), run.start, 0
+    for it in range(run.start, args.max_iters):
+        with timed(run, "train"):
+            loss, signum = train_step(run, it, stop)
+        run.curve.append(loss)
+        step = it + 1
+        if run.bar is not None:
+            rate = (step - run.start) * run.tokens_per_iter / max(run.times["train"], 1e-9)
+            run.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}")
+            run.bar.update(1)
+        if step % args.eval_interval == 0 or step == args.max_iters:
+            with timed(run, "eval"):
+                losses = evaluate(run.model, run.splits, args, run.dist.device, seed=args.seed + 1)
+            run.history.append({"step": step, **losses})
+            run.say(f"step {step}: train {losses['train']:.4f}, val {losses['val']:.4f}")
+        if run.dist.master and (step % args.ckpt_interval == 0 or step == args.max_iters or signum):
+            with timed(run, "ckpt"):
+                save(run, step)
+        if signum:
+            break
+    return loss, step, signum
+
+
+def main(argv=None) -> dict:
+    """Train; returns {"model", "loss", "history", "curve", "signal"} for tests and
+    notebooks ("signal": the SIGINT or SIGTERM that stopped the run early, else 0)."""
+    t_start = time.perf_counter()
+    args = parse_args(argv)
+    dist = init_distributed(args)
+    try:
+        with StopSignals() as stop:
+            lock = claim_out_dir(args, dist)
+            try:
+                return _train(args, dist, stop, t_start)
+            finally:
+                if lock is not None:
+                    lock.release()
+    finally:
+        if dist.ddp:
+            torch.distributed.destroy_process_group()
+
+
+def _train(args, dist: Dist, stop: StopSignals, t_start: float) -> dict:
+    run, notes = build_run(args, dist)
+    for line in notes:
+        run.say(line)
+    run.say(f"GPT {run.model.num_params() / 1e6:.2f}M params, {args.impl}, {dist.device}, world {dist.world}, "
+            f"{run.tokens_per_iter} tokens/iter, iters {run.start}..{args.max_iters}")
+    if dist.master and not args.no_progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=args.max_iters, initial=start, dynamic_ncols=True, mininterval=1.0, unit="it")
-    t0, loss_val = time.perf_counter(), float("nan")
-    for it in range(start, args.max_iters):
-        for g in optimizer.param_groups:
-            g["lr"] = lr_at(it, args)
-        n_micro = world * args.grad_accum
-        starts = torch.randint(len(splits["train"]) - args.block_size - 1, (n_micro, args.batch_size), generator=batch_gen)
-        mine = starts[rank * args.grad_accum:(rank + 1) * args.grad_accum]  # (grad_accum, batch_size)
-        total = torch.zeros((), device=device)
-        for micro, st in enumerate(mine):
-            x, y = (t.to(device) for t in data.batch(splits["train"], st, args.block_size))
-            sync = not ddp or micro == args.grad_accum - 1  # all-reduce once, on the last micro-batch
-            with (nullcontext() if sync else train_model.no_sync()), autocast(device):
-                loss = train_model(x, y)[1] / args.grad_accum
-            loss.backward()
-            total += loss.detach()
-        if ddp:
-            torch.distributed.all_reduce(total)
-            total /= world
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_val = total.item()
-        curve.append(loss_val)
-        step = it + 1
-        if bar is not None:
-            dt = time.perf_counter() - t0
-            bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{(step - start) * tokens_per_iter / max(dt, 1e-9):,.0f}")
-            bar.update(1)
-        if step % args.eval_interval == 0 or step == args.max_iters:
-            losses = evaluate(model, splits, args, device, seed=args.seed + 1)
-            history.append({"step": step, **losses})
-            if master:
-                msg = f"step {step}: train {losses['train']:.4f}, val {losses['val']:.4f}"
-                (bar.write(msg) if bar is not None else print(msg, flush=True))
-        if master and (step % args.ckpt_interval == 0 or step == args.max_iters):
-            save(step)
-    if bar is not None:
-        bar.close()
-    if master:
-        elapsed = time.perf_counter() - t0
-        n = args.max_iters - start
-        print(f"done: {n} iters in {elapsed:.1f}s ({n * tokens_per_iter / max(elapsed, 1e-9):,.0f} tokens/s), "
-              f"{time.perf_counter() - t_start:.1f}s in all, last batch loss {loss_val:.4f}", flush=True)
-    if ddp:
-        torch.distributed.destroy_process_group()
-    if unsaved:
-        raise checkpoint.CheckpointError(f"{args.out_dir}: {unsaved}")
-    return {"model": model, "loss": loss_val, "history": history, "curve": curve}
+        run.bar = tqdm(total=args.max_iters, initial=run.start, dynamic_ncols=True, mininterval=1.0, unit="it")
+    try:
+        loss, step, signum = train_loop(run, stop)
+    finally:
+        if run.bar is not None:
+            run.bar.close()
+            run.bar = None
+    t = run.times
+    n = step - run.start
+    run.say(f"done: {n} iters, training {t['train']:.1f}s ({n * run.tokens_per_iter / max(t['train'], 1e-9):,.0f} "
+            f"tokens/s), evaluation {t['eval']:.1f}s, checkpoints {t['ckpt']:.1f}s, "
+            f"{time.perf_counter() - t_start:.1f}s in all, last batch loss {loss:.4f}")
+    if run.unsaved:  # the last checkpoint is what the user runs next from: its loss is an error
+        stopped = f"stopped by {signal.Signals(signum).name} after step {step}, but " if signum else ""
+        raise checkpoint.CheckpointError(f"{args.out_dir}: {stopped}{run.unsaved}")
+    if signum:
+        run.say(f"stopped by {signal.Signals(signum).name} after step {step}: checkpoint "
+                f"{args.out_dir / f'ckpt-{step:06d}'} written; --resume continues", err=True)
+    return {"model": run.model, "loss": loss, "history": run.history, "curve": run.curve, "signal": signum}
 
 
 def cli(argv=None) -> None:
-    """The command line: bad checkpoints and data are one-line errors with exit status 2."""
+    """The command line: bad checkpoints, data, settings and output directories are one-line
+    errors with exit status 2; a run stopped by SIGINT or SIGTERM exits 130 or 143."""
     try:
-        main(argv)
-    except (checkpoint.CheckpointError, data.DataError) as e:
+        result = main(argv)
+    except (checkpoint.CheckpointError, checkpoint.OutDirError, SettingsError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # a Ctrl-C before the handlers are in place: nothing trained yet
+        print("error: interrupted before training started; nothing to save", file=sys.stderr)
+        sys.exit(130)
+    if result["signal"]:
+        sys.exit(128 + result["signal"])
 
 
 if __name__ == "__main__":

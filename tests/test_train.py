@@ -65,7 +65,7 @@ def test_a_fresh_run_replaces_an_earlier_runs_checkpoints(tmp_path):
     train(out, 6, "--eval-interval", "6", "--ckpt-interval", "3")
     p = train(out, 2, "--eval-interval", "2", "--ckpt-interval", "2")
     assert "earlier run" in p.stdout and "--resume" in p.stdout
-    assert sorted(x.name for x in out.iterdir()) == ["ckpt-000002", "latest", "loss.png"]
+    assert sorted(x.name for x in out.iterdir()) == [".lock", "ckpt-000002", "latest", "loss.png"]
 
 
 @pytest.mark.parametrize("args,message", [

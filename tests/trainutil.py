@@ -10,6 +10,7 @@ import io
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,13 +21,44 @@ TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16
         "--eval-iters", "2", "--no-progress"]
 
 
-def run(script, *args, timeout=180, check=True):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CPU torch path
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=ROOT)
+# Runs a script under a file-size limit: writes past it fail with EFBIG ("File too large"),
+# a real full disk for one process (Python ignores the SIGXFSZ that comes with it).
+_LIMITED = ("import resource, runpy, sys; n = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_FSIZE, (n, n)); "
+            "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def env():
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CPU torch path
+
+
+def command(script, *args, fsize=None):
+    path = str(ROOT / "scripts" / script)
+    head = [sys.executable, path] if fsize is None else [sys.executable, "-c", _LIMITED, str(fsize), path]
+    return [*head, *map(str, args)]
+
+
+def run(script, *args, timeout=180, check=True, fsize=None):
+    """Run scripts/<script> in a new process; fsize: the largest file it may write, in bytes."""
+    proc = subprocess.run(command(script, *args, fsize=fsize), capture_output=True, text=True, timeout=timeout,
+                          env=env(), cwd=ROOT, check=False)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def start(script, *args, log, **kw):
+    """Start scripts/<script> in a new process, its stdout and stderr into the file `log`."""
+    with open(log, "w") as f:
+        return subprocess.Popen(command(script, *args), env=env(), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, **kw)
+
+
+def wait_for(condition, timeout=120, what="condition"):
+    """Poll until condition() is true (a busy machine may be slow)."""
+    deadline = time.time() + timeout
+    while not condition():
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
 
 
 def _module(script):
