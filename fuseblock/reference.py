@@ -70,8 +70,21 @@ def _affine(r: Tensor, spec: NormSpec, weight, bias) -> Tensor:
 # In fp32 with no gate and one group, ATen's fused CPU kernels compute the same math in
 # one pass each way (3-4x faster than the composition below). They take the scale
 # c/sqrt(d) folded into the weight.
+def _has_fused_rms() -> bool:
+    """Whether ATen has `_fused_rms_norm(input, normalized_shape, weight, eps)` (torch 2.9+).
+    Older torch lacks it or takes other arguments: RMS then takes the composed path."""
+    try:
+        args = torch.ops.aten._fused_rms_norm.default._schema.arguments
+    except (AttributeError, RuntimeError):
+        return False
+    return [a.name for a in args[:2]] == ["input", "normalized_shape"]
+
+
+_FUSED_RMS = _has_fused_rms()
+
+
 def _native_ok(p: Tensor, spec: NormSpec) -> bool:
-    return p.dtype == torch.float32 and spec.gate_mode == 0 and spec.groups == 1
+    return p.dtype == torch.float32 and spec.gate_mode == 0 and spec.groups == 1 and (spec.center or _FUSED_RMS)
 
 
 def _scaled_weight(weight: Optional[Tensor], spec: NormSpec, d: int, like: Tensor) -> Optional[Tensor]:

@@ -2,7 +2,7 @@
 
     python scripts/bench.py traffic [--quick]   bytes moved: Triton kernels (interpreter) vs naive eager vs minimum
     python scripts/bench.py memory  [--quick]   bytes saved for backward per layer per token, fused vs naive GPT
-    python scripts/bench.py speed   [--quick]   CPU training-step time: naive, fused, and torch.compile of each
+    python scripts/bench.py speed   [--quick] [--repeats N]  CPU training-step time: naive, fused, torch.compile of each
     python scripts/bench.py gpu     [--out DIR] GPU bandwidth and GPT step time (exits 0 without CUDA)
     python scripts/bench.py sm90    [--quick]   each kernel compiled for an H100 without one: registers, spills
     python scripts/bench.py overhead [--quick]  host-side (Python) time per call, kernels not run
@@ -260,20 +260,28 @@ def speed(args) -> list[dict]:
         if not args.quick:
             impls[("fused" if fused else "naive") + "+compile"] = (torch.compile(model), opt)
     idx = torch.randint(0, 256, (B, 64))
-    times = {k: [] for k in impls}
     for k, (m, opt) in impls.items():  # warm up (and compile)
         m(idx, idx)[1].backward()
         opt.zero_grad()
-    for _ in range(steps):  # alternate, so drift hits every variant alike
-        for k, (m, opt) in impls.items():
-            t0 = time.perf_counter()
-            m(idx, idx)[1].backward()
-            opt.step()
-            opt.zero_grad()
-            times[k].append(time.perf_counter() - t0)
-    base = statistics.median(times["naive"])
-    return [dict(impl=k, median_ms=statistics.median(v) * 1e3, tokens_per_s=B * 64 / statistics.median(v),
-                 speedup_vs_naive=base / statistics.median(v)) for k, v in times.items()]
+    runs = {k: [] for k in impls}  # each run's median step time
+    for _ in range(args.repeats):
+        times = {k: [] for k in impls}
+        for _ in range(steps):  # alternate, so drift hits every variant alike
+            for k, (m, opt) in impls.items():
+                t0 = time.perf_counter()
+                m(idx, idx)[1].backward()
+                opt.step()
+                opt.zero_grad()
+                times[k].append(time.perf_counter() - t0)
+        for k, v in times.items():
+            runs[k].append(statistics.median(v))
+    rows = []
+    for k, v in runs.items():
+        up = [b / t for b, t in zip(runs["naive"], v)]  # against the naive median of the same run
+        rows.append(dict(impl=k, runs=len(v), median_ms=statistics.median(v) * 1e3, min_ms=min(v) * 1e3,
+                         max_ms=max(v) * 1e3, tokens_per_s=B * 64 / statistics.median(v),
+                         speedup_vs_naive=statistics.median(up), speedup_min=min(up), speedup_max=max(up)))
+    return rows
 
 
 def overhead(args) -> list[dict]:
@@ -565,10 +573,13 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda", help="gpu: the device; cpu runs a toy-size smoke test of the code")
     ap.add_argument("--no-compile", action="store_true", help="gpu: skip the torch.compile baseline")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=1, help="speed: independent runs of all the steps (median, min, max)")
     ap.add_argument("--ops", type=lambda v: v.split(","), default=None, help=f"traffic: a comma list of {OPS}")
     ap.add_argument("--rows", type=lambda v: [int(r) for r in v.split(",")], default=None, help="traffic: row counts")
     ap.add_argument("--d", type=int, default=None, help="traffic, sm90: row width")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.ops and set(args.ops) - set(OPS):
         ap.error(f"--ops: unknown {sorted(set(args.ops) - set(OPS))}; choose from {OPS}")
     if args.threads:

@@ -13,7 +13,9 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests import ref64 and friends
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests import ref64 and friends
+sys.path.insert(1, ROOT)  # and the GPT from the checkout's models/, which the wheel does not install
 
 DEVICE = os.environ.get("FUSEBLOCK_TEST_DEVICE", "cpu")
 if DEVICE != "cpu":

@@ -37,8 +37,11 @@ def test_memory_quick_fused_saves_no_more():
 
 
 def test_speed_quick_runs():
-    rows = _bench("speed")
+    rows = _bench("speed", "--repeats", "2")
     assert {r["impl"] for r in rows} == {"naive", "fused"} and all(r["median_ms"] > 0 for r in rows)
+    for r in rows:  # the spread over the two runs
+        assert r["runs"] == 2 and 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+        assert r["speedup_min"] <= r["speedup_vs_naive"] <= r["speedup_max"]
 
 
 @pytest.mark.slow

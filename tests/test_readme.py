@@ -18,3 +18,35 @@ def test_readme_python_blocks_run():
     namespace: dict = {}
     for i, code in enumerate(blocks):
         exec(compile(code, f"README.md block {i}", "exec"), namespace)
+
+
+BARE = ("python", "python3.11", "pip", "pytest", "torchrun")  # not installed outside .venv
+
+
+def _commands():
+    """Each shell command of the README: the ```bash blocks' lines, and inline code spans
+    that start with a program name, split at &&."""
+    text = README.read_text()
+    lines = [ln.split(" #")[0].strip() for b in re.findall(r"```bash\n(.*?)```", text, re.DOTALL) for ln in b.splitlines()]
+    prose = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    lines += re.findall(r"`((?:[A-Z_]+=\S+ )*(?:\.venv/bin/|make |python|pip|pytest|torchrun)[^` ]* [^`]*)`", prose)
+    return [c.strip() for ln in lines for c in ln.split("&&") if c.strip() and not c.startswith("#")]
+
+
+def test_readme_commands_run_as_printed():
+    commands = _commands()
+    assert len(commands) >= 10
+    targets = set(re.findall(r"^([a-z][\w-]*):", (README.parent / "Makefile").read_text(), re.MULTILINE))
+    for cmd in commands:
+        words = [w for w in cmd.split() if "=" not in w or w.startswith("-")]  # drop VAR=value prefixes
+        assert words[0] not in BARE, f"{cmd!r}: use .venv/bin/{words[0]} or a make target"
+        assert "..." not in cmd, f"{cmd!r}: a placeholder, not a command"
+        if words[0] == "make":
+            assert set(words[1:]) <= targets, f"{cmd!r}: no such make target"
+
+
+def test_readme_wheel_name_has_the_current_version():
+    import fuseblock
+
+    names = re.findall(r"fuseblock-([\w.]+)-py3-none-any\.whl", README.read_text())
+    assert names and set(names) == {fuseblock.__version__}

@@ -17,7 +17,8 @@ gradient), dgate once. dw and db are reduced per program in registers and writte
 one partial row per program; the caller sums those rows. Wide rows read p (and dout,
 in the backward) twice: docs/performance.md counts it.
 """
-from __future__ import annotations
+# No `from __future__ import annotations`: Triton 3.1's interpreter reads the string
+# "tl.constexpr" as no annotation and passes BR, BD, ... as arrays (tests/test_floor.py).
 
 import collections
 from typing import Optional

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kernels import embed_norm as kernels
+from ..triton_support import kernel_module
 from .norm import func_transforms_active, uses_triton
 from .spec import check_number, check_tensor
 
@@ -64,11 +64,11 @@ def torch_bwd(dy: Tensor, x: Tensor, n: Tensor, ord: int, eps: float) -> Tensor:
 
 # --------------------------------------------------------------------------- custom ops
 def _fwd_impl(x: Tensor, ord: int, eps: float) -> tuple[Tensor, Tensor]:
-    return (kernels.embed_norm_fwd if uses_triton(x) else torch_fwd)(x, ord, eps)
+    return (kernel_module("embed_norm", x.device).embed_norm_fwd if uses_triton(x) else torch_fwd)(x, ord, eps)
 
 
 def _bwd_impl(dy: Tensor, x: Tensor, n: Tensor, ord: int, eps: float) -> Tensor:
-    return (kernels.embed_norm_bwd if uses_triton(x) else torch_bwd)(dy, x, n, ord, eps)
+    return (kernel_module("embed_norm", x.device).embed_norm_bwd if uses_triton(x) else torch_bwd)(dy, x, n, ord, eps)
 
 
 _fwd = torch.library.custom_op("fuseblock::embed_norm_fwd", _fwd_impl, mutates_args=())

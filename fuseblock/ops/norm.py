@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from ..kernels import norm as kernels
+from ..triton_support import kernel_module
 from .spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, resolve
 
 # The Triton interpreter is chosen when triton is imported, so this is fixed per process.
@@ -32,7 +32,7 @@ def uses_triton(x: Tensor) -> bool:
 
 
 def _backend(x: Tensor):
-    return kernels if uses_triton(x) else reference
+    return kernel_module("norm", x.device) if uses_triton(x) else reference  # triton imported on first use
 
 
 def func_transforms_active() -> bool:
