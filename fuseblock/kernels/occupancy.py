@@ -36,6 +36,12 @@ def resident_programs(usage: dict[str, int], num_warps: int, sm: dict = H100_SM)
     return min(by_regs, by_threads, by_shared, sm["blocks"])
 
 
+def forget() -> None:
+    """Drop every learned programs-per-SM figure: the next launch of each variant starts
+    from its default again (benchmarks that measure the first launch)."""
+    _RESIDENT.clear()
+
+
 def _sm(device: torch.device) -> dict:
     if device.type != "cuda":
         return H100_SM

@@ -12,7 +12,7 @@ Subgradients (the same as torch's autograd of that formula):
 Forward and backward are `torch.library` custom ops with fake implementations, so
 `torch.compile(fullgraph=True)` traces them whole; eager calls skip the dispatcher
 through an autograd.Function over the same implementations, as the core op does.
-Dispatch is `uses_triton` of the core op: the Triton kernels on CUDA (or
+Dispatch is `fuseblock.ops.dispatch`'s: the Triton kernels on CUDA (or
 TRITON_INTERPRET=1), else the torch path here.
 """
 from __future__ import annotations
@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..triton_support import kernel_module
-from .norm import func_transforms_active, uses_triton
+from .dispatch import func_transforms_active, kernels, uses_triton
 from .spec import check_number, check_tensor
 
 ORDS = {"l1": 1, "l2": 2, "max": 3}
@@ -64,11 +63,11 @@ def torch_bwd(dy: Tensor, x: Tensor, n: Tensor, ord: int, eps: float) -> Tensor:
 
 # --------------------------------------------------------------------------- custom ops
 def _fwd_impl(x: Tensor, ord: int, eps: float) -> tuple[Tensor, Tensor]:
-    return (kernel_module("embed_norm", x.device).embed_norm_fwd if uses_triton(x) else torch_fwd)(x, ord, eps)
+    return (kernels("embed_norm", x).embed_norm_fwd if uses_triton(x) else torch_fwd)(x, ord, eps)
 
 
 def _bwd_impl(dy: Tensor, x: Tensor, n: Tensor, ord: int, eps: float) -> Tensor:
-    return (kernel_module("embed_norm", x.device).embed_norm_bwd if uses_triton(x) else torch_bwd)(dy, x, n, ord, eps)
+    return (kernels("embed_norm", x).embed_norm_bwd if uses_triton(x) else torch_bwd)(dy, x, n, ord, eps)
 
 
 _fwd = torch.library.custom_op("fuseblock::embed_norm_fwd", _fwd_impl, mutates_args=())

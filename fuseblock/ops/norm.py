@@ -5,13 +5,11 @@ The forward and backward are each one `torch.library` custom op with a fake
 and backward, with no graph break. Eager calls skip the dispatcher through an
 autograd.Function over the same implementations.
 
-Dispatch, inside the ops:
-- CUDA tensors, or CPU tensors with TRITON_INTERPRET=1: the Triton kernels.
-- anything else, and float64 everywhere: the pure-PyTorch path in `fuseblock.reference`.
+Dispatch, inside the ops, is `fuseblock.ops.dispatch`'s: the Triton kernels or the
+pure-PyTorch path in `fuseblock.reference`.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import astuple
 from typing import Optional
 
@@ -19,25 +17,12 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from ..triton_support import kernel_module
+from .dispatch import func_transforms_active, kernels, uses_triton
 from .spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, resolve
-
-# The Triton interpreter is chosen when triton is imported, so this is fixed per process.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def uses_triton(x: Tensor) -> bool:
-    """Whether a call on `x` runs the Triton kernels (else the pure-PyTorch path)."""
-    return x.dtype != torch.float64 and (x.is_cuda or (INTERPRET and x.device.type == "cpu"))
 
 
 def _backend(x: Tensor):
-    return kernel_module("norm", x.device) if uses_triton(x) else reference  # triton imported on first use
-
-
-def func_transforms_active() -> bool:
-    """Whether a torch.func transform (vmap, grad, jvp, ...) is tracing this call."""
-    return torch._C._are_functorch_transforms_active()
+    return kernels("norm", x) if uses_triton(x) else reference
 
 
 def _empty(x: Tensor) -> Tensor:

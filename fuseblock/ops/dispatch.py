@@ -1,0 +1,53 @@
+"""Which implementation a call runs: the Triton kernels, or the pure-PyTorch reference.
+
+- CUDA tensors, and CPU tensors under TRITON_INTERPRET=1: the Triton kernels
+  (`fuseblock.kernels.<op>`, imported with triton on first use).
+- anything else, and float64 everywhere: the torch path (`fuseblock.reference` and the
+  torch functions beside each family op).
+- under a torch.func transform: the reference's plain differentiable ops, whatever the
+  device (the only thing such a transform can see through).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from ..triton_support import kernel_module
+
+# The Triton interpreter is chosen when triton is imported, so this is fixed per process.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_cpu_kernels = False  # set by `kernels_on_cpu`
+
+
+def uses_triton(x: Tensor) -> bool:
+    """Whether a call on `x` runs the Triton kernels (else the pure-PyTorch path)."""
+    on_cpu = INTERPRET or _cpu_kernels
+    return x.dtype != torch.float64 and (x.is_cuda or (on_cpu and x.device.type == "cpu"))
+
+
+def kernels(op: str, x: Tensor) -> ModuleType:
+    """The Triton launchers of `op` ("norm", "embed_norm") for a call on `x`."""
+    return kernel_module(op, x.device)
+
+
+@contextlib.contextmanager
+def kernels_on_cpu() -> Iterator[None]:
+    """Send CPU tensors to the Triton launchers without the interpreter, for tools that
+    intercept the launches rather than run them (`bench.py sm90` compiles what the
+    launchers pick for an H100 on a machine with no GPU)."""
+    global _cpu_kernels
+    before, _cpu_kernels = _cpu_kernels, True
+    try:
+        yield
+    finally:
+        _cpu_kernels = before
+
+
+def func_transforms_active() -> bool:
+    """Whether a torch.func transform (vmap, grad, jvp, ...) is tracing this call."""
+    return torch._C._are_functorch_transforms_active()
