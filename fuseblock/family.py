@@ -11,10 +11,9 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .modules import check_factory_dtype, check_flag
 from .ops.batch_norm import batch_norm, check_momentum, group_norm, instance_norm
+from .ops.checks import check_eps, check_flag, check_float_dtype
 from .ops.embed_norm import embed_norm
-from .ops.spec import check_number
 
 __all__ = ["embed_norm", "batch_norm", "group_norm", "instance_norm", "BatchNorm", "InstanceNorm"]
 
@@ -22,9 +21,7 @@ __all__ = ["embed_norm", "batch_norm", "group_norm", "instance_norm", "BatchNorm
 def _check_config(num_features, eps) -> None:
     if isinstance(num_features, bool) or not isinstance(num_features, numbers.Integral) or num_features < 1:
         raise ValueError(f"num_features must be a positive int, got {num_features!r}")
-    check_number("eps", eps)
-    if eps < 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
+    check_eps(eps)
 
 
 def _check_channels(x, num_features: int) -> None:
@@ -53,7 +50,7 @@ class BatchNorm(nn.Module):
         check_momentum(momentum, allow_none=True)
         check_flag("affine", affine)
         check_flag("track_running_stats", track_running_stats)
-        check_factory_dtype(dtype)
+        check_float_dtype("dtype", dtype)
         self.num_features, self.eps, self.momentum = int(num_features), float(eps), momentum
         self.affine, self.track_running_stats = affine, track_running_stats
         factory = dict(device=device, dtype=dtype)
@@ -113,7 +110,7 @@ class InstanceNorm(nn.Module):
         super().__init__()
         _check_config(num_features, eps)
         check_flag("affine", affine)
-        check_factory_dtype(dtype)
+        check_float_dtype("dtype", dtype)
         self.num_features, self.eps, self.affine = int(num_features), float(eps), affine
         factory = dict(device=device, dtype=dtype)
         self.weight = nn.Parameter(torch.ones(num_features, **factory)) if affine else None

@@ -6,45 +6,15 @@ nn.LayerNorm (and back).
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .ops.checks import check_flag, check_float_dtype, check_int, check_last_dim, check_options
 from .ops.norm import add_norm, norm
-from .ops.spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, FLOAT_DTYPES, check_options
-
-
-def check_dim(dim) -> None:
-    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
-        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
-    if dim < 1:
-        raise ValueError(f"dim must be >= 1, got {dim}")
-
-
-def check_factory_dtype(dtype) -> None:
-    """The `dtype=` of a module's parameters: None (torch's default) or a floating dtype."""
-    if dtype is not None and dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dtype must be None or a floating dtype {FLOAT_DTYPES}, got {dtype!r}")
-
-
-def check_flag(name: str, flag) -> None:
-    """A module switch such as affine=: a bool, never a truthy string or a tensor."""
-    if not isinstance(flag, bool):
-        raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
-
-
-def check_last_dim(x, dim: int) -> None:
-    """x's last dim against the module's: named so, rather than blaming weight's shape."""
-    if isinstance(x, Tensor) and x.dim() > 0 and x.shape[-1] != dim:
-        raise ValueError(f"x's last dim {x.shape[-1]} does not match the module's dim {dim}")
-
-
-def check_residual_dtype(residual_dtype) -> None:
-    if residual_dtype is not None and residual_dtype not in FLOAT_DTYPES:
-        raise TypeError(f"residual_dtype must be None or one of {FLOAT_DTYPES}, got {residual_dtype!r}")
+from .spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION
 
 
 class Norm(nn.Module):
@@ -69,10 +39,10 @@ class Norm(nn.Module):
         dtype=None,
     ):
         super().__init__()
-        check_dim(dim)
+        check_int("dim", dim)
         check_flag("weight", weight)  # whether the parameter exists; a tensor here is a mistaken initial value
         check_flag("bias", bias)
-        check_factory_dtype(dtype)
+        check_float_dtype("dtype", dtype)
         check_options(dim, kind=kind, c=c, eps=eps, num_groups=num_groups, gate_act=gate_act, gate_position=gate_position)
         self.dim, self.kind, self.c, self.eps = int(dim), kind, c, float(eps)
         self.num_groups, self.gate_act, self.gate_position = int(num_groups), gate_act, gate_position
@@ -127,7 +97,7 @@ class AddNorm(Norm):
 
     def __init__(self, dim: int, *, residual_dtype: Optional[torch.dtype] = None, **kwargs):
         super().__init__(dim, **kwargs)
-        check_residual_dtype(residual_dtype)
+        check_float_dtype("residual_dtype", residual_dtype)
         self.residual_dtype = residual_dtype
 
     def forward(self, x: Tensor, residual: Optional[Tensor] = None, gate: Optional[Tensor] = None):

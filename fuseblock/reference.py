@@ -2,14 +2,14 @@
 
 Same contract as the Triton launchers in `fuseblock.kernels.norm` (2-D (M, d) inputs,
 fp32 statistics, the same saved tensors), written with plain torch ops so it runs
-anywhere and documents the math. Symbols follow seed 001:
+anywhere and documents the math. Symbols follow docs/math.md:
 
-    p = x + y                      (the residual sum, stored as new_residual)
-    s = p * g(gate)  (pre-gate)    or  s = p
+    p = x + residual               (the residual sum, stored as new_residual)
+    s = p * g(z)     (pre-gate)    or  s = p         (z: the gate tensor)
     q = s - mean(s)  (layer)       or  q = s
     sigma = sqrt(q.q/d + eps),  r = q / sigma
     o1 = scale * r * w + b         (scale = c / sqrt(d))
-    o = o1 * g(gate) (post-gate)   or  o = o1
+    o = o1 * g(z)    (post-gate)   or  o = o1
 
 d is the size of one normalized group (the whole row unless num_groups > 1).
 """
@@ -20,30 +20,30 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .ops.spec import NormSpec
+from .spec import Act, Gate, NormSpec, acc_dtype
 
 
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Statistics and math run in fp32, or fp64 for fp64 inputs (gradcheck)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def gate_act(z: Tensor, act: Act) -> Tensor:
+    """g(z)."""
+    if act == Act.IDENTITY:
+        return z
+    if act == Act.SIGMOID:
+        return torch.sigmoid(z)
+    if act == Act.SILU:
+        return torch.nn.functional.silu(z)
+    raise ValueError(f"unknown gate activation {act!r}")
 
 
-def gate_act(y: Tensor, act: int) -> Tensor:
-    if act == 2:
-        return torch.sigmoid(y)
-    if act == 3:
-        return torch.nn.functional.silu(y)
-    return y
-
-
-def gate_act_grad(y: Tensor, act: int) -> Tensor:
-    if act == 2:
-        s = torch.sigmoid(y)
+def gate_act_grad(z: Tensor, act: Act) -> Tensor:
+    """g'(z)."""
+    if act == Act.IDENTITY:
+        return torch.ones_like(z)
+    s = torch.sigmoid(z)
+    if act == Act.SIGMOID:
         return s * (1 - s)
-    if act == 3:
-        s = torch.sigmoid(y)
-        return s * (1 + y * (1 - s))
-    return torch.ones_like(y)
+    if act == Act.SILU:
+        return s * (1 + z * (1 - s))
+    raise ValueError(f"unknown gate activation {act!r}")
 
 
 def _grouped(t: Tensor, groups: int) -> Tensor:
@@ -84,7 +84,7 @@ _FUSED_RMS = _has_fused_rms()
 
 
 def _native_ok(p: Tensor, spec: NormSpec) -> bool:
-    return p.dtype == torch.float32 and spec.gate_mode == 0 and spec.groups == 1 and (spec.center or _FUSED_RMS)
+    return p.dtype == torch.float32 and spec.gate == Gate.NONE and spec.groups == 1 and (spec.center or _FUSED_RMS)
 
 
 def _scaled_weight(weight: Optional[Tensor], spec: NormSpec, d: int, like: Tensor) -> Optional[Tensor]:
@@ -154,11 +154,11 @@ def _stats(s: Tensor, spec: NormSpec) -> tuple[Tensor, Tensor, Optional[Tensor]]
 
 def norm_out(p: Tensor, gate: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor], spec: NormSpec):
     """(out, rstd, mean) from p in p's (accumulation) dtype, as differentiable torch ops."""
-    g = gate_act(gate.to(p.dtype), spec.act) if spec.gate_mode else None
-    s = p * g if spec.gate_mode == 1 else p
+    g = gate_act(gate.to(p.dtype), spec.act) if spec.gate != Gate.NONE else None
+    s = p * g if spec.gate == Gate.PRE else p
     q, rstd, mean = _stats(s, spec)
     o = _affine((q * rstd[..., None]).reshape(s.shape), spec, weight, bias)
-    if spec.gate_mode == 2:
+    if spec.gate == Gate.POST:
         o = o * g
     return o, rstd, mean
 
@@ -213,7 +213,7 @@ def norm_bwd(
 ):
     """Returns (dx, dresidual or None, dgate, dw, db), like the Triton backward.
 
-    dx already includes dres (seed 001: dx = dx + dr) and is also the residual's
+    dx already includes dres (docs/math.md: the residual's gradient adds into dx) and is also the residual's
     gradient; a separate dresidual comes back only for a residual_grad_dtype.
     """
     acc = rstd.dtype
@@ -225,13 +225,13 @@ def norm_bwd(
             ds = ds + dres.to(acc)
         dresidual = None if residual_grad_dtype is None else ds.to(residual_grad_dtype)
         return ds.to(x_dtype), dresidual, None, dw, db
-    y = gate.to(acc) if spec.gate_mode else None
-    g = gate_act(y, spec.act) if spec.gate_mode else None
-    s = p * g if spec.gate_mode == 1 else p
+    z = gate.to(acc) if spec.gate != Gate.NONE else None
+    g = gate_act(z, spec.act) if z is not None else None
+    s = p * g if spec.gate == Gate.PRE else p
     r = _normalized(s, spec, rstd, mean)
     dgate = None
-    if spec.gate_mode == 2:
-        dgate = dout * _affine(r, spec, weight, bias) * gate_act_grad(y, spec.act)
+    if spec.gate == Gate.POST:
+        dgate = dout * _affine(r, spec, weight, bias) * gate_act_grad(z, spec.act)
         do1 = dout * g
     else:
         do1 = dout
@@ -242,13 +242,13 @@ def norm_bwd(
     if weight is not None:
         dr = dr * weight.to(acc)
     rg, drg = _grouped(r, spec.groups), _grouped(dr, spec.groups)
-    # seed 001: dq = (dr - (r.dr) r / d) / sigma
+    # docs/math.md: dq = (dr - (r.dr) r / d) / sigma
     dq = (drg - rg * (rg * drg).mean(-1, keepdim=True)) * rstd[..., None]
     if spec.center:  # dp = dq - mean(dq)
         dq = dq - dq.mean(-1, keepdim=True)
     ds = dq.reshape(p.shape)
-    if spec.gate_mode == 1:
-        dgate = ds * p * gate_act_grad(y, spec.act)
+    if spec.gate == Gate.PRE:
+        dgate = ds * p * gate_act_grad(z, spec.act)
         ds = ds * g
     if dres is not None:
         ds = ds + dres.to(acc)

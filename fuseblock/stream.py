@@ -23,7 +23,8 @@ from typing import Iterable, Optional
 import torch
 from torch import Tensor, nn
 
-from .modules import AddNorm, check_residual_dtype
+from .modules import AddNorm
+from .ops.checks import check_float_dtype
 
 
 class PreNormBlock(nn.Module):
@@ -100,7 +101,7 @@ class ResidualStack(nn.Module):
         for name, flag in (("final_norm", final_norm), ("fused", fused)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-        check_residual_dtype(residual_dtype)
+        check_float_dtype("residual_dtype", residual_dtype)
         self.blocks = nn.ModuleList(
             PreNormBlock(m, dim, kind=kind, eps=eps, residual_dtype=residual_dtype, bias=bias) for m in mixers
         )

@@ -33,7 +33,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import fuseblock  # noqa: E402
 
-ACTIVATION_ARGS = {"X", "R", "Y", "O", "RO", "P", "DO", "DRO", "DX", "DR", "DY"}
+ACTIVATION_ARGS = {"X", "R", "Z", "O", "RO", "P", "DO", "DRO", "DX", "DR", "DZ"}
 UNCACHED_ARGS = ACTIVATION_ARGS | {"RSTD", "MEAN", "DOT", "DW", "DB", "?"}  # all but the weights, which stay cached
 OPS = ["norm", "add_norm", "add_norm_layer", "add_norm_fp32_residual", "pre_gate", "post_gate", "post_gate_residual"]
 
@@ -291,7 +291,7 @@ def overhead(args) -> list[dict]:
     with tiny CPU tensors, so allocation here stands in for the GPU caching allocator."""
     from fuseblock.kernels import norm as kernels
     from fuseblock.ops import norm as ops
-    from fuseblock.ops.spec import resolve
+    from fuseblock.ops.checks import resolve
     from fuseblock.testing.sm90 import captured_launches
 
     reps, calls = (3, 100) if args.quick else (7, 500)

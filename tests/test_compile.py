@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import fuseblock
+from fuseblock.spec import Act, Gate, NormSpec
 
 
 def _fn(x, r, w, b, g):
@@ -44,6 +45,6 @@ def test_opcheck_fake_implementations():
     w = torch.randn(16, requires_grad=True)
     torch.library.opcheck(
         torch.ops.fuseblock.norm_fwd.default,
-        (x, r, None, w, None, True, 1.0, 1e-6, 0, 0, 1, torch.float32, True),
+        (x, r, None, w, None, NormSpec(True, 1.0, 1e-6, Gate.NONE, Act.UNUSED, 1).pack(), torch.float32, True),
         test_utils=("test_schema", "test_faketensor"),
     )

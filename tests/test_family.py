@@ -12,7 +12,7 @@ from conftest import KERNEL_PATH
 from ref64 import leaf64, tolerances
 
 import fuseblock
-from fuseblock.kernels.norm import LAUNCHES, MAX_TILE_FWD, _layout
+from fuseblock.kernels.norm import LAUNCHES, MAX_TILE_FWD, fwd_layout
 from fuseblock.ops.norm import uses_triton
 
 HALF = [torch.float16, torch.bfloat16]
@@ -21,7 +21,7 @@ WIDE = MAX_TILE_FWD + 8  # a row the core op's and embed_norm's layouts hand to 
 
 def loops(d, groups=1):
     """Whether rows of d in `groups` take the loop kernels (forward, hence backward too)."""
-    return not _layout(d, groups, MAX_TILE_FWD)[0]
+    return not fwd_layout(d, groups).tile
 P = {"l1": 1.0, "l2": 2.0, "max": float("inf")}
 
 

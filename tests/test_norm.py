@@ -10,6 +10,7 @@ from ref64 import add_norm64, tolerances
 import fuseblock
 from fuseblock.kernels.norm import LAUNCHES
 from fuseblock.ops.norm import uses_triton
+from fuseblock.spec import Act, Gate, NormSpec
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -164,7 +165,8 @@ def test_one_launch_forward_one_backward():
 
 def test_statistics_stored_only_when_a_gradient_is_needed():
     x = torch.randn(4, 16)
-    args = (x, None, None, None, None, False, 1.0, 1e-6, 0, 0, 1, None)
+    spec = NormSpec(center=False, scale=1.0, eps=1e-6, gate=Gate.NONE, act=Act.UNUSED, groups=1)
+    args = (x, None, None, None, None, spec.pack(), None)
     _, _, rstd, _ = torch.ops.fuseblock.norm_fwd(*args, False)
     assert rstd.numel() == 0
     _, _, rstd, _ = torch.ops.fuseblock.norm_fwd(*args, True)

@@ -1,11 +1,12 @@
 """Triton kernels for the embedding norms y = x / max(n(x), eps) over the last dim.
 
-n is sum|x| (ORD 1, "l1"), sqrt(x.x) (ORD 2, "l2") or max|x| (ORD 3, "max").
+n is sum|x| (ORD_L1, "l1"), sqrt(x.x) (ORD_L2, "l2") or max|x| (ORD_MAX, "max").
 Same two layouts and names as `fuseblock.kernels.norm` (whose layout rule is reused):
 - `tile`: a [BR rows, BD columns] block, many whole rows per program, for rows that
   fit (the core op's MAX_TILE_FWD / MAX_TILE_BWD).
 - `loop`: one row per program, looping over column chunks of BD, for wide rows.
-Names: i_ program ids, o_ offsets, m_ masks, b_ blocks (fp32 in registers).
+Names: i_ program ids, o_ offsets, m_ masks, b_ blocks (fp32 in registers); X input,
+O output, N row norms, DO and DX their gradients.
 
 The forward saves only the per-row norm n (fp32); the backward re-reads x. With
 D = max(n, eps), a = [n >= eps] (the clamp passes the gradient on equality, as
@@ -21,15 +22,25 @@ import torch
 import triton
 import triton.language as tl
 
-from .norm import LAUNCHES, MAX_TILE_BWD, MAX_TILE_FWD, _cdiv, _layout, _rows
+from ..spec import Ord
+from .norm import LAUNCHES, bwd_layout, cdiv, fwd_layout, rows
+
+ORD_L1 = tl.constexpr(int(Ord.L1))
+ORD_L2 = tl.constexpr(int(Ord.L2))
+ORD_MAX = tl.constexpr(int(Ord.MAX))
+
+
+@triton.jit
+def _check_ord(ORD: tl.constexpr):
+    tl.static_assert(ORD == ORD_L1 or ORD == ORD_L2 or ORD == ORD_MAX, "unknown ORD")
 
 
 @triton.jit
 def _row_norm(b_x, ORD: tl.constexpr):
     """n of each row of a [BR, BD] block. Masked lanes hold 0, which none of the three sees."""
-    if ORD == 1:
+    if ORD == ORD_L1:
         b_n = tl.sum(tl.abs(b_x), 1)
-    elif ORD == 2:
+    elif ORD == ORD_L2:
         b_n = tl.sqrt_rn(tl.sum(b_x * b_x, 1))
     else:
         b_n = tl.max(tl.abs(b_x), 1)
@@ -49,7 +60,8 @@ def _sign(b_x):
 
 # --------------------------------------------------------------------------- forward
 @triton.jit(do_not_specialize=["M", "eps"])
-def _fwd_tile(X, Y, N, s_x, s_y, M, D, eps, BR: tl.constexpr, BD: tl.constexpr, ORD: tl.constexpr):
+def _fwd_tile(X, O, N, s_x, s_o, M, D, eps, BR: tl.constexpr, BD: tl.constexpr, ORD: tl.constexpr):
+    _check_ord(ORD)
     i_m = tl.program_id(0)
     o_m = (i_m * BR + tl.arange(0, BR)).to(tl.int64)  # int64: M * stride may pass 2**31
     o_d = tl.arange(0, BD)
@@ -57,54 +69,56 @@ def _fwd_tile(X, Y, N, s_x, s_y, M, D, eps, BR: tl.constexpr, BD: tl.constexpr, 
     mask = m_m[:, None] & (o_d[None, :] < D)
     b_x = tl.load(X + o_m[:, None] * s_x + o_d[None, :], mask=mask, other=0.0).to(tl.float32)
     b_n = _row_norm(b_x, ORD)  # [BR]
-    b_y = b_x * _recip(b_n, eps)[:, None]
-    tl.store(Y + o_m[:, None] * s_y + o_d[None, :], b_y.to(Y.dtype.element_ty), mask=mask)
+    b_o = b_x * _recip(b_n, eps)[:, None]
+    tl.store(O + o_m[:, None] * s_o + o_d[None, :], b_o.to(O.dtype.element_ty), mask=mask)
     tl.store(N + o_m, b_n, mask=m_m)
 
 
 @triton.jit(do_not_specialize=["eps"])
-def _fwd_loop(X, Y, N, s_x, s_y, D, eps, BD: tl.constexpr, ORD: tl.constexpr):
+def _fwd_loop(X, O, N, s_x, s_o, D, eps, BD: tl.constexpr, ORD: tl.constexpr):
+    _check_ord(ORD)
     # pass 1 reduces the row chunk by chunk, pass 2 re-reads it (from cache on a GPU)
     i_m = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BD)
-    b_acc = tl.zeros([BD], dtype=tl.float32)  # per-lane partial sums, or maxima for ORD 3
+    b_acc = tl.zeros([BD], dtype=tl.float32)  # per-lane partial sums, or maxima for ORD_MAX
     for i_d in range(0, D, BD):
         m_d = i_d + o_d < D
         b_x = tl.load(X + i_m * s_x + i_d + o_d, mask=m_d, other=0.0).to(tl.float32)
-        if ORD == 1:
+        if ORD == ORD_L1:
             b_acc += tl.abs(b_x)
-        elif ORD == 2:
+        elif ORD == ORD_L2:
             b_acc += b_x * b_x
         else:
             b_acc = tl.maximum(b_acc, tl.abs(b_x))
-    b_n = tl.max(b_acc, 0) if ORD == 3 else tl.sum(b_acc, 0)
-    if ORD == 2:
+    b_n = tl.max(b_acc, 0) if ORD == ORD_MAX else tl.sum(b_acc, 0)
+    if ORD == ORD_L2:
         b_n = tl.sqrt_rn(b_n)
     b_r = _recip(b_n, eps)
     for i_d in range(0, D, BD):
         m_d = i_d + o_d < D
         b_x = tl.load(X + i_m * s_x + i_d + o_d, mask=m_d, other=0.0).to(tl.float32)
-        tl.store(Y + i_m * s_y + i_d + o_d, (b_x * b_r).to(Y.dtype.element_ty), mask=m_d)
+        tl.store(O + i_m * s_o + i_d + o_d, (b_x * b_r).to(O.dtype.element_ty), mask=m_d)
     tl.store(N + i_m, b_n)
 
 
 # --------------------------------------------------------------------------- backward
 @triton.jit(do_not_specialize=["M", "eps"])
-def _bwd_tile(X, N, DY, DX, s_x, s_dy, s_dx, M, D, eps, BR: tl.constexpr, BD: tl.constexpr, ORD: tl.constexpr):
+def _bwd_tile(X, N, DO, DX, s_x, s_do, s_dx, M, D, eps, BR: tl.constexpr, BD: tl.constexpr, ORD: tl.constexpr):
+    _check_ord(ORD)
     i_m = tl.program_id(0)
     o_m = (i_m * BR + tl.arange(0, BR)).to(tl.int64)
     o_d = tl.arange(0, BD)
     m_m = o_m < M
     mask = m_m[:, None] & (o_d[None, :] < D)
     b_x = tl.load(X + o_m[:, None] * s_x + o_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    b_g = tl.load(DY + o_m[:, None] * s_dy + o_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    b_g = tl.load(DO + o_m[:, None] * s_do + o_d[None, :], mask=mask, other=0.0).to(tl.float32)
     b_n = tl.load(N + o_m, mask=m_m, other=1.0)
     b_r = _recip(b_n, eps)  # 1/D
     # c = a * (g.x) / D: the clamped rows (n < eps) scale by 1/eps and stop there
     b_c = tl.where(b_n >= eps, tl.sum(b_g * b_x, 1) * b_r, 0.0)[:, None]
-    if ORD == 1:
+    if ORD == ORD_L1:
         b_t = _sign(b_x)
-    elif ORD == 2:
+    elif ORD == ORD_L2:
         b_t = b_x * b_r[:, None]
     else:
         b_top = (tl.abs(b_x) == b_n[:, None]) & mask
@@ -115,7 +129,8 @@ def _bwd_tile(X, N, DY, DX, s_x, s_dy, s_dx, M, D, eps, BR: tl.constexpr, BD: tl
 
 
 @triton.jit(do_not_specialize=["eps"])
-def _bwd_loop(X, N, DY, DX, s_x, s_dy, s_dx, D, eps, BD: tl.constexpr, ORD: tl.constexpr):
+def _bwd_loop(X, N, DO, DX, s_x, s_do, s_dx, D, eps, BD: tl.constexpr, ORD: tl.constexpr):
+    _check_ord(ORD)
     # pass 1: g.x (and the tie count for max); pass 2: dx
     i_m = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BD)
@@ -126,20 +141,20 @@ def _bwd_loop(X, N, DY, DX, s_x, s_dy, s_dx, D, eps, BD: tl.constexpr, ORD: tl.c
     for i_d in range(0, D, BD):
         m_d = i_d + o_d < D
         b_x = tl.load(X + i_m * s_x + i_d + o_d, mask=m_d, other=0.0).to(tl.float32)
-        b_g = tl.load(DY + i_m * s_dy + i_d + o_d, mask=m_d, other=0.0).to(tl.float32)
+        b_g = tl.load(DO + i_m * s_do + i_d + o_d, mask=m_d, other=0.0).to(tl.float32)
         b_gx += b_g * b_x
-        if ORD == 3:
+        if ORD == ORD_MAX:
             b_k += ((tl.abs(b_x) == b_n) & m_d).to(tl.float32)
     b_c = tl.where(b_n >= eps, tl.sum(b_gx, 0) * b_r, 0.0)
-    if ORD == 3:
+    if ORD == ORD_MAX:
         b_c = b_c / tl.maximum(tl.sum(b_k, 0), 1.0)
     for i_d in range(0, D, BD):
         m_d = i_d + o_d < D
         b_x = tl.load(X + i_m * s_x + i_d + o_d, mask=m_d, other=0.0).to(tl.float32)
-        b_g = tl.load(DY + i_m * s_dy + i_d + o_d, mask=m_d, other=0.0).to(tl.float32)
-        if ORD == 1:
+        b_g = tl.load(DO + i_m * s_do + i_d + o_d, mask=m_d, other=0.0).to(tl.float32)
+        if ORD == ORD_L1:
             b_t = _sign(b_x)
-        elif ORD == 2:
+        elif ORD == ORD_L2:
             b_t = b_x * b_r
         else:
             b_t = tl.where(tl.abs(b_x) == b_n, _sign(b_x), 0.0)
@@ -151,17 +166,17 @@ def _bwd_loop(X, N, DY, DX, s_x, s_dy, s_dx, D, eps, BD: tl.constexpr, ORD: tl.c
 def embed_norm_fwd(x: torch.Tensor, ord: int, eps: float):
     """Returns (y shaped like x, n shaped x.shape[:-1] in fp32)."""
     d = x.shape[-1]
-    x2 = _rows(x, d)
+    x2 = rows(x, d)
     M = x2.shape[0]
     y = torch.empty((M, d), dtype=x.dtype, device=x.device)
     n = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M > 0:
-        tile, _, bd, br, warps, _ = _layout(d, 1, MAX_TILE_FWD)
+        lay = fwd_layout(d)
         args = (x2, y, n, x2.stride(0), y.stride(0))
-        if tile:
-            _fwd_tile[(_cdiv(M, br),)](*args, M, d, eps, BR=br, BD=bd, ORD=ord, num_warps=warps)
+        if lay.tile:
+            _fwd_tile[(cdiv(M, lay.br),)](*args, M, d, eps, BR=lay.br, BD=lay.bd, ORD=int(ord), num_warps=lay.warps)
         else:
-            _fwd_loop[(M,)](*args, d, eps, BD=bd, ORD=ord, num_warps=warps)
+            _fwd_loop[(M,)](*args, d, eps, BD=lay.bd, ORD=int(ord), num_warps=lay.warps)
         LAUNCHES["embed_fwd"] += 1
     return y.view(x.shape), n.view(x.shape[:-1])
 
@@ -169,16 +184,16 @@ def embed_norm_fwd(x: torch.Tensor, ord: int, eps: float):
 def embed_norm_bwd(dy: torch.Tensor, x: torch.Tensor, n: torch.Tensor, ord: int, eps: float) -> torch.Tensor:
     """dx in x's dtype, from the saved x and row norms n."""
     d = x.shape[-1]
-    x2, dy2 = _rows(x, d), _rows(dy, d)
+    x2, do2 = rows(x, d), rows(dy, d)
     M = x2.shape[0]
     dx = torch.empty((M, d), dtype=x.dtype, device=x.device)
     n1 = n.reshape(-1)
     if M > 0:
-        tile, _, bd, br, warps, _ = _layout(d, 1, MAX_TILE_BWD)
-        args = (x2, n1, dy2, dx, x2.stride(0), dy2.stride(0), dx.stride(0))
-        if tile:
-            _bwd_tile[(_cdiv(M, br),)](*args, M, d, eps, BR=br, BD=bd, ORD=ord, num_warps=warps)
+        lay = bwd_layout(d)
+        args = (x2, n1, do2, dx, x2.stride(0), do2.stride(0), dx.stride(0))
+        if lay.tile:
+            _bwd_tile[(cdiv(M, lay.br),)](*args, M, d, eps, BR=lay.br, BD=lay.bd, ORD=int(ord), num_warps=lay.warps)
         else:
-            _bwd_loop[(M,)](*args, d, eps, BD=bd, ORD=ord, num_warps=warps)
+            _bwd_loop[(M,)](*args, d, eps, BD=lay.bd, ORD=int(ord), num_warps=lay.warps)
         LAUNCHES["embed_bwd"] += 1
     return dx.view(x.shape)

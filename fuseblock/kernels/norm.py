@@ -3,11 +3,14 @@
 Two layouts, picked per call by the width of one normalized group:
 - `tile`: a [BR rows, BG groups, BD columns] block holds whole rows in registers, many
   rows per program. Used when a row fits (BG * BD <= MAX_TILE_FWD / MAX_TILE_BWD).
-- wide rows (d = 65536 and beyond), which never fit in registers: the forward loops
-  over column chunks of one row at a time (`_fwd_loop`); the backward takes two
-  launches, the per-row constants (`_bwd_dots`) then a column-chunk pass (`_bwd_cols`).
+- wide rows, which do not fit in registers (forward: a group wider than MAX_TILE_FWD;
+  backward: wider than MAX_TILE_BWD): the forward loops over column chunks of one row at
+  a time (`_fwd_loop`); the backward takes two launches, the per-row constants
+  (`_bwd_dots`) then a column-chunk pass (`_bwd_cols`).
 
-Names: i_ program ids, o_ offsets, m_ masks, b_ blocks (fp32 in registers).
+Names: i_ program ids, o_ offsets, m_ masks, b_ blocks (fp32 in registers). Tensors:
+X input, R residual, Z gate, W weight, B bias, O output, RO new_residual, P the saved
+p; a D prefix is a gradient. GATE and ACT take the named modes of `fuseblock.spec`.
 Statistics (rstd, mean) are fp32 whatever the storage dtype.
 
 Traffic (tile kernels): forward reads x, residual, gate once and writes out,
@@ -21,14 +24,23 @@ in the backward) twice: docs/performance.md counts it.
 # "tl.constexpr" as no annotation and passes BR, BD, ... as arrays (tests/test_floor.py).
 
 import collections
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ..ops.spec import NormSpec
+from ..spec import Act, Gate, NormSpec
 from .occupancy import learn, programs_per_sm
+
+# The modes of fuseblock.spec as kernel constants (launchers pass int(spec.gate) etc.).
+GATE_NONE = tl.constexpr(int(Gate.NONE))
+GATE_PRE = tl.constexpr(int(Gate.PRE))
+GATE_POST = tl.constexpr(int(Gate.POST))
+ACT_UNUSED = tl.constexpr(int(Act.UNUSED))
+ACT_IDENTITY = tl.constexpr(int(Act.IDENTITY))
+ACT_SIGMOID = tl.constexpr(int(Act.SIGMOID))
+ACT_SILU = tl.constexpr(int(Act.SILU))
 
 # Kernel launches per kind, for tests and benchmarks that check "one launch per call".
 LAUNCHES: collections.Counter = collections.Counter()
@@ -46,23 +58,32 @@ MIN_ROWS_PER_PROGRAM = 64  # keeps dw/db partial rows (fp32, written and summed)
 
 # --------------------------------------------------------------------------- helpers
 @triton.jit
-def _act(y, ACT: tl.constexpr):
-    """The gate function g: 1 identity, 2 sigmoid, 3 silu."""
-    if ACT == 2:
-        y = tl.sigmoid(y)
-    elif ACT == 3:
-        y = y * tl.sigmoid(y)
-    return y
+def _check_modes(GATE: tl.constexpr, ACT: tl.constexpr):
+    """An unknown mode fails to compile, never runs as a silent identity."""
+    tl.static_assert(GATE == GATE_NONE or GATE == GATE_PRE or GATE == GATE_POST, "unknown GATE mode")
+    tl.static_assert((GATE == GATE_NONE and ACT == ACT_UNUSED)
+                     or (GATE != GATE_NONE and (ACT == ACT_IDENTITY or ACT == ACT_SIGMOID or ACT == ACT_SILU)),
+                     "unknown ACT for this GATE")
 
 
 @triton.jit
-def _act_grad(y, ACT: tl.constexpr):
-    """g'(y) for the gate functions of `_act`."""
-    s = tl.sigmoid(y)
-    if ACT == 2:
+def _act(z, ACT: tl.constexpr):
+    """The gate function g(z)."""
+    if ACT == ACT_SIGMOID:
+        z = tl.sigmoid(z)
+    elif ACT == ACT_SILU:
+        z = z * tl.sigmoid(z)
+    return z
+
+
+@triton.jit
+def _act_grad(z, ACT: tl.constexpr):
+    """g'(z) for the gate functions of `_act`."""
+    s = tl.sigmoid(z)
+    if ACT == ACT_SIGMOID:
         d = s * (1.0 - s)
-    elif ACT == 3:
-        d = s * (1.0 + y * (1.0 - s))
+    elif ACT == ACT_SILU:
+        d = s * (1.0 + z * (1.0 - s))
     else:
         d = s * 0.0 + 1.0
     return d
@@ -113,14 +134,15 @@ def _load_p(X, R, RO, o_x, o_r, o_ro, mask, HAS_R: tl.constexpr, STORE_R: tl.con
 # --------------------------------------------------------------------------- forward
 @triton.jit(do_not_specialize=["M", "eps", "scale"])
 def _fwd_tile(
-    X, R, Y, W, B, O, RO, RSTD, MEAN,
-    s_x, s_r, s_y, s_o, s_ro,
+    X, R, Z, W, B, O, RO, RSTD, MEAN,
+    s_x, s_r, s_z, s_o, s_ro,
     M, G, DG, eps, scale,
     BR: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
     HAS_R: tl.constexpr, STORE_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, STORE_STATS: tl.constexpr,
     EXACT_SQ: tl.constexpr,
 ):
+    _check_modes(GATE, ACT)
     i_m = tl.program_id(0)
     o_m = (i_m * BR + tl.arange(0, BR)).to(tl.int64)  # int64: M * stride may pass 2**31
     o_g = tl.arange(0, BG)
@@ -133,9 +155,9 @@ def _fwd_tile(
     col = o_gd[None, :, :]
 
     b_p = _load_p(X, R, RO, row * s_x + col, row * s_r + col, row * s_ro + col, mask, HAS_R, STORE_R)
-    if GATE != 0:
-        b_g = _act(tl.load(Y + row * s_y + col, mask=mask, other=0.0).to(tl.float32), ACT)
-    b_s = b_p * b_g if GATE == 1 else b_p
+    if GATE != GATE_NONE:
+        b_g = _act(tl.load(Z + row * s_z + col, mask=mask, other=0.0).to(tl.float32), ACT)
+    b_s = b_p * b_g if GATE == GATE_PRE else b_p
     if CENTER:
         # Centre on each group's first element before summing: a constant group is then
         # exactly its value (q = 0, out = bias), where the fp32 mean's remainder would be
@@ -153,7 +175,7 @@ def _fwd_tile(
         b_o *= tl.load(W + o_gd, mask=m_gd, other=0.0).to(tl.float32)[None, :, :]
     if HAS_B:
         b_o += tl.load(B + o_gd, mask=m_gd, other=0.0).to(tl.float32)[None, :, :]
-    if GATE == 2:
+    if GATE == GATE_POST:
         b_o *= b_g
     tl.store(O + row * s_o + col, b_o.to(O.dtype.element_ty), mask=mask)
     if STORE_STATS:
@@ -166,14 +188,15 @@ def _fwd_tile(
 
 @triton.jit(do_not_specialize=["MG", "eps", "scale"])
 def _fwd_loop(
-    X, R, Y, W, B, O, RO, RSTD, MEAN,
-    s_x, s_r, s_y, s_o, s_ro,
+    X, R, Z, W, B, O, RO, RSTD, MEAN,
+    s_x, s_r, s_z, s_o, s_ro,
     MG, G, DG, eps, scale,
     BD: tl.constexpr,
     HAS_R: tl.constexpr, STORE_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, STORE_STATS: tl.constexpr,
     EXACT_SQ: tl.constexpr,
 ):
+    _check_modes(GATE, ACT)
     # Persistent: program i_p handles (row, group) pairs i_p, i_p + n_p, ... A row this
     # wide does not fit on chip, so it is read twice, never three times: pass 1 reads the
     # inputs, writes new_residual and gathers the statistics in one sweep; pass 2 reads
@@ -198,8 +221,8 @@ def _fwd_loop(
             o_col = o_base + i_d + o_d
             m_d = i_d + o_d < DG
             b_s = _load_p(X, R, RO, i_m * s_x + o_col, i_m * s_r + o_col, i_m * s_ro + o_col, m_d, HAS_R, STORE_R)
-            if GATE == 1:
-                b_s *= _act(tl.load(Y + i_m * s_y + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
+            if GATE == GATE_PRE:
+                b_s *= _act(tl.load(Z + i_m * s_z + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
             if CENTER:
                 b_n += tl.where(m_d, 1.0, 0.0)
                 b_delta = tl.where(m_d, b_s - b_mu, 0.0)
@@ -225,9 +248,9 @@ def _fwd_loop(
                 b_s = _load_p(X, R, RO, i_m * s_x + o_col, i_m * s_r + o_col, i_m * s_ro + o_col, m_d, HAS_R, False)
                 if STORE_R:  # new_residual is x in another dtype: the norm sees the rounded value
                     b_s = b_s.to(RO.dtype.element_ty).to(tl.float32)
-            if GATE != 0:
-                b_g = _act(tl.load(Y + i_m * s_y + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
-            if GATE == 1:
+            if GATE != GATE_NONE:
+                b_g = _act(tl.load(Z + i_m * s_z + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
+            if GATE == GATE_PRE:
                 b_s *= b_g
             b_q = b_s - b_mean if CENTER else b_s
             b_o = b_q * (b_rstd * scale)
@@ -235,7 +258,7 @@ def _fwd_loop(
                 b_o *= tl.load(W + o_col, mask=m_d, other=0.0).to(tl.float32)
             if HAS_B:
                 b_o += tl.load(B + o_col, mask=m_d, other=0.0).to(tl.float32)
-            if GATE == 2:
+            if GATE == GATE_POST:
                 b_o *= b_g
             tl.store(O + i_m * s_o + o_col, b_o.to(O.dtype.element_ty), mask=m_d)
         if STORE_STATS:
@@ -248,32 +271,32 @@ def _fwd_loop(
 @triton.jit
 def _normalized(b_p, b_g, b_rstd, b_mean, mask, CENTER: tl.constexpr, GATE: tl.constexpr):
     """r = (s - mean) * rstd, s = p * g(y) for a pre-gate, else p (any block shape)."""
-    b_s = b_p * b_g if GATE == 1 else b_p
+    b_s = b_p * b_g if GATE == GATE_PRE else b_p
     return tl.where(mask, b_s - b_mean, 0.0) * b_rstd if CENTER else b_s * b_rstd
 
 
 @triton.jit
-def _post_gate(b_do, b_r, b_y, b_g, b_w, b_b, DY, o_dy, mask, scale,
+def _post_gate(b_do, b_r, b_z, b_g, b_w, b_b, DZ, o_dz, mask, scale,
                HAS_W: tl.constexpr, HAS_B: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr):
     """The gradient reaching o1. Post-gate: dgate = do * o1 * g'(y) (stored), do1 = do * g(y)."""
-    if GATE == 2:
+    if GATE == GATE_POST:
         b_o1 = b_r * scale
         if HAS_W:
             b_o1 *= b_w
         if HAS_B:
             b_o1 += b_b
-        tl.store(DY + o_dy, (b_do * b_o1 * _act_grad(b_y, ACT)).to(DY.dtype.element_ty), mask=mask)
+        tl.store(DZ + o_dz, (b_do * b_o1 * _act_grad(b_z, ACT)).to(DZ.dtype.element_ty), mask=mask)
         b_do *= b_g
     return b_do
 
 
 @triton.jit
-def _store_dx(b_dq, b_p, b_y, b_g, DY, DRO, DX, DR, o_dy, o_dro, o_dx, o_dr, mask,
+def _store_dx(b_dq, b_p, b_z, b_g, DZ, DRO, DX, DR, o_dz, o_dro, o_dx, o_dr, mask,
               HAS_DRO: tl.constexpr, STORE_DR: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr):
     """From dq to the stored input gradients. Pre-gate: dgate = dq * p * g'(y), dp = dq * g(y);
-    seed 001: dx = dp + dr, the gradient arriving at new_residual."""
-    if GATE == 1:
-        tl.store(DY + o_dy, (b_dq * b_p * _act_grad(b_y, ACT)).to(DY.dtype.element_ty), mask=mask)
+    docs/math.md: dx = dp + dr, the gradient arriving at new_residual."""
+    if GATE == GATE_PRE:
+        tl.store(DZ + o_dz, (b_dq * b_p * _act_grad(b_z, ACT)).to(DZ.dtype.element_ty), mask=mask)
         b_dq *= b_g
     if HAS_DRO:
         b_dq += tl.load(DRO + o_dro, mask=mask, other=0.0).to(tl.float32)
@@ -284,14 +307,15 @@ def _store_dx(b_dq, b_p, b_y, b_g, DY, DRO, DX, DR, o_dy, o_dro, o_dx, o_dr, mas
 
 @triton.jit(do_not_specialize=["M", "scale"])
 def _bwd_tile(
-    P, Y, W, B, RSTD, MEAN, DO, DRO, DX, DR, DY, DW, DB,
-    s_p, s_y, s_do, s_dro, s_dx, s_dr, s_dy,
+    P, Z, W, B, RSTD, MEAN, DO, DRO, DX, DR, DZ, DW, DB,
+    s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz,
     M, G, DG, scale,
     BR: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
     HAS_DRO: tl.constexpr, STORE_DR: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr,
 ):
+    _check_modes(GATE, ACT)
     # A persistent grid: program i_p handles row blocks i_p, i_p + n_p, ... and keeps
     # its dw/db sums in registers, so it writes one partial row at the very end.
     i_p = tl.program_id(0)
@@ -314,13 +338,13 @@ def _bwd_tile(
         m_stat = m_m[:, None] & (o_g[None, :] < G)
 
         b_p = tl.load(P + row * s_p + col, mask=mask, other=0.0).to(tl.float32)
-        b_y = tl.load(Y + row * s_y + col, mask=mask, other=0.0).to(tl.float32) if GATE != 0 else None
-        b_g = _act(b_y, ACT) if GATE != 0 else None
+        b_z = tl.load(Z + row * s_z + col, mask=mask, other=0.0).to(tl.float32) if GATE != GATE_NONE else None
+        b_g = _act(b_z, ACT) if GATE != GATE_NONE else None
         b_rstd = tl.load(RSTD + o_stat, mask=m_stat, other=0.0)[:, :, None]
         b_mean = tl.load(MEAN + o_stat, mask=m_stat, other=0.0)[:, :, None] if CENTER else None
         b_r = _normalized(b_p, b_g, b_rstd, b_mean, mask, CENTER, GATE)
         b_do = tl.load(DO + row * s_do + col, mask=mask, other=0.0).to(tl.float32)
-        b_do = _post_gate(b_do, b_r, b_y, b_g, b_w, b_b, DY, row * s_dy + col, mask, scale, HAS_W, HAS_B, GATE, ACT)
+        b_do = _post_gate(b_do, b_r, b_z, b_g, b_w, b_b, DZ, row * s_dz + col, mask, scale, HAS_W, HAS_B, GATE, ACT)
         if NEED_DW:
             b_dw += tl.sum(b_do * b_r, 0) * scale
         if NEED_DB:
@@ -328,12 +352,12 @@ def _bwd_tile(
         b_dr = b_do * scale
         if HAS_W:
             b_dr *= b_w
-        # seed 001: dq = (dr - (r.dr/d) r) / sigma; layer: dp = dq - mean(dq)
+        # docs/math.md: dq = (dr - (r.dr/d) r) / sigma; layer: dp = dq - mean(dq)
         b_c1 = _mean(tl.sum(b_r * b_dr, 2), DG)
         b_dq = (b_dr - b_r * b_c1[:, :, None]) * b_rstd
         if CENTER:
             b_dq = tl.where(mask, b_dq - (_mean(tl.sum(b_dq, 2), DG))[:, :, None], 0.0)
-        _store_dx(b_dq, b_p, b_y, b_g, DY, DRO, DX, DR, row * s_dy + col, row * s_dro + col, row * s_dx + col,
+        _store_dx(b_dq, b_p, b_z, b_g, DZ, DRO, DX, DR, row * s_dz + col, row * s_dro + col, row * s_dx + col,
                   row * s_dr + col, mask, HAS_DRO, STORE_DR, GATE, ACT)
     o_part = i_p.to(tl.int64) * G * DG + o_gd
     if NEED_DW:
@@ -344,12 +368,13 @@ def _bwd_tile(
 
 @triton.jit(do_not_specialize=["MG", "scale"])
 def _bwd_dots(
-    P, Y, W, RSTD, MEAN, DO, DOT,
-    s_p, s_y, s_do,
+    P, Z, W, RSTD, MEAN, DO, DOT,
+    s_p, s_z, s_do,
     MG, G, DG, scale,
     BD: tl.constexpr,
     HAS_W: tl.constexpr, CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr,
 ):
+    _check_modes(GATE, ACT)
     # Wide rows, step 1 of 2: the per-(row, group) constants of dq, which need the whole
     # row before any dx can be written. DOT[mg] = (mean(r * dr), mean(dq)).
     i_p = tl.program_id(0)
@@ -369,9 +394,9 @@ def _bwd_dots(
             m_d = i_d + o_d < DG
             b_p = tl.load(P + i_m * s_p + o_col, mask=m_d, other=0.0).to(tl.float32)
             b_do = tl.load(DO + i_m * s_do + o_col, mask=m_d, other=0.0).to(tl.float32)
-            b_g = _act(tl.load(Y + i_m * s_y + o_col, mask=m_d, other=0.0).to(tl.float32), ACT) if GATE != 0 else None
+            b_g = _act(tl.load(Z + i_m * s_z + o_col, mask=m_d, other=0.0).to(tl.float32), ACT) if GATE != GATE_NONE else None
             b_r = _normalized(b_p, b_g, b_rstd, b_mean, m_d, CENTER, GATE)
-            if GATE == 2:
+            if GATE == GATE_POST:
                 b_do *= b_g
             b_dr = b_do * scale
             if HAS_W:
@@ -387,14 +412,15 @@ def _bwd_dots(
 
 @triton.jit(do_not_specialize=["M", "scale"])
 def _bwd_cols(
-    P, Y, W, B, RSTD, MEAN, DOT, DO, DRO, DX, DR, DY, DW, DB,
-    s_p, s_y, s_do, s_dro, s_dx, s_dr, s_dy,
+    P, Z, W, B, RSTD, MEAN, DOT, DO, DRO, DX, DR, DZ, DW, DB,
+    s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz,
     M, G, DG, scale,
     BR: tl.constexpr, BD: tl.constexpr,
     HAS_DRO: tl.constexpr, STORE_DR: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr,
 ):
+    _check_modes(GATE, ACT)
     # Wide rows, step 2 of 2: program (i_c, i_p) owns column chunk i_c (inside one group)
     # of row blocks i_p, i_p + n_p, ... With the row constants from _bwd_dots, dx needs
     # only its own columns; and walking down the columns keeps dw/db in registers, so
@@ -422,12 +448,12 @@ def _bwd_cols(
         b_rstd = tl.load(RSTD + o_mg, mask=m_m, other=0.0)[:, None]
         b_c1 = tl.load(DOT + 2 * o_mg, mask=m_m, other=0.0)[:, None]
         b_p = tl.load(P + row * s_p + col, mask=mask, other=0.0).to(tl.float32)
-        b_y = tl.load(Y + row * s_y + col, mask=mask, other=0.0).to(tl.float32) if GATE != 0 else None
-        b_g = _act(b_y, ACT) if GATE != 0 else None
+        b_z = tl.load(Z + row * s_z + col, mask=mask, other=0.0).to(tl.float32) if GATE != GATE_NONE else None
+        b_g = _act(b_z, ACT) if GATE != GATE_NONE else None
         b_mean = tl.load(MEAN + o_mg, mask=m_m, other=0.0)[:, None] if CENTER else None
         b_r = _normalized(b_p, b_g, b_rstd, b_mean, mask, CENTER, GATE)
         b_do = tl.load(DO + row * s_do + col, mask=mask, other=0.0).to(tl.float32)
-        b_do = _post_gate(b_do, b_r, b_y, b_g, b_w, b_b, DY, row * s_dy + col, mask, scale, HAS_W, HAS_B, GATE, ACT)
+        b_do = _post_gate(b_do, b_r, b_z, b_g, b_w, b_b, DZ, row * s_dz + col, mask, scale, HAS_W, HAS_B, GATE, ACT)
         if NEED_DW:
             b_dw += tl.sum(b_do * b_r, 0) * scale
         if NEED_DB:
@@ -438,7 +464,7 @@ def _bwd_cols(
         b_dq = (b_dr - b_r * b_c1) * b_rstd
         if CENTER:
             b_dq -= tl.load(DOT + 2 * o_mg + 1, mask=m_m, other=0.0)[:, None]
-        _store_dx(b_dq, b_p, b_y, b_g, DY, DRO, DX, DR, row * s_dy + col, row * s_dro + col, row * s_dx + col,
+        _store_dx(b_dq, b_p, b_z, b_g, DZ, DRO, DX, DR, row * s_dz + col, row * s_dro + col, row * s_dx + col,
                   row * s_dr + col, mask, HAS_DRO, STORE_DR, GATE, ACT)
     o_part = i_p.to(tl.int64) * G * DG + o_col
     if NEED_DW:
@@ -450,7 +476,7 @@ def _bwd_cols(
 # --------------------------------------------------------------------------- launchers
 # Plain-integer helpers: triton.cdiv and triton.next_power_of_2 are constexpr functions
 # whose Python-side calls cost microseconds each, on every launch.
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -465,8 +491,26 @@ def _num_sms(device: torch.device) -> int:
     return H100_SMS
 
 
-def _layout(d: int, groups: int, max_tile: int):
-    """(use_tile, BG, BD, BR, num_warps, programs per SM) for rows of d in `groups`.
+class Layout(NamedTuple):
+    """How a launcher lays out rows of d columns in groups: the tile kernels' [BR, BG, BD]
+    block, or the wide-row kernels' BD-column chunks (tile False, BR = BG = 1)."""
+
+    tile: bool
+    bg: int
+    bd: int
+    br: int
+    warps: int
+    per_sm: int  # persistent programs per SM, before occupancy is learned
+
+    def variant(self, kernel: str, tensors: tuple, flags: dict) -> tuple:
+        """The key of one compiled kernel variant: its code (and registers) depend on the
+        block shape, the tensors' dtypes and the constexpr flags."""
+        dtypes = tuple(None if t is None else t.dtype for t in tensors)
+        return (kernel, dtypes, self.br, self.bg, self.bd, self.warps, *sorted(flags.items()))
+
+
+def layout(d: int, groups: int, max_tile: int) -> Layout:
+    """The layout for rows of d in `groups`, whole rows in registers up to max_tile elements.
 
     Measured on an H100 in bf16 (docs/performance.md): narrow rows want small tiles and
     fewer programs; rows of 4K and more want 16K-element tiles and 8 programs per SM.
@@ -476,11 +520,21 @@ def _layout(d: int, groups: int, max_tile: int):
     if bg * bd <= max_tile:
         wide = bg * bd >= 4096
         br = max(1, min(64, (16384 if wide else 4096) // (bg * bd)))
-        return True, bg, bd, br, min(16, max(4, br * bg * bd // 1024)), 8 if wide else 4
-    return False, 1, min(LOOP_BLOCK, bd), 1, 8, LOOP_PROGRAMS_PER_SM
+        return Layout(True, bg, bd, br, min(16, max(4, br * bg * bd // 1024)), 8 if wide else 4)
+    return Layout(False, 1, min(LOOP_BLOCK, bd), 1, 8, LOOP_PROGRAMS_PER_SM)
 
 
-def _rows(t: Optional[torch.Tensor], d: int) -> Optional[torch.Tensor]:
+def fwd_layout(d: int, groups: int = 1) -> Layout:
+    """The forward's layout (MAX_TILE_FWD, read at call time)."""
+    return layout(d, groups, MAX_TILE_FWD)
+
+
+def bwd_layout(d: int, groups: int = 1) -> Layout:
+    """The backward's layout (MAX_TILE_BWD, read at call time)."""
+    return layout(d, groups, MAX_TILE_BWD)
+
+
+def rows(t: Optional[torch.Tensor], d: int) -> Optional[torch.Tensor]:
     """(M, d) view with unit column stride; copies only inputs that cannot be viewed."""
     if t is None:
         return None
@@ -498,18 +552,13 @@ def _stride(t: Optional[torch.Tensor]) -> int:
     return t.stride(0) if t is not None else 0
 
 
-def _dtypes(*tensors) -> tuple:
-    """Part of a kernel variant's key: its compiled code (and registers) depend on these."""
-    return tuple(None if t is None else t.dtype for t in tensors)
-
-
 def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, need_stats):
     """Triton forward, same contract as `fuseblock.reference.norm_fwd`."""
     # The launchers' stride contract: activations may have any strides (rows are passed
-    # by stride, columns must be unit-stride or are copied: `_rows`); weight and bias are
+    # by stride, columns must be unit-stride or are copied: `rows`); weight and bias are
     # made unit-stride (`_vec`). Outputs and statistics are allocated here, contiguous.
     d = x.shape[-1]
-    x2, r2, y2 = _rows(x, d), _rows(residual, d), _rows(gate, d)
+    x2, r2, z2 = rows(x, d), rows(residual, d), rows(gate, d)
     weight, bias = _vec(weight), _vec(bias)
     M, G = x2.shape[0], spec.groups
     out = torch.empty((M, d), dtype=x.dtype, device=x.device)
@@ -517,23 +566,24 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
     rstd = torch.empty((M, G), dtype=torch.float32, device=x.device) if need_stats else None
     mean = torch.empty((M, G), dtype=torch.float32, device=x.device) if need_stats and spec.center else None
     if M > 0:
-        tile, bg, bd, br, warps, per_sm = _layout(d, G, MAX_TILE_FWD)
+        lay = fwd_layout(d, G)
         args = (
-            x2, r2, y2, weight, bias, out, new_res, rstd, mean,
-            x2.stride(0), _stride(r2), _stride(y2), out.stride(0), _stride(new_res),
+            x2, r2, z2, weight, bias, out, new_res, rstd, mean,
+            x2.stride(0), _stride(r2), _stride(z2), out.stride(0), _stride(new_res),
         )
         flags = dict(
             HAS_R=r2 is not None, STORE_R=new_res is not None, HAS_W=weight is not None,
-            HAS_B=bias is not None, CENTER=spec.center, GATE=spec.gate_mode, ACT=spec.act,
-            STORE_STATS=need_stats, EXACT_SQ=spec.eps == 0, num_warps=warps,
+            HAS_B=bias is not None, CENTER=spec.center, GATE=int(spec.gate), ACT=int(spec.act),
+            STORE_STATS=need_stats, EXACT_SQ=spec.eps == 0, num_warps=lay.warps,
         )
-        if tile:
-            _fwd_tile[(_cdiv(M, br),)](*args, M, G, d // G, spec.eps, spec.scale, BR=br, BG=bg, BD=bd, **flags)
+        if lay.tile:
+            _fwd_tile[(cdiv(M, lay.br),)](*args, M, G, d // G, spec.eps, spec.scale, BR=lay.br, BG=lay.bg, BD=lay.bd,
+                                          **flags)
         else:
-            variant = ("_fwd_loop", _dtypes(x2, r2, y2, weight, bias, out, new_res), bd, *sorted(flags.items()))
-            n_prog = min(M * G, _num_sms(x.device) * programs_per_sm(x.device, variant, per_sm))
-            compiled = _fwd_loop[(n_prog,)](*args, M * G, G, d // G, spec.eps, spec.scale, BD=bd, **flags)
-            learn(x.device, variant, compiled, warps)
+            variant = lay.variant("_fwd_loop", (x2, r2, z2, weight, bias, out, new_res), flags)
+            n_prog = min(M * G, _num_sms(x.device) * programs_per_sm(x.device, variant, lay.per_sm))
+            compiled = _fwd_loop[(n_prog,)](*args, M * G, G, d // G, spec.eps, spec.scale, BD=lay.bd, **flags)
+            learn(x.device, variant, compiled, lay.warps)
         LAUNCHES["fwd"] += 1
     return out.view(x.shape), None if new_res is None else new_res.view(x.shape), rstd, mean
 
@@ -545,55 +595,58 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     differs (an fp32 residual stream under bf16 activations): otherwise dx serves both.
     """
     d = p.shape[-1]
-    p2, do2, dro2, y2 = _rows(p, d), _rows(dout, d), _rows(dres, d), _rows(gate, d)  # as in norm_fwd
+    p2, do2, dro2, z2 = rows(p, d), rows(dout, d), rows(dres, d), rows(gate, d)  # as in norm_fwd
     weight, bias = _vec(weight), _vec(bias)
     M, G = p2.shape[0], spec.groups
     dg = d // G
     dev = p.device
     dx = torch.empty((M, d), dtype=x_dtype, device=dev)
     dr = torch.empty((M, d), dtype=residual_grad_dtype, device=dev) if residual_grad_dtype is not None else None
-    dy = torch.empty((M, d), dtype=gate.dtype, device=dev) if gate is not None else None
+    dz = torch.empty((M, d), dtype=gate.dtype, device=dev) if gate is not None else None
     need_dw, need_db = weight is not None, bias is not None
     flags = dict(
         HAS_DRO=dro2 is not None, STORE_DR=dr is not None, HAS_W=need_dw, HAS_B=need_db,
-        NEED_DW=need_dw, NEED_DB=need_db, CENTER=spec.center, GATE=spec.gate_mode, ACT=spec.act,
+        NEED_DW=need_dw, NEED_DB=need_db, CENTER=spec.center, GATE=int(spec.gate), ACT=int(spec.act),
     )
-    tile, bg, bd, br, warps, per_sm = _layout(d, G, MAX_TILE_BWD)
-    if tile:
-        n_cols, n_items = 1, _cdiv(M, br)
+    lay = bwd_layout(d, G)
+    if lay.tile:
+        n_cols = 1
     else:  # the column-chunk kernel's layout: [BR, BD] blocks, BD columns of one group
         bd = min(COLS_BLOCK, _pow2(dg))
-        br, warps, per_sm = COLS_TILE // bd, 8, COLS_PROGRAMS_PER_SM
-        n_cols, n_items = G * _cdiv(dg, bd), _cdiv(M, br)
-    variant = ("_bwd_tile" if tile else "_bwd_cols", _dtypes(p2, y2, weight, bias, do2, dro2, dx, dr, dy),
-               br, bg, bd, warps, *sorted(flags.items()))
+        lay = Layout(False, 1, bd, COLS_TILE // bd, 8, COLS_PROGRAMS_PER_SM)
+        n_cols = G * cdiv(dg, bd)
+    n_items = cdiv(M, lay.br)
+    variant = lay.variant("_bwd_tile" if lay.tile else "_bwd_cols", (p2, z2, weight, bias, do2, dro2, dx, dr, dz),
+                          flags)
     # Programs per SM as many as fit at once (one wave), and at least
     # MIN_ROWS_PER_PROGRAM rows each, so the (n_prog, d) partial buffers stay small next
     # to the activations on small batches.
-    slots = _num_sms(dev) * programs_per_sm(dev, variant, per_sm)
-    n_prog = max(1, min(slots // n_cols, n_items, _cdiv(M, MIN_ROWS_PER_PROGRAM)))
+    slots = _num_sms(dev) * programs_per_sm(dev, variant, lay.per_sm)
+    n_prog = max(1, min(slots // n_cols, n_items, cdiv(M, MIN_ROWS_PER_PROGRAM)))
     dw_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_dw else None
     db_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_db else None
     if M > 0:
-        strides = (p2.stride(0), _stride(y2), do2.stride(0), _stride(dro2), dx.stride(0), _stride(dr), _stride(dy))
-        outs = (do2, dro2, dx, dr, dy, dw_part, db_part)
-        if tile:
-            compiled = _bwd_tile[(n_prog,)](p2, y2, weight, bias, rstd, mean, *outs, *strides, M, G, dg, spec.scale,
-                                            BR=br, BG=bg, BD=bd, num_warps=warps, **flags)
+        strides = (p2.stride(0), _stride(z2), do2.stride(0), _stride(dro2), dx.stride(0), _stride(dr), _stride(dz))
+        outs = (do2, dro2, dx, dr, dz, dw_part, db_part)
+        if lay.tile:
+            compiled = _bwd_tile[(n_prog,)](p2, z2, weight, bias, rstd, mean, *outs, *strides, M, G, dg, spec.scale,
+                                            BR=lay.br, BG=lay.bg, BD=lay.bd, num_warps=lay.warps, **flags)
             LAUNCHES["bwd"] += 1
         else:
             dots = torch.empty((M * G, 2), dtype=torch.float32, device=dev)
-            loop_bd = min(LOOP_BLOCK, _pow2(dg))
-            dots_flags = dict(BD=loop_bd, HAS_W=need_dw, CENTER=spec.center, GATE=spec.gate_mode, ACT=spec.act)
-            dots_variant = ("_bwd_dots", _dtypes(p2, y2, weight, do2), *sorted(dots_flags.items()))
-            n_dots = min(M * G, _num_sms(dev) * programs_per_sm(dev, dots_variant, LOOP_PROGRAMS_PER_SM))
-            dots_compiled = _bwd_dots[(n_dots,)](p2, y2, weight, rstd, mean, do2, dots, p2.stride(0), _stride(y2),
-                                                 do2.stride(0), M * G, G, dg, spec.scale, num_warps=8, **dots_flags)
-            learn(dev, dots_variant, dots_compiled, 8)
-            compiled = _bwd_cols[(n_cols, n_prog)](p2, y2, weight, bias, rstd, mean, dots, *outs, *strides, M, G,
-                                                   dg, spec.scale, BR=br, BD=bd, num_warps=warps, **flags)
+            dots_lay = Layout(False, 1, min(LOOP_BLOCK, _pow2(dg)), 1, 8, LOOP_PROGRAMS_PER_SM)
+            dots_flags = dict(BD=dots_lay.bd, HAS_W=need_dw, CENTER=spec.center, GATE=int(spec.gate),
+                              ACT=int(spec.act))
+            dots_variant = dots_lay.variant("_bwd_dots", (p2, z2, weight, do2), dots_flags)
+            n_dots = min(M * G, _num_sms(dev) * programs_per_sm(dev, dots_variant, dots_lay.per_sm))
+            dots_compiled = _bwd_dots[(n_dots,)](p2, z2, weight, rstd, mean, do2, dots, p2.stride(0), _stride(z2),
+                                                 do2.stride(0), M * G, G, dg, spec.scale, num_warps=dots_lay.warps,
+                                                 **dots_flags)
+            learn(dev, dots_variant, dots_compiled, dots_lay.warps)
+            compiled = _bwd_cols[(n_cols, n_prog)](p2, z2, weight, bias, rstd, mean, dots, *outs, *strides, M, G,
+                                                   dg, spec.scale, BR=lay.br, BD=lay.bd, num_warps=lay.warps, **flags)
             LAUNCHES["bwd"] += 2
-        learn(dev, variant, compiled, warps)
+        learn(dev, variant, compiled, lay.warps)
     if M == 0:  # no program ran: the partial rows hold garbage, the true sums are zero
         dw_part = None if dw_part is None else dw_part.zero_()
         db_part = None if db_part is None else db_part.zero_()
@@ -603,7 +656,7 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     return (
         dx.view(view),
         None if dr is None else dr.view(view),
-        None if dy is None else dy.view(view),
+        None if dz is None else dz.view(view),
         dw,
         db,
     )

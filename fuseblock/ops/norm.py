@@ -1,24 +1,24 @@
 """`norm` and `add_norm`: validation, dispatch, autograd and custom-op registration.
 
-The forward and backward are each one `torch.library` custom op with a fake
-(meta) implementation, so `torch.compile(fullgraph=True)` traces them whole, forward
-and backward, with no graph break. Eager calls skip the dispatcher through an
-autograd.Function over the same implementations.
+The forward and backward are registered by `fuseblock.ops.registry.FusedOp`: custom
+ops that torch.compile traces whole, and an eager autograd.Function over the same
+implementations.
 
 Dispatch, inside the ops, is `fuseblock.ops.dispatch`'s: the Triton kernels or the
 pure-PyTorch path in `fuseblock.reference`.
 """
 from __future__ import annotations
 
-from dataclasses import astuple
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .. import reference
+from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, acc_dtype
+from .checks import resolve
 from .dispatch import func_transforms_active, kernels, uses_triton
-from .spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, resolve
+from .registry import FusedOp
 
 
 def _backend(x: Tensor):
@@ -30,48 +30,38 @@ def _empty(x: Tensor) -> Tensor:
     return x.new_empty(0, dtype=torch.float32)
 
 
-def _norm_fwd_impl(
+# The spec crosses the custom-op boundary packed (NormSpec.pack: a list of floats).
+def _fwd(
     x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
-    center: bool, scale: float, eps: float, gate_mode: int, act: int, groups: int,
-    residual_dtype: Optional[torch.dtype], need_stats: bool,
+    spec: list[float], residual_dtype: Optional[torch.dtype], need_stats: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    spec = NormSpec(center, scale, eps, gate_mode, act, groups)
-    out, new_res, rstd, mean = _backend(x).norm_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats)
-    return tuple(t if t is not None else _empty(x) for t in (out, new_res, rstd, mean))
+    out = _backend(x).norm_fwd(x, residual, gate, weight, bias, NormSpec.unpack(spec), residual_dtype, need_stats)
+    return tuple(t if t is not None else _empty(x) for t in out)
 
 
-_norm_fwd = torch.library.custom_op("fuseblock::norm_fwd", _norm_fwd_impl, mutates_args=())
-
-
-@_norm_fwd.register_fake
-def _norm_fwd_fake(x, residual, gate, weight, bias, center, scale, eps, gate_mode, act, groups, residual_dtype, need_stats):
+def _fwd_fake(x, residual, gate, weight, bias, spec, residual_dtype, need_stats):
+    s = NormSpec.unpack(spec)
     rows = x.numel() // x.shape[-1]
-    stat = torch.float64 if x.dtype == torch.float64 else torch.float32
+    stat = acc_dtype(x.dtype)
     return (
         x.new_empty(x.shape),
         x.new_empty(x.shape, dtype=residual_dtype) if residual_dtype is not None else _empty(x),
-        x.new_empty((rows, groups), dtype=stat) if need_stats else _empty(x),
-        x.new_empty((rows, groups), dtype=stat) if need_stats and center else _empty(x),
+        x.new_empty((rows, s.groups), dtype=stat) if need_stats else _empty(x),
+        x.new_empty((rows, s.groups), dtype=stat) if need_stats and s.center else _empty(x),
     )
 
 
-def _norm_bwd_impl(
+def _bwd(
     dout: Tensor, dres: Optional[Tensor], p: Tensor, gate: Optional[Tensor], weight: Optional[Tensor],
-    bias: Optional[Tensor], rstd: Tensor, mean: Optional[Tensor],
-    center: bool, scale: float, eps: float, gate_mode: int, act: int, groups: int,
+    bias: Optional[Tensor], rstd: Tensor, mean: Optional[Tensor], spec: list[float],
     x_dtype: torch.dtype, residual_grad_dtype: Optional[torch.dtype],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    spec = NormSpec(center, scale, eps, gate_mode, act, groups)
-    grads = _backend(p).norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec, x_dtype, residual_grad_dtype)
+    grads = _backend(p).norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, NormSpec.unpack(spec), x_dtype,
+                                 residual_grad_dtype)
     return tuple(t if t is not None else _empty(p) for t in grads)
 
 
-_norm_bwd = torch.library.custom_op("fuseblock::norm_bwd", _norm_bwd_impl, mutates_args=())
-
-
-@_norm_bwd.register_fake
-def _norm_bwd_fake(dout, dres, p, gate, weight, bias, rstd, mean, center, scale, eps, gate_mode, act, groups, x_dtype,
-                   residual_grad_dtype):
+def _bwd_fake(dout, dres, p, gate, weight, bias, rstd, mean, spec, x_dtype, residual_grad_dtype):
     d = p.shape[-1]
     return (
         p.new_empty(p.shape, dtype=x_dtype),
@@ -82,21 +72,22 @@ def _norm_bwd_fake(dout, dres, p, gate, weight, bias, rstd, mean, center, scale,
     )
 
 
-def _save(ctx, x, residual, gate, weight, bias, center, scale, eps, gate_mode, act, groups, residual_dtype, new_res,
-          rstd, mean):
+def _setup(ctx, inputs, output):
+    x, residual, gate, weight, bias, spec, residual_dtype, _ = inputs
+    _, new_res, rstd, mean = output
+    ctx.spec = NormSpec.unpack(spec)
     # Backward re-derives everything from p and the row statistics, so the normalized
     # output is never kept: p is the stored new_residual, or x itself when none is stored.
     p = new_res if residual_dtype is not None else x
-    ctx.save_for_backward(p, gate, weight, bias, rstd, mean if center else None)
-    ctx.spec = NormSpec(center, scale, eps, gate_mode, act, groups)
+    ctx.save_for_backward(p, gate, weight, bias, rstd, mean if ctx.spec.center else None)
     ctx.x_dtype = x.dtype
     ctx.residual_dtype = None if residual is None else residual.dtype
     ctx.stored = residual_dtype is not None
 
 
-def _input_grads(ctx, dout, dnew_res, norm_bwd):
-    """(dx, dresidual, dgate, dweight, dbias) from the saved context; norm_bwd is the
-    custom op under torch.compile and its plain implementation in eager mode."""
+def _grads(ctx, grad_outputs, norm_bwd):
+    """(dx, dresidual, dgate, dweight, dbias) from the saved context."""
+    dout, dnew_res = grad_outputs[:2]
     p, gate, weight, bias, rstd, mean = ctx.saved_tensors
     if rstd.numel() == 0 and p.numel() > 0:
         raise RuntimeError("fuseblock: backward through a norm whose forward ran without grad enabled")
@@ -105,7 +96,8 @@ def _input_grads(ctx, dout, dnew_res, norm_bwd):
     dres = dnew_res if ctx.stored else None  # else new_residual is x: autograd routes it
     separate = ctx.residual_dtype is not None and ctx.residual_dtype != ctx.x_dtype
     dx, dres_sep, dgate, dw, db = norm_bwd(
-        dout, dres, p, gate, weight, bias, rstd, mean, *astuple(ctx.spec), ctx.x_dtype, ctx.residual_dtype if separate else None
+        dout, dres, p, gate, weight, bias, rstd, mean, ctx.spec.pack(), ctx.x_dtype,
+        ctx.residual_dtype if separate else None,
     )
     return (
         dx,
@@ -116,18 +108,18 @@ def _input_grads(ctx, dout, dnew_res, norm_bwd):
     )
 
 
-def _differentiable_grads(ctx, dout, dnew_res):
+def _graph_grads(ctx, grad_outputs):
     """(dx, dresidual, dgate, dweight, dbias) as differentiable torch ops, for
     create_graph=True: out is rebuilt from the saved p by the reference's composition
     (any backend: the kernels' gradients are not differentiable) and autograd takes its
     gradient with a graph, so second derivatives are right. A stored p is this node's own
     output: the second derivative reaches x and residual through it."""
+    dout, dnew_res = grad_outputs[:2]
     p, gate, weight, bias, _, _ = ctx.saved_tensors
-    spec = ctx.spec
     leaves = [t for t in (p, gate, weight, bias) if t is not None and t.requires_grad]
     found = {}
     if leaves and dout is not None:
-        out = reference.norm_out(p.to(reference.acc_dtype(p.dtype)), gate, weight, bias, spec)[0].to(ctx.x_dtype)
+        out = reference.norm_out(p.to(acc_dtype(p.dtype)), gate, weight, bias, ctx.spec)[0].to(ctx.x_dtype)
         found = dict(zip(map(id, leaves), torch.autograd.grad(out, leaves, dout, create_graph=True, allow_unused=True)))
     dp = found.get(id(p))
     dres = dnew_res if ctx.stored else None
@@ -140,52 +132,18 @@ def _differentiable_grads(ctx, dout, dnew_res):
     return dx, dresidual, found.get(id(gate)), found.get(id(weight)), found.get(id(bias))
 
 
-def _setup_context(ctx, inputs, output):
-    x, residual, gate, weight, bias, center, scale, eps, gate_mode, act, groups, residual_dtype, need_stats = inputs
-    _, new_res, rstd, mean = output
-    _save(ctx, x, residual, gate, weight, bias, center, scale, eps, gate_mode, act, groups, residual_dtype, new_res,
-          rstd, mean)
-
-
-def _op_backward(ctx, dout, dnew_res, _drstd, _dmean):
-    return _input_grads(ctx, dout, dnew_res, torch.ops.fuseblock.norm_bwd) + (None,) * 8
-
-
-torch.library.register_autograd("fuseblock::norm_fwd", _op_backward, setup_context=_setup_context)
-
-
-class _EagerNorm(torch.autograd.Function):
-    """The same forward/backward as the custom op, minus the dispatcher's per-call cost
-    (~0.15 ms, more than the kernel itself on small inputs). Used outside torch.compile."""
-
-    @staticmethod
-    def forward(ctx, x, residual, gate, weight, bias, center, scale, eps, gate_mode, act, groups, residual_dtype, need_stats):
-        out, new_res, rstd, mean = _norm_fwd_impl(
-            x, residual, gate, weight, bias, center, scale, eps, gate_mode, act, groups, residual_dtype, need_stats
-        )
-        _save(ctx, x, residual, gate, weight, bias, center, scale, eps, gate_mode, act, groups, residual_dtype, new_res,
-              rstd, mean)
-        ctx.mark_non_differentiable(rstd, mean)
-        ctx.set_materialize_grads(False)  # no zero-filled gradients (a memset launch each) for rstd, mean
-        return out, new_res, rstd, mean
-
-    @staticmethod
-    def backward(ctx, dout, dnew_res, _drstd, _dmean):
-        if torch.is_grad_enabled():  # create_graph=True: a second derivative may follow
-            return _differentiable_grads(ctx, dout, dnew_res) + (None,) * 8
-        return _input_grads(ctx, dout, dnew_res, _norm_bwd_impl) + (None,) * 8
+_norm_op = FusedOp("norm", _fwd, _fwd_fake, _bwd, _bwd_fake, _setup, _grads, stats=(2, 3), graph_grads=_graph_grads)
 
 
 def apply_norm(x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], weight: Optional[Tensor],
                bias: Optional[Tensor], spec: NormSpec, residual_dtype: Optional[torch.dtype], need_stats: bool):
     """The op on validated arguments, for add_norm and the family ops: (out, new_residual,
-    rstd, mean), absent ones None or empty. The custom op under torch.compile, the eager
-    autograd.Function otherwise, and under a torch.func transform (vmap, grad, jvp) the
-    reference's plain differentiable ops, which are all such a transform can see through."""
+    rstd, mean), absent ones None or empty. The registered op (fuseblock.ops.registry), and
+    under a torch.func transform (vmap, grad, jvp) the reference's plain differentiable
+    ops, which are all such a transform can see through."""
     if func_transforms_active():
         return reference.norm_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, native=False)
-    fwd = torch.ops.fuseblock.norm_fwd if torch.compiler.is_compiling() else _EagerNorm.apply
-    return fwd(x, residual, gate, weight, bias, *astuple(spec), residual_dtype, need_stats)
+    return _norm_op(x, residual, gate, weight, bias, spec.pack(), residual_dtype, need_stats)
 
 
 def add_norm(

@@ -154,7 +154,7 @@ def norm_launches(x, residual=None, weight=None, bias=None, gate=None, *, kind="
     """The kernel launches of one add_norm forward and backward on these inputs (CPU
     tensors are fine: nothing runs). compiled: as for `captured_launches`."""
     from ..kernels import norm as kernels
-    from ..ops.spec import resolve
+    from ..ops.checks import resolve
 
     spec = resolve(x, residual, weight, bias, gate, kind=kind, c=None, eps=1e-6, gate_act=gate_act,
                    gate_position=gate_position, num_groups=num_groups, residual_dtype=residual_dtype)

@@ -1,39 +1,18 @@
-"""Argument checking and the resolved description of one normalize call.
+"""Argument checks, and the spec of a validated normalize call.
 
 Every public entry point validates here, before any kernel runs, so bad input gets a
-ValueError/TypeError that names the argument instead of a crash inside Triton.
+ValueError/TypeError that names the argument instead of a crash inside Triton. Each
+kind of check exists once: the family ops and the modules call these too.
 """
 from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-KINDS = ("rms", "layer", "l2")
-GATE_ACTS = {"none": 1, "sigmoid": 2, "silu": 3, "swish": 3}  # 0 means "no gate"
-GATE_POSITIONS = {"pre": 1, "post": 2}  # 0 means "no gate"
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-DEFAULT_GATE_ACT = "silu"
-DEFAULT_GATE_POSITION = "post"
-
-
-@dataclass(frozen=True)
-class NormSpec:
-    """What the kernels need to know, resolved from the user's keywords.
-
-    `scale` is c / sqrt(group size): the seeds' numerically safer form
-    o = (c/sqrt(d)) * q/sigma * w + b with sigma = sqrt(q.q/d + eps).
-    """
-
-    center: bool  # subtract the mean (LayerNorm) or not (RMS, L2)
-    scale: float
-    eps: float
-    gate_mode: int  # 0 none, 1 pre-gate f(p * g(y)), 2 post-gate f(p) * g(y)
-    act: int  # 0 none, 1 identity, 2 sigmoid, 3 silu
-    groups: int
+from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, FLOAT_DTYPES, GATE_ACTS, GATE_POSITIONS, KINDS, NormSpec
 
 
 def check_tensor(name: str, t, x: Optional[torch.Tensor] = None) -> None:
@@ -54,17 +33,49 @@ def check_number(name: str, v, *, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be finite, got {v}")
 
 
+def check_eps(eps) -> None:
+    check_number("eps", eps)
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+
+
+def check_int(name: str, v, *, minimum: int = 1) -> None:
+    """An int (not a bool) >= minimum."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+
+
+def check_float_dtype(name: str, dtype, *, allow_none: bool = True) -> None:
+    """A floating torch.dtype (or None where that means a default)."""
+    if dtype is None and allow_none:
+        return
+    if not isinstance(dtype, torch.dtype) or dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be {'None or ' if allow_none else ''}a floating torch.dtype {FLOAT_DTYPES}, "
+                        f"got {dtype!r}")
+
+
+def check_flag(name: str, flag) -> None:
+    """A module switch such as affine=: a bool, never a truthy string or a tensor."""
+    if not isinstance(flag, bool):
+        raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
+
+
+def check_last_dim(x, dim: int) -> None:
+    """x's last dim against a module's: named so, rather than blaming weight's shape."""
+    if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[-1] != dim:
+        raise ValueError(f"x's last dim {x.shape[-1]} does not match the module's dim {dim}")
+
+
 def check_options(d: int, *, kind, c, eps, num_groups, gate_act, gate_position) -> None:
     """Checks of the non-tensor options, shared by the functions and the modules."""
     if not isinstance(kind, str) or kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     check_number("c", c, allow_none=True)
-    check_number("eps", eps)
-    if eps < 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral):
-        raise TypeError(f"num_groups must be an int, got {type(num_groups).__name__}")
-    if num_groups < 1 or d % num_groups != 0:
+    check_eps(eps)
+    check_int("num_groups", num_groups)
+    if d % num_groups != 0:
         raise ValueError(f"num_groups must be >= 1 and divide the last dim {d}, got {num_groups}")
     if not isinstance(gate_act, str) or gate_act not in GATE_ACTS:
         raise ValueError(f"gate_act must be one of {sorted(GATE_ACTS)}, got {gate_act!r}")
@@ -105,22 +116,10 @@ def resolve(
             check_tensor(name, t, x)
             if t.shape != x.shape:
                 raise ValueError(f"{name} must have x's shape {tuple(x.shape)}, got {tuple(t.shape)}")
-    if residual_dtype is not None:
-        if not isinstance(residual_dtype, torch.dtype):
-            raise TypeError(f"residual_dtype must be a torch.dtype or None, got {type(residual_dtype).__name__}")
-        if residual_dtype not in FLOAT_DTYPES:
-            raise TypeError(f"residual_dtype must be a floating dtype, got {residual_dtype}")
+    check_float_dtype("residual_dtype", residual_dtype)
     if gate is None and (gate_act != DEFAULT_GATE_ACT or gate_position != DEFAULT_GATE_POSITION):
         raise ValueError("gate_act and gate_position only apply when a gate tensor is given (gate is None)")
 
-    group = d // num_groups
-    if c is None:
-        c = 1.0 if kind == "l2" else math.sqrt(group)
-    return NormSpec(
-        center=kind == "layer",
-        scale=float(c) / math.sqrt(group),
-        eps=float(eps),
-        gate_mode=0 if gate is None else GATE_POSITIONS[gate_position],
-        act=0 if gate is None else GATE_ACTS[gate_act],
-        groups=int(num_groups),
-    )
+    gated = gate is not None
+    return NormSpec.of(d, kind=kind, c=c, eps=eps, num_groups=num_groups, gate_act=gate_act if gated else None,
+                       gate_position=gate_position if gated else None)

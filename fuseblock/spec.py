@@ -1,0 +1,104 @@
+"""The resolved description of one normalize call, and the named modes the kernels read.
+
+The lowest layer: the Triton kernels, the torch reference and the ops above them all
+import this module, and it imports none of them. The math is in docs/math.md.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from enum import IntEnum
+from typing import get_type_hints
+
+import torch
+
+KINDS = ("rms", "layer", "l2")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class Gate(IntEnum):
+    """Where the gate multiplies: out = N(p * g(z)) (PRE) or N(p) * g(z) (POST)."""
+
+    NONE = 0
+    PRE = 1
+    POST = 2
+
+
+class Act(IntEnum):
+    """The gate function g. UNUSED when there is no gate."""
+
+    UNUSED = 0
+    IDENTITY = 1
+    SIGMOID = 2
+    SILU = 3
+
+
+class Ord(IntEnum):
+    """The embedding norms' n(x): sum|x|, sqrt(x.x), max|x|."""
+
+    L1 = 1
+    L2 = 2
+    MAX = 3
+
+
+# the user-facing names
+GATE_ACTS = {"none": Act.IDENTITY, "sigmoid": Act.SIGMOID, "silu": Act.SILU, "swish": Act.SILU}
+GATE_POSITIONS = {"pre": Gate.PRE, "post": Gate.POST}
+ORDS = {"l1": Ord.L1, "l2": Ord.L2, "max": Ord.MAX}
+DEFAULT_GATE_ACT = "silu"
+DEFAULT_GATE_POSITION = "post"
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Statistics and math run in fp32, or fp64 for fp64 inputs (gradcheck)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """What the kernels need to know, resolved from the user's keywords.
+
+    `scale` is c / sqrt(group size): o = (c/sqrt(d)) * q/sigma * w + b with
+    sigma = sqrt(q.q/d + eps) (docs/math.md).
+
+    Custom-op schemas take primitive arguments only, so a spec crosses the op boundary as
+    `pack()`, a list of floats, and is rebuilt by `unpack`: a new field is added here and
+    read by the kernels, and nothing between them changes.
+    """
+
+    center: bool  # subtract the mean (LayerNorm) or not (RMS, L2)
+    scale: float
+    eps: float
+    gate: Gate
+    act: Act
+    groups: int
+
+    def pack(self) -> list[float]:
+        # .value: torch.compile traces this, and float() of an IntEnum member recurses in Dynamo
+        return [float(v.value if isinstance(v, IntEnum) else v) for v in (getattr(self, f.name) for f in fields(self))]
+
+    @classmethod
+    def unpack(cls, values: list[float]) -> NormSpec:
+        hints = get_type_hints(cls)
+        return cls(*(_cast(hints[f.name], v) for f, v in zip(fields(cls), values, strict=True)))
+
+    @classmethod
+    def of(cls, d: int, *, kind: str, c, eps: float, num_groups: int, gate_act: str | None,
+           gate_position: str | None) -> NormSpec:
+        """The spec of validated options for rows of d; gate_act/gate_position None: no gate."""
+        group = d // num_groups
+        if c is None:
+            c = 1.0 if kind == "l2" else math.sqrt(group)
+        gated = gate_position is not None
+        return cls(
+            center=kind == "layer",
+            scale=float(c) / math.sqrt(group),
+            eps=float(eps),
+            gate=GATE_POSITIONS[gate_position] if gated else Gate.NONE,
+            act=GATE_ACTS[gate_act] if gated else Act.UNUSED,
+            groups=int(num_groups),
+        )
+
+
+def _cast(kind: type, value: float):
+    return kind(int(value)) if issubclass(kind, int) else kind(value)  # bool and the IntEnums are ints
