@@ -1,5 +1,12 @@
 """fuseblock: fused residual-add + normalization kernels and the fused pre-norm residual stream."""
-from .family import BatchNorm, InstanceNorm, batch_norm, embed_norm, group_norm, instance_norm
+from .family import (
+    BatchNorm,
+    InstanceNorm,
+    batch_norm,
+    embed_norm,
+    group_norm,
+    instance_norm,
+)
 from .modules import AddNorm, Norm
 from .ops.norm import add_norm, norm
 from .stream import PreNormBlock, ResidualStack

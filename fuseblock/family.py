@@ -5,22 +5,20 @@ running_mean, running_var, num_batches_tracked), so state_dicts load both ways.
 """
 from __future__ import annotations
 
-import numbers
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
 from .ops.batch_norm import batch_norm, check_momentum, group_norm, instance_norm
-from .ops.checks import check_eps, check_flag, check_float_dtype
+from .ops.checks import check_eps, check_flag, check_float_dtype, check_int
 from .ops.embed_norm import embed_norm
 
 __all__ = ["embed_norm", "batch_norm", "group_norm", "instance_norm", "BatchNorm", "InstanceNorm"]
 
 
 def _check_config(num_features, eps) -> None:
-    if isinstance(num_features, bool) or not isinstance(num_features, numbers.Integral) or num_features < 1:
-        raise ValueError(f"num_features must be a positive int, got {num_features!r}")
+    check_int("num_features", num_features)
     check_eps(eps)
 
 

@@ -5,16 +5,21 @@ nn.LayerNorm (and back).
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops.checks import check_flag, check_float_dtype, check_int, check_last_dim, check_options
+from . import reference
+from .ops.checks import (
+    check_flag,
+    check_float_dtype,
+    check_int,
+    check_last_dim,
+    check_options,
+)
 from .ops.norm import add_norm, norm
-from .spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION
+from .spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec
 
 
 class Norm(nn.Module):
@@ -61,24 +66,11 @@ class Norm(nn.Module):
         return norm(x, self.weight, self.bias, **self._kwargs(gate))
 
     def naive(self, x: Tensor) -> Tensor:
-        """The same function (without a gate) as eager torch ops, unfused: the naive stream's norm."""
-        d = x.shape[-1]
-        w = None if self.weight is None else self.weight.to(x.dtype)
-        b = None if self.bias is None else self.bias.to(x.dtype)
-        default_c = self.c is None and self.num_groups == 1
-        if default_c and self.kind == "rms":
-            out = F.rms_norm(x, (d,), w, self.eps)
-            return out if b is None else out + b
-        if default_c and self.kind == "layer":
-            return F.layer_norm(x, (d,), w, b, self.eps)
-        xg = x.unflatten(-1, (self.num_groups, d // self.num_groups))
-        q = xg - xg.mean(-1, keepdim=True) if self.kind == "layer" else xg
-        group = d // self.num_groups
-        c = self.c if self.c is not None else (1.0 if self.kind == "l2" else math.sqrt(group))
-        out = (q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps) * (c / math.sqrt(group))).flatten(-2)
-        if w is not None:
-            out = out * w
-        return out if b is None else out + b
+        """The same function (without a gate) on the torch path's plain ops, never the fused
+        kernels: the naive stream's norm."""
+        spec = NormSpec.of(self.dim, kind=self.kind, c=self.c, eps=self.eps, num_groups=self.num_groups,
+                           gate_act=None, gate_position=None)
+        return reference.norm_fwd(x, None, None, self.weight, self.bias, spec, None, need_stats=False)[0]
 
     def extra_repr(self) -> str:
         return (

@@ -12,7 +12,15 @@ from typing import Optional
 
 import torch
 
-from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, FLOAT_DTYPES, GATE_ACTS, GATE_POSITIONS, KINDS, NormSpec
+from ..spec import (
+    DEFAULT_GATE_ACT,
+    DEFAULT_GATE_POSITION,
+    FLOAT_DTYPES,
+    GATE_ACTS,
+    GATE_POSITIONS,
+    KINDS,
+    NormSpec,
+)
 
 
 def check_tensor(name: str, t, x: Optional[torch.Tensor] = None) -> None:
