@@ -9,7 +9,7 @@ pure-PyTorch path in `fuseblock.reference`.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch import Tensor
@@ -30,10 +30,11 @@ def _empty(x: Tensor) -> Tensor:
     return x.new_empty(0, dtype=torch.float32)
 
 
-# The spec crosses the custom-op boundary packed (NormSpec.pack: a list of floats).
+# The spec crosses the custom-op boundary packed (NormSpec.pack: a list of floats). typing.List,
+# not list: torch 2.5's schema inference knows only the typing forms, spelled out.
 def _fwd(
     x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
-    spec: list[float], residual_dtype: Optional[torch.dtype], need_stats: bool,
+    spec: List[float], residual_dtype: Optional[torch.dtype], need_stats: bool,  # noqa: UP006
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     out = _backend(x).norm_fwd(x, residual, gate, weight, bias, NormSpec.unpack(spec), residual_dtype, need_stats)
     return tuple(t if t is not None else _empty(x) for t in out)
@@ -53,7 +54,7 @@ def _fwd_fake(x, residual, gate, weight, bias, spec, residual_dtype, need_stats)
 
 def _bwd(
     dout: Tensor, dres: Optional[Tensor], p: Tensor, gate: Optional[Tensor], weight: Optional[Tensor],
-    bias: Optional[Tensor], rstd: Tensor, mean: Optional[Tensor], spec: list[float],
+    bias: Optional[Tensor], rstd: Tensor, mean: Optional[Tensor], spec: List[float],  # noqa: UP006
     x_dtype: torch.dtype, residual_grad_dtype: Optional[torch.dtype],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     grads = _backend(p).norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, NormSpec.unpack(spec), x_dtype,
