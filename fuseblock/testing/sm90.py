@@ -93,7 +93,7 @@ def captured_launches(*modules, compiled=None):
 def _signature(launch: Launch):
     """(signature, constexprs, attrs, options) as Triton's JIT would build them."""
     fn = launch.fn
-    values = dict(zip(fn.arg_names, launch.args))
+    values = dict(zip(fn.arg_names, launch.args, strict=False))  # the rest passed by keyword
     values.update({k: v for k, v in launch.kwargs.items() if k in fn.arg_names})
     options = {k: v for k, v in launch.kwargs.items() if k not in fn.arg_names}
     signature, constexprs, attrs = {}, {}, {}
