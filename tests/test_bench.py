@@ -8,11 +8,15 @@ import pytest
 from trainutil import ROOT
 
 
-def _bench(*args):
+def _run_bench(*args):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), *args, "--quick", "--json"],
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), *args],
                        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT, check=True)
     return [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+
+
+def _bench(*args):
+    return _run_bench(*args, "--quick", "--json")
 
 
 def test_traffic_quick():
@@ -87,3 +91,20 @@ def test_overhead_quick_times_the_host_side_alone():
     for r in rows:  # the eager step includes both launchers, plus autograd and argument checks
         assert 0 < r["launcher_fwd_us"] and 0 < r["launcher_bwd_us"]
         assert r["eager_fwd_bwd_us"] > r["launcher_fwd_us"] + r["launcher_bwd_us"]
+
+
+def test_traffic_options_before_the_subcommand_measure_the_kernels():
+    # bench.py once chose the interpreter from argv[1]: `--quick traffic` ran the torch
+    # path (0 launches) and reported it as the kernels' traffic
+    args = ["--ops", "add_norm", "--rows", "64", "--d", "64"]
+    first = _run_bench("--quick", "--json", *args, "traffic")
+    assert len(first) == 2 * 3 and all(r["launches"] == (2 if r["pas"] == "fwd+bwd" else 1) for r in first)
+    assert all(r["act_over_min"] == 1.0 for r in first)
+    assert first == _run_bench("traffic", *args, "--quick", "--json")
+
+
+def test_unknown_ops_are_a_usage_error():
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--ops", "add_norm,nope", "traffic"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 2 and "--ops: unknown ['nope']" in p.stderr
+
