@@ -108,3 +108,27 @@ def test_unknown_ops_are_a_usage_error():
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 2 and "--ops: unknown ['nope']" in p.stderr
 
+
+def test_cpu_bench_takes_do_benchs_budgets_in_ms(monkeypatch):
+    # gpu --device cpu times with cpu_bench where a GPU uses triton's do_bench: warmup and
+    # rep are budgets in ms, turned into call counts from the mean of 5 timed calls
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from benchmarks import common
+
+    clock = [0.0]
+    monkeypatch.setattr(common.time, "perf_counter", lambda: clock[0])
+    w = torch.zeros(3, requires_grad=True)
+    seen = []
+
+    def fn():  # 0.5 s a call, exact in binary; records whether the gradient was cleared
+        clock[0] += 0.5
+        seen.append(w.grad is None)
+        w.grad = torch.ones(3)
+
+    ms = common.cpu_bench(fn, warmup=1500, rep=2500, grad_to_none=[w])
+    assert ms == 500.0
+    assert len(seen) == 1 + 5 + 3 + 5  # untimed first call, 5 to estimate, then 1500 and 2500 ms of calls
+    assert seen[-5:] == [True] * 5  # cleared before each timed call
+    assert common.cpu_bench(fn, warmup=0, rep=0) == 500.0  # at least one call of each

@@ -26,11 +26,22 @@ def emit(rows: list[dict], as_json: bool) -> None:
         print(markdown(rows))
 
 
-def cpu_bench(fn, warmup=1, rep=3, grad_to_none=None) -> float:
-    """Median ms of a few calls: do_bench's stand-in for the CPU smoke run of `gpu`."""
-    fn()
+def cpu_bench(fn, warmup: float = 25, rep: float = 100, grad_to_none=None) -> float:
+    """Median ms per call of fn: `triton.testing.do_bench`'s stand-in on the CPU, with its
+    arguments meaning what they mean there. warmup and rep are budgets in ms, turned into
+    call counts (at least one each) from the mean of 5 timed calls; grad_to_none: tensors
+    whose .grad is cleared before each timed call, so gradients do not pile up."""
+    fn()  # the first call compiles and allocates: not timed
+    t0 = time.perf_counter()
+    for _ in range(5):
+        fn()
+    estimate_ms = max((time.perf_counter() - t0) * 1e3 / 5, 1e-6)
+    for _ in range(max(1, int(warmup / estimate_ms))):
+        fn()
     ts = []
-    for _ in range(3):
+    for _ in range(max(1, int(rep / estimate_ms))):
+        for t in grad_to_none or ():
+            t.grad = None
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
