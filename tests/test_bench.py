@@ -8,11 +8,15 @@ import pytest
 from trainutil import ROOT
 
 
-def _bench(*args):
+def _run_bench(*args):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), *args, "--quick", "--json"],
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), *args],
                        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT, check=True)
     return [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+
+
+def _bench(*args):
+    return _run_bench(*args, "--quick", "--json")
 
 
 def test_traffic_quick():
@@ -87,3 +91,44 @@ def test_overhead_quick_times_the_host_side_alone():
     for r in rows:  # the eager step includes both launchers, plus autograd and argument checks
         assert 0 < r["launcher_fwd_us"] and 0 < r["launcher_bwd_us"]
         assert r["eager_fwd_bwd_us"] > r["launcher_fwd_us"] + r["launcher_bwd_us"]
+
+
+def test_traffic_options_before_the_subcommand_measure_the_kernels():
+    # bench.py once chose the interpreter from argv[1]: `--quick traffic` ran the torch
+    # path (0 launches) and reported it as the kernels' traffic
+    args = ["--ops", "add_norm", "--rows", "64", "--d", "64"]
+    first = _run_bench("--quick", "--json", *args, "traffic")
+    assert len(first) == 2 * 3 and all(r["launches"] == (2 if r["pas"] == "fwd+bwd" else 1) for r in first)
+    assert all(r["act_over_min"] == 1.0 for r in first)
+    assert first == _run_bench("traffic", *args, "--quick", "--json")
+
+
+def test_unknown_ops_are_a_usage_error():
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--ops", "add_norm,nope", "traffic"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 2 and "--ops: unknown ['nope']" in p.stderr
+
+
+def test_cpu_bench_takes_do_benchs_budgets_in_ms(monkeypatch):
+    # gpu --device cpu times with cpu_bench where a GPU uses triton's do_bench: warmup and
+    # rep are budgets in ms, turned into call counts from the mean of 5 timed calls
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from benchmarks import common
+
+    clock = [0.0]
+    monkeypatch.setattr(common.time, "perf_counter", lambda: clock[0])
+    w = torch.zeros(3, requires_grad=True)
+    seen = []
+
+    def fn():  # 0.5 s a call, exact in binary; records whether the gradient was cleared
+        clock[0] += 0.5
+        seen.append(w.grad is None)
+        w.grad = torch.ones(3)
+
+    ms = common.cpu_bench(fn, warmup=1500, rep=2500, grad_to_none=[w])
+    assert ms == 500.0
+    assert len(seen) == 1 + 5 + 3 + 5  # untimed first call, 5 to estimate, then 1500 and 2500 ms of calls
+    assert seen[-5:] == [True] * 5  # cleared before each timed call
+    assert common.cpu_bench(fn, warmup=0, rep=0) == 500.0  # at least one call of each

@@ -1,14 +1,11 @@
 """The byte counters, and the kernels' traffic held at the compulsory minimum."""
-import sys
-
 import pytest
 import torch
 from conftest import KERNEL_PATH
-from trainutil import ROOT
 
+from fuseblock.testing import cases, op_traffic
 from fuseblock.testing.traffic import EagerTraffic, KernelTraffic, charge, uncounted
 
-sys.path.insert(0, str(ROOT / "scripts"))
 kernel_only = pytest.mark.skipif(not KERNEL_PATH or torch.cuda.is_available(), reason="counts the interpreter's loads and stores")
 
 
@@ -171,16 +168,15 @@ def test_charge_models_one_kernel_and_uncounted_hides_its_ops():
 
 
 def test_one_kernel_rms_norm_is_torchs_rms_norm_and_charged_once():
-    import bench
-
-    x, residual, w, kw = bench._op_inputs("add_norm", 16, 48, torch.float64)
-    leaves = bench._leaves(x, residual, w, kw)
-    one, ref = bench._naive("add_norm", x, residual, w, kw, one_kernel_norm=True), bench._naive("add_norm", x, residual, w, kw)
+    x, residual, w, kw = cases.op_inputs("add_norm", 16, 48, torch.float64)
+    leaves = cases.leaves(x, residual, w, kw)
+    one, ref = cases.naive("add_norm", x, residual, w, kw, one_kernel_norm=True), cases.naive("add_norm", x, residual, w, kw)
     grads = [torch.randn_like(t) for t in one]
-    for a, b in zip([*one, *torch.autograd.grad(one, leaves, grads)], [*ref, *torch.autograd.grad(ref, leaves, grads)]):
+    for a, b in zip([*one, *torch.autograd.grad(one, leaves, grads)], [*ref, *torch.autograd.grad(ref, leaves, grads)],
+                    strict=True):
         torch.testing.assert_close(a, b)
     with EagerTraffic() as t:
-        out, _ = bench._naive("add_norm", x, residual, w, kw, one_kernel_norm=True)
+        out, _ = cases.naive("add_norm", x, residual, w, kw, one_kernel_norm=True)
         torch.autograd.grad(out, leaves[:3], grads[0])
     n, row, col = 16 * 48 * 8, 16 * 8, 48 * 8  # fp64 activation, rstd, weight
     norm_ops = [op for op in t.ops if "rms_norm" in op[0]]
@@ -192,11 +188,9 @@ def test_one_kernel_rms_norm_is_torchs_rms_norm_and_charged_once():
 @kernel_only
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 def test_wide_rows_read_each_row_twice_never_more(kind):
-    import bench
-
     op = "add_norm_layer" if kind == "layer" else "add_norm"
     rows, d = 3, 65536  # past both tile limits: the wide-row kernels
-    fwd, bwd, _ = bench.measure_traffic(op, rows, d, torch.bfloat16)
+    fwd, bwd, _ = op_traffic.measure_traffic(op, rows, d, torch.bfloat16)
     # forward, one launch: x and residual in, new_residual out, new_residual read back
     # (not x and residual again), out written: 5 tensors where the minimum is 4
     assert fwd["launches"] == 1 and fwd["act_over_min"] == 1.0
@@ -220,12 +214,10 @@ def test_wide_rows_read_each_row_twice_never_more(kind):
                                 "post_gate_residual"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_kernel_traffic_is_the_compulsory_minimum(op, dtype):
-    import bench
-
     from fuseblock.kernels.norm import MIN_ROWS_PER_PROGRAM
 
     rows, d = 96, 160
-    fwd, bwd, both = bench.measure_traffic(op, rows, d, dtype)
+    fwd, bwd, both = op_traffic.measure_traffic(op, rows, d, dtype)
     for r in (fwd, bwd):
         assert r["launches"] == 1
         assert r["act_over_min"] == 1.0  # every activation byte once, none more
@@ -245,8 +237,6 @@ def test_kernel_traffic_is_the_compulsory_minimum(op, dtype):
 @kernel_only
 @pytest.mark.parametrize("d", [256, 1024])
 def test_small_batches_stay_near_the_minimum(d):
-    import bench
-
-    _, _, both = bench.measure_traffic("add_norm", 256, d, torch.bfloat16)
+    _, _, both = op_traffic.measure_traffic("add_norm", 256, d, torch.bfloat16)
     assert both["launches"] == 2 and both["kernel_over_min"] <= 1.25  # everything counted, glue ops too
     assert both["naive_over_kernel"] >= 1.5

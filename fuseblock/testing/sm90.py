@@ -30,7 +30,7 @@ _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
 
 
 @dataclass
-class Launch:
+class CapturedLaunch:
     fn: object  # the triton.JITFunction
     grid: tuple
     args: tuple
@@ -47,7 +47,7 @@ class _Recorder:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.out.append(Launch(self.fn, tuple(grid), args, kwargs))
+            self.out.append(CapturedLaunch(self.fn, tuple(grid), args, kwargs))
             if self.compiled is None:
                 return None
             with self.originals():  # the kernel being compiled calls the real helpers
@@ -67,7 +67,7 @@ def captured_launches(*modules, compiled=None):
         from ..kernels import embed_norm, norm
 
         modules = (norm, embed_norm)
-    out: list[Launch] = []
+    out: list[CapturedLaunch] = []
     saved = [(mod, name, obj) for mod in modules for name, obj in list(vars(mod).items())
              if isinstance(obj, triton.runtime.JITFunction)]
 
@@ -90,10 +90,10 @@ def captured_launches(*modules, compiled=None):
         install(False)
 
 
-def _signature(launch: Launch):
+def _signature(launch: CapturedLaunch):
     """(signature, constexprs, attrs, options) as Triton's JIT would build them."""
     fn = launch.fn
-    values = dict(zip(fn.arg_names, launch.args))
+    values = dict(zip(fn.arg_names, launch.args, strict=False))  # the rest passed by keyword
     values.update({k: v for k, v in launch.kwargs.items() if k in fn.arg_names})
     options = {k: v for k, v in launch.kwargs.items() if k not in fn.arg_names}
     signature, constexprs, attrs = {}, {}, {}
@@ -121,7 +121,7 @@ def _signature(launch: Launch):
     return signature, constexprs, attrs, options
 
 
-def compile_sm90(launch: Launch):
+def compile_sm90(launch: CapturedLaunch):
     """The launch compiled for an H100: a triton CompiledKernel (`.asm['ptx']`, `['cubin']`)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -150,7 +150,7 @@ def resource_usage(kernel) -> dict[str, int]:
 
 
 def norm_launches(x, residual=None, weight=None, bias=None, gate=None, *, kind="rms", residual_dtype=None,
-                  gate_position="post", gate_act="silu", num_groups=1, compiled=None) -> list[Launch]:
+                  gate_position="post", gate_act="silu", num_groups=1, compiled=None) -> list[CapturedLaunch]:
     """The kernel launches of one add_norm forward and backward on these inputs (CPU
     tensors are fine: nothing runs). compiled: as for `captured_launches`."""
     from ..kernels import norm as kernels

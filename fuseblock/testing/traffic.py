@@ -29,7 +29,7 @@ COMPACT_AT = 1 << 23  # recorded addresses per launch before deduplicating (boun
 
 
 @dataclass
-class Launch:
+class LaunchTraffic:
     kernel: str
     read: dict[str, int] = field(default_factory=dict)  # distinct bytes per tensor argument
     written: dict[str, int] = field(default_factory=dict)
@@ -63,7 +63,7 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     """[first, last) byte address a tensor view can touch."""
     if t.numel() == 0:
         return t.data_ptr(), t.data_ptr()
-    extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1
+    extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)) + 1
     return t.data_ptr(), t.data_ptr() + extent * t.element_size()
 
 
@@ -99,7 +99,7 @@ class _Accesses:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         return _first(np.concatenate([a for a, _ in chunks]), np.concatenate([q for _, q in chunks]))
 
-    def count(self, spans: dict[str, tuple[int, int]], after: "_Accesses | None" = None) -> dict[str, int]:
+    def count(self, spans: dict[str, tuple[int, int]], after: _Accesses | None = None) -> dict[str, int]:
         """Distinct bytes inside each span; bytes outside every span go to '?'.
         after: leave out addresses that `after` touched first (reads of bytes written earlier)."""
         out = dict.fromkeys([*spans, "?"], 0)
@@ -127,7 +127,7 @@ class KernelTraffic(contextlib.AbstractContextManager):
     """
 
     def __init__(self, glue: bool = False):
-        self.launches: list[Launch] = []
+        self.launches: list[LaunchTraffic] = []
         self.glue = EagerTraffic() if glue else None
 
     def __enter__(self):
@@ -182,7 +182,7 @@ class KernelTraffic(contextlib.AbstractContextManager):
                 if counter.glue is not None:
                     counter.glue.paused -= 1
                 read, written = state["reads"].count(spans, after=state["writes"]), state["writes"].count(spans)
-                counter.launches.append(Launch(ex.fn.__name__, read, written, state["accessed"]))
+                counter.launches.append(LaunchTraffic(ex.fn.__name__, read, written, state["accessed"]))
                 state["reads"] = state["writes"] = None
 
         self._set(it, (load, store, atomic_rmw, atomic_cas, call))
@@ -224,7 +224,7 @@ FREE_OPS = {"_unsafe_view", "reshape", "empty", "empty_like", "new_empty", "new_
 
 def distinct_bytes(t: torch.Tensor) -> int:
     """Bytes of the distinct elements a view addresses (broadcast dims count once)."""
-    return t.element_size() * math.prod(s for s, st in zip(t.shape, t.stride()) if st != 0)
+    return t.element_size() * math.prod(s for s, st in zip(t.shape, t.stride(), strict=True) if st != 0)
 
 
 _EAGER: list = []  # the active EagerTraffic counters

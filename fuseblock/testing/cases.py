@@ -1,0 +1,89 @@
+"""The ops the benchmarks and the traffic tests measure, each with its eager equivalent.
+
+`OPS` names them; `op_inputs` builds one op's inputs, `fused` runs it through fuseblock
+and `naive` runs the same function as eager torch (x + residual, then torch's own norm
+and gate): the unfused composition fuseblock replaces.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import fuseblock
+
+from .traffic import charge, uncounted
+
+OPS = ["norm", "add_norm", "add_norm_layer", "add_norm_fp32_residual", "pre_gate", "post_gate", "post_gate_residual"]
+
+
+def op_inputs(op: str, rows: int, d: int, dtype):
+    """(x, residual, weight, keywords) for one op of OPS; every tensor requires grad."""
+    x = torch.randn(rows, d).to(dtype).requires_grad_()
+    residual = torch.randn(rows, d).to(dtype).requires_grad_() if "add_norm" in op or op.endswith("residual") else None
+    gate = torch.randn(rows, d).to(dtype).requires_grad_() if "gate" in op else None
+    w = (1 + 0.1 * torch.randn(d)).to(dtype).requires_grad_()
+    kw = {}
+    if gate is not None:
+        kw = dict(gate=gate, gate_position="pre" if op.startswith("pre") else "post")
+    if op == "add_norm_fp32_residual":
+        residual = residual.detach().float().requires_grad_()
+        kw["residual_dtype"] = torch.float32
+    if op == "add_norm_layer":
+        kw.update(kind="layer", bias=(0.1 * torch.randn(d)).to(dtype).requires_grad_())
+    return x, residual, w, kw
+
+
+def leaves(x, residual, w, kw) -> list[torch.Tensor]:
+    """The tensors of `op_inputs` that gradients flow to."""
+    return [t for t in (x, residual, w, kw.get("bias"), kw.get("gate")) if t is not None]
+
+
+def fused(op, x, residual, w, kw):
+    """(out, new_residual or None) from fuseblock."""
+    if residual is None and "residual_dtype" not in kw:
+        return fuseblock.norm(x, w, **kw), None
+    return fuseblock.add_norm(x, residual, w, **kw)
+
+
+class OneKernelRMSNorm(torch.autograd.Function):
+    """torch's rms_norm charged as one kernel each way, as CUDA runs it: forward reads x, w
+    and writes out, rstd; backward reads grad_out, x, rstd, w and writes dx, dw."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        with uncounted():
+            rstd = torch.rsqrt(x.to(acc).square().mean(-1, keepdim=True) + 1e-6)  # (M, 1)
+            out = (x.to(acc) * rstd * w.to(acc)).to(x.dtype)
+        charge("rms_norm (one kernel)", [x, w], [out, rstd])
+        ctx.save_for_backward(x, w, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, w, rstd = ctx.saved_tensors
+        with uncounted():
+            r = x.to(rstd.dtype) * rstd
+            dr = dout.to(rstd.dtype) * w.to(rstd.dtype)
+            dx = (rstd * (dr - r * (dr * r).mean(-1, keepdim=True))).to(x.dtype)
+            dw = (dout.to(rstd.dtype) * r).sum(0).to(w.dtype)
+        charge("rms_norm_backward (one kernel)", [dout, x, rstd, w], [dx, dw])
+        return dx, dw
+
+
+def naive(op, x, residual, w, kw, one_kernel_norm: bool = False):
+    """The same function as eager torch: x + residual, then torch's own norm (and gate).
+    one_kernel_norm: charge rms_norm as one kernel (CUDA) instead of the CPU's composite."""
+    p = x if residual is None else (x.to(residual.dtype) + residual if "residual_dtype" in kw else x + residual)
+    g = F.silu(kw["gate"]) if "gate" in kw else None
+    s = p * g if kw.get("gate_position") == "pre" else p
+    if kw.get("kind") == "layer":
+        out = F.layer_norm(s, (s.shape[-1],), w.to(s.dtype), kw["bias"].to(s.dtype), 1e-6)
+    elif one_kernel_norm:
+        out = OneKernelRMSNorm.apply(s, w.to(s.dtype))
+    else:
+        out = F.rms_norm(s, (s.shape[-1],), w.to(s.dtype), 1e-6)
+    out = out.to(x.dtype)
+    if kw.get("gate_position") == "post":
+        out = out * g
+    return out, (p if residual is not None else None)

@@ -1,0 +1,77 @@
+"""One op's bytes moved, forward and backward: Triton kernels, naive eager, and the minimum.
+
+Byte model: the compulsory minimum reads each external activation input once and writes
+each activation output once (forward: x, residual, gate in; out, new_residual out.
+Backward: the saved p, gate, grad_out, grad_new_residual in; dx, a separate dresidual
+when its dtype differs, dgate out). Weights, biases, row statistics and the per-program
+dw/db partial rows are reported apart, as "other".
+
+The kernel counts need the Triton interpreter (TRITON_INTERPRET=1 before triton is
+imported); the naive counts do not.
+"""
+from __future__ import annotations
+
+import torch
+
+from .cases import fused, leaves, naive, op_inputs
+from .traffic import EagerTraffic, KernelTraffic
+
+# Kernel argument names by role (the launchers' parameter names).
+ACTIVATION_ARGS = {"X", "R", "Z", "O", "RO", "P", "DO", "DRO", "DX", "DR", "DZ"}  # the launchers' tensor names
+UNCACHED_ARGS = ACTIVATION_ARGS | {"RSTD", "MEAN", "DOT", "DW", "DB", "?"}  # all but the weights, which stay cached
+
+
+def minimum_bytes(x, residual, kw, out, new_res) -> tuple[int, int]:
+    """Compulsory (forward, backward) bytes: each activation in once, each out once."""
+    gate = kw["gate"].nbytes if "gate" in kw else 0
+    fwd_in = x.nbytes + (residual.nbytes if residual is not None else 0) + gate
+    fwd_out = out.nbytes + (new_res.nbytes if new_res is not None else 0)
+    p_bytes = new_res.nbytes if new_res is not None else x.nbytes
+    bwd_in = p_bytes + out.nbytes + (new_res.nbytes if new_res is not None else 0) + gate
+    separate = residual is not None and residual.dtype != x.dtype  # else dx is also dresidual
+    bwd_out = x.nbytes + (residual.nbytes if separate else 0) + gate
+    return fwd_in + fwd_out, bwd_in + bwd_out
+
+
+def _activation_bytes(kt: KernelTraffic) -> int:
+    return sum(v for ln in kt.launches for part in (ln.read, ln.written) for k, v in part.items() if k in ACTIVATION_ARGS)
+
+
+def measure_traffic(op: str, rows: int, d: int, dtype) -> list[dict]:
+    """Rows for fwd, bwd and fwd+bwd of one op: kernel, naive and minimum bytes."""
+    torch.manual_seed(0)
+    x, residual, w, kw = op_inputs(op, rows, d, dtype)
+    grad_leaves = leaves(x, residual, w, kw)
+    with KernelTraffic(glue=True) as kf:
+        out, new_res = fused(op, x, residual, w, kw)
+    outs = [out] + ([new_res] if new_res is not None else [])
+    grads = [torch.randn_like(t) for t in outs]
+    with KernelTraffic(glue=True) as kb:
+        torch.autograd.grad(outs, grad_leaves, grads)
+    with EagerTraffic() as nf:
+        nouts = [t for t in naive(op, x, residual, w, kw) if t is not None]
+    with EagerTraffic() as nb:
+        torch.autograd.grad(nouts, grad_leaves, grads)
+    with EagerTraffic() as n1f:
+        nouts = [t for t in naive(op, x, residual, w, kw, one_kernel_norm=True) if t is not None]
+    with EagerTraffic() as n1b:
+        torch.autograd.grad(nouts, grad_leaves, grads)
+    min_f, min_b = minimum_bytes(x, residual, kw, out, new_res)
+
+    parts = {"fwd": ([kf], [nf], [n1f], min_f), "bwd": ([kb], [nb], [n1b], min_b),
+             "fwd+bwd": ([kf, kb], [nf, nb], [n1f, n1b], min_f + min_b)}
+    out_rows = []
+    for pas, (kts, nts, n1s, mn) in parts.items():
+        a = sum(map(_activation_bytes, kts))
+        kernel = sum(k.bytes + k.glue_bytes for k in kts)
+        uncached = sum(k.accessed(UNCACHED_ARGS) + k.glue_bytes for k in kts)
+        naive_b, naive1 = sum(n.bytes for n in nts), sum(n.bytes for n in n1s)
+        out_rows.append(dict(
+            op=op, dtype=str(dtype).removeprefix("torch."), rows=rows, d=d, pas=pas,
+            kernel_MB=kernel / 1e6, naive_MB=naive_b / 1e6, min_MB=mn / 1e6, other_MB=(kernel - a) / 1e6,
+            kernel_over_min=kernel / mn, act_over_min=a / mn, uncached_over_min=uncached / mn,
+            naive_over_kernel=naive_b / kernel, naive1_over_kernel=naive1 / kernel,
+            launches=sum(len(k.launches) for k in kts), glue_ops=sum(len(k.glue.ops) for k in kts),
+            naive_ops=sum(len(n.ops) for n in nts),
+        ))
+    return out_rows

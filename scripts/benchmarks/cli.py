@@ -1,0 +1,39 @@
+"""bench.py's command line. Imports neither torch nor fuseblock: the subcommand decides
+whether triton runs its interpreter, and triton reads TRITON_INTERPRET when first imported."""
+from __future__ import annotations
+
+import argparse
+
+SUBCOMMANDS = ["traffic", "memory", "speed", "gpu", "sm90", "overhead"]
+# Subcommands that count bytes through the Triton interpreter: on a machine with no GPU
+# it is the only way to run the kernels at all.
+INTERPRETED = {"traffic"}
+
+
+def _ints(value: str) -> list[int]:
+    return [int(r) for r in value.split(",")]
+
+
+def parser(description: str | None = None) -> argparse.ArgumentParser:
+    """One flat parser: argparse takes the options before or after the subcommand alike."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=SUBCOMMANDS)
+    ap.add_argument("--quick", action="store_true", help="small sizes, for CI")
+    ap.add_argument("--json", action="store_true", help="one JSON object per row")
+    ap.add_argument("--out", default="out/bench", help="gpu: where the table and plots go")
+    ap.add_argument("--device", default="cuda", help="gpu: the device; cpu runs a toy-size smoke test of the code")
+    ap.add_argument("--no-compile", action="store_true", help="gpu: skip the torch.compile baseline")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=1, help="speed: independent runs of all the steps (median, min, max)")
+    ap.add_argument("--ops", type=lambda v: v.split(","), default=None,
+                    help="traffic: a comma list of ops (fuseblock.testing.cases.OPS; default all)")
+    ap.add_argument("--rows", type=_ints, default=None, help="traffic: row counts")
+    ap.add_argument("--d", type=int, default=None, help="traffic, sm90: row width")
+    return ap
+
+
+def check(args) -> str | None:
+    """What is wrong with the arguments as far as can be told without importing torch, or None."""
+    if args.repeats < 1:
+        return f"--repeats must be >= 1, got {args.repeats}"
+    return None

@@ -1,0 +1,183 @@
+"""`bench.py gpu`: bf16 add_norm bandwidth (compulsory bytes / time) against eager torch,
+torch.compile and published kernels; the GPT step time; table and plots into --out.
+--device cpu runs the same code at toy sizes, a smoke test for machines without a GPU."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import fuseblock
+
+from .common import cpu_bench, markdown
+
+
+def _others(kind: str, d: int, dt):
+    """Published kernels, when installed: name -> fn(x, r, w) returning (out, x + r)."""
+    found = {}
+    try:
+        from liger_kernel.transformers import LigerLayerNorm, LigerRMSNorm
+
+        mod = (LigerRMSNorm(d, eps=1e-6) if kind == "rms" else LigerLayerNorm(d, eps=1e-6)).to("cuda", dt)
+
+        def liger(x, r, w):
+            p = x + r
+            return mod(p), p
+
+        found["liger"] = liger
+    except Exception:  # not installed, or an API we do not know
+        pass
+    try:
+        from flash_attn.ops.triton.layer_norm import layer_norm_fn
+
+        def flash(x, r, w):
+            return layer_norm_fn(x, w, None, residual=r, eps=1e-6, prenorm=True, is_rms_norm=kind == "rms")
+
+        found["flash_attn"] = flash
+    except Exception:
+        pass
+    return found
+
+
+def _naive(x, r, w, kind):
+    p = x + r
+    out = F.rms_norm(p, (p.shape[-1],), w, 1e-6) if kind == "rms" else F.layer_norm(p, (p.shape[-1],), w, None, 1e-6)
+    return out, p
+
+
+def _gpt_step_ms(fused: bool, do_bench, dev) -> float:
+    from models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    shape = dict(block_size=1024, n_layer=12, n_head=12, n_embd=768) if dev.type == "cuda" else \
+        dict(block_size=32, n_layer=1, n_head=2, n_embd=32)  # the CPU smoke run
+    cfg = GPTConfig(fused=fused, **shape)
+    model = GPT(cfg).to(dev, torch.bfloat16)
+    idx = torch.randint(0, cfg.vocab_size, (8, cfg.block_size), device=dev)
+
+    def step():
+        model(idx, idx)[1].backward()
+
+    return do_bench(step, warmup=3, rep=20, grad_to_none=list(model.parameters()))
+
+
+def _fwd_bwd_TBps(fn, x, r, w, nbytes: int, do_bench) -> tuple[float, float]:
+    """Compulsory bytes / time of fn(x, r, w) -> (out, p), forward and backward."""
+    with torch.no_grad():
+        t_fwd = do_bench(lambda: fn(x, r, w), warmup=5, rep=25)
+    out, p = fn(x, r, w)
+    grads = (torch.randn_like(out), torch.randn_like(p))
+    t_bwd = do_bench(lambda: torch.autograd.grad((out, p), (x, r, w), grads, retain_graph=True), warmup=5, rep=25)
+    return nbytes / t_fwd / 1e9, nbytes / t_bwd / 1e9
+
+
+def _empty_cache(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _error(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e)[:80]}"
+
+
+def _bandwidth_row(kind: str, d: int, args, dev, do_bench) -> dict:
+    """One table row: each implementation's forward and backward TB/s at width d."""
+    from torch import _dynamo
+
+    dt = torch.bfloat16
+    # A fresh static-shape compile per shape: one compiled function reused across
+    # shapes turns dynamic after the first (automatic dynamic shapes), which
+    # generates slower, shape-generic reductions and understates torch.compile.
+    _dynamo.reset()
+    compiled = None if args.no_compile else torch.compile(_naive, dynamic=False)
+    M = min(args.rows[0] if args.rows else 32768, (1 << 29) // d)
+    row = dict(kind=kind, d=d, rows=M)
+    try:
+        x = torch.randn(M, d, device=dev, dtype=dt, requires_grad=True)
+        r = torch.randn(M, d, device=dev, dtype=dt, requires_grad=True)
+        w = torch.ones(d, device=dev, dtype=dt, requires_grad=True)
+    except Exception as e:
+        row["error"] = _error(e)
+        return row
+    # fwd: x, r in; out, p out. bwd: p, dout, dp in; dx (= dr) out. Weights excluded.
+    nbytes = 4 * M * d * x.element_size()
+    impls = {"fuseblock": lambda x, r, w: fuseblock.add_norm(x, r, w, kind=kind, eps=1e-6),
+             "eager": lambda x, r, w: _naive(x, r, w, kind)}
+    if compiled is not None:
+        impls["compile"] = lambda x, r, w: compiled(x, r, w, kind)
+    if dev.type == "cuda":
+        impls.update(_others(kind, d, dt))
+    for name, fn in impls.items():
+        try:
+            row[f"{name}_fwd_TBps"], row[f"{name}_bwd_TBps"] = _fwd_bwd_TBps(fn, x, r, w, nbytes, do_bench)
+        except Exception as e:  # report it in the table, keep going
+            row[f"{name}_error"] = _error(e)
+    return row
+
+
+def run(args) -> list[dict]:
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: the gpu benchmark needs one (nothing to do)")
+        return []
+    import torch._functorch.config as fconfig
+
+    if dev.type == "cuda":
+        from triton.testing import do_bench
+    else:
+        do_bench = cpu_bench
+    fconfig.donated_buffer = False  # the compiled backward is re-run with retain_graph
+    ds = [args.d] if args.d else [1024, 4096, 16384, 65536, 262144] if args.quick else [1 << k for k in range(10, 19)]
+    rows = []
+    for kind in ("rms", "layer"):
+        for d in ds:
+            rows.append(_bandwidth_row(kind, d, args, dev, do_bench))
+            _empty_cache(dev)
+    steps = {}
+    for fused in (False, True):
+        try:
+            steps["fused" if fused else "naive"] = _gpt_step_ms(fused, do_bench, dev)
+            _empty_cache(dev)
+        except Exception as e:
+            steps[("fused" if fused else "naive") + "_error"] = _error(e)
+    step_rows = [dict(kind="gpt_step_ms", **steps)]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "gpu.json").write_text(json.dumps(rows + step_rows, indent=1))
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (smoke run)"
+    (out_dir / "gpu.md").write_text(f"# add_norm bandwidth, bf16, {name}, torch {torch.__version__}\n\n"
+                                    + markdown(rows) + "\n# GPT-2 small shape step (fwd+bwd), ms\n\n" + markdown(step_rows))
+    _plot(rows, out_dir)
+    return rows + step_rows
+
+
+def _plot(rows, out_dir: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plots", file=sys.stderr)
+        return
+    names = sorted({k.rsplit("_", 2)[0] for r in rows for k in r if k.endswith("_TBps")})
+    for kind in ("rms", "layer"):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        sel = [r for r in rows if r["kind"] == kind]
+        for ax, pas in zip(axes, ("fwd", "bwd"), strict=True):
+            for name in names:
+                pts = [(r["d"], r[f"{name}_{pas}_TBps"]) for r in sel if f"{name}_{pas}_TBps" in r]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"add_norm {kind} {pas}, bf16, M = min(32K, 2^29/d)")
+            ax.set_xlabel("d")
+            ax.set_ylabel("TB/s (compulsory bytes / time)")
+            ax.legend()
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out_dir / f"gpu_{kind}.png")
+        plt.close(fig)
