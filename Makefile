@@ -6,14 +6,14 @@ STAMP       := .venv/.installed
 FLOOR_PY    := .venv-floor/bin/python
 FLOOR_STAMP := .venv-floor/.installed
 
-.PHONY: train sample test test-torch test-kernels test-floor wheel bench clean
+.PHONY: train sample test lint test-torch test-kernels test-floor wheel bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	# torch first, pinned to the CPU wheel, so the range in pyproject installs nothing more
 	# (a bare torch requirement on a machine with no torch pulls a multi-GB CUDA build).
 	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[train,test]"
+	$(PY) -m pip install --quiet -e ".[train,test,lint]"
 	touch $(STAMP)
 
 train: $(STAMP)
@@ -26,7 +26,11 @@ sample: $(STAMP)
 # through the Triton interpreter in a second process (the env var must be set
 # before triton is imported); the floor check reruns the smoke subset on both paths
 # with the oldest torch, triton and numpy that pyproject.toml declares.
-test: test-torch test-kernels test-floor
+test: lint test-torch test-kernels test-floor
+
+# ruff, configured in pyproject.toml: a finding fails the run
+lint: $(STAMP)
+	.venv/bin/ruff check .
 
 test-torch: $(STAMP)
 	$(PY) -m pytest -q

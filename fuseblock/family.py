@@ -5,8 +5,6 @@ running_mean, running_var, num_batches_tracked), so state_dicts load both ways.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor, nn
 
@@ -37,7 +35,7 @@ class BatchNorm(nn.Module):
         self,
         num_features: int,
         eps: float = 1e-5,
-        momentum: Optional[float] = 0.1,
+        momentum: float | None = 0.1,
         affine: bool = True,
         track_running_stats: bool = True,
         device=None,

@@ -5,8 +5,6 @@ nn.LayerNorm (and back).
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor, nn
 
@@ -33,7 +31,7 @@ class Norm(nn.Module):
         dim: int,
         *,
         kind: str = "rms",
-        c: Optional[float] = None,
+        c: float | None = None,
         eps: float = 1e-6,
         weight: bool = True,
         bias: bool = False,
@@ -48,20 +46,21 @@ class Norm(nn.Module):
         check_flag("weight", weight)  # whether the parameter exists; a tensor here is a mistaken initial value
         check_flag("bias", bias)
         check_float_dtype("dtype", dtype)
-        check_options(dim, kind=kind, c=c, eps=eps, num_groups=num_groups, gate_act=gate_act, gate_position=gate_position)
+        check_options(dim, kind=kind, c=c, eps=eps, num_groups=num_groups, gate_act=gate_act,
+                      gate_position=gate_position)
         self.dim, self.kind, self.c, self.eps = int(dim), kind, c, float(eps)
         self.num_groups, self.gate_act, self.gate_position = int(num_groups), gate_act, gate_position
         factory = dict(device=device, dtype=dtype)
         self.weight = nn.Parameter(torch.ones(dim, **factory)) if weight else None
         self.bias = nn.Parameter(torch.zeros(dim, **factory)) if bias else None
 
-    def _kwargs(self, gate: Optional[Tensor]) -> dict:
+    def _kwargs(self, gate: Tensor | None) -> dict:
         kw = dict(kind=self.kind, c=self.c, eps=self.eps, num_groups=self.num_groups, gate=gate)
         if gate is not None:
             kw.update(gate_act=self.gate_act, gate_position=self.gate_position)
         return kw
 
-    def forward(self, x: Tensor, gate: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x: Tensor, gate: Tensor | None = None) -> Tensor:
         check_last_dim(x, self.dim)
         return norm(x, self.weight, self.bias, **self._kwargs(gate))
 
@@ -87,12 +86,12 @@ class AddNorm(Norm):
     activations (fuseblock.add_norm's default is x's dtype). out has x's dtype.
     """
 
-    def __init__(self, dim: int, *, residual_dtype: Optional[torch.dtype] = None, **kwargs):
+    def __init__(self, dim: int, *, residual_dtype: torch.dtype | None = None, **kwargs):
         super().__init__(dim, **kwargs)
         check_float_dtype("residual_dtype", residual_dtype)
         self.residual_dtype = residual_dtype
 
-    def forward(self, x: Tensor, residual: Optional[Tensor] = None, gate: Optional[Tensor] = None):
+    def forward(self, x: Tensor, residual: Tensor | None = None, gate: Tensor | None = None):
         rdtype = self.residual_dtype
         if rdtype is None and isinstance(residual, Tensor) and isinstance(x, Tensor):
             rdtype = torch.promote_types(x.dtype, residual.dtype)

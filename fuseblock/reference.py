@@ -15,8 +15,6 @@ d is the size of one normalized group (the whole row unless num_groups > 1).
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -50,7 +48,7 @@ def _grouped(t: Tensor, groups: int) -> Tensor:
     return t.reshape(-1, groups, t.shape[-1] // groups)  # (M, G, d/G) for any leading shape
 
 
-def _normalized(s: Tensor, spec: NormSpec, rstd: Tensor, mean: Optional[Tensor]) -> Tensor:
+def _normalized(s: Tensor, spec: NormSpec, rstd: Tensor, mean: Tensor | None) -> Tensor:
     """r = (s - mean) * rstd per group, back in (M, d)."""
     sg = _grouped(s, spec.groups)
     q = sg - mean[..., None] if spec.center else sg
@@ -87,7 +85,7 @@ def _native_ok(p: Tensor, spec: NormSpec) -> bool:
     return p.dtype == torch.float32 and spec.gate == Gate.NONE and spec.groups == 1 and (spec.center or _FUSED_RMS)
 
 
-def _scaled_weight(weight: Optional[Tensor], spec: NormSpec, d: int, like: Tensor) -> Optional[Tensor]:
+def _scaled_weight(weight: Tensor | None, spec: NormSpec, d: int, like: Tensor) -> Tensor | None:
     if spec.scale == 1.0:
         return None if weight is None else weight.to(like.dtype)
     w = torch.full((d,), spec.scale, dtype=like.dtype, device=like.device)
@@ -127,7 +125,7 @@ def _native_bwd(dout: Tensor, p: Tensor, weight, bias, rstd: Tensor, mean, spec:
     return dp, dw, db
 
 
-def _stats(s: Tensor, spec: NormSpec) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+def _stats(s: Tensor, spec: NormSpec) -> tuple[Tensor, Tensor, Tensor | None]:
     """(q, rstd, mean) of s per group: q grouped (M, G, d/G), rstd and mean (M, G).
 
     Differentiable torch ops throughout, so double backward and torch.func see the math.
@@ -152,7 +150,7 @@ def _stats(s: Tensor, spec: NormSpec) -> tuple[Tensor, Tensor, Optional[Tensor]]
     return q, rstd, mean
 
 
-def norm_out(p: Tensor, gate: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor], spec: NormSpec):
+def norm_out(p: Tensor, gate: Tensor | None, weight: Tensor | None, bias: Tensor | None, spec: NormSpec):
     """(out, rstd, mean) from p in p's (accumulation) dtype, as differentiable torch ops."""
     g = gate_act(gate.to(p.dtype), spec.act) if spec.gate != Gate.NONE else None
     s = p * g if spec.gate == Gate.PRE else p
@@ -165,12 +163,12 @@ def norm_out(p: Tensor, gate: Optional[Tensor], weight: Optional[Tensor], bias: 
 
 def norm_fwd(
     x: Tensor,
-    residual: Optional[Tensor],
-    gate: Optional[Tensor],
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
+    residual: Tensor | None,
+    gate: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
     spec: NormSpec,
-    residual_dtype: Optional[torch.dtype],
+    residual_dtype: torch.dtype | None,
     need_stats: bool,
     native: bool = True,
 ):
@@ -200,16 +198,16 @@ def norm_fwd(
 
 def norm_bwd(
     dout: Tensor,
-    dres: Optional[Tensor],
+    dres: Tensor | None,
     p: Tensor,
-    gate: Optional[Tensor],
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
+    gate: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
     rstd: Tensor,
-    mean: Optional[Tensor],
+    mean: Tensor | None,
     spec: NormSpec,
     x_dtype: torch.dtype,
-    residual_grad_dtype: Optional[torch.dtype],
+    residual_grad_dtype: torch.dtype | None,
 ):
     """Returns (dx, dresidual or None, dgate, dw, db), like the Triton backward.
 

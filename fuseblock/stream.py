@@ -18,7 +18,7 @@ docs/stream.md has the long form.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -43,7 +43,7 @@ class PreNormBlock(nn.Module):
         *,
         kind: str = "rms",
         eps: float = 1e-6,
-        residual_dtype: Optional[torch.dtype] = None,
+        residual_dtype: torch.dtype | None = None,
         bias: bool = False,
     ):
         super().__init__()
@@ -53,14 +53,14 @@ class PreNormBlock(nn.Module):
         self.norm = AddNorm(dim, kind=kind, eps=eps, bias=bias, residual_dtype=residual_dtype)
 
     @property
-    def residual_dtype(self) -> Optional[torch.dtype]:
+    def residual_dtype(self) -> torch.dtype | None:
         return self.norm.residual_dtype
 
-    def forward(self, hidden: Tensor, residual: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    def forward(self, hidden: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
         normed, residual = self.norm(hidden, residual)
         return self.mixer(normed), residual
 
-    def naive(self, x: Tensor, act_dtype: Optional[torch.dtype] = None) -> Tensor:
+    def naive(self, x: Tensor, act_dtype: torch.dtype | None = None) -> Tensor:
         """The unfused step x + mixer(norm(x)) with the same parameters. The mixer sees
         act_dtype (default x's), as it does in the fused form under an fp32 stream."""
         return x + self.mixer(self.norm.naive(x).to(act_dtype or x.dtype))
@@ -83,7 +83,7 @@ class ResidualStack(nn.Module):
         eps: float = 1e-6,
         final_norm: bool = True,
         fused: bool = True,
-        residual_dtype: Optional[torch.dtype] = None,
+        residual_dtype: torch.dtype | None = None,
         bias: bool = False,
     ):
         super().__init__()

@@ -9,7 +9,7 @@ import hashlib
 import json
 import lzma
 import os
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -75,7 +75,7 @@ def prepare(source: Path | None = None, cache: Path | None = None) -> dict[str, 
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def load(split: str) -> np.memmap:
     """The split ("train" or "val") as a read-only uint8 memmap: tokens are bytes, vocab 256."""
     if split not in ("train", "val"):

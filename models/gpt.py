@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +28,7 @@ class GPTConfig:
     norm: str = "rms"  # "rms" | "layer"
     norm_eps: float = 1e-5
     fused: bool = True  # False: the naive pre-norm stack, same parameters
-    residual_dtype: Optional[torch.dtype] = None  # e.g. torch.float32 under bf16
+    residual_dtype: torch.dtype | None = None  # e.g. torch.float32 under bf16
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -54,7 +53,7 @@ class GPTConfig:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "GPTConfig":
+    def from_json(cls, d: dict) -> GPTConfig:
         d = dict(d)
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
@@ -142,7 +141,7 @@ class GPT(nn.Module):
         return logits, loss
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None, generator=None):
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None, generator=None):
         """Append max_new_tokens sampled tokens to idx (B, T) -> (B, T + max_new_tokens).
 
         Each step sees the last block_size tokens; temperature 0 is greedy decoding and

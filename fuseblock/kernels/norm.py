@@ -24,7 +24,7 @@ in the backward) twice: docs/performance.md counts it.
 # "tl.constexpr" as no annotation and passes BR, BD, ... as arrays (tests/test_floor.py).
 
 import collections
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import triton
@@ -394,7 +394,9 @@ def _bwd_dots(
             m_d = i_d + o_d < DG
             b_p = tl.load(P + i_m * s_p + o_col, mask=m_d, other=0.0).to(tl.float32)
             b_do = tl.load(DO + i_m * s_do + o_col, mask=m_d, other=0.0).to(tl.float32)
-            b_g = _act(tl.load(Z + i_m * s_z + o_col, mask=m_d, other=0.0).to(tl.float32), ACT) if GATE != GATE_NONE else None
+            b_g = None
+            if GATE != GATE_NONE:
+                b_g = _act(tl.load(Z + i_m * s_z + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
             b_r = _normalized(b_p, b_g, b_rstd, b_mean, m_d, CENTER, GATE)
             if GATE == GATE_POST:
                 b_do *= b_g
@@ -534,7 +536,7 @@ def bwd_layout(d: int, groups: int = 1) -> Layout:
     return layout(d, groups, MAX_TILE_BWD)
 
 
-def rows(t: Optional[torch.Tensor], d: int) -> Optional[torch.Tensor]:
+def rows(t: torch.Tensor | None, d: int) -> torch.Tensor | None:
     """(M, d) view with unit column stride; copies only inputs that cannot be viewed."""
     if t is None:
         return None
@@ -542,13 +544,13 @@ def rows(t: Optional[torch.Tensor], d: int) -> Optional[torch.Tensor]:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _vec(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def _vec(t: torch.Tensor | None) -> torch.Tensor | None:
     """A (d,) weight or bias with unit stride, as the kernels index it (W + column): a
     sliced view, a matrix column or an expanded stride-0 vector is copied, never assumed."""
     return t if t is None or t.stride(0) == 1 else t.contiguous()
 
 
-def _stride(t: Optional[torch.Tensor]) -> int:
+def _stride(t: torch.Tensor | None) -> int:
     return t.stride(0) if t is not None else 0
 
 

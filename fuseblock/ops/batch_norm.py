@@ -21,7 +21,6 @@ A split-reduction column kernel would avoid all three on a GPU, with the same re
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -67,10 +66,10 @@ def _dense(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 def batch_norm(
     x: Tensor,
-    running_mean: Optional[Tensor],
-    running_var: Optional[Tensor],
-    weight: Optional[Tensor] = None,
-    bias: Optional[Tensor] = None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
     training: bool = False,
     momentum: float = 0.1,
     eps: float = 1e-5,
@@ -127,7 +126,7 @@ def batch_norm(
 
 
 def group_norm(
-    x: Tensor, num_groups: int, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = 1e-5
+    x: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5
 ) -> Tensor:
     """torch.nn.functional.group_norm for (N, C, *) inputs: the core layer norm of each
     sample's C*L values in num_groups groups of whole channels."""
@@ -145,7 +144,7 @@ def group_norm(
 
 
 def instance_norm(
-    x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = 1e-5
+    x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5
 ) -> Tensor:
     """torch.nn.functional.instance_norm (no running stats) for (N, C, L) inputs (any (N, C, *)):
     group norm with one group per channel."""

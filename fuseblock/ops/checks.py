@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional
 
 import torch
 
@@ -23,7 +22,7 @@ from ..spec import (
 )
 
 
-def check_tensor(name: str, t, x: Optional[torch.Tensor] = None) -> None:
+def check_tensor(name: str, t, x: torch.Tensor | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in FLOAT_DTYPES:

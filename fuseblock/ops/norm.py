@@ -121,7 +121,8 @@ def _graph_grads(ctx, grad_outputs):
     found = {}
     if leaves and dout is not None:
         out = reference.norm_out(p.to(acc_dtype(p.dtype)), gate, weight, bias, ctx.spec)[0].to(ctx.x_dtype)
-        found = dict(zip(map(id, leaves), torch.autograd.grad(out, leaves, dout, create_graph=True, allow_unused=True)))
+        got = torch.autograd.grad(out, leaves, dout, create_graph=True, allow_unused=True)
+        found = dict(zip(map(id, leaves), got, strict=True))
     dp = found.get(id(p))
     dres = dnew_res if ctx.stored else None
     if dres is not None:

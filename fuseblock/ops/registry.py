@@ -7,7 +7,7 @@ more than a kernel on small inputs). `norm` and `embed_norm` are both registered
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -26,7 +26,7 @@ class FusedOp:
 
     def __init__(self, name: str, fwd: Callable, fwd_fake: Callable, bwd: Callable, bwd_fake: Callable,
                  setup: Callable, grads: Callable, stats: tuple[int, ...] = (),
-                 graph_grads: Optional[Callable] = None):
+                 graph_grads: Callable | None = None):
         n_inputs = len(inspect.signature(fwd).parameters)
         fwd_op = torch.library.custom_op(f"fuseblock::{name}_fwd", fwd, mutates_args=())
         fwd_op.register_fake(fwd_fake)

@@ -34,7 +34,8 @@ def minimum_bytes(x, residual, kw, out, new_res) -> tuple[int, int]:
 
 
 def _activation_bytes(kt: KernelTraffic) -> int:
-    return sum(v for ln in kt.launches for part in (ln.read, ln.written) for k, v in part.items() if k in ACTIVATION_ARGS)
+    parts = (part for ln in kt.launches for part in (ln.read, ln.written))
+    return sum(v for part in parts for k, v in part.items() if k in ACTIVATION_ARGS)
 
 
 def measure_traffic(op: str, rows: int, d: int, dtype) -> list[dict]:

@@ -134,7 +134,8 @@ class KernelTraffic(contextlib.AbstractContextManager):
         from triton.runtime import interpreter as it
 
         if not hasattr(it, "GridExecutor"):
-            raise RuntimeError("KernelTraffic needs triton's interpreter (set TRITON_INTERPRET=1 before importing triton)")
+            raise RuntimeError("KernelTraffic needs triton's interpreter "
+                               "(set TRITON_INTERPRET=1 before importing triton)")
         builder, counter = it.InterpreterBuilder, self
         self._orig = (builder.create_masked_load, builder.create_masked_store, builder.create_atomic_rmw,
                       builder.create_atomic_cas, it.GridExecutor.__call__)
@@ -201,7 +202,8 @@ class KernelTraffic(contextlib.AbstractContextManager):
     @staticmethod
     def _set(it, fns) -> None:
         b = it.InterpreterBuilder
-        b.create_masked_load, b.create_masked_store, b.create_atomic_rmw, b.create_atomic_cas, it.GridExecutor.__call__ = fns
+        (b.create_masked_load, b.create_masked_store, b.create_atomic_rmw, b.create_atomic_cas,
+         it.GridExecutor.__call__) = fns
 
     @property
     def bytes(self) -> int:
@@ -274,7 +276,8 @@ class EagerTraffic(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if not self.paused and not func.is_view and name not in FREE_OPS:
             leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-            ins = {(t.data_ptr(), t.dtype, tuple(t.shape), t.stride()): t for t in leaves if isinstance(t, torch.Tensor)}
+            tensors = (t for t in leaves if isinstance(t, torch.Tensor))
+            ins = {(t.data_ptr(), t.dtype, tuple(t.shape), t.stride()): t for t in tensors}
             outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
             self.ops.append((name, sum(map(distinct_bytes, ins.values())), sum(t.nbytes for t in outs)))
         return out

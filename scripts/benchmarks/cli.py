@@ -24,7 +24,8 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cuda", help="gpu: the device; cpu runs a toy-size smoke test of the code")
     ap.add_argument("--no-compile", action="store_true", help="gpu: skip the torch.compile baseline")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=1, help="speed: independent runs of all the steps (median, min, max)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="speed: independent runs of all the steps (median, min, max)")
     ap.add_argument("--ops", type=lambda v: v.split(","), default=None,
                     help="traffic: a comma list of ops (fuseblock.testing.cases.OPS; default all)")
     ap.add_argument("--rows", type=_ints, default=None, help="traffic: row counts")

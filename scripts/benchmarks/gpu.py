@@ -149,7 +149,8 @@ def run(args) -> list[dict]:
     (out_dir / "gpu.json").write_text(json.dumps(rows + step_rows, indent=1))
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (smoke run)"
     (out_dir / "gpu.md").write_text(f"# add_norm bandwidth, bf16, {name}, torch {torch.__version__}\n\n"
-                                    + markdown(rows) + "\n# GPT-2 small shape step (fwd+bwd), ms\n\n" + markdown(step_rows))
+                                    + markdown(rows) + "\n# GPT-2 small shape step (fwd+bwd), ms\n\n"
+                                    + markdown(step_rows))
     _plot(rows, out_dir)
     return rows + step_rows
 
