@@ -31,12 +31,12 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file, save_model
 
+from .atomic import fsync_dir, fsync_file, write_json
 from .gpt import GPTConfig
 
 FORMAT = 2  # 2: meta.json records the training settings (typed), so --resume can restore them
@@ -64,32 +64,6 @@ class OutDirError(RuntimeError):
 
 
 # ----------------------------------------------------------------------------- writing
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
 
 
 def _digest(path: Path) -> dict:
@@ -139,10 +113,10 @@ def _write_dir(tmp: Path, step: int, model, optimizer, config: dict, rng: dict, 
     save_file(tensors, str(tmp / "optimizer.safetensors"))
     files = {}
     for f in ("model.safetensors", "optimizer.safetensors"):
-        _fsync_file(tmp / f)
+        fsync_file(tmp / f)
         files[f] = _digest(tmp / f)
     meta = {"format": FORMAT, "step": step, "config": config, "optimizer": opt_meta, "files": files, **(extra or {})}
-    _write_json_atomic(tmp / "meta.json", meta)
+    write_json(tmp / "meta.json", meta, indent=1)
 
 
 def _pointer_target(out_dir: Path) -> str | None:
@@ -167,8 +141,8 @@ def _second_name(src: Path, alias: Path) -> None:
         os.symlink(os.readlink(src), alias)
     else:
         shutil.copytree(src, alias, copy_function=link_or_copy)
-        _fsync_dir(alias)
-    _fsync_dir(alias.parent)
+        fsync_dir(alias)
+    fsync_dir(alias.parent)
 
 
 def _put_in_place(out_dir: Path, tmp: Path, final: Path) -> None:
@@ -180,10 +154,10 @@ def _put_in_place(out_dir: Path, tmp: Path, final: Path) -> None:
         if _pointer_target(out_dir) == final.name:
             alias = final.with_name(final.name + ".old")
             _second_name(final, alias)
-            _write_json_atomic(out_dir / "latest", {"checkpoint": alias.name})
+            write_json(out_dir / "latest", {"checkpoint": alias.name}, indent=1)
         _remove(final)
     os.replace(tmp, final)
-    _fsync_dir(out_dir)
+    fsync_dir(out_dir)
 
 
 def save(
@@ -208,7 +182,7 @@ def save(
         _remove(tmp)
         _write_dir(tmp, step, model, optimizer, config, rng, extra)
         _put_in_place(out_dir, tmp, final)
-        _write_json_atomic(out_dir / "latest", {"checkpoint": name})
+        write_json(out_dir / "latest", {"checkpoint": name}, indent=1)
     except (OSError, SafetensorError) as e:
         raise CheckpointWriteError(_write_reason(e)) from None
     finally:
@@ -478,7 +452,7 @@ def _param_groups_problem(saved, fresh: list[dict]) -> str | None:
     """How saved param_groups differ in shape or type from the optimizer's own, or None."""
     if not isinstance(saved, list) or len(saved) != len(fresh):
         return f"{len(fresh)} param groups expected"
-    for i, (s, f) in enumerate(zip(saved, fresh)):
+    for i, (s, f) in enumerate(zip(saved, fresh, strict=True)):
         if not isinstance(s, dict) or set(s) != set(f):
             return f"param group {i} has fields {sorted(s) if isinstance(s, dict) else s!r}, expected {sorted(f)}"
         for k, want in f.items():

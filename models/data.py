@@ -5,15 +5,16 @@ restored corpus replaces a stale cache instead of silently training on the old o
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import lzma
-import os
-from functools import cache
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from .atomic import write_bytes, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "data" / "shakespeare.txt.xz"
@@ -23,18 +24,6 @@ VAL_FRACTION = 0.1
 
 class DataError(RuntimeError):
     """Missing or unreadable training data; the message says how to fix it."""
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")  # per process: DDP ranks may race here
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _stamp(source: Path) -> dict:
@@ -67,15 +56,15 @@ def prepare(source: Path | None = None, cache: Path | None = None) -> dict[str, 
     cut = int(len(text) * (1 - VAL_FRACTION))
     try:
         cache.mkdir(parents=True, exist_ok=True)
-        _write_atomic(out["train"], text[:cut])
-        _write_atomic(out["val"], text[cut:])
-        _write_atomic(cache / "meta.json", json.dumps(stamp).encode())  # last: marks the cache complete
+        write_bytes(out["train"], text[:cut])  # each atomic: a failure leaves no partial file
+        write_bytes(out["val"], text[cut:])
+        write_json(cache / "meta.json", stamp)  # last: marks the cache complete
     except OSError as e:
         raise DataError(f"cannot write the data cache in {cache} ({e.strerror or e}): make it writable or free some space") from None
     return out
 
 
-@cache
+@functools.cache
 def load(split: str) -> np.memmap:
     """The split ("train" or "val") as a read-only uint8 memmap: tokens are bytes, vocab 256."""
     if split not in ("train", "val"):

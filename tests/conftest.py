@@ -1,8 +1,11 @@
-"""Shared test setup.
+"""Fixtures and hooks; what test modules import lives in helpers.py.
 
 `make test` runs the suite twice: every test on the pure-PyTorch path, then the
 tests marked `kernel` again with TRITON_INTERPRET=1, where CPU tensors run the
-Triton kernels through the interpreter. KERNEL_PATH says which run this is.
+Triton kernels through the interpreter (helpers.KERNEL_PATH says which run this is).
+A test that means something on one path only is marked `kernel_only(reason)` (it must
+be marked `kernel` too, or it would run nowhere) or `torch_only(reason)`; it is
+skipped on the other path.
 
 On a GPU machine, FUSEBLOCK_TEST_DEVICE=cuda makes every test tensor a CUDA tensor,
 so `pytest -m kernel` runs the compiled kernels for real.
@@ -14,18 +17,45 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests import ref64 and friends
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests import helpers, ref64 and friends
 sys.path.insert(1, ROOT)  # and the GPT from the checkout's models/, which the wheel does not install
 
-DEVICE = os.environ.get("FUSEBLOCK_TEST_DEVICE", "cpu")
+# KERNEL_PATH stays importable from here only for tests/test_traffic.py, until it imports it from helpers.
+from helpers import DEVICE, KERNEL_PATH, Launches  # noqa: E402
+
 if DEVICE != "cpu":
     torch.set_default_device(DEVICE)
-KERNEL_PATH = os.environ.get("TRITON_INTERPRET") == "1" or DEVICE == "cuda"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "kernel_only(reason): a property of the Triton kernels; skipped on the torch "
+                                       "path (mark the test `kernel` too)")
+    config.addinivalue_line("markers", "torch_only(reason): a property of the torch path; skipped on the kernel path")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for name, skipped in (("kernel_only", not KERNEL_PATH), ("torch_only", KERNEL_PATH)):
+            mark = item.get_closest_marker(name)
+            if mark is None:
+                continue
+            if name == "kernel_only" and item.get_closest_marker("kernel") is None:
+                raise pytest.UsageError(f"{item.nodeid}: marked kernel_only but not kernel: neither run would run it")
+            if skipped:
+                item.add_marker(pytest.mark.skip(reason=mark.args[0] if mark.args else f"{name} test"))
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def launches():
+    """A helpers.Launches started at the test's setup: `launches["fwd"]`, `launches("fwd", "bwd")`,
+    `launches.reset()`. Importing the kernels needs triton: use it in kernel_only tests or where
+    the torch path has triton too."""
+    return Launches()
 
 
 @pytest.fixture

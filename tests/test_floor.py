@@ -12,8 +12,8 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import KERNEL_PATH
-from ref64 import add_norm64, leaf64, tolerances
+from helpers import KERNEL_PATH, assert_close
+from ref64 import add_norm64, leaf64
 from torch import nn
 
 import fuseblock
@@ -21,15 +21,6 @@ from fuseblock.ops.norm import uses_triton
 from models.gpt import GPT, GPTConfig
 
 pytestmark = [pytest.mark.floor, pytest.mark.kernel]
-
-
-def close(actual, expected, dtype, what):
-    """|actual - expected| <= atol * max(1, max|expected|) + rtol * |expected| (ref64's bounds)."""
-    atol, rtol = tolerances(dtype)
-    expected = expected.detach().double()
-    scale = max(1.0, expected.abs().max().item())
-    err = ((actual.detach().double() - expected).abs() - rtol * expected.abs()).max().item()
-    assert err <= atol * scale, f"{what}: error {err:.3g} > {atol * scale:.3g}"
 
 
 def test_versions_and_path():
@@ -68,15 +59,15 @@ def test_add_norm_values_and_gradients_match_fp64(kind, dtype, case):
     out, new_res = fuseblock.add_norm(x, residual, w, b, **kw)
     ref64_kw = {k: v for k, v in kw.items() if k != "residual_dtype"}
     ref_out, ref_p = add_norm64(x, residual, w, b, residual_dtype=new_res.dtype, **ref64_kw)
-    close(out, ref_out, dtype, "out")
-    close(new_res, ref_p, new_res.dtype, "new_residual")
+    assert_close(out, ref_out, dtype, "out")
+    assert_close(new_res, ref_p, new_res.dtype, "new_residual")
     g_out, g_res = torch.randn_like(out), torch.randn_like(new_res)  # cotangents in each output's dtype
     loss = (out.float() * g_out.float()).sum() + (new_res.float() * g_res.float()).sum()
     ref_loss = (ref_out * g_out.double()).sum() + (ref_p * g_res.double()).sum()
     for name, g, rg, leaf in zip(["x", "w", "b", "r"], torch.autograd.grad(loss, leaves),
-                                 torch.autograd.grad(ref_loss, leaves), leaves):
+                                 torch.autograd.grad(ref_loss, leaves), leaves, strict=False):
         assert g.dtype == leaf.dtype, name
-        close(g, rg, leaf.dtype, f"d{name}")
+        assert_close(g, rg, leaf.dtype, f"d{name}")
 
 
 @pytest.mark.parametrize("kind", ["rms", "layer"])
@@ -99,7 +90,7 @@ def test_norm_equals_torch_functions_and_modules(kind):
     got = torch.autograd.grad(out, [x, *ours.parameters()], cot)
     want = torch.autograd.grad(ref, [x, *theirs.parameters()], cot)
     assert len(got) == len(want) >= 2
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
@@ -115,7 +106,7 @@ def test_fused_stack_equals_naive_twin():
     g_naive = torch.autograd.grad(naive.sum(), [x, *stack.parameters()])
     torch.testing.assert_close(fused, naive, atol=1e-5, rtol=1e-5)
     assert len(g_fused) == len(g_naive) > 3
-    for a, b in zip(g_fused, g_naive):
+    for a, b in zip(g_fused, g_naive, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
@@ -125,10 +116,10 @@ def test_family_ops_match_torch():
     for ord, p in (("l1", 1.0), ("l2", 2.0), ("max", float("inf"))):
         xe = x.clone().requires_grad_(True)
         y, ref = fuseblock.embed_norm(xe, ord, 1e-12), F.normalize(x64, p=p, dim=-1, eps=1e-12)
-        close(y, ref, torch.float32, f"embed_norm {ord}")
+        assert_close(y, ref, torch.float32, f"embed_norm {ord}")
         cot = torch.randn(y.shape, dtype=torch.float64)
-        close(torch.autograd.grad(y, xe, cot.float())[0], torch.autograd.grad(ref, x64, cot)[0], torch.float32,
-              f"d embed_norm {ord}")
+        assert_close(torch.autograd.grad(y, xe, cot.float())[0], torch.autograd.grad(ref, x64, cot)[0], torch.float32,
+                     f"d embed_norm {ord}")
     w = torch.randn(4, requires_grad=True)
     b = torch.randn(4, requires_grad=True)
     for name, ours, theirs in (
@@ -155,7 +146,8 @@ def test_fullgraph_compile_traces_the_custom_op():
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     a, b = compiled(*inputs), fn(*inputs)
     torch.testing.assert_close(a, b)
-    for ga, gb in zip(torch.autograd.grad(a.square().sum(), inputs), torch.autograd.grad(b.square().sum(), inputs)):
+    grads_a, grads_b = torch.autograd.grad(a.square().sum(), inputs), torch.autograd.grad(b.square().sum(), inputs)
+    for ga, gb in zip(grads_a, grads_b, strict=True):
         torch.testing.assert_close(ga, gb)
 
 
@@ -192,7 +184,7 @@ def test_train_extra_at_its_floor(tmp_path):
     saved, loaded = GPT(cfg), GPT(cfg)
     st.save_model(saved, str(tmp_path / "model.safetensors"))
     st.load_model(loaded, str(tmp_path / "model.safetensors"))
-    for (name, a), b in zip(saved.state_dict().items(), loaded.state_dict().values()):
+    for (name, a), b in zip(saved.state_dict().items(), loaded.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     st.save_file({"step": torch.tensor([7])}, str(tmp_path / "t.safetensors"))
     assert st.load_file(str(tmp_path / "t.safetensors"))["step"].item() == 7
@@ -209,13 +201,12 @@ def test_train_extra_at_its_floor(tmp_path):
     assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.torch_only("a torch-path fallback")
 def test_rms_without_aten_fused_rms_norm(monkeypatch):
     """The torch path's RMS as torch < 2.9 runs it (no usable aten._fused_rms_norm: the
     composed path), against torch's rms_norm, values and gradients."""
     from fuseblock import reference
 
-    if KERNEL_PATH:
-        pytest.skip("a torch-path fallback")
     monkeypatch.setattr(reference, "_FUSED_RMS", False)
     x = torch.randn(5, 3, 40, requires_grad=True)
     w = torch.randn(40, requires_grad=True)
@@ -223,5 +214,5 @@ def test_rms_without_aten_fused_rms_norm(monkeypatch):
     ref = F.rms_norm(x, (40,), w, 1e-5)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     cot = torch.randn_like(out)
-    for g, r in zip(torch.autograd.grad(out, [x, w], cot), torch.autograd.grad(ref, [x, w], cot)):
+    for g, r in zip(torch.autograd.grad(out, [x, w], cot), torch.autograd.grad(ref, [x, w], cot), strict=True):
         torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)

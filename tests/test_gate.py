@@ -1,11 +1,9 @@
 """Gated norms: pre-gate N(p * g(gate)) and post-gate N(p) * g(gate), with or without residual."""
 import pytest
 import torch
-from conftest import KERNEL_PATH
-from test_norm import DTYPES, run_case
+from helpers import DTYPES, run_case
 
 import fuseblock
-from fuseblock.kernels.norm import LAUNCHES
 
 
 @pytest.mark.kernel
@@ -49,11 +47,10 @@ def test_gated_output_norm_example():
 
 
 @pytest.mark.kernel
-def test_gated_one_launch_each_way():
-    if not KERNEL_PATH:
-        pytest.skip("launch counts are a property of the Triton path")
+@pytest.mark.kernel_only("launch counts are a property of the Triton path")
+def test_gated_one_launch_each_way(launches):
     x, g = torch.randn(8, 32, requires_grad=True), torch.randn(8, 32, requires_grad=True)
-    before = LAUNCHES.copy()
+    launches.reset()
     out = fuseblock.norm(x, gate=g, gate_position="pre", gate_act="sigmoid")
     out.sum().backward()
-    assert (LAUNCHES["fwd"] - before["fwd"], LAUNCHES["bwd"] - before["bwd"]) == (1, 1)
+    assert launches("fwd", "bwd") == (1, 1)

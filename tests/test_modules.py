@@ -2,22 +2,14 @@
 nn.LayerNorm and the fp64 seed reference, state_dicts both ways, gates, bad arguments."""
 import pytest
 import torch
-from ref64 import add_norm64, leaf64, tolerances
+from helpers import assert_close
+from ref64 import add_norm64, leaf64
 from torch import nn
 
 import fuseblock
 
 D = 24
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-def assert_close(actual, expected, dtype, what):
-    """|actual - expected| <= atol * max(1, max|expected|) + rtol * |expected| (ref64's bounds)."""
-    atol, rtol = tolerances(dtype)
-    expected = expected.detach().double()
-    scale = max(1.0, expected.abs().max().item())
-    err = ((actual.detach().double() - expected).abs() - rtol * expected.abs()).max().item()
-    assert err <= atol * scale, f"{what}: error {err:.3g} > {atol * scale:.3g}"
 
 
 def randomize(module):
@@ -57,7 +49,7 @@ def test_norm_equals_torch_module_values_and_grads(case):
     got = grads(out, [x, *ours.parameters()], cot)
     want = grads(ref, [x, *theirs.parameters()], cot)
     assert len(got) == len(want) == 1 + len(list(theirs.parameters()))
-    for name, g, w in zip(["x", "weight", "bias"], got, want):
+    for name, g, w in zip(["x", "weight", "bias"], got, want, strict=False):
         assert_close(g, w, torch.float32, f"d{name}")
 
 
@@ -108,7 +100,7 @@ def test_norm_and_its_naive_form_match_fp64(dtype, kw):
         out = form(x)
         assert out.dtype == dtype
         assert_close(out, ref, dtype, "out")
-        for name, g, w in zip(["x", "weight", "bias"], grads(out, [x, *params], cot), want):
+        for name, g, w in zip(["x", "weight", "bias"], grads(out, [x, *params], cot), want, strict=False):
             assert g.dtype == dtype
             assert_close(g, w, dtype, f"d{name}")
 
@@ -131,7 +123,7 @@ def test_add_norm_module_matches_fp64(dtype, residual_dtype):
     c_out, c_res = torch.randn_like(out), torch.randn_like(new_r)
     got = torch.autograd.grad((out.double() * c_out.double()).sum() + (new_r.double() * c_res.double()).sum(), leaves)
     want = torch.autograd.grad((ref * c_out.double()).sum() + (ref_p * c_res.double()).sum(), l64)
-    for name, g, w, leaf in zip(["x", "residual", "weight", "bias"], got, want, leaves):
+    for name, g, w, leaf in zip(["x", "residual", "weight", "bias"], got, want, leaves, strict=True):
         assert g.dtype == leaf.dtype
         assert_close(g, w, leaf.dtype, f"d{name}")
 
@@ -168,7 +160,7 @@ def test_gate_is_passed_through(cls, gate_kw):
     )
     assert_close(out, ref, torch.float32, "out")
     cot = torch.randn_like(out)
-    for g_, w_ in zip(grads(out, leaves, cot), grads(ref, list(l64.values()), cot.double())):
+    for g_, w_ in zip(grads(out, leaves, cot), grads(ref, list(l64.values()), cot.double()), strict=True):
         assert_close(g_, w_, torch.float32, "grad")
     # the gate changes the result (it is not silently dropped)
     plain = mod(x, r)[0] if cls == "AddNorm" else mod(x)

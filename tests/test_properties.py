@@ -2,9 +2,9 @@
 plus the row-isolation guarantees (non-finite values and all-zero rows)."""
 import pytest
 import torch
+from helpers import run_case
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_norm import run_case
 
 import fuseblock
 

@@ -10,11 +10,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import KERNEL_PATH
 from torch import nn
 
 import fuseblock
-from fuseblock.kernels.norm import LAUNCHES
 
 DIM, HEADS, BATCH, SEQ = 32, 4, 2, 5
 
@@ -114,7 +112,7 @@ def check_equivalent(stack, x, *, tol):
     naive = forward_backward(naive_twin(stack), x, cot)
     exact = forward_backward(naive_twin(stack, torch.float64), x.double(), cot.double())
     assert len(fused) == len(naive) == len(exact) == len(names(stack))
-    for name, f, n, e in zip(names(stack), fused, naive, exact):
+    for name, f, n, e in zip(names(stack), fused, naive, exact, strict=True):
         assert f.dtype == n.dtype, name
         assert rel_err(f, e) <= tol, f"{name}: fused is {rel_err(f, e):.3g} from fp64 (> {tol:.3g})"
         assert rel_err(n, e) <= tol, f"{name}: naive is {rel_err(n, e):.3g} from fp64 (> {tol:.3g})"
@@ -210,29 +208,29 @@ def test_explicit_loop_equals_stack():
 
 
 @pytest.mark.kernel
-def test_naive_twin_is_not_the_fused_code():
+def test_naive_twin_is_not_the_fused_code(launches):
     """The naive form must not go through the fused kernels (else fused == naive proves nothing)."""
     stack = naive_twin(make_stack(2))
-    LAUNCHES.clear()
+    launches.reset()
     x = torch.randn(BATCH, SEQ, DIM, requires_grad=True)
     stack(x).sum().backward()
-    assert LAUNCHES["fwd"] == LAUNCHES["bwd"] == 0
+    assert launches["fwd"] == launches["bwd"] == 0
 
 
 @pytest.mark.kernel
-@pytest.mark.skipif(not KERNEL_PATH, reason="LAUNCHES counts Triton launches only")
+@pytest.mark.kernel_only("LAUNCHES counts Triton launches only")
 @pytest.mark.parametrize("n", [1, 2, 6])
 @pytest.mark.parametrize("final_norm", [True, False])
-def test_one_norm_launch_per_sublayer(n, final_norm):
+def test_one_norm_launch_per_sublayer(n, final_norm, launches):
     """n sublayers plus a final norm: n + 1 forward launches and n + 1 backward launches."""
     stack = make_stack(n, final_norm=final_norm)
     expected = n + int(final_norm)
     x = torch.randn(BATCH, SEQ, DIM, requires_grad=True)
-    LAUNCHES.clear()
+    launches.reset()
     out = stack(x)
-    assert (LAUNCHES["fwd"], LAUNCHES["bwd"]) == (expected, 0)
+    assert launches("fwd", "bwd") == (expected, 0)
     out.sum().backward()
-    assert (LAUNCHES["fwd"], LAUNCHES["bwd"]) == (expected, expected)
+    assert launches("fwd", "bwd") == (expected, expected)
 
 
 def test_state_dict_keys_identical_in_both_modes():
@@ -288,14 +286,14 @@ def test_compile_fullgraph_forward_and_backward():
     compiled = torch.compile(stack, fullgraph=True, backend=_capture_backend(graphs))
     got = forward_backward(compiled, x, cot)
     want = forward_backward(stack, x, cot)
-    for name, g, w in zip(names(stack), got, want):
+    for name, g, w in zip(names(stack), got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=name)
     assert _count(graphs["fw"], torch.ops.fuseblock.norm_fwd.default) == n + 1
     assert _count(graphs["bw"], torch.ops.fuseblock.norm_bwd.default) == n + 1
     torch._dynamo.reset()
 
 
-@pytest.mark.skipif(KERNEL_PATH, reason="inductor compile time; the kernel path checks the graphs above")
+@pytest.mark.torch_only("inductor compile time; the kernel path checks the graphs above")
 def test_compile_inductor_forward_and_backward():
     # ~20 s on 2 CPU cores, mostly inductor's C++ compile
     torch._dynamo.reset()
@@ -304,7 +302,7 @@ def test_compile_inductor_forward_and_backward():
     cot = torch.randn_like(x)
     got = forward_backward(torch.compile(stack, fullgraph=True), x, cot)
     want = forward_backward(stack, x, cot)
-    for name, g, w in zip(names(stack), got, want):
+    for name, g, w in zip(names(stack), got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=name)
     torch._dynamo.reset()
 

@@ -9,7 +9,6 @@ bit; a view read as if contiguous gives other values entirely.
 """
 import pytest
 import torch
-from conftest import KERNEL_PATH
 
 import fuseblock
 
@@ -54,8 +53,8 @@ def check(arg: str, how: str, kind: str, gate_position, rows: int = 6, d: int = 
     dense = {k: v.detach().clone(memory_format=torch.contiguous_format) for k, v in views.items()}
     assert arg == "all" or views[arg].is_contiguous() is False
     got, want = run(views, kind, gate_position), run(dense, kind, gate_position)
-    for i, (g, w) in enumerate(zip(got, want)):
-        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6, msg=lambda m: f"result {i}: {m}")
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6, msg=lambda m, i=i: f"result {i}: {m}")
 
 
 @pytest.mark.kernel
@@ -69,7 +68,7 @@ def test_every_tensor_argument_takes_any_strides(arg, how, kind, gate_position):
 
 
 @pytest.mark.kernel
-@pytest.mark.skipif(not KERNEL_PATH, reason="the Triton kernels' layouts")
+@pytest.mark.kernel_only("the Triton kernels' layouts")
 @pytest.mark.usefixtures("small_wide_rows")
 @pytest.mark.parametrize("kind,gate_position", CONFIGS, ids=["rms", "layer-pregate", "rms-postgate"])
 @pytest.mark.parametrize("how", HOWS)
@@ -109,7 +108,7 @@ def _channel_case(fn, how: str, shape, **tensors):
         params = [xi] + [v for k, v in vi.items() if not k.startswith("running")]
         runs.append([y, *torch.autograd.grad(y, params, torch.ones_like(y)),
                      *[v for k, v in vi.items() if k.startswith("running")]])
-    for g, w in zip(*runs):
+    for g, w in zip(*runs, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 

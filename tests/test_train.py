@@ -1,12 +1,17 @@
 """End to end: train, resume bit-exactly, sample; bad CLI values and missing data fail
 before any work."""
+import hashlib
 import json
 import lzma
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
 from safetensors.torch import load_file
-from trainutil import TINY, call, run, train
+from trainutil import ROOT, TINY, call, env, run, train
 
 from models import data
 
@@ -128,3 +133,91 @@ def test_unwritable_cache_is_a_clear_error(tmp_path):
     blocker.write_text("a file where the cache directory should be")
     with pytest.raises(data.DataError, match="cannot write the data cache"):
         data.prepare(src, blocker)
+
+
+# A failed cache build leaves no partial file. A guard: the cache writer was atomic before
+# models/atomic.py (a temporary file, fsync, os.replace), so these passed before it too.
+OLD, NEW = bytes(range(256)) * 400, b"to be or not to be " * 5000
+
+
+def _splits(text):
+    cut = int(len(text) * (1 - data.VAL_FRACTION))
+    return {"train.bin": text[:cut], "val.bin": text[cut:]}
+
+
+def _assert_no_partial_file(cache, new_xz, earlier=None):
+    """Only whole files in `cache`: no temporaries; train.bin and val.bin absent or exactly a
+    split of the new text or of the earlier one; meta.json absent or the earlier build's,
+    never marking the failed build complete."""
+    names = sorted(p.name for p in cache.iterdir())
+    assert set(names) <= {"train.bin", "val.bin", "meta.json"}, names
+    texts = [NEW] + ([earlier[0]] if earlier else [])
+    for name in set(names) - {"meta.json"}:
+        assert (cache / name).read_bytes() in [_splits(t)[name] for t in texts], f"{name} is partial"
+    if "meta.json" in names:
+        sha = json.loads((cache / "meta.json").read_text())["sha256"]
+        assert earlier, "meta.json marks a failed build complete"
+        assert sha == hashlib.sha256(earlier[1]).hexdigest() != hashlib.sha256(new_xz).hexdigest(), "meta.json"
+
+
+def _assert_next_build_completes(src, cache):
+    paths = data.prepare(src, cache)
+    assert {path.name: path.read_bytes() for path in paths.values()} == _splits(NEW)
+    assert sorted(p.name for p in cache.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3], ids=["train.bin", "val.bin", "meta.json"])
+@pytest.mark.parametrize("earlier", [False, True], ids=["no-cache", "stale-cache"])
+def test_a_failed_data_cache_write_leaves_no_partial_file(tmp_path, monkeypatch, fail_at, earlier):
+    """The cache build's rename of train.bin, val.bin or meta.json fails (a full disk), into
+    an empty cache or over a stale one of an earlier corpus."""
+    src, cache = tmp_path / "text.xz", tmp_path / "cache"
+    old_xz, new_xz = lzma.compress(OLD), lzma.compress(NEW)
+    if earlier:
+        src.write_bytes(old_xz)
+        data.prepare(src, cache)
+    src.write_bytes(new_xz)
+    real, calls = os.replace, 0
+
+    def replace(a, b):
+        nonlocal calls
+        calls += 1
+        if calls == fail_at:
+            raise OSError(28, "No space left on device")
+        return real(a, b)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(data.DataError, match=r"cannot write the data cache .*\(No space left on device\)"):
+        data.prepare(src, cache)
+    monkeypatch.undo()
+    assert calls == fail_at
+    _assert_no_partial_file(cache, new_xz, (OLD, old_xz) if earlier else None)
+    _assert_next_build_completes(src, cache)
+
+
+_PREPARE_UNDER_LIMIT = textwrap.dedent("""
+    import resource, sys
+    from pathlib import Path
+    from models import data
+    limit = int(sys.argv[3])
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    try:
+        data.prepare(Path(sys.argv[1]), Path(sys.argv[2]))
+    except data.DataError as e:
+        print(e)
+        sys.exit(3)
+""")
+
+
+def test_a_real_full_disk_during_the_data_cache_build_leaves_no_partial_file(tmp_path):
+    """A new process under a file-size limit that train.bin exceeds: its write fails part
+    way (EFBIG) with some of the bytes on disk."""
+    src, cache = tmp_path / "text.xz", tmp_path / "cache"
+    new_xz = lzma.compress(NEW)
+    src.write_bytes(new_xz)
+    limit = len(_splits(NEW)["train.bin"]) // 2
+    p = subprocess.run([sys.executable, "-c", _PREPARE_UNDER_LIMIT, str(src), str(cache), str(limit)],
+                       capture_output=True, text=True, env=env(), cwd=ROOT, timeout=120, check=False)
+    assert p.returncode == 3 and "cannot write the data cache" in p.stdout and "File too large" in p.stdout, p
+    _assert_no_partial_file(cache, new_xz)
+    _assert_next_build_completes(src, cache)

@@ -7,34 +7,28 @@ and several programs: every path of their indexing, against the fp64 reference.
 """
 import pytest
 import torch
-from conftest import KERNEL_PATH
-from test_norm import run_case
+from helpers import run_case
 
 import fuseblock
-import fuseblock.kernels.norm as K
 
-pytestmark = [pytest.mark.kernel, pytest.mark.skipif(not KERNEL_PATH, reason="the Triton kernels' layouts"),
+pytestmark = [pytest.mark.kernel, pytest.mark.kernel_only("the Triton kernels' layouts"),
               pytest.mark.usefixtures("small_wide_rows")]
-
-
-def launches(fn):
-    before = K.LAUNCHES.copy()
-    fn()
-    return K.LAUNCHES["fwd"] - before["fwd"], K.LAUNCHES["bwd"] - before["bwd"]
 
 
 @pytest.mark.parametrize("kind", ["rms", "layer", "l2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("res", ["none", "same", "fp32"])
 @pytest.mark.parametrize("affine", ["w", "wb"])
-def test_wide_row_kernels_match_fp64_reference(kind, dtype, res, affine):
+def test_wide_row_kernels_match_fp64_reference(kind, dtype, res, affine, launches):
     d, rows = 37, 29  # 5 chunks of 8 (the last has 5 columns); 8 row blocks of 4 over 2 programs
     x = torch.randn(rows, d).to(dtype) * 3 + 2  # an offset mean: the centring matters
     residual = None if res == "none" else torch.randn(rows, d).to(dtype)
     w = torch.randn(d).to(dtype)
     b = torch.randn(d).to(dtype) if affine == "wb" else None
     rdtype = torch.float32 if res == "fp32" else None
-    assert launches(lambda: run_case(x, residual, w, b, kind=kind, residual_dtype=rdtype)) == (1, 2)
+    launches.reset()
+    run_case(x, residual, w, b, kind=kind, residual_dtype=rdtype)
+    assert launches("fwd", "bwd") == (1, 2)
 
 
 @pytest.mark.parametrize("position", ["pre", "post"])

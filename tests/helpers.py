@@ -1,0 +1,104 @@
+"""What the test modules share: which path this run tests, the fp64 comparison, the core
+op's full check (`run_case`) and a count of Triton launches.
+
+Test modules import these from here, never from one another or from conftest; conftest
+holds the fixtures and hooks (the `launches` fixture, the `kernel_only` / `torch_only`
+markers). ref64 stays apart: the independent fp64 reference these checks compare against.
+
+fuseblock (and through it triton) is imported inside the functions that use it:
+conftest imports this module before any test module, and before it has moved tensors
+to FUSEBLOCK_TEST_DEVICE.
+"""
+import os
+
+import torch
+from ref64 import add_norm64, tolerances
+
+DEVICE = os.environ.get("FUSEBLOCK_TEST_DEVICE", "cpu")
+# The kernel path: the Triton kernels run, through the interpreter on CPU or compiled on a GPU.
+KERNEL_PATH = os.environ.get("TRITON_INTERPRET") == "1" or DEVICE == "cuda"
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def assert_close(actual, expected, dtype, what, *, cond=1.0, per_row=False):
+    """|actual - expected| <= cond * atol * scale + rtol * |expected|, elementwise, with
+    (atol, rtol) = ref64.tolerances(dtype).
+
+    scale is max(1, max|expected|) over the whole tensor, or with per_row=True
+    max(1, max|expected row|) for each row (last dim), which lets one tensor hold rows of
+    very different sizes (a clamped zero row's gradient is dy / eps). cond > 1 widens atol
+    for ill-conditioned cases (see run_case). An empty tensor is close to an empty one."""
+    atol, rtol = tolerances(dtype)
+    atol *= cond
+    expected = expected.detach().double()
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if expected.numel() == 0:
+        return
+    err = (actual.detach().double() - expected).abs() - rtol * expected.abs()
+    if per_row:
+        row = expected.abs().amax(-1, keepdim=True).clamp_min(1.0) if expected.dim() else 1.0
+        excess = (err - atol * row).max().item()
+        assert excess <= 0, f"{what}: worst excess error {excess:.3g} (atol {atol:.3g} x max(1, max|row|))"
+    else:
+        bound = atol * max(1.0, expected.abs().max().item())
+        worst = err.max().item()
+        assert worst <= bound, f"{what}: error {worst:.3g} > {bound:.3g}"
+
+
+def run_case(x, residual, weight, bias, *, residual_dtype=None, grad_res=True, **kw):
+    """fuseblock.add_norm forward + backward against the fp64 reference (ref64.add_norm64):
+    output, new residual and the gradient of every leaf given (gate too, if in kw)."""
+    import fuseblock
+
+    given = {"x": x, "residual": residual, "weight": weight, "bias": bias, "gate": kw.get("gate")}
+    named = {name: t for name, t in given.items() if t is not None}
+    leaves = list(named.values())
+    for t in leaves:
+        t.requires_grad_(True)
+    out, new_res = fuseblock.add_norm(x, residual, weight, bias, residual_dtype=residual_dtype, **kw)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    rdtype = residual_dtype or x.dtype
+    assert new_res.dtype == rdtype and new_res.shape == x.shape
+
+    ref_out, ref_p = add_norm64(x, residual, weight, bias, residual_dtype=rdtype, **kw)
+    assert_close(out, ref_out, x.dtype, "out")
+    assert_close(new_res, ref_p, rdtype, "new_residual")
+
+    g_out = torch.randn_like(out)
+    g_res = torch.randn_like(new_res) if grad_res else None
+    loss = (out.float() * g_out.float()).sum() + ((new_res.float() * g_res.float()).sum() if grad_res else 0)
+    grads = torch.autograd.grad(loss, leaves)
+    ref_loss = (ref_out * g_out.double()).sum() + ((ref_p * g_res.double()).sum() if grad_res else 0)
+    ref_grads = torch.autograd.grad(ref_loss, leaves)
+    # A layer norm of d = 1 is constant: sigma = sqrt(eps), so intermediates are 1/sqrt(eps)
+    # (~316 at eps=1e-5) times the gradient and cancel exactly only in exact arithmetic. On a
+    # GPU, FMA contraction (or ATen's Welford mean on CPU) leaves an ulp or two of those
+    # large terms, so allow 16x more there.
+    cond = 16.0 if kw.get("kind") == "layer" and x.shape[-1] == 1 else 1.0
+    for (name, leaf), g, rg in zip(named.items(), grads, ref_grads, strict=True):
+        assert g.dtype == leaf.dtype, name
+        assert_close(g, rg, leaf.dtype, f"d{name}", cond=cond)
+    return out, new_res
+
+
+class Launches:
+    """Triton launches by kind ("fwd", "bwd", "embed_fwd", "embed_bwd"), counted by
+    fuseblock.kernels.norm.LAUNCHES since this object was made or last reset():
+    `launches["fwd"]`, or `launches("fwd", "bwd")` for a tuple. The `launches` fixture
+    gives a test one, started at its setup."""
+
+    def __init__(self):
+        import fuseblock.kernels.norm  # here, not at the top: triton may be absent
+
+        self._module = fuseblock.kernels.norm
+        self.reset()
+
+    def reset(self):
+        self._start = dict(self._module.LAUNCHES)
+
+    def __getitem__(self, kind):
+        return self._module.LAUNCHES.get(kind, 0) - self._start.get(kind, 0)
+
+    def __call__(self, *kinds):
+        return tuple(self[k] for k in kinds)
