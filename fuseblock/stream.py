@@ -1,4 +1,4 @@
-"""The fused pre-norm residual stream (seed 001, "Fusing Normalize and Residual").
+"""The fused pre-norm residual stream (docs/stream.md).
 
 Naive pre-norm stack:  x_k = x_{k-1} + f_k(norm_k(x_{k-1})),  o = x_n  (or norm_f(x_n)).
 Fused stack, carrying (p_k, r_k):
@@ -13,7 +13,7 @@ Claim: r_k = x_{k-1} for k = 1..n+1. r_1 = x + 0 = x_0; if r_k = x_{k-1} then
 p_k = f_k(norm_k(x_{k-1})) and r_{k+1} = p_k + r_k = x_k. So o = p_n + r_n = x_n.
 Backward: r_k feeds both norm_k and r_{k+1}, so the gradient arriving at r_k from
 later sublayers adds to the one through the norm, and the sum is the gradient of both
-summands p_{k-1} and r_{k-1} (seed 001: dx = dx + dr, done in the backward kernel).
+summands p_{k-1} and r_{k-1} (docs/stream.md: dx = dx + dr, done in the backward kernel).
 docs/stream.md has the long form.
 """
 from __future__ import annotations
