@@ -101,3 +101,33 @@ def test_wide_row_kernels_on_strided_rows_and_empty_batches():
     out = fuseblock.norm(x, w, kind="rms")
     dx, dw = torch.autograd.grad(out.sum(), (x, w))
     assert out.shape == (0, 37) and torch.equal(dw, torch.zeros(37))
+
+
+@pytest.mark.parametrize("ord", ["l1", "l2", "max"])
+def test_embed_norm_takes_its_loop_kernels_under_the_same_limits(ord, monkeypatch):
+    # embed_norm reads the core op's tile limits at call time, so shrinking them here
+    # sends rows of 37 columns to its own loop kernels too (it once bound them by value)
+    import fuseblock.kernels.embed_norm as E
+
+    ran = []
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            ran.append(self.kernel.fn.__name__)
+            return self.kernel[grid]
+
+    for name in ("_fwd_loop", "_bwd_loop"):
+        monkeypatch.setattr(E, name, Spy(getattr(E, name)))
+    x = torch.randn(9, 37, requires_grad=True)
+    y = fuseblock.embed_norm(x, ord)
+    p = {"l1": 1.0, "l2": 2.0, "max": float("inf")}[ord]
+    xr = x.detach().double().requires_grad_()
+    ref = torch.nn.functional.normalize(xr, p=p, dim=-1)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-6)
+    cot = torch.randn(9, 37)
+    torch.testing.assert_close(torch.autograd.grad(y, x, cot)[0].double(), torch.autograd.grad(ref, xr, cot.double())[0],
+                               rtol=1e-4, atol=1e-5)
+    assert ran == ["_fwd_loop", "_bwd_loop"]
