@@ -375,7 +375,8 @@ def read_config(ckpt: Path, meta: dict) -> GPTConfig:
     where = ckpt / "meta.json"
     model = meta["config"].get("model")
     if not isinstance(model, dict) or set(model) != set(_CONFIG_TYPES):
-        raise CheckpointError(f"{where}: bad model config (fields {sorted(model) if isinstance(model, dict) else model!r})")
+        found = sorted(model) if isinstance(model, dict) else repr(model)
+        raise CheckpointError(f"{where}: bad model config (fields {found})")
     for k, ok in _CONFIG_TYPES.items():
         if not ok(model[k]):
             raise CheckpointError(f"{where}: bad model config ({k}={model[k]!r})")
@@ -412,7 +413,8 @@ def _describe(t: torch.Tensor) -> str:
 
 def _check_tensor(path: Path, key: str, got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     if got.dtype != want.dtype or got.shape != want.shape:
-        raise CheckpointError(f"{path}: does not fit the {what} ({key} is {_describe(got)}, expected {_describe(want)})")
+        raise CheckpointError(
+            f"{path}: does not fit the {what} ({key} is {_describe(got)}, expected {_describe(want)})")
 
 
 def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
@@ -442,7 +444,7 @@ def _expected_optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, t
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for i, p in enumerate(params):
         out[f"state.{i}.step"] = torch.zeros((), dtype=torch.float32)
-        keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if optimizer.defaults.get("amsgrad") else ("exp_avg", "exp_avg_sq")
+        keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if optimizer.defaults.get("amsgrad") else ())
         for k in keys:
             out[f"state.{i}.{k}"] = p.detach()
     return out
@@ -485,17 +487,20 @@ def load_training_state(ckpt: Path, meta: dict, optimizer: torch.optim.Optimizer
     expected = dict(_expected_optimizer_tensors(optimizer), **{"rng.batches": rng_like, "rng.torch0": rng_like})
     if set(tensors) != set(expected):
         missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
-        raise CheckpointError(f"{path}: does not fit the optimizer (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise CheckpointError(
+            f"{path}: does not fit the optimizer (missing {missing[:3]}, unexpected {unexpected[:3]})")
     for k, t in tensors.items():
         _check_tensor(path, k, t, expected[k], "optimizer")
         if k.endswith(".step") and t.item() != meta["step"]:
-            raise CheckpointError(f"{path}: does not fit the optimizer ({k} is {t.item()}, the checkpoint's step {meta['step']})")
+            raise CheckpointError(
+                f"{path}: does not fit the optimizer ({k} is {t.item()}, the checkpoint's step {meta['step']})")
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise CheckpointError(f"{path}: {k} holds NaN or inf: the run this came from diverged")
     opt_meta = meta["optimizer"]
     problem = _param_groups_problem(opt_meta.get("param_groups"), optimizer.state_dict()["param_groups"])
     if problem or opt_meta.get("scalars") != {}:
-        raise CheckpointError(f"{ckpt / 'meta.json'}: optimizer section does not fit the optimizer ({problem or 'scalars'})")
+        raise CheckpointError(
+            f"{ckpt / 'meta.json'}: optimizer section does not fit the optimizer ({problem or 'scalars'})")
     state = {}
     for key, v in tensors.items():
         if key.startswith("state."):

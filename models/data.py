@@ -60,7 +60,8 @@ def prepare(source: Path | None = None, cache: Path | None = None) -> dict[str, 
         write_bytes(out["val"], text[cut:])
         write_json(cache / "meta.json", stamp)  # last: marks the cache complete
     except OSError as e:
-        raise DataError(f"cannot write the data cache in {cache} ({e.strerror or e}): make it writable or free some space") from None
+        raise DataError(f"cannot write the data cache in {cache} ({e.strerror or e}): "
+                        "make it writable or free some space") from None
     return out
 
 

@@ -150,7 +150,8 @@ class GPT(nn.Module):
             raise ValueError(f"idx must be a (B, T) int64 tensor with T >= 1, got {tuple(idx.shape)} {idx.dtype}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+        number = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+        if not number or not 0 <= temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"top_k must be an int >= 1 or None, got {top_k!r}")

@@ -12,6 +12,7 @@ import train  # noqa: E402
 dump = Path(sys.argv[1])
 result = train.main(sys.argv[2:])
 rank = int(os.environ.get("RANK", 0))
-save_file({k: v.detach().clone().contiguous() for k, v in result["model"].state_dict().items() if k != "lm_head.weight"},
+state = result["model"].state_dict().items()
+save_file({k: v.detach().clone().contiguous() for k, v in state if k != "lm_head.weight"},
           str(dump / f"rank{rank}.safetensors"))
 (dump / f"rank{rank}.json").write_text(json.dumps({"curve": result["curve"]}))

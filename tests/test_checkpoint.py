@@ -56,7 +56,8 @@ def test_planted_pickle_files_are_never_executed(trained, tmp_path):
         f.update(bytes=len(payload), sha256=__import__("hashlib").sha256(payload).hexdigest())
     (ckpt / "meta.json").write_text(json.dumps(meta))
     for script in ("sample.py", "train.py"):
-        extra = ["--max-new-tokens", "5"] if script == "sample.py" else ["--out-dir", out, "--max-iters", "6", "--resume", *TINY]
+        resume = ["--out-dir", out, "--max-iters", "6", "--resume", *TINY]
+        extra = ["--max-new-tokens", "5"] if script == "sample.py" else resume
         args = ["--ckpt", out, *extra] if script == "sample.py" else extra
         p = call(script, *args, check=False)
         assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
@@ -65,7 +66,8 @@ def test_planted_pickle_files_are_never_executed(trained, tmp_path):
 
 
 def test_load_paths_contain_no_pickle_and_no_unsafe_torch_load():
-    for path in list((ROOT / "models").glob("*.py")) + list((ROOT / "scripts").glob("*.py")) + list((ROOT / "fuseblock").rglob("*.py")):
+    sources = [*(ROOT / "models").glob("*.py"), *(ROOT / "scripts").glob("*.py"), *(ROOT / "fuseblock").rglob("*.py")]
+    for path in sources:
         src = path.read_text()
         assert not re.search(r"^\s*import pickle|^\s*from pickle|cPickle", src, re.MULTILINE), path
         for load in re.findall(r"torch\.load\([^)]*\)", src):
@@ -115,7 +117,8 @@ def test_damaged_checkpoints_get_one_line_errors(trained, tmp_path, damage, need
 
 def test_resume_with_a_conflicting_model_flag_is_refused(trained, tmp_path):
     out = _copy(trained, tmp_path / "conflict")
-    p = call("train.py", "--out-dir", out, "--max-iters", "6", "--resume", *TINY[:4], "--n-embd", "32", "--block-size", "16", check=False)
+    p = call("train.py", "--out-dir", out, "--max-iters", "6", "--resume", *TINY[:4], "--n-embd", "32",
+             "--block-size", "16", check=False)
     assert p.returncode == 2 and "config mismatch" in p.stderr and "n_embd" in p.stderr
 
 

@@ -28,7 +28,7 @@ def test_fullgraph_aot_eager_matches_eager_and_keeps_the_op_whole():
     assert explained.graph_break_count == 0 and explained.graph_count == 1
     assert "fuseblock.norm_fwd" in str(explained.graphs[0].graph)
     compiled = torch.compile(_fn, fullgraph=True, backend="aot_eager")
-    for a, b in zip(_grads(compiled, inputs), _grads(_fn, inputs)):
+    for a, b in zip(_grads(compiled, inputs), _grads(_fn, inputs), strict=True):
         torch.testing.assert_close(a, b)
 
 
@@ -36,7 +36,7 @@ def test_fullgraph_inductor_forward_and_backward():
     torch._dynamo.reset()
     compiled = torch.compile(_fn, fullgraph=True)
     inputs = _inputs()
-    for a, b in zip(_grads(compiled, inputs), _grads(_fn, inputs)):
+    for a, b in zip(_grads(compiled, inputs), _grads(_fn, inputs), strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 

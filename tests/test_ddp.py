@@ -30,7 +30,8 @@ def test_two_cpu_ranks_match_one_process_with_two_accumulation_steps(tmp_path):
                    check=True, env=_env(), cwd=ROOT, capture_output=True, timeout=240)
     subprocess.run([sys.executable, WORKER, str(single), "--out-dir", str(single / "run"), "--device", "cpu",
                     "--grad-accum", "2", *common], check=True, env=_env(), cwd=ROOT, capture_output=True, timeout=240)
-    r0, r1, one = (load_file(str(p)) for p in (ddp / "rank0.safetensors", ddp / "rank1.safetensors", single / "rank0.safetensors"))
+    files = (ddp / "rank0.safetensors", ddp / "rank1.safetensors", single / "rank0.safetensors")
+    r0, r1, one = (load_file(str(p)) for p in files)
     assert r0.keys() == r1.keys() == one.keys()
     for k in r0:
         assert torch.equal(r0[k], r1[k]), k  # DDP keeps the replicas identical

@@ -55,11 +55,12 @@ def test_second_derivatives_match_the_fp64_reference(case):
         loss = (out * cot[0].to(out.dtype)).sum() + (new_res * cot[1].to(new_res.dtype)).sum()
         gx, gw = torch.autograd.grad(loss, (leaves["x"], leaves["weight"]), create_graph=True)
         found = torch.autograd.grad((gx ** 2).sum() + (gw ** 3).sum(), list(leaves.values()), allow_unused=True)
-        return [torch.zeros_like(v) if g is None else g for g, v in zip(found, leaves.values())]  # bias: linear
+        # bias enters linearly: no second derivative, so autograd returns None for it
+        return [torch.zeros_like(v) if g is None else g for g, v in zip(found, leaves.values(), strict=True)]
 
     got = second(fuseblock.add_norm, t)
     want = second(add_norm64, {k: v.detach().double().requires_grad_() for k, v in t.items()})
-    for name, g, w in zip(t, got, want):
+    for name, g, w in zip(t, got, want, strict=True):
         scale = max(1.0, w.abs().max().item())
         assert (g.double() - w).abs().max().item() <= 2e-4 * scale, name
 
@@ -72,7 +73,7 @@ def test_first_derivatives_with_create_graph_equal_the_plain_ones():
     plain = torch.autograd.grad((out, new_res), list(t.values()), cot, retain_graph=True)
     graphed = torch.autograd.grad((out, new_res), list(t.values()), cot, create_graph=True)
     assert graphed[0].requires_grad  # dx depends on x: a graph to differentiate again
-    for p, g in zip(plain, graphed):
+    for p, g in zip(plain, graphed, strict=True):
         torch.testing.assert_close(g, p, rtol=1e-5, atol=1e-5)
 
 
@@ -88,7 +89,7 @@ def test_bf16_activations_with_an_fp32_residual_double_backward():
     o6, p6 = add_norm64(x6, r6, residual_dtype=torch.float32)
     g6 = torch.autograd.grad(o6.sum() + p6.sum(), x6, create_graph=True)[0]
     h6 = torch.autograd.grad((g6 ** 2).sum(), (x6, r6))
-    for got, want in zip((hx, hr), h6):
+    for got, want in zip((hx, hr), h6, strict=True):
         assert (got.double() - want).abs().max() <= 0.05 * max(1.0, want.abs().max().item())
 
 
@@ -124,6 +125,6 @@ def test_torch_func_through_the_family_ops():
               lambda t: fuseblock.batch_norm(t, None, None, training=True)):
         batched = torch.func.vmap(f)(x)
         torch.testing.assert_close(batched, torch.stack([f(xi) for xi in x]), rtol=1e-5, atol=1e-5)
-        g = torch.func.grad(lambda t: f(t).pow(3).sum())(x[0])
+        g = torch.func.grad(lambda t, f=f: f(t).pow(3).sum())(x[0])
         xr = x[0].clone().requires_grad_()
         torch.testing.assert_close(g, torch.autograd.grad(f(xr).pow(3).sum(), xr)[0], rtol=1e-4, atol=1e-5)

@@ -161,6 +161,7 @@ def test_wheel_holds_only_fuseblock_and_runs_from_another_directory(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
-    proc = subprocess.run([py, "-c", USE_WHEEL], check=False, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([py, "-c", USE_WHEEL], check=False, cwd=elsewhere, env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("wheel ok") and proc.stdout.split()[-1] == "MIT"

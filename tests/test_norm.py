@@ -53,7 +53,8 @@ def test_rms_and_layer_equal_torch_functions(dtype, d):
     ref_rms = F.rms_norm(x.double(), (d,), w.double(), eps=1e-5)
     torch.testing.assert_close(fuseblock.norm(x, w, kind="rms", eps=1e-5).double(), ref_rms, atol=atol * 4, rtol=rtol)
     ref_ln = F.layer_norm(x.double(), (d,), w.double(), b.double(), eps=1e-5)
-    torch.testing.assert_close(fuseblock.norm(x, w, b, kind="layer", eps=1e-5).double(), ref_ln, atol=atol * 4, rtol=rtol)
+    out = fuseblock.norm(x, w, b, kind="layer", eps=1e-5)
+    torch.testing.assert_close(out.double(), ref_ln, atol=atol * 4, rtol=rtol)
     # and their gradients, via torch's own autograd of its own functions
     xs = x.float().requires_grad_()
     ws = w.float().requires_grad_()

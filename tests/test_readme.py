@@ -27,7 +27,8 @@ def _commands():
     """Each shell command of the README: the ```bash blocks' lines, and inline code spans
     that start with a program name, split at &&."""
     text = README.read_text()
-    lines = [ln.split(" #")[0].strip() for b in re.findall(r"```bash\n(.*?)```", text, re.DOTALL) for ln in b.splitlines()]
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.DOTALL)
+    lines = [ln.split(" #")[0].strip() for b in blocks for ln in b.splitlines()]
     prose = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
     lines += re.findall(r"`((?:[A-Z_]+=\S+ )*(?:\.venv/bin/|make |python|pip|pytest|torchrun)[^` ]* [^`]*)`", prose)
     return [c.strip() for ln in lines for c in ln.split("&&") if c.strip() and not c.startswith("#")]

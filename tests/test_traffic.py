@@ -6,7 +6,8 @@ from conftest import KERNEL_PATH
 from fuseblock.testing import cases, op_traffic
 from fuseblock.testing.traffic import EagerTraffic, KernelTraffic, charge, uncounted
 
-kernel_only = pytest.mark.skipif(not KERNEL_PATH or torch.cuda.is_available(), reason="counts the interpreter's loads and stores")
+kernel_only = pytest.mark.skipif(not KERNEL_PATH or torch.cuda.is_available(),
+                                 reason="counts the interpreter's loads and stores")
 
 
 def _copy_twice():
@@ -170,7 +171,8 @@ def test_charge_models_one_kernel_and_uncounted_hides_its_ops():
 def test_one_kernel_rms_norm_is_torchs_rms_norm_and_charged_once():
     x, residual, w, kw = cases.op_inputs("add_norm", 16, 48, torch.float64)
     leaves = cases.leaves(x, residual, w, kw)
-    one, ref = cases.naive("add_norm", x, residual, w, kw, one_kernel_norm=True), cases.naive("add_norm", x, residual, w, kw)
+    one = cases.naive("add_norm", x, residual, w, kw, one_kernel_norm=True)
+    ref = cases.naive("add_norm", x, residual, w, kw)
     grads = [torch.randn_like(t) for t in one]
     for a, b in zip([*one, *torch.autograd.grad(one, leaves, grads)], [*ref, *torch.autograd.grad(ref, leaves, grads)],
                     strict=True):

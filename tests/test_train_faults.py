@@ -37,7 +37,8 @@ from models.gpt import GPT, GPTConfig
 
 def _snapshot(out: Path) -> dict:
     """Every file under `out` (through symlinks) and its bytes, the lock file aside."""
-    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file() and p.name != ".lock"}
+    files = (p for p in sorted(out.rglob("*")) if p.is_file() and p.name != ".lock")
+    return {str(p.relative_to(out)): p.read_bytes() for p in files}
 
 
 def _latest_step(out: Path) -> int:
@@ -91,7 +92,8 @@ def test_a_real_full_disk_warns_trains_on_and_keeps_the_previous_checkpoint(tmp_
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     lines = p.stderr.strip().splitlines()
     assert lines[0] == f"warning: checkpoint at step 3 not written (File too large); {out}/latest still holds step 2"
-    assert lines[-1] == f"error: {out}: checkpoint at step 4 not written (File too large); {out}/latest still holds step 2"
+    want = f"error: {out}: checkpoint at step 4 not written (File too large); {out}/latest still holds step 2"
+    assert lines[-1] == want
     assert "step 4: train" in p.stdout  # it trained to the end
     assert _snapshot(out) == before and _loads(out)["step"] == 2
     assert not list(out.glob(".*.tmp*"))
@@ -370,14 +372,16 @@ TAMPER = {
                       "state.0.exp_avg is int32"),
     "adam-shape": (lambda c: _retensor(c, "optimizer.safetensors", "state.0.exp_avg_sq", lambda t: t[:1].clone()),
                    "state.0.exp_avg_sq is float32 (1, 16)"),
-    "adam-step": (lambda c: _retensor(c, "optimizer.safetensors", "state.3.step", lambda t: t - 9), "state.3.step is -5"),
+    "adam-step": (lambda c: _retensor(c, "optimizer.safetensors", "state.3.step", lambda t: t - 9),
+                  "state.3.step is -5"),
     "step-negative": (lambda c: _remeta(c, lambda m: m.update(step=-5)), "step must be an int >= 1, got -5"),
     "history-string": (lambda c: _remeta(c, lambda m: m.update(history="oops")), "malformed history"),
     "curve-short": (lambda c: _remeta(c, lambda m: m.update(curve=m["curve"][:2])), "malformed curve"),
     "batch-negative": (lambda c: _remeta(c, lambda m: m["config"]["train"].update(batch_size=-7)),
                        "bad training setting batch_size=-7"),
     "bias-string": (lambda c: _remeta(c, lambda m: m["config"]["model"].update(bias="yes")), "bias='yes'"),
-    "huge-model": (lambda c: _remeta(c, lambda m: m["config"]["model"].update(n_layer=10**6)), "does not fit the model"),
+    "huge-model": (lambda c: _remeta(c, lambda m: m["config"]["model"].update(n_layer=10**6)),
+                   "does not fit the model"),
     "eps-negative": (lambda c: _remeta(c, lambda m: m["optimizer"]["param_groups"][0].update(eps=-1)), "bad eps -1"),
 }
 
