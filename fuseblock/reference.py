@@ -8,7 +8,7 @@ anywhere and documents the math. Symbols follow docs/math.md:
     s = p * g(z)     (pre-gate)    or  s = p         (z: the gate tensor)
     q = s - mean(s)  (layer)       or  q = s
     sigma = sqrt(q.q/d + eps),  r = q / sigma
-    o1 = scale * r * w + b         (scale = c / sqrt(d))
+    o1 = scale * r * (w0 + w) + b  (scale = c / sqrt(d), w0 = weight_offset)
     o = o1 * g(z)    (post-gate)   or  o = o1
 
 d is the size of one normalized group (the whole row unless num_groups > 1).
@@ -55,10 +55,18 @@ def _normalized(s: Tensor, spec: NormSpec, rstd: Tensor, mean: Tensor | None) ->
     return (q * rstd[..., None]).reshape(s.shape)
 
 
+def _weight(weight: Tensor | None, spec: NormSpec, dtype: torch.dtype) -> Tensor | None:
+    """weight_offset + weight in the accumulation dtype (the sum is never rounded to the weight's)."""
+    if weight is None:
+        return None
+    w = weight.to(dtype)
+    return w + spec.weight_offset if spec.weight_offset != 0.0 else w
+
+
 def _affine(r: Tensor, spec: NormSpec, weight, bias) -> Tensor:
     o1 = r * spec.scale
     if weight is not None:
-        o1 = o1 * weight.to(r.dtype)
+        o1 = o1 * _weight(weight, spec, r.dtype)
     if bias is not None:
         o1 = o1 + bias.to(r.dtype)
     return o1
@@ -86,10 +94,11 @@ def _native_ok(p: Tensor, spec: NormSpec) -> bool:
 
 
 def _scaled_weight(weight: Tensor | None, spec: NormSpec, d: int, like: Tensor) -> Tensor | None:
+    w = _weight(weight, spec, like.dtype)
     if spec.scale == 1.0:
-        return None if weight is None else weight.to(like.dtype)
-    w = torch.full((d,), spec.scale, dtype=like.dtype, device=like.device)
-    return w if weight is None else w * weight.to(like.dtype)
+        return w
+    s = torch.full((d,), spec.scale, dtype=like.dtype, device=like.device)
+    return s if w is None else s * w
 
 
 def _native_fwd(p: Tensor, weight, bias, spec: NormSpec):
@@ -238,7 +247,7 @@ def norm_bwd(
     db = do1.reshape(rows).sum(0) if bias is not None else None
     dr = do1 * spec.scale
     if weight is not None:
-        dr = dr * weight.to(acc)
+        dr = dr * _weight(weight, spec, acc)
     rg, drg = _grouped(r, spec.groups), _grouped(dr, spec.groups)
     # docs/math.md: dq = (dr - (r.dr) r / d) / sigma
     dq = (drg - rg * (rg * drg).mean(-1, keepdim=True)) * rstd[..., None]

@@ -58,8 +58,8 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 class NormSpec:
     """What the kernels need to know, resolved from the user's keywords.
 
-    `scale` is c / sqrt(group size): o = (c/sqrt(d)) * q/sigma * w + b with
-    sigma = sqrt(q.q/d + eps) (docs/math.md).
+    `scale` is c / sqrt(group size): o = (c/sqrt(d)) * q/sigma * (weight_offset + w) + b
+    with sigma = sqrt(q.q/d + eps) (docs/math.md). weight_offset + w is formed in fp32.
 
     Custom-op schemas take primitive arguments only, so a spec crosses the op boundary as
     `pack()`, a list of floats, and is rebuilt by `unpack`: a new field is added here and
@@ -72,6 +72,7 @@ class NormSpec:
     gate: Gate
     act: Act
     groups: int
+    weight_offset: float = 0.0  # Gemma's (1 + w): the stored weight is the offset from weight_offset
 
     def pack(self) -> list[float]:
         # .value: torch.compile traces this, and float() of an IntEnum member recurses in Dynamo
@@ -84,7 +85,7 @@ class NormSpec:
 
     @classmethod
     def of(cls, d: int, *, kind: str, c, eps: float, num_groups: int, gate_act: str | None,
-           gate_position: str | None) -> NormSpec:
+           gate_position: str | None, weight_offset: float = 0.0) -> NormSpec:
         """The spec of validated options for rows of d; gate_act/gate_position None: no gate."""
         group = d // num_groups
         if c is None:
@@ -97,6 +98,7 @@ class NormSpec:
             gate=GATE_POSITIONS[gate_position] if gated else Gate.NONE,
             act=GATE_ACTS[gate_act] if gated else Act.UNUSED,
             groups=int(num_groups),
+            weight_offset=float(weight_offset),
         )
 
 

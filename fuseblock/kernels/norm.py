@@ -90,6 +90,12 @@ def _act_grad(z, ACT: tl.constexpr):
 
 
 @triton.jit
+def _weight(W, o_w, m_w, woff):
+    """woff + w in fp32 (Gemma's 1 + w): the sum is never rounded to the weight's dtype."""
+    return tl.load(W + o_w, mask=m_w, other=0.0).to(tl.float32) + woff
+
+
+@triton.jit
 def _mean(b_sum, DG):
     # IEEE division: the default GPU division is approximate (2 ulp), and that error
     # is multiplied by rstd, which is huge for (near-)constant rows such as d = 1.
@@ -132,11 +138,11 @@ def _load_p(X, R, RO, o_x, o_r, o_ro, mask, HAS_R: tl.constexpr, STORE_R: tl.con
 
 
 # --------------------------------------------------------------------------- forward
-@triton.jit(do_not_specialize=["M", "eps", "scale"])
+@triton.jit(do_not_specialize=["M", "eps", "scale", "woff"])
 def _fwd_tile(
     X, R, Z, W, B, O, RO, RSTD, MEAN,
     s_x, s_r, s_z, s_o, s_ro,
-    M, G, DG, eps, scale,
+    M, G, DG, eps, scale, woff,
     BR: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
     HAS_R: tl.constexpr, STORE_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, STORE_STATS: tl.constexpr,
@@ -172,7 +178,7 @@ def _fwd_tile(
     b_rstd = _rstd(tl.sum(_prod(b_q, b_q, EXACT_SQ), 2), DG, eps, EXACT_SQ)
     b_o = b_q * (b_rstd[:, :, None] * scale)
     if HAS_W:
-        b_o *= tl.load(W + o_gd, mask=m_gd, other=0.0).to(tl.float32)[None, :, :]
+        b_o *= _weight(W, o_gd, m_gd, woff)[None, :, :]
     if HAS_B:
         b_o += tl.load(B + o_gd, mask=m_gd, other=0.0).to(tl.float32)[None, :, :]
     if GATE == GATE_POST:
@@ -186,11 +192,11 @@ def _fwd_tile(
             tl.store(MEAN + o_stat, b_mean, mask=m_stat)
 
 
-@triton.jit(do_not_specialize=["MG", "eps", "scale"])
+@triton.jit(do_not_specialize=["MG", "eps", "scale", "woff"])
 def _fwd_loop(
     X, R, Z, W, B, O, RO, RSTD, MEAN,
     s_x, s_r, s_z, s_o, s_ro,
-    MG, G, DG, eps, scale,
+    MG, G, DG, eps, scale, woff,
     BD: tl.constexpr,
     HAS_R: tl.constexpr, STORE_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, STORE_STATS: tl.constexpr,
@@ -255,7 +261,7 @@ def _fwd_loop(
             b_q = b_s - b_mean if CENTER else b_s
             b_o = b_q * (b_rstd * scale)
             if HAS_W:
-                b_o *= tl.load(W + o_col, mask=m_d, other=0.0).to(tl.float32)
+                b_o *= _weight(W, o_col, m_d, woff)
             if HAS_B:
                 b_o += tl.load(B + o_col, mask=m_d, other=0.0).to(tl.float32)
             if GATE == GATE_POST:
@@ -305,11 +311,11 @@ def _store_dx(b_dq, b_p, b_z, b_g, DZ, DRO, DX, DR, o_dz, o_dro, o_dx, o_dr, mas
         tl.store(DR + o_dr, b_dq.to(DR.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["M", "scale"])
+@triton.jit(do_not_specialize=["M", "scale", "woff"])
 def _bwd_tile(
     P, Z, W, B, RSTD, MEAN, DO, DRO, DX, DR, DZ, DW, DB,
     s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz,
-    M, G, DG, scale,
+    M, G, DG, scale, woff,
     BR: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
     HAS_DRO: tl.constexpr, STORE_DR: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
@@ -325,7 +331,7 @@ def _bwd_tile(
     m_gd = (o_g[:, None] < G) & (o_d[None, :] < DG)
     o_gd = o_g[:, None] * DG + o_d[None, :]
     col = o_gd[None, :, :]
-    b_w = tl.load(W + o_gd, mask=m_gd, other=0.0).to(tl.float32)[None, :, :] if HAS_W else None
+    b_w = _weight(W, o_gd, m_gd, woff)[None, :, :] if HAS_W else None
     b_b = tl.load(B + o_gd, mask=m_gd, other=0.0).to(tl.float32)[None, :, :] if HAS_B else None
     b_dw = tl.zeros([BG, BD], dtype=tl.float32)
     b_db = tl.zeros([BG, BD], dtype=tl.float32)
@@ -366,11 +372,11 @@ def _bwd_tile(
         tl.store(DB + o_part, b_db, mask=m_gd)
 
 
-@triton.jit(do_not_specialize=["MG", "scale"])
+@triton.jit(do_not_specialize=["MG", "scale", "woff"])
 def _bwd_dots(
     P, Z, W, RSTD, MEAN, DO, DOT,
     s_p, s_z, s_do,
-    MG, G, DG, scale,
+    MG, G, DG, scale, woff,
     BD: tl.constexpr,
     HAS_W: tl.constexpr, CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr,
 ):
@@ -402,7 +408,7 @@ def _bwd_dots(
                 b_do *= b_g
             b_dr = b_do * scale
             if HAS_W:
-                b_dr *= tl.load(W + o_col, mask=m_d, other=0.0).to(tl.float32)
+                b_dr *= _weight(W, o_col, m_d, woff)
             b_c1 += b_r * b_dr
             b_c2 += b_dr
             b_c3 += b_r
@@ -412,11 +418,11 @@ def _bwd_dots(
             tl.store(DOT + 2 * i_mg + 1, (_mean(tl.sum(b_c2, 0), DG) - c1 * _mean(tl.sum(b_c3, 0), DG)) * b_rstd)
 
 
-@triton.jit(do_not_specialize=["M", "scale"])
+@triton.jit(do_not_specialize=["M", "scale", "woff"])
 def _bwd_cols(
     P, Z, W, B, RSTD, MEAN, DOT, DO, DRO, DX, DR, DZ, DW, DB,
     s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz,
-    M, G, DG, scale,
+    M, G, DG, scale, woff,
     BR: tl.constexpr, BD: tl.constexpr,
     HAS_DRO: tl.constexpr, STORE_DR: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
@@ -437,7 +443,7 @@ def _bwd_cols(
     m_d = o_in < DG
     o_col = i_g * DG + o_in
     col = o_col[None, :]
-    b_w = tl.load(W + o_col, mask=m_d, other=0.0).to(tl.float32)[None, :] if HAS_W else None
+    b_w = _weight(W, o_col, m_d, woff)[None, :] if HAS_W else None
     b_b = tl.load(B + o_col, mask=m_d, other=0.0).to(tl.float32)[None, :] if HAS_B else None
     b_dw = tl.zeros([BD], dtype=tl.float32)
     b_db = tl.zeros([BD], dtype=tl.float32)
@@ -579,12 +585,13 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
             STORE_STATS=need_stats, EXACT_SQ=spec.eps == 0, num_warps=lay.warps,
         )
         if lay.tile:
-            _fwd_tile[(cdiv(M, lay.br),)](*args, M, G, d // G, spec.eps, spec.scale, BR=lay.br, BG=lay.bg, BD=lay.bd,
-                                          **flags)
+            _fwd_tile[(cdiv(M, lay.br),)](*args, M, G, d // G, spec.eps, spec.scale, spec.weight_offset,
+                                          BR=lay.br, BG=lay.bg, BD=lay.bd, **flags)
         else:
             variant = lay.variant("_fwd_loop", (x2, r2, z2, weight, bias, out, new_res), flags)
             n_prog = min(M * G, _num_sms(x.device) * programs_per_sm(x.device, variant, lay.per_sm))
-            compiled = _fwd_loop[(n_prog,)](*args, M * G, G, d // G, spec.eps, spec.scale, BD=lay.bd, **flags)
+            compiled = _fwd_loop[(n_prog,)](*args, M * G, G, d // G, spec.eps, spec.scale, spec.weight_offset,
+                                            BD=lay.bd, **flags)
             learn(x.device, variant, compiled, lay.warps)
         LAUNCHES["fwd"] += 1
     return out.view(x.shape), None if new_res is None else new_res.view(x.shape), rstd, mean
@@ -632,7 +639,7 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
         outs = (do2, dro2, dx, dr, dz, dw_part, db_part)
         if lay.tile:
             compiled = _bwd_tile[(n_prog,)](p2, z2, weight, bias, rstd, mean, *outs, *strides, M, G, dg, spec.scale,
-                                            BR=lay.br, BG=lay.bg, BD=lay.bd, num_warps=lay.warps, **flags)
+                                            spec.weight_offset, BR=lay.br, BG=lay.bg, BD=lay.bd, num_warps=lay.warps, **flags)
             LAUNCHES["bwd"] += 1
         else:
             dots = torch.empty((M * G, 2), dtype=torch.float32, device=dev)
@@ -642,11 +649,12 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
             dots_variant = dots_lay.variant("_bwd_dots", (p2, z2, weight, do2), dots_flags)
             n_dots = min(M * G, _num_sms(dev) * programs_per_sm(dev, dots_variant, dots_lay.per_sm))
             dots_compiled = _bwd_dots[(n_dots,)](p2, z2, weight, rstd, mean, do2, dots, p2.stride(0), _stride(z2),
-                                                 do2.stride(0), M * G, G, dg, spec.scale, num_warps=dots_lay.warps,
-                                                 **dots_flags)
+                                                 do2.stride(0), M * G, G, dg, spec.scale, spec.weight_offset,
+                                                 num_warps=dots_lay.warps, **dots_flags)
             learn(dev, dots_variant, dots_compiled, dots_lay.warps)
             compiled = _bwd_cols[(n_cols, n_prog)](p2, z2, weight, bias, rstd, mean, dots, *outs, *strides, M, G,
-                                                   dg, spec.scale, BR=lay.br, BD=lay.bd, num_warps=lay.warps, **flags)
+                                                   dg, spec.scale, spec.weight_offset, BR=lay.br, BD=lay.bd,
+                                                   num_warps=lay.warps, **flags)
             LAUNCHES["bwd"] += 2
         learn(dev, variant, compiled, lay.warps)
     if M == 0:  # no program ran: the partial rows hold garbage, the true sums are zero
