@@ -1,8 +1,10 @@
-"""Pure-PyTorch forward and backward of the normalize op family: the CPU path.
+"""The pure-PyTorch path of the normalize op family: the math as plain differentiable torch ops.
 
-Same contract as the Triton launchers in `fuseblock.kernels.norm` (2-D (M, d) inputs,
-fp32 statistics, the same saved tensors), written with plain torch ops so it runs
-anywhere and documents the math. Symbols follow docs/math.md:
+Same forward contract as the Triton launchers in `fuseblock.kernels.norm`. It has no
+backward of its own: autograd differentiates these ops, as it would the naive form's
+(the full backward, which the kernels implement, is derived in docs/math.md). It runs
+wherever the kernels do not, and serves the kernels' double backward. Symbols follow
+docs/math.md:
 
     p = x + residual               (the residual sum, stored as new_residual)
     s = p * g(z)     (pre-gate)    or  s = p         (z: the gate tensor)
@@ -32,34 +34,21 @@ def gate_act(z: Tensor, act: Act) -> Tensor:
     raise ValueError(f"unknown gate activation {act!r}")
 
 
-def gate_act_grad(z: Tensor, act: Act) -> Tensor:
-    """g'(z)."""
-    if act == Act.IDENTITY:
-        return torch.ones_like(z)
-    s = torch.sigmoid(z)
-    if act == Act.SIGMOID:
-        return s * (1 - s)
-    if act == Act.SILU:
-        return s * (1 + z * (1 - s))
-    raise ValueError(f"unknown gate activation {act!r}")
-
-
 def _grouped(t: Tensor, groups: int) -> Tensor:
     return t.reshape(-1, groups, t.shape[-1] // groups)  # (M, G, d/G) for any leading shape
 
 
-def _normalized(s: Tensor, spec: NormSpec, rstd: Tensor, mean: Tensor | None) -> Tensor:
-    """r = (s - mean) * rstd per group, back in (M, d)."""
-    sg = _grouped(s, spec.groups)
-    q = sg - mean[..., None] if spec.center else sg
-    return (q * rstd[..., None]).reshape(s.shape)
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """t in dtype; no call into torch when it already is (the eager torch path's host time
+    is what a small call costs)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _weight(weight: Tensor | None, spec: NormSpec, dtype: torch.dtype) -> Tensor | None:
     """weight_offset + weight in the accumulation dtype (the sum is never rounded to the weight's)."""
     if weight is None:
         return None
-    w = weight.to(dtype)
+    w = _as(weight, dtype)
     return w + spec.weight_offset if spec.weight_offset != 0.0 else w
 
 
@@ -72,66 +61,33 @@ def _affine(r: Tensor, spec: NormSpec, weight, bias) -> Tensor:
     return o1
 
 
-# ---------------------------------------------------------------- native fast path
-# In fp32 with no gate and one group, ATen's fused CPU kernels compute the same math in
-# one pass each way (3-4x faster than the composition below). They take the scale
-# c/sqrt(d) folded into the weight.
-def _has_fused_rms() -> bool:
-    """Whether ATen has `_fused_rms_norm(input, normalized_shape, weight, eps)` (torch 2.9+).
-    Older torch lacks it or takes other arguments: RMS then takes the composed path."""
-    try:
-        args = torch.ops.aten._fused_rms_norm.default._schema.arguments
-    except (AttributeError, RuntimeError):
-        return False
-    return [a.name for a in args[:2]] == ["input", "normalized_shape"]
+# ---------------------------------------------------------------- the plain fast path
+# Where the spec is a plain RMS or layer norm (no gate, one group, eps > 0) on an fp32 or
+# fp64 p, the torch path is exactly the naive form's ops: F.rms_norm / F.layer_norm,
+# which autograd, torch.func and Inductor all know. The scale c/sqrt(d) and the weight
+# offset fold into the weight they are given.
+def _plain_ok(p: Tensor, spec: NormSpec) -> bool:
+    return p.dtype in (torch.float32, torch.float64) and spec.gate == Gate.NONE and spec.groups == 1 and spec.eps > 0
 
 
-_FUSED_RMS = _has_fused_rms()
-
-
-def _native_ok(p: Tensor, spec: NormSpec) -> bool:
-    return p.dtype == torch.float32 and spec.gate == Gate.NONE and spec.groups == 1 and (spec.center or _FUSED_RMS)
-
-
-def _scaled_weight(weight: Tensor | None, spec: NormSpec, d: int, like: Tensor) -> Tensor | None:
+def _plain_weight(weight: Tensor | None, spec: NormSpec, like: Tensor) -> Tensor | None:
     w = _weight(weight, spec, like.dtype)
     if spec.scale == 1.0:
         return w
-    s = torch.full((d,), spec.scale, dtype=like.dtype, device=like.device)
-    return s if w is None else s * w
+    return torch.full(like.shape[-1:], spec.scale, dtype=like.dtype, device=like.device) if w is None \
+        else w * spec.scale
 
 
-def _native_fwd(p: Tensor, weight, bias, spec: NormSpec):
-    d = p.shape[-1]
-    w = _scaled_weight(weight, spec, d, p)
-    b = None if bias is None else bias.to(p.dtype)
+def _plain(p: Tensor, weight, bias, spec: NormSpec) -> Tensor:
+    # torch.layer_norm / torch.rms_norm are what F.layer_norm / F.rms_norm call, less
+    # their Python wrappers' checks for __torch_function__ overrides
+    d = (p.shape[-1],)
+    w = _plain_weight(weight, spec, p)
+    b = None if bias is None else _as(bias, p.dtype)
     if spec.center:
-        out, mean, rstd = torch.native_layer_norm(p, [d], w, b, spec.eps)
-        return out, rstd.reshape(-1, 1), mean.reshape(-1, 1)
-    out, rstd = torch.ops.aten._fused_rms_norm(p, [d], w, spec.eps)
-    return (out if b is None else out + b), rstd.reshape(-1, 1), None
-
-
-def _native_bwd(dout: Tensor, p: Tensor, weight, bias, rstd: Tensor, mean, spec: NormSpec):
-    d = p.shape[-1]
-    w = _scaled_weight(weight, spec, d, p)
-    need_w = weight is not None
-    if spec.center:
-        shape = p.shape[:-1] + (1,)
-        dp, dws, _ = torch.ops.aten.native_layer_norm_backward(
-            dout, p, [d], mean.reshape(shape), rstd.reshape(shape), w, None, [True, need_w, False]
-        )
-    else:  # ATen has no CPU kernel for the fused RMS backward: dq = (dr - mean(r*dr) r) rstd
-        rs = rstd.reshape(p.shape[:-1] + (1,))
-        dr = dout if w is None else dout * w
-        c1 = (dr * p).mean(-1, keepdim=True) * rs * rs  # mean(r * dr) / rstd; not rs^2, which overflows at eps = 0
-        dp = torch.addcmul(dr, p, c1, value=-1).mul_(rs)  # in place: fewer passes
-        dws = (dout * p).reshape(-1, d).t() @ rs.reshape(-1) if need_w else None
-    rows = (-1, d)
-    # dws is the gradient of the scaled weight w' = scale * w, against r = q * rstd
-    dw = None if not need_w else dws * spec.scale
-    db = None if bias is None else dout.reshape(rows).sum(0)
-    return dp, dw, db
+        return torch.layer_norm(p, d, w, b, spec.eps)
+    out = torch.rms_norm(p, d, w, spec.eps)
+    return out if b is None else out + b
 
 
 def _stats(s: Tensor, spec: NormSpec) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -145,7 +101,10 @@ def _stats(s: Tensor, spec: NormSpec) -> tuple[Tensor, Tensor, Tensor | None]:
         # Centre on each group's first element before summing: a constant group is then
         # exactly its value (q = 0, so out = bias), where a plain fp32 mean leaves a
         # remainder that rstd ~ 1/sqrt(eps) would amplify. Also less cancellation.
-        shift = sg[..., :1]
+        # Detached: q does not depend on the shift at all, and through autograd the
+        # shift's element would gather d gradient terms that cancel only in exact
+        # arithmetic (1e-3 off at d = 131072 in fp32).
+        shift = sg[..., :1].detach()
         cs = sg - shift
         dmean = cs.mean(-1, keepdim=True)
         mean = (shift + dmean).squeeze(-1)
@@ -179,86 +138,31 @@ def norm_fwd(
     spec: NormSpec,
     residual_dtype: torch.dtype | None,
     need_stats: bool,
-    native: bool = True,
 ):
-    """Returns (out, new_residual or None, rstd (M, G) or None, mean (M, G) or None).
+    """The torch path: plain differentiable torch ops, so autograd (double backward
+    included), torch.func and torch.compile see the math itself. Returns (out,
+    new_residual or None, rstd (M, G) or None, mean (M, G) or None), like the Triton
+    launchers.
 
-    new_residual is written only when residual_dtype is given (the caller passes it
-    whenever there is a residual or a dtype change). The norm then reads the stored,
-    rounded value, so the fused stream sees exactly what the naive one would.
-    native=False keeps to plain differentiable ops (no ATen fused norm kernels), for
-    torch.func transforms.
+    new_residual is formed only when residual_dtype is given (the caller passes it
+    whenever there is a residual or a dtype change), rounded once from the exact sum; the
+    norm then reads that stored value, as the naive stack's next layer would.
     """
-    acc = acc_dtype(x.dtype)
-    p = x.to(acc) if residual is None else x.to(acc) + residual.to(acc)
+    p = x
     new_residual = None
     if residual_dtype is not None:
-        new_residual = p.to(residual_dtype)
-        p = new_residual.to(acc)
-    # eps = 0 takes the composition: its statistics are scale-safe, ATen's are not
-    if native and spec.eps > 0 and _native_ok(p, spec):
-        out, rstd, mean = _native_fwd(p, weight, bias, spec)
-    else:
-        out, rstd, mean = norm_out(p, gate, weight, bias, spec)
+        if residual is None:
+            new_residual = x.to(residual_dtype)
+        elif x.dtype == residual.dtype == residual_dtype:  # the naive form's one add
+            new_residual = x + residual
+        else:  # add in the widest of the three dtypes, then round once
+            wide = torch.promote_types(torch.promote_types(x.dtype, residual.dtype), residual_dtype)
+            new_residual = _as(_as(x, wide) + _as(residual, wide), residual_dtype)
+        p = new_residual
+    if not need_stats and _plain_ok(p, spec):  # exactly the naive form's ops (see _plain)
+        return _as(_plain(p, weight, bias, spec), x.dtype), new_residual, None, None
+    # eps = 0, gates, groups, half-precision p: the composition, in fp32 (fp64 for fp64)
+    out, rstd, mean = norm_out(p.to(acc_dtype(p.dtype)), gate, weight, bias, spec)
     if not need_stats:
         rstd = mean = None
     return out.to(x.dtype), new_residual, rstd, mean
-
-
-def norm_bwd(
-    dout: Tensor,
-    dres: Tensor | None,
-    p: Tensor,
-    gate: Tensor | None,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    rstd: Tensor,
-    mean: Tensor | None,
-    spec: NormSpec,
-    x_dtype: torch.dtype,
-    residual_grad_dtype: torch.dtype | None,
-):
-    """Returns (dx, dresidual or None, dgate, dw, db), like the Triton backward.
-
-    dx already includes dres (docs/math.md: the residual's gradient adds into dx) and is also the residual's
-    gradient; a separate dresidual comes back only for a residual_grad_dtype.
-    """
-    acc = rstd.dtype
-    p = p.to(acc)
-    dout = dout.to(acc)
-    if spec.eps > 0 and _native_ok(p, spec):  # ATen's layer-norm backward overflows at rstd ~ 1/|x| ~ 1e30
-        ds, dw, db = _native_bwd(dout, p, weight, bias, rstd, mean, spec)
-        if dres is not None:
-            ds = ds + dres.to(acc)
-        dresidual = None if residual_grad_dtype is None else ds.to(residual_grad_dtype)
-        return ds.to(x_dtype), dresidual, None, dw, db
-    z = gate.to(acc) if spec.gate != Gate.NONE else None
-    g = gate_act(z, spec.act) if z is not None else None
-    s = p * g if spec.gate == Gate.PRE else p
-    r = _normalized(s, spec, rstd, mean)
-    dgate = None
-    if spec.gate == Gate.POST:
-        dgate = dout * _affine(r, spec, weight, bias) * gate_act_grad(z, spec.act)
-        do1 = dout * g
-    else:
-        do1 = dout
-    rows = (-1, p.shape[-1])
-    dw = (do1 * r * spec.scale).reshape(rows).sum(0) if weight is not None else None
-    db = do1.reshape(rows).sum(0) if bias is not None else None
-    dr = do1 * spec.scale
-    if weight is not None:
-        dr = dr * _weight(weight, spec, acc)
-    rg, drg = _grouped(r, spec.groups), _grouped(dr, spec.groups)
-    # docs/math.md: dq = (dr - (r.dr) r / d) / sigma
-    dq = (drg - rg * (rg * drg).mean(-1, keepdim=True)) * rstd[..., None]
-    if spec.center:  # dp = dq - mean(dq)
-        dq = dq - dq.mean(-1, keepdim=True)
-    ds = dq.reshape(p.shape)
-    if spec.gate == Gate.PRE:
-        dgate = ds * p * gate_act_grad(z, spec.act)
-        ds = ds * g
-    if dres is not None:
-        ds = ds + dres.to(acc)
-    dresidual = None if residual_grad_dtype is None else ds.to(residual_grad_dtype)
-    dgate = None if dgate is None else dgate.to(gate.dtype)
-    return ds.to(x_dtype), dresidual, dgate, dw, db

@@ -199,20 +199,3 @@ def test_train_extra_at_its_floor(tmp_path):
     fig.savefig(tmp_path / "loss.png")
     plt.close(fig)
     assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
-
-
-@pytest.mark.torch_only("a torch-path fallback")
-def test_rms_without_aten_fused_rms_norm(monkeypatch):
-    """The torch path's RMS as torch < 2.9 runs it (no usable aten._fused_rms_norm: the
-    composed path), against torch's rms_norm, values and gradients."""
-    from fuseblock import reference
-
-    monkeypatch.setattr(reference, "_FUSED_RMS", False)
-    x = torch.randn(5, 3, 40, requires_grad=True)
-    w = torch.randn(40, requires_grad=True)
-    out = fuseblock.norm(x, w, eps=1e-5)
-    ref = F.rms_norm(x, (40,), w, 1e-5)
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
-    cot = torch.randn_like(out)
-    for g, r in zip(torch.autograd.grad(out, [x, w], cot), torch.autograd.grad(ref, [x, w], cot), strict=True):
-        torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)

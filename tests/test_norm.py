@@ -116,6 +116,8 @@ def test_one_launch_forward_one_backward(launches):
     assert launches["bwd"] == 1
 
 
+@pytest.mark.kernel
+@pytest.mark.kernel_only("the registered op serves the Triton path; the torch path keeps no statistics")
 def test_statistics_stored_only_when_a_gradient_is_needed():
     x = torch.randn(4, 16)
     spec = NormSpec(center=False, scale=1.0, eps=1e-6, gate=Gate.NONE, act=Act.UNUSED, groups=1)

@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import KERNEL_PATH
 from torch import nn
 
 import fuseblock
@@ -288,8 +289,9 @@ def test_compile_fullgraph_forward_and_backward():
     want = forward_backward(stack, x, cot)
     for name, g, w in zip(names(stack), got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=name)
-    assert _count(graphs["fw"], torch.ops.fuseblock.norm_fwd.default) == n + 1
-    assert _count(graphs["bw"], torch.ops.fuseblock.norm_bwd.default) == n + 1
+    # the kernel path's custom ops whole; the torch path's plain ops, no fuseblock op
+    assert _count(graphs["fw"], torch.ops.fuseblock.norm_fwd.default) == (n + 1 if KERNEL_PATH else 0)
+    assert _count(graphs["bw"], torch.ops.fuseblock.norm_bwd.default) == (n + 1 if KERNEL_PATH else 0)
     torch._dynamo.reset()
 
 

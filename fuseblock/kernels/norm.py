@@ -639,7 +639,8 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
         outs = (do2, dro2, dx, dr, dz, dw_part, db_part)
         if lay.tile:
             compiled = _bwd_tile[(n_prog,)](p2, z2, weight, bias, rstd, mean, *outs, *strides, M, G, dg, spec.scale,
-                                            spec.weight_offset, BR=lay.br, BG=lay.bg, BD=lay.bd, num_warps=lay.warps, **flags)
+                                            spec.weight_offset, BR=lay.br, BG=lay.bg, BD=lay.bd,
+                                            num_warps=lay.warps, **flags)
             LAUNCHES["bwd"] += 1
         else:
             dots = torch.empty((M * G, 2), dtype=torch.float32, device=dev)

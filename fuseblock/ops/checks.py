@@ -75,6 +75,13 @@ def check_last_dim(x, dim: int) -> None:
         raise ValueError(f"x's last dim {x.shape[-1]} does not match the module's dim {dim}")
 
 
+def check_weight_offset(weight_offset, weight) -> None:
+    """A finite number, and only with a weight to add it to: out = N(p) * (weight_offset + weight)."""
+    check_number("weight_offset", weight_offset)
+    if weight_offset != 0 and weight is None:
+        raise ValueError(f"weight_offset={weight_offset} needs a weight: it is added to the weight (weight is None)")
+
+
 def check_options(d: int, *, kind, c, eps, num_groups, gate_act, gate_position) -> None:
     """Checks of the non-tensor options, shared by the functions and the modules."""
     if not isinstance(kind, str) or kind not in KINDS:
@@ -104,15 +111,20 @@ def resolve(
     gate_position: str,
     num_groups,
     residual_dtype,
+    weight_offset=0.0,
 ) -> NormSpec:
-    """Validate every argument of norm/add_norm and return the kernel-level spec."""
+    """Validate every argument of norm/add_norm and return the kernel-level spec.
+    eps=None is torch's default for x's dtype (torch.finfo(x.dtype).eps)."""
     check_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the normalized last dim)")
     d = x.shape[-1]
     if d < 1:
         raise ValueError("x's last dimension must be >= 1")
-    check_options(d, kind=kind, c=c, eps=eps, num_groups=num_groups, gate_act=gate_act, gate_position=gate_position)
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    spec = _option_spec(d, kind, c, eps, num_groups, gate_act, gate_position, weight_offset, weight is not None,
+                        gate is not None)
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None:
             check_tensor(name, t, x)
@@ -124,9 +136,30 @@ def resolve(
             if t.shape != x.shape:
                 raise ValueError(f"{name} must have x's shape {tuple(x.shape)}, got {tuple(t.shape)}")
     check_float_dtype("residual_dtype", residual_dtype)
-    if gate is None and (gate_act != DEFAULT_GATE_ACT or gate_position != DEFAULT_GATE_POSITION):
-        raise ValueError("gate_act and gate_position only apply when a gate tensor is given (gate is None)")
+    return spec
 
-    gated = gate is not None
-    return NormSpec.of(d, kind=kind, c=c, eps=eps, num_groups=num_groups, gate_act=gate_act if gated else None,
-                       gate_position=gate_position if gated else None)
+
+# Validated option tuples and their specs. The eager torch path's cost is host time, and
+# checking the same options on every call of a training step would cost as much as the
+# norm itself at small sizes. Keys carry the types, so c=True never passes as c=1.
+_SPECS: dict = {}
+
+
+def _option_spec(d, kind, c, eps, num_groups, gate_act, gate_position, weight_offset, has_weight, gated) -> NormSpec:
+    # not while torch.compile traces: there d may be symbolic, and the checks are traced once anyway
+    key = None if torch.compiler.is_compiling() else (
+        d, kind, type(c), c, type(eps), eps, type(num_groups), num_groups, gate_act, gate_position,
+        type(weight_offset), weight_offset, has_weight, gated)
+    try:
+        return _SPECS[key]
+    except (KeyError, TypeError):  # new, or unhashable (then invalid: the checks below say how)
+        pass
+    check_weight_offset(weight_offset, None if not has_weight else True)
+    check_options(d, kind=kind, c=c, eps=eps, num_groups=num_groups, gate_act=gate_act, gate_position=gate_position)
+    if not gated and (gate_act != DEFAULT_GATE_ACT or gate_position != DEFAULT_GATE_POSITION):
+        raise ValueError("gate_act and gate_position only apply when a gate tensor is given (gate is None)")
+    spec = NormSpec.of(d, kind=kind, c=c, eps=eps, num_groups=num_groups, gate_act=gate_act if gated else None,
+                       gate_position=gate_position if gated else None, weight_offset=weight_offset)
+    if key is not None and len(_SPECS) < 4096:  # bounded: a sweep over eps or c values must not grow it forever
+        _SPECS[key] = spec
+    return spec

@@ -9,10 +9,10 @@ Subgradients (the same as torch's autograd of that formula):
 - sign(0) = 0 for "l1" and "max";
 - for "max", the k entries tied at max|x| share dn/dx equally (1/k each), like amax.
 
-Forward and backward are registered by `fuseblock.ops.registry.FusedOp`, as the core
-op's are.
 Dispatch is `fuseblock.ops.dispatch`'s: the Triton kernels on CUDA (or
-TRITON_INTERPRET=1), else the torch path here.
+TRITON_INTERPRET=1), their forward and backward registered by
+`fuseblock.ops.registry.FusedOp` as the core op's are; else the torch path here, plain
+differentiable ops.
 """
 from __future__ import annotations
 
@@ -37,32 +37,16 @@ def _stat(xa: Tensor, ord: Ord) -> Tensor:
 
 
 def torch_fwd(x: Tensor, ord: Ord, eps: float) -> tuple[Tensor, Tensor]:
-    """Same contract as `kernels.embed_norm_fwd`: (y, n), n in fp32 (fp64 for fp64 x)."""
+    """Same contract as `kernels.embed_norm_fwd`: (y, n), n in fp32 (fp64 for fp64 x). Plain
+    differentiable ops: autograd's subgradients of them are the ones described above."""
     xa = x.to(acc_dtype(x.dtype))
     n = _stat(xa, ord)
     return (xa / n.clamp_min(eps)[..., None]).to(x.dtype), n
 
 
-def torch_bwd(dy: Tensor, x: Tensor, n: Tensor, ord: Ord, eps: float) -> Tensor:
-    """dx = (g - [n >= eps] * (g.x / D) * dn/dx) / D, D = max(n, eps) (module docstring)."""
-    xa, g = x.to(n.dtype), dy.to(n.dtype)
-    inv = 1.0 / n.clamp_min(eps)[..., None]
-    c = torch.where(n[..., None] >= eps, (g * xa).sum(-1, keepdim=True) * inv, 0.0)
-    if ord == Ord.L1:
-        t = xa.sign()
-    elif ord == Ord.L2:
-        t = xa * inv
-    elif ord == Ord.MAX:
-        top = xa.abs() == n[..., None]
-        t = torch.where(top, xa.sign(), 0.0) / top.sum(-1, keepdim=True).clamp_min(1)
-    else:
-        raise ValueError(f"unknown embedding norm {ord!r}")
-    return ((g - c * t) * inv).to(x.dtype)
-
-
 # --------------------------------------------------------------------------- registration
 def _fwd(x: Tensor, ord: int, eps: float) -> tuple[Tensor, Tensor]:
-    return (kernels("embed_norm", x).embed_norm_fwd if uses_triton(x) else torch_fwd)(x, Ord(ord), eps)
+    return kernels("embed_norm", x).embed_norm_fwd(x, Ord(ord), eps)
 
 
 def _fwd_fake(x, ord, eps):
@@ -70,7 +54,7 @@ def _fwd_fake(x, ord, eps):
 
 
 def _bwd(dy: Tensor, x: Tensor, n: Tensor, ord: int, eps: float) -> Tensor:
-    return (kernels("embed_norm", x).embed_norm_bwd if uses_triton(x) else torch_bwd)(dy, x, n, Ord(ord), eps)
+    return kernels("embed_norm", x).embed_norm_bwd(dy, x, n, Ord(ord), eps)
 
 
 def _bwd_fake(dy, x, n, ord, eps):
@@ -106,6 +90,7 @@ def embed_norm(x: Tensor, ord: str = "l2", eps: float = 1e-12) -> Tensor:
     if not isinstance(ord, str) or ord not in ORDS:
         raise ValueError(f"ord must be one of {tuple(ORDS)}, got {ord!r}")
     check_eps(eps)
-    if func_transforms_active():  # torch.func sees through plain torch ops only (see fuseblock.ops.norm.apply_norm)
+    # the torch path, and torch.func transforms, run plain torch ops (see fuseblock.ops.norm.apply_norm)
+    if not uses_triton(x) or func_transforms_active():
         return torch_fwd(x, ORDS[ord], float(eps))[0]
     return _embed_norm_op(x, int(ORDS[ord]), float(eps))[0]

@@ -1,11 +1,11 @@
 """`norm` and `add_norm`: validation, dispatch, autograd and custom-op registration.
 
-The forward and backward are registered by `fuseblock.ops.registry.FusedOp`: custom
-ops that torch.compile traces whole, and an eager autograd.Function over the same
-implementations.
-
-Dispatch, inside the ops, is `fuseblock.ops.dispatch`'s: the Triton kernels or the
-pure-PyTorch path in `fuseblock.reference`.
+Dispatch is `fuseblock.ops.dispatch`'s, decided per call before anything is registered:
+- the Triton kernels: forward and backward registered by `fuseblock.ops.registry.FusedOp`
+  as custom ops that torch.compile traces whole, and an eager autograd.Function over the
+  same launchers;
+- the torch path (`fuseblock.reference`): plain differentiable torch ops, the same the
+  naive form runs, so autograd, torch.func and Inductor see the math itself.
 """
 from __future__ import annotations
 
@@ -21,10 +21,6 @@ from .dispatch import func_transforms_active, kernels, uses_triton
 from .registry import FusedOp
 
 
-def _backend(x: Tensor):
-    return kernels("norm", x) if uses_triton(x) else reference
-
-
 def _empty(x: Tensor) -> Tensor:
     # custom ops cannot return None; absent outputs are empty placeholders
     return x.new_empty(0, dtype=torch.float32)
@@ -36,7 +32,8 @@ def _fwd(
     x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
     spec: List[float], residual_dtype: Optional[torch.dtype], need_stats: bool,  # noqa: UP006
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    out = _backend(x).norm_fwd(x, residual, gate, weight, bias, NormSpec.unpack(spec), residual_dtype, need_stats)
+    launch = kernels("norm", x).norm_fwd
+    out = launch(x, residual, gate, weight, bias, NormSpec.unpack(spec), residual_dtype, need_stats)
     return tuple(t if t is not None else _empty(x) for t in out)
 
 
@@ -57,7 +54,7 @@ def _bwd(
     bias: Optional[Tensor], rstd: Tensor, mean: Optional[Tensor], spec: List[float],  # noqa: UP006
     x_dtype: torch.dtype, residual_grad_dtype: Optional[torch.dtype],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    grads = _backend(p).norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, NormSpec.unpack(spec), x_dtype,
+    grads = kernels("norm", p).norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, NormSpec.unpack(spec), x_dtype,
                                  residual_grad_dtype)
     return tuple(t if t is not None else _empty(p) for t in grads)
 
@@ -138,13 +135,18 @@ _norm_op = FusedOp("norm", _fwd, _fwd_fake, _bwd, _bwd_fake, _setup, _grads, sta
 
 
 def apply_norm(x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], weight: Optional[Tensor],
-               bias: Optional[Tensor], spec: NormSpec, residual_dtype: Optional[torch.dtype], need_stats: bool):
+               bias: Optional[Tensor], spec: NormSpec, residual_dtype: Optional[torch.dtype], need_stats: bool = False):
     """The op on validated arguments, for add_norm and the family ops: (out, new_residual,
-    rstd, mean), absent ones None or empty. The registered op (fuseblock.ops.registry), and
-    under a torch.func transform (vmap, grad, jvp) the reference's plain differentiable
-    ops, which are all such a transform can see through."""
-    if func_transforms_active():
-        return reference.norm_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, native=False)
+    rstd, mean), absent ones None or empty; need_stats: the caller wants rstd and mean.
+
+    The registered op where the Triton kernels run (it also keeps the statistics for its
+    backward when a gradient is needed), else the torch path's plain differentiable ops;
+    under a torch.func transform (vmap, grad, jvp) those always, as they are all such a
+    transform can see through."""
+    if not uses_triton(x) or func_transforms_active():
+        return reference.norm_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats)
+    need_stats = need_stats or (torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, residual, gate, weight, bias)))
     return _norm_op(x, residual, gate, weight, bias, spec.pack(), residual_dtype, need_stats)
 
 
@@ -156,21 +158,27 @@ def add_norm(
     *,
     kind: str = "rms",
     c: Optional[float] = None,
-    eps: float = 1e-6,
+    eps: Optional[float] = 1e-6,
     residual_dtype: Optional[torch.dtype] = None,
     gate: Optional[Tensor] = None,
     gate_act: str = DEFAULT_GATE_ACT,
     gate_position: str = DEFAULT_GATE_POSITION,
     num_groups: int = 1,
+    weight_offset: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """Fused residual add + normalize over the last dim: returns (out, new_residual).
 
     new_residual = x + residual (x alone when residual is None), stored in
-    residual_dtype (default x.dtype). With p = new_residual and d the size of one of
-    `num_groups` groups of the last dim:
+    residual_dtype: by default the dtype torch's `x + residual` has
+    (torch.promote_types), so an fp32 residual stream is never rounded to bf16
+    activations; x's dtype when residual is None. With p = new_residual and d the size
+    of one of `num_groups` groups of the last dim:
 
         q = p (rms, l2) or p - mean(p) (layer);  sigma = sqrt(q.q/d + eps)
-        out = (c/sqrt(d)) * (q/sigma) * weight + bias          (c: sqrt(d), or 1 for l2)
+        out = (c/sqrt(d)) * (q/sigma) * (weight_offset + weight) + bias   (c: sqrt(d), or 1 for l2)
+
+    eps=None is torch's default for x's dtype, torch.finfo(x.dtype).eps, as in
+    F.rms_norm. weight_offset (Gemma's 1 + w) is added to the weight in fp32.
 
     A gate gives out = N(p * g(gate)) (gate_position="pre") or N(p) * g(gate) ("post"),
     g one of "silu" (alias "swish"), "sigmoid", "none". out has x's dtype.
@@ -178,13 +186,11 @@ def add_norm(
     spec = resolve(
         x, residual, weight, bias, gate, kind=kind, c=c, eps=eps, gate_act=gate_act,
         gate_position=gate_position, num_groups=num_groups, residual_dtype=residual_dtype,
+        weight_offset=weight_offset,
     )
-    rdtype = residual_dtype or x.dtype
+    rdtype = residual_dtype or (x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype))
     store = residual is not None or rdtype != x.dtype
-    need_stats = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, residual, gate, weight, bias)
-    )
-    out, new_res, _, _ = apply_norm(x, residual, gate, weight, bias, spec, rdtype if store else None, need_stats)
+    out, new_res, _, _ = apply_norm(x, residual, gate, weight, bias, spec, rdtype if store else None)
     return out, (new_res if store else x)
 
 
@@ -195,11 +201,12 @@ def norm(
     *,
     kind: str = "rms",
     c: Optional[float] = None,
-    eps: float = 1e-6,
+    eps: Optional[float] = 1e-6,
     gate: Optional[Tensor] = None,
     gate_act: str = DEFAULT_GATE_ACT,
     gate_position: str = DEFAULT_GATE_POSITION,
     num_groups: int = 1,
+    weight_offset: float = 0.0,
 ) -> Tensor:
     """Normalize over the last dim: `add_norm` with no residual (see there for the math).
 
@@ -208,5 +215,5 @@ def norm(
     """
     return add_norm(
         x, None, weight, bias, kind=kind, c=c, eps=eps, gate=gate, gate_act=gate_act,
-        gate_position=gate_position, num_groups=num_groups,
+        gate_position=gate_position, num_groups=num_groups, weight_offset=weight_offset,
     )[0]
