@@ -19,6 +19,7 @@ from ..spec import (
     GATE_POSITIONS,
     KINDS,
     NormSpec,
+    acc_dtype,
 )
 
 
@@ -114,15 +115,16 @@ def resolve(
     weight_offset=0.0,
 ) -> NormSpec:
     """Validate every argument of norm/add_norm and return the kernel-level spec.
-    eps=None is torch's default for x's dtype (torch.finfo(x.dtype).eps)."""
+    eps=None is torch's default: torch.finfo of the dtype the statistics are computed in
+    (x's, or fp32 for fp16/bf16), which is what F.rms_norm does with eps=None."""
     check_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the normalized last dim)")
     d = x.shape[-1]
     if d < 1:
         raise ValueError("x's last dimension must be >= 1")
-    if eps is None:
-        eps = torch.finfo(x.dtype).eps
+    if eps is None:  # what torch's rms_norm does: the eps of the dtype it computes in (fp32 for halves)
+        eps = torch.finfo(acc_dtype(x.dtype)).eps
     spec = _option_spec(d, kind, c, eps, num_groups, gate_act, gate_position, weight_offset, weight is not None,
                         gate is not None)
     for name, t in (("weight", weight), ("bias", bias)):

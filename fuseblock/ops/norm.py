@@ -177,8 +177,8 @@ def add_norm(
         q = p (rms, l2) or p - mean(p) (layer);  sigma = sqrt(q.q/d + eps)
         out = (c/sqrt(d)) * (q/sigma) * (weight_offset + weight) + bias   (c: sqrt(d), or 1 for l2)
 
-    eps=None is torch's default for x's dtype, torch.finfo(x.dtype).eps, as in
-    F.rms_norm. weight_offset (Gemma's 1 + w) is added to the weight in fp32.
+    eps=None is torch's default, as F.rms_norm computes it: torch.finfo of the dtype the
+    statistics are computed in (x's; fp32 for fp16/bf16). weight_offset (Gemma's 1 + w) is added to the weight in fp32.
 
     A gate gives out = N(p * g(gate)) (gate_position="pre") or N(p) * g(gate) ("post"),
     g one of "silu" (alias "swish"), "sigmoid", "none". out has x's dtype.
@@ -188,7 +188,10 @@ def add_norm(
         gate_position=gate_position, num_groups=num_groups, residual_dtype=residual_dtype,
         weight_offset=weight_offset,
     )
-    rdtype = residual_dtype or (x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype))
+    rdtype = residual_dtype
+    if rdtype is None:  # torch.promote_types is a dispatcher call: skip it in the common case
+        same = residual is None or residual.dtype == x.dtype
+        rdtype = x.dtype if same else torch.promote_types(x.dtype, residual.dtype)
     store = residual is not None or rdtype != x.dtype
     out, new_res, _, _ = apply_norm(x, residual, gate, weight, bias, spec, rdtype if store else None)
     return out, (new_res if store else x)
