@@ -3,7 +3,9 @@
     python scripts/bench.py traffic [--quick]   bytes moved: Triton kernels (interpreter) vs naive eager vs minimum
     python scripts/bench.py memory  [--quick]   bytes saved for backward per layer per token, fused vs naive GPT
     python scripts/bench.py speed   [--quick] [--repeats N]  CPU training-step time: naive, fused, torch.compile of each
-    python scripts/bench.py gpu     [--out DIR] GPU bandwidth and GPT step time (exits 0 without CUDA)
+    python scripts/bench.py gpu     [--out DIR] GPU add_norm bandwidth vs eager and torch.compile (exits 0 without CUDA)
+    python scripts/bench.py gpt-step [--quick] [--repeats N]  GPT-2-small training step on a GPU: fused, naive, compiled
+    python scripts/bench.py gpu-report [--out DIR]  the report of `make gpu-check`, from the parts' outputs in DIR
     python scripts/bench.py sm90    [--quick]   each kernel compiled for an H100 without one: registers, spills
     python scripts/bench.py overhead [--quick]  host-side (Python) time per call, kernels not run
 
@@ -38,7 +40,7 @@ def main(argv=None) -> None:
     import torch
     from benchmarks.common import emit
 
-    module = importlib.import_module(f"benchmarks.{args.what}")
+    module = importlib.import_module(f"benchmarks.{args.what.replace('-', '_')}")
     problem = module.check(args) if hasattr(module, "check") else None
     if problem:
         ap.error(problem)

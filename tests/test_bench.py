@@ -41,11 +41,23 @@ def test_memory_quick_fused_saves_no_more():
 
 
 def test_speed_quick_runs():
-    rows = _bench("speed", "--repeats", "2")
+    rows = _bench("speed")
     assert {r["impl"] for r in rows} == {"naive", "fused"} and all(r["median_ms"] > 0 for r in rows)
-    for r in rows:  # the spread over the two runs
-        assert r["runs"] == 2 and 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+    for r in rows:  # the spread over the default three runs
+        assert r["runs"] == 3 and 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"]
         assert r["speedup_min"] <= r["speedup_vs_naive"] <= r["speedup_max"]
+
+
+def test_gpt_step_quick_on_cpu_times_four_contenders():
+    # the GPU benchmark's own code on a toy model, torch.compile included
+    rows = _bench("gpt-step", "--device", "cpu")
+    assert [r["impl"] for r in rows] == ["naive", "naive+compile", "fused", "fused+compile"]
+    for r in rows:
+        assert r["runs"] == 3 and 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+        assert r["tokens_per_s"] > 0
+        assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / r["median_ms"] * 1e3)
+        assert r["speedup_min"] <= r["speedup_vs_naive"] <= r["speedup_max"]
+    assert rows[0]["speedup_vs_naive"] == 1.0
 
 
 @pytest.mark.slow
@@ -61,8 +73,46 @@ def test_gpu_code_path_smoke_run_on_cpu(tmp_path):
     assert len(bw) == 2 and not any(k.endswith("_error") for r in rows for k in r)
     for r in bw:
         assert all(r[f"{impl}_{pas}_TBps"] > 0 for impl in ("fuseblock", "eager", "compile") for pas in ("fwd", "bwd"))
-    assert rows[-1]["naive"] > 0 and rows[-1]["fused"] > 0  # GPT step ms
     assert {f.name for f in tmp_path.iterdir()} == {"gpu.md", "gpu.json", "gpu_rms.png", "gpu_layer.png"}
+
+
+def test_gpu_compiles_afresh_for_each_shape(monkeypatch):
+    # one compiled function reused across shapes turns dynamic after the first (slower,
+    # shape-generic kernels): each row must reset dynamo and compile anew with dynamic=False
+    import types
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from benchmarks import gpu
+
+    events = []
+
+    def fake_compile(fn, dynamic=None, **kw):
+        n = sum(e[0] == "compile" for e in events)
+        events.append(("compile", dynamic))
+
+        def compiled(*a):
+            events.append(("call", n))
+            return fn(*a)
+
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: events.append(("reset",)))
+    args = types.SimpleNamespace(no_compile=False, rows=[4])
+
+    def once(fn, **kw):
+        fn()
+        return 1.0
+
+    for d in (8, 16):
+        row = gpu._bandwidth_row("rms", d, args, torch.device("cpu"), once)
+        assert row["compile_fwd_TBps"] > 0 and row["compile_bwd_TBps"] > 0
+    assert [e for e in events if e[0] != "call"] == [("reset",), ("compile", False)] * 2
+    first, second = events.index(("compile", False)), len(events) - 1 - events[::-1].index(("compile", False))
+    assert {e for e in events[first:second] if e[0] == "call"} == {("call", 0)}  # d = 8 on the first
+    assert {e for e in events[second:] if e[0] == "call"} == {("call", 1)}  # d = 16 on its own
 
 
 def test_gpu_without_cuda_says_so():
@@ -132,3 +182,100 @@ def test_cpu_bench_takes_do_benchs_budgets_in_ms(monkeypatch):
     assert len(seen) == 1 + 5 + 3 + 5  # untimed first call, 5 to estimate, then 1500 and 2500 ms of calls
     assert seen[-5:] == [True] * 5  # cleared before each timed call
     assert common.cpu_bench(fn, warmup=0, rep=0) == 500.0  # at least one call of each
+
+
+def _fake_bandwidth(override=None):
+    """bench.py gpu rows for every d of the full run: fuseblock 2.8 TB/s, torch.compile 1.0,
+    with override[(kind, d, column)] = value (None: the column missing)."""
+    override = override or {}
+    rows = []
+    for kind in ("rms", "layer"):
+        for d in [1 << k for k in range(10, 19)]:
+            row = dict(kind=kind, d=d, rows=4096, fuseblock_fwd_TBps=2.8, fuseblock_bwd_TBps=2.8,
+                       compile_fwd_TBps=1.0, compile_bwd_TBps=1.0)
+            for (k, dd, col), v in override.items():
+                if (k, dd) == (kind, d):
+                    row.pop(col) if v is None else row.__setitem__(col, v)
+            rows.append(row)
+    return rows
+
+
+def _fake_steps(naive=100.0, fused=94.0, naive_c=80.0, fused_c=80.0):
+    return [dict(impl=k, median_ms=v, min_ms=v, max_ms=v) for k, v in
+            (("naive", naive), ("naive+compile", naive_c), ("fused", fused), ("fused+compile", fused_c))]
+
+
+def test_gpu_report_judges_the_targets(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from benchmarks import gpu_report as R
+
+    verdicts = R.judge(_fake_bandwidth(), _fake_steps())
+    assert len(verdicts) == 10 and {v["verdict"] for v in verdicts} == {"PASS"}
+    # d = 1024 is outside the bandwidth target but inside the torch.compile one
+    by = {v["target"]: v for v in R.judge(
+        _fake_bandwidth({("rms", 1024, "fuseblock_fwd_TBps"): 0.9,  # below compile's 1.0 only
+                           ("layer", 65536, "fuseblock_bwd_TBps"): 2.69,  # just below 2.7, above compile
+                           ("layer", 262144, "fuseblock_fwd_TBps"): None}),  # not measured: a FAIL
+        _fake_steps(fused=100 / 1.04, fused_c=81.0))}
+    failed = {t for t, v in by.items() if v["verdict"] == "FAIL"}
+    assert failed == {"rms fwd >= torch.compile, d 1024..262144", "layer bwd >= 2.7 TB/s, d 4096..262144",
+                      "layer fwd >= 2.7 TB/s, d 4096..262144", "layer fwd >= torch.compile, d 1024..262144",
+                      "GPT step fused >= 1.05x naive", "GPT step fused+compile >= 1.00x naive+compile"}
+    assert by["layer bwd >= 2.7 TB/s, d 4096..262144"]["falls_short"] == "d=65536: 2.69"
+    assert by["layer fwd >= 2.7 TB/s, d 4096..262144"]["falls_short"] == "not measured at d=262144"
+    assert by["rms fwd >= 2.7 TB/s, d 4096..262144"]["verdict"] == "PASS"
+    assert by["GPT step fused >= 1.05x naive"]["falls_short"] == "1.040x"
+    assert R.judge([], [])[0]["verdict"] == "FAIL"  # no figures at all (no GPU): never a pass
+
+
+def test_gpu_report_writes_one_report_and_fails_on_any_part_or_target(monkeypatch, tmp_path, capsys):
+    import types
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from benchmarks import gpu_report as R
+
+    monkeypatch.setattr(R, "environment", lambda: {"GPU": "NVIDIA H100 (fake)", "torch": "2.11.0"})
+    (tmp_path / "gpu.json").write_text(json.dumps(_fake_bandwidth()))
+    (tmp_path / "gpt_step.log").write_text("a warning on stderr\n" + "\n".join(map(json.dumps, _fake_steps())))
+    (tmp_path / "tests.log").write_text("tests/test_norm.py ....\n=== short test summary info ===\n"
+                                        "FAILED tests/test_norm.py::test_x - AssertionError\n"
+                                        "======= 1 failed, 599 passed, 3 skipped in 95.12s (0:01:35) =======\n")
+    for part, rc in (("tests", 1), ("gpu", 0), ("gpt_step", 0)):
+        (tmp_path / f"{part}.rc").write_text(f"{rc}\n")
+    args = types.SimpleNamespace(out=str(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        R.run(args)
+    assert e.value.code == 1  # the tests failed, every target passed
+    text = (tmp_path / "report.md").read_text()
+    assert text in capsys.readouterr().out
+    assert text.startswith("# make gpu-check\n\n**FAIL**: parts failed: tests; targets missed: 0 of 10.")
+    assert "NVIDIA H100 (fake)" in text and "1 failed, 599 passed, 3 skipped in 95.12s (0:01:35)" in text
+    assert "FAILED tests/test_norm.py::test_x" in text and text.count("| PASS |") == 10
+    assert "| fused+compile | 80.0" in text.replace("80.000", "80.0")  # the GPT step table
+
+    (tmp_path / "tests.rc").write_text("0\n")
+    with pytest.raises(SystemExit) as e:
+        R.run(args)
+    assert e.value.code == 0 and "**PASS**" in (tmp_path / "report.md").read_text()
+
+    (tmp_path / "gpt_step.rc").unlink()  # cut off before its status was written
+    (tmp_path / "gpt_step.log").write_text("Traceback ...\n")
+    with pytest.raises(SystemExit) as e:
+        R.run(args)
+    text = (tmp_path / "report.md").read_text()
+    assert e.value.code == 1 and "parts failed: gpt_step; targets missed: 2 of 10" in text
+    assert "| gpt_step |" in text and "not run" in text and "no rows (see gpt_step.log)" in text
+
+
+def test_make_gpu_check_prints_its_commands():
+    # PY given on the command line: no .venv install (the GPU image has no network)
+    p = subprocess.run(["make", "-n", "gpu-check", "PY=python"], capture_output=True, text=True, timeout=60,
+                       cwd=ROOT, check=True)
+    lines = p.stdout.splitlines()
+    assert not any("pip" in ln or "venv" in ln for ln in lines)
+    for command in ("FUSEBLOCK_TEST_DEVICE=cuda python -m pytest -m kernel tests/",
+                    "python scripts/bench.py gpu --out out/gpu-check",
+                    "python scripts/bench.py gpt-step --json"):
+        line = next(ln for ln in lines if command in ln)  # each part's status is kept, and make goes on
+        assert "echo $? >out/gpu-check/" in line and "| tee out/gpu-check/" in line
+    assert lines[-1] == "python scripts/bench.py gpu-report --out out/gpu-check"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-SUBCOMMANDS = ["traffic", "memory", "speed", "gpu", "sm90", "overhead"]
+SUBCOMMANDS = ["traffic", "memory", "speed", "gpu", "gpt-step", "sm90", "overhead", "gpu-report"]
 # Subcommands that count bytes through the Triton interpreter: on a machine with no GPU
 # it is the only way to run the kernels at all.
 INTERPRETED = {"traffic"}
@@ -20,12 +20,14 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
     ap.add_argument("what", choices=SUBCOMMANDS)
     ap.add_argument("--quick", action="store_true", help="small sizes, for CI")
     ap.add_argument("--json", action="store_true", help="one JSON object per row")
-    ap.add_argument("--out", default="out/bench", help="gpu: where the table and plots go")
-    ap.add_argument("--device", default="cuda", help="gpu: the device; cpu runs a toy-size smoke test of the code")
+    ap.add_argument("--out", default="out/bench",
+                    help="gpu: where the table and plots go; gpu-report: the folder make gpu-check fills")
+    ap.add_argument("--device", default="cuda",
+                    help="gpu, gpt-step: the device; cpu runs a toy-size smoke test of the code")
     ap.add_argument("--no-compile", action="store_true", help="gpu: skip the torch.compile baseline")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="speed: independent runs of all the steps (median, min, max)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="speed, gpt-step: independent runs of all the steps (median, min, max; default 3)")
     ap.add_argument("--ops", type=lambda v: v.split(","), default=None,
                     help="traffic: a comma list of ops (fuseblock.testing.cases.OPS; default all)")
     ap.add_argument("--rows", type=_ints, default=None, help="traffic: row counts")

@@ -1,6 +1,7 @@
 """`bench.py gpu`: bf16 add_norm bandwidth (compulsory bytes / time) against eager torch,
-torch.compile and published kernels; the GPT step time; table and plots into --out.
---device cpu runs the same code at toy sizes, a smoke test for machines without a GPU."""
+torch.compile and published kernels; table and plots into --out. (The GPT step is
+`bench.py gpt-step`.) --device cpu runs the same code at toy sizes, a smoke test for
+machines without a GPU."""
 from __future__ import annotations
 
 import json
@@ -46,22 +47,6 @@ def _naive(x, r, w, kind):
     p = x + r
     out = F.rms_norm(p, (p.shape[-1],), w, 1e-6) if kind == "rms" else F.layer_norm(p, (p.shape[-1],), w, None, 1e-6)
     return out, p
-
-
-def _gpt_step_ms(fused: bool, do_bench, dev) -> float:
-    from models.gpt import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    shape = dict(block_size=1024, n_layer=12, n_head=12, n_embd=768) if dev.type == "cuda" else \
-        dict(block_size=32, n_layer=1, n_head=2, n_embd=32)  # the CPU smoke run
-    cfg = GPTConfig(fused=fused, **shape)
-    model = GPT(cfg).to(dev, torch.bfloat16)
-    idx = torch.randint(0, cfg.vocab_size, (8, cfg.block_size), device=dev)
-
-    def step():
-        model(idx, idx)[1].backward()
-
-    return do_bench(step, warmup=3, rep=20, grad_to_none=list(model.parameters()))
 
 
 def _fwd_bwd_TBps(fn, x, r, w, nbytes: int, do_bench) -> tuple[float, float]:
@@ -136,23 +121,14 @@ def run(args) -> list[dict]:
         for d in ds:
             rows.append(_bandwidth_row(kind, d, args, dev, do_bench))
             _empty_cache(dev)
-    steps = {}
-    for fused in (False, True):
-        try:
-            steps["fused" if fused else "naive"] = _gpt_step_ms(fused, do_bench, dev)
-            _empty_cache(dev)
-        except Exception as e:
-            steps[("fused" if fused else "naive") + "_error"] = _error(e)
-    step_rows = [dict(kind="gpt_step_ms", **steps)]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "gpu.json").write_text(json.dumps(rows + step_rows, indent=1))
+    (out_dir / "gpu.json").write_text(json.dumps(rows, indent=1))
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (smoke run)"
     (out_dir / "gpu.md").write_text(f"# add_norm bandwidth, bf16, {name}, torch {torch.__version__}\n\n"
-                                    + markdown(rows) + "\n# GPT-2 small shape step (fwd+bwd), ms\n\n"
-                                    + markdown(step_rows))
+                                    + markdown(rows))
     _plot(rows, out_dir)
-    return rows + step_rows
+    return rows
 
 
 def _plot(rows, out_dir: Path) -> None:
