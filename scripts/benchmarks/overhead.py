@@ -1,13 +1,20 @@
-"""`bench.py overhead`: host time per call with every kernel launch replaced by a
-recorder: the Python, allocation and autograd work a GPU host also does around each
-launch, which bounds small kernels (the backward at d = 1024 is ~100 us of GPU work on
-an H100). Measured with tiny CPU tensors, so allocation here stands in for the GPU
-caching allocator."""
+"""`bench.py overhead`: host time per call.
+
+- Kernel rows: every kernel launch replaced by a recorder: the Python, allocation and
+  autograd work a GPU host also does around each launch, which bounds small kernels (the
+  backward at d = 1024 is ~100 us of GPU work on an H100). Measured with tiny CPU
+  tensors, so allocation here stands in for the GPU caching allocator.
+- Torch-path rows: eager `add_norm` forward + backward at 1 x 1024 fp32 on the torch
+  path against the naive form it replaces, `x + r` then `F.rms_norm` (or `F.layer_norm`),
+  alternated call by call; the median and min-max of the per-run medians.
+"""
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 import fuseblock
 from fuseblock.kernels import norm as kernels
@@ -57,6 +64,43 @@ def _kind_row(kind: str, reps: int, calls: int) -> dict:
     return row
 
 
+def _torch_path_row(kind: str, repeats: int, calls: int) -> dict:
+    x, r = torch.randn(1, 1024, requires_grad=True), torch.randn(1, 1024, requires_grad=True)
+    w = torch.randn(1024, requires_grad=True)
+    b = torch.randn(1024, requires_grad=True) if kind == "layer" else None
+    leaves = [t for t in (x, r, w, b) if t is not None]
+
+    def fused():
+        out, res = fuseblock.add_norm(x, r, w, b, kind=kind)
+        torch.autograd.grad((out, res), leaves, (out, res))
+
+    def naive():
+        res = x + r
+        out = F.layer_norm(res, (1024,), w, b, 1e-6) if kind == "layer" else F.rms_norm(res, (1024,), w, 1e-6)
+        torch.autograd.grad((out, res), leaves, (out, res))
+
+    runs = {"fused": [], "naive": []}
+    for fn in (fused, naive):
+        fn()
+    for i in range(repeats):
+        order = (("fused", fused), ("naive", naive)) if i % 2 else (("naive", naive), ("fused", fused))
+        times = {"fused": [], "naive": []}
+        for _ in range(calls):
+            for name, fn in order:
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+        for name, v in times.items():
+            runs[name].append(statistics.median(v) * 1e6)
+    ratio = [f / n for f, n in zip(runs["fused"], runs["naive"], strict=True)]
+    return dict(kind=kind, d=1024, path="torch", fused_us=statistics.median(runs["fused"]),
+                fused_min_us=min(runs["fused"]), fused_max_us=max(runs["fused"]),
+                naive_us=statistics.median(runs["naive"]), naive_min_us=min(runs["naive"]),
+                naive_max_us=max(runs["naive"]), fused_over_naive=statistics.median(ratio),
+                ratio_min=min(ratio), ratio_max=max(ratio))
+
+
 def run(args) -> list[dict]:
     reps, calls = (3, 100) if args.quick else (7, 500)
-    return [_kind_row(kind, reps, calls) for kind in ("rms", "layer")]
+    rows = [_kind_row(kind, reps, calls) for kind in ("rms", "layer")]
+    return rows + [_torch_path_row(kind, args.repeats, calls) for kind in ("rms", "layer")]

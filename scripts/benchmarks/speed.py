@@ -19,7 +19,8 @@ def run(args) -> list[dict]:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         impls["fused" if fused else "naive"] = (model, opt)
         if not args.quick:
-            impls[("fused" if fused else "naive") + "+compile"] = (torch.compile(model), opt)
+            # fullgraph: a graph break would fail here rather than silently split the step
+            impls[("fused" if fused else "naive") + "+compile"] = (torch.compile(model, fullgraph=True), opt)
     idx = torch.randint(0, 256, (B, 64))
     for m, opt in impls.values():  # warm up (and compile)
         m(idx, idx)[1].backward()
