@@ -105,3 +105,18 @@ def test_residual_defaults_to_the_promoted_dtype():
     out, new_res = fuseblock.add_norm(x, r.bfloat16())
     assert new_res.dtype == torch.bfloat16
     assert fuseblock.add_norm(x)[1] is x
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_the_fused_gpt_compiles_whole_into_plain_ops(norm):
+    """torch.compile(fullgraph=True) of the fused GPT's training loss: one graph, no break,
+    and no fuseblock op in it, so Inductor fuses the norms as it does the naive form's."""
+    from models.gpt import GPT, GPTConfig
+
+    torch._dynamo.reset()
+    model = GPT(GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32, norm=norm, fused=True))
+    idx = torch.randint(0, 256, (2, 16))
+    explained = torch._dynamo.explain(model)(idx, idx)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    assert "fuseblock" not in str(explained.graphs[0].graph)
+    torch._dynamo.reset()
