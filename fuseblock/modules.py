@@ -51,8 +51,17 @@ class Norm(nn.Module):
         self.dim, self.kind, self.c, self.eps = int(dim), kind, c, float(eps)
         self.num_groups, self.gate_act, self.gate_position = int(num_groups), gate_act, gate_position
         factory = dict(device=device, dtype=dtype)
-        self.weight = nn.Parameter(torch.ones(dim, **factory)) if weight else None
-        self.bias = nn.Parameter(torch.zeros(dim, **factory)) if bias else None
+        self.weight = nn.Parameter(torch.empty(dim, **factory)) if weight else None
+        self.bias = nn.Parameter(torch.empty(dim, **factory)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The initial values: weight ones, bias zeros. Called by __init__; call it again after
+        building on the meta device and `to_empty` (FSDP2's deferred init), as torch's norms do."""
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def _kwargs(self, gate: Tensor | None) -> dict:
         kw = dict(kind=self.kind, c=self.c, eps=self.eps, num_groups=self.num_groups, gate=gate)
