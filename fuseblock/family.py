@@ -25,6 +25,13 @@ def _check_channels(x, num_features: int) -> None:
         raise ValueError(f"x must be (N, {num_features}) or (N, {num_features}, L), got shape {tuple(x.shape)}")
 
 
+def _reset_affine(module: nn.Module) -> None:
+    if module.weight is not None:
+        nn.init.ones_(module.weight)
+    if module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
 class BatchNorm(nn.Module):
     """Batch norm over (N, C) or (N, C, L), like nn.BatchNorm1d (see fuseblock.batch_norm).
 
@@ -51,25 +58,32 @@ class BatchNorm(nn.Module):
         self.affine, self.track_running_stats = affine, track_running_stats
         factory = dict(device=device, dtype=dtype)
         if affine:
-            self.weight = nn.Parameter(torch.ones(num_features, **factory))
-            self.bias = nn.Parameter(torch.zeros(num_features, **factory))
+            self.weight = nn.Parameter(torch.empty(num_features, **factory))
+            self.bias = nn.Parameter(torch.empty(num_features, **factory))
         else:
             self.register_parameter("weight", None)
             self.register_parameter("bias", None)
         if track_running_stats:
-            self.register_buffer("running_mean", torch.zeros(num_features, **factory))
-            self.register_buffer("running_var", torch.ones(num_features, **factory))
-            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
+            self.register_buffer("running_mean", torch.empty(num_features, **factory))
+            self.register_buffer("running_var", torch.empty(num_features, **factory))
+            self.register_buffer("num_batches_tracked", torch.empty((), dtype=torch.long, device=device))
         else:
             self.register_buffer("running_mean", None)
             self.register_buffer("running_var", None)
             self.register_buffer("num_batches_tracked", None)
+        self.reset_parameters()
 
     def reset_running_stats(self) -> None:
         if self.track_running_stats:
             self.running_mean.zero_()
             self.running_var.fill_(1)
             self.num_batches_tracked.zero_()
+
+    def reset_parameters(self) -> None:
+        """Running stats (mean 0, var 1, no batches) and weight ones, bias zeros, as
+        nn.BatchNorm1d's; called by __init__, and again after a meta-device build and `to_empty`."""
+        self.reset_running_stats()
+        _reset_affine(self)
 
     def forward(self, x: Tensor) -> Tensor:
         _check_channels(x, self.num_features)
@@ -109,8 +123,13 @@ class InstanceNorm(nn.Module):
         check_float_dtype("dtype", dtype)
         self.num_features, self.eps, self.affine = int(num_features), float(eps), affine
         factory = dict(device=device, dtype=dtype)
-        self.weight = nn.Parameter(torch.ones(num_features, **factory)) if affine else None
-        self.bias = nn.Parameter(torch.zeros(num_features, **factory)) if affine else None
+        self.weight = nn.Parameter(torch.empty(num_features, **factory)) if affine else None
+        self.bias = nn.Parameter(torch.empty(num_features, **factory)) if affine else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """weight ones, bias zeros; called by __init__, and again after a meta-device build and `to_empty`."""
+        _reset_affine(self)
 
     def forward(self, x: Tensor) -> Tensor:
         _check_channels(x, self.num_features)

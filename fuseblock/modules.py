@@ -1,7 +1,9 @@
 """nn.Module wrappers over the functional ops: `Norm` and `AddNorm`.
 
-Parameters are named `weight` and `bias`, so state_dicts load from nn.RMSNorm and
-nn.LayerNorm (and back).
+They keep torch.nn's habits: parameters named `weight` and `bias` with nn.RMSNorm's and
+nn.LayerNorm's defaults, so state_dicts load both ways with no flags; `normalized_shape`
+an int or a 1-tuple; eps=None torch's default for the input's dtype; `reset_parameters`
+for deferred (meta-device) initialization.
 """
 from __future__ import annotations
 
@@ -15,47 +17,82 @@ from .ops.checks import (
     check_int,
     check_last_dim,
     check_options,
+    check_weight_offset,
+    default_eps,
 )
 from .ops.norm import add_norm, norm
 from .spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec
+
+
+def normalized_dim(normalized_shape) -> int:
+    """The normalized (last) dim from an int or a 1-tuple / 1-list / torch.Size, as torch's
+    norms take it; fuseblock normalizes over the last dim only."""
+    if isinstance(normalized_shape, (tuple, list)):  # torch.Size is a tuple
+        if len(normalized_shape) != 1:
+            raise ValueError(f"normalized_shape must be an int or a 1-tuple (fuseblock normalizes over the last dim "
+                             f"only), got {tuple(normalized_shape)}")
+        (normalized_shape,) = normalized_shape
+    check_int("normalized_shape", normalized_shape)
+    return int(normalized_shape)
 
 
 class Norm(nn.Module):
     """Normalize over the last dim: RMSNorm (kind="rms"), LayerNorm ("layer") or L2 ("l2").
 
     `forward(x, gate=None)`; a gate applies `gate_act` at `gate_position` (see fuseblock.norm).
+    out = N(x) * (weight_offset + weight) + bias. bias=None means a bias for kind="layer"
+    only, so nn.LayerNorm(d) and nn.RMSNorm(d) state_dicts load with no other flags.
+    weight_offset (Gemma's 1 + w) makes the weight's initial value zeros. eps=None is
+    torch's default for the input's dtype (as nn.RMSNorm's), resolved at each call.
     """
 
     def __init__(
         self,
-        dim: int,
+        normalized_shape: int | tuple[int],
         *,
         kind: str = "rms",
         c: float | None = None,
-        eps: float = 1e-6,
+        eps: float | None = 1e-6,
         weight: bool = True,
-        bias: bool = False,
+        bias: bool | None = None,
         num_groups: int = 1,
         gate_act: str = DEFAULT_GATE_ACT,
         gate_position: str = DEFAULT_GATE_POSITION,
+        weight_offset: float = 0.0,
         device=None,
         dtype=None,
     ):
         super().__init__()
-        check_int("dim", dim)
+        dim = normalized_dim(normalized_shape)
         check_flag("weight", weight)  # whether the parameter exists; a tensor here is a mistaken initial value
-        check_flag("bias", bias)
+        if bias is not None:
+            check_flag("bias", bias)
         check_float_dtype("dtype", dtype)
-        check_options(dim, kind=kind, c=c, eps=eps, num_groups=num_groups, gate_act=gate_act,
+        # eps=None passes through to the op, which resolves it for each input's dtype
+        check_options(dim, kind=kind, c=c, eps=0.0 if eps is None else eps, num_groups=num_groups, gate_act=gate_act,
                       gate_position=gate_position)
-        self.dim, self.kind, self.c, self.eps = int(dim), kind, c, float(eps)
+        check_weight_offset(weight_offset, True if weight else None)
+        self.dim, self.normalized_shape = dim, (dim,)
+        self.kind, self.c, self.eps = kind, c, None if eps is None else float(eps)
         self.num_groups, self.gate_act, self.gate_position = int(num_groups), gate_act, gate_position
+        self.weight_offset = float(weight_offset)
         factory = dict(device=device, dtype=dtype)
-        self.weight = nn.Parameter(torch.ones(dim, **factory)) if weight else None
-        self.bias = nn.Parameter(torch.zeros(dim, **factory)) if bias else None
+        self.weight = nn.Parameter(torch.empty(dim, **factory)) if weight else None
+        self.bias = nn.Parameter(torch.empty(dim, **factory)) if (kind == "layer" if bias is None else bias) else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The initial values, for which the module is the plain norm: weight ones (zeros with
+        a weight_offset), bias zeros. Called by __init__; call it again after building on the
+        meta device and `to_empty` (FSDP2's deferred init), as torch's norms do."""
+        if self.weight is not None:
+            (nn.init.zeros_ if self.weight_offset != 0.0 else nn.init.ones_)(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def _kwargs(self, gate: Tensor | None) -> dict:
-        kw = dict(kind=self.kind, c=self.c, eps=self.eps, num_groups=self.num_groups, gate=gate)
+        kw = dict(kind=self.kind, c=self.c, eps=self.eps, num_groups=self.num_groups, gate=gate,
+                  weight_offset=self.weight_offset)
         if gate is not None:
             kw.update(gate_act=self.gate_act, gate_position=self.gate_position)
         return kw
@@ -67,36 +104,49 @@ class Norm(nn.Module):
     def naive(self, x: Tensor) -> Tensor:
         """The same function (without a gate) on the torch path's plain ops, never the fused
         kernels: the naive stream's norm."""
-        spec = NormSpec.of(self.dim, kind=self.kind, c=self.c, eps=self.eps, num_groups=self.num_groups,
-                           gate_act=None, gate_position=None)
+        eps = default_eps(x.dtype) if self.eps is None else self.eps
+        spec = NormSpec.of(self.dim, kind=self.kind, c=self.c, eps=eps, num_groups=self.num_groups,
+                           gate_act=None, gate_position=None, weight_offset=self.weight_offset)
         return reference.norm_fwd(x, None, None, self.weight, self.bias, spec, None, need_stats=False)[0]
 
     def extra_repr(self) -> str:
-        return (
-            f"{self.dim}, kind={self.kind!r}, eps={self.eps}, weight={self.weight is not None}, "
-            f"bias={self.bias is not None}" + (f", num_groups={self.num_groups}" if self.num_groups > 1 else "")
-        )
+        """normalized_shape, kind and eps always (as torch's norms show theirs), then every
+        other setting that differs from its default."""
+        parts = [f"{self.normalized_shape}", f"kind={self.kind!r}", f"eps={self.eps}"]
+        if self.c is not None:
+            parts.append(f"c={self.c}")
+        if self.weight is None:
+            parts.append("weight=False")
+        if (self.bias is not None) != (self.kind == "layer"):
+            parts.append(f"bias={self.bias is not None}")
+        if self.num_groups > 1:
+            parts.append(f"num_groups={self.num_groups}")
+        if self.gate_act != DEFAULT_GATE_ACT:
+            parts.append(f"gate_act={self.gate_act!r}")
+        if self.gate_position != DEFAULT_GATE_POSITION:
+            parts.append(f"gate_position={self.gate_position!r}")
+        if self.weight_offset != 0.0:
+            parts.append(f"weight_offset={self.weight_offset}")
+        return ", ".join(parts)
 
 
 class AddNorm(Norm):
     """Fused residual add + normalize: `forward(x, residual=None, gate=None) -> (out, new_residual)`.
 
-    new_residual = x + residual, kept in `residual_dtype`. By default that is the dtype
-    torch's `x + residual` would have, so an fp32 residual is never rounded to bf16
-    activations (fuseblock.add_norm's default is x's dtype). out has x's dtype.
+    new_residual = x + residual, kept in `residual_dtype`: by default the dtype torch's
+    `x + residual` has (fuseblock.add_norm's default too), so an fp32 residual is never
+    rounded to bf16 activations. out has x's dtype. eps=None resolves for the dtype of
+    new_residual, the tensor normalized (fuseblock.add_norm). The other arguments are Norm's.
     """
 
-    def __init__(self, dim: int, *, residual_dtype: torch.dtype | None = None, **kwargs):
-        super().__init__(dim, **kwargs)
+    def __init__(self, normalized_shape: int | tuple[int], *, residual_dtype: torch.dtype | None = None, **kwargs):
+        super().__init__(normalized_shape, **kwargs)
         check_float_dtype("residual_dtype", residual_dtype)
         self.residual_dtype = residual_dtype
 
     def forward(self, x: Tensor, residual: Tensor | None = None, gate: Tensor | None = None):
-        rdtype = self.residual_dtype
-        if rdtype is None and isinstance(residual, Tensor) and isinstance(x, Tensor):
-            rdtype = torch.promote_types(x.dtype, residual.dtype)
         check_last_dim(x, self.dim)
-        return add_norm(x, residual, self.weight, self.bias, residual_dtype=rdtype, **self._kwargs(gate))
+        return add_norm(x, residual, self.weight, self.bias, residual_dtype=self.residual_dtype, **self._kwargs(gate))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ("" if self.residual_dtype is None else f", residual_dtype={self.residual_dtype}")

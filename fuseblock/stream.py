@@ -24,16 +24,28 @@ import torch
 from torch import Tensor, nn
 
 from .modules import AddNorm
-from .ops.checks import check_float_dtype
+from .ops.checks import check_float_dtype, check_int
+
+
+def _first(out):
+    """The new hidden state of a mixer's output: the first element of a tuple (Hugging Face
+    attention returns (out, weights)), else the output itself."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 class PreNormBlock(nn.Module):
-    """One pre-norm sublayer: `forward(hidden, residual=None) -> (hidden, residual)`.
+    """One pre-norm sublayer: `forward(hidden, residual=None, *args, **kwargs) -> (hidden, residual)`.
 
-    residual' = hidden + residual, hidden' = mixer(norm(residual')), the add and the norm
-    in one launch. `mixer` is any module mapping (..., dim) to (..., dim). `norm` is an
-    AddNorm (a Norm): the residual is kept in residual_dtype, by default the dtype of
-    torch's `hidden + residual`.
+    residual' = hidden + residual, hidden' = mixer(norm(residual'), *args, **kwargs), the
+    add and the norm in one launch. `mixer` is any module mapping (..., dim) to (..., dim);
+    the extra arguments (rotary embeddings, masks, caches, position ids) go to it
+    unchanged. A mixer that returns a tuple `(out, *rest)` (Hugging Face attention returns
+    (out, weights)) makes the block return `(out, residual, *rest)`: the first element is
+    the new hidden state, the rest follow the residual untouched.
+
+    `norm` is an AddNorm (a Norm): the residual is kept in residual_dtype, by default the
+    dtype of torch's `hidden + residual`. kind, eps, bias and weight_offset are Norm's
+    (bias=None: a bias for kind="layer" only; eps=None: torch's default for the residual's dtype).
     """
 
     def __init__(
@@ -42,36 +54,54 @@ class PreNormBlock(nn.Module):
         dim: int,
         *,
         kind: str = "rms",
-        eps: float = 1e-6,
+        eps: float | None = 1e-6,
         residual_dtype: torch.dtype | None = None,
-        bias: bool = False,
+        bias: bool | None = None,
+        weight_offset: float = 0.0,
     ):
         super().__init__()
         if not isinstance(mixer, nn.Module):
             raise TypeError(f"mixer must be an nn.Module, got {type(mixer).__name__}")
+        check_int("dim", dim)
         self.mixer = mixer
-        self.norm = AddNorm(dim, kind=kind, eps=eps, bias=bias, residual_dtype=residual_dtype)
+        self.norm = AddNorm(dim, kind=kind, eps=eps, bias=bias, residual_dtype=residual_dtype,
+                            weight_offset=weight_offset)
 
     @property
     def residual_dtype(self) -> torch.dtype | None:
         return self.norm.residual_dtype
 
-    def forward(self, hidden: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def forward(self, hidden: Tensor, residual: Tensor | None = None, *args, **kwargs) -> tuple:
         normed, residual = self.norm(hidden, residual)
-        return self.mixer(normed), residual
+        out = self.mixer(normed, *args, **kwargs)
+        if isinstance(out, tuple):
+            return (out[0], residual, *out[1:])
+        return out, residual
 
-    def naive(self, x: Tensor, act_dtype: torch.dtype | None = None) -> Tensor:
-        """The unfused step x + mixer(norm(x)) with the same parameters. The mixer sees
-        act_dtype (default x's), as it does in the fused form under an fp32 stream."""
-        return x + self.mixer(self.norm.naive(x).to(act_dtype or x.dtype))
+    def naive(self, x: Tensor, *args, **kwargs):
+        """The unfused step x + mixer(norm(x), *args, **kwargs) with the same parameters:
+        x's new value, or `(new x, *rest)` for a mixer that returns `(out, *rest)`."""
+        out = self.mixer(self.norm.naive(x), *args, **kwargs)
+        if isinstance(out, tuple):
+            return (x + out[0], *out[1:])
+        return x + out
+
+    def _naive_step(self, x: Tensor, act_dtype: torch.dtype, kwargs: dict) -> Tensor:
+        """The naive stack's step on a stream x that may be wider than the activations: the
+        mixer sees act_dtype, as it does in the fused form."""
+        return x + _first(self.mixer(self.norm.naive(x).to(act_dtype), **kwargs))
 
 
 class ResidualStack(nn.Module):
     """Pre-norm sublayers over one residual stream, then an optional final norm.
 
-    `forward(x) -> Tensor`, with x's dtype. `fused=False` runs the naive form with the
-    same parameters and state_dict keys, so one checkpoint serves both; the flag may
-    be flipped on a built stack.
+    `forward(x, **kwargs) -> Tensor`, with x's dtype; the keyword arguments (masks, rotary
+    embeddings, position ids) go to every mixer. Of a mixer that returns a tuple the stack
+    keeps the first element, the new hidden state, and drops the rest (attention weights,
+    caches): run the blocks in a loop of your own to keep them. `fused=False` runs the
+    naive form with the same parameters and state_dict keys, so one checkpoint serves both;
+    the flag may be flipped on a built stack. kind, eps, bias, weight_offset and
+    residual_dtype go to every norm (see PreNormBlock).
     """
 
     def __init__(
@@ -80,11 +110,12 @@ class ResidualStack(nn.Module):
         dim: int,
         *,
         kind: str = "rms",
-        eps: float = 1e-6,
+        eps: float | None = 1e-6,
         final_norm: bool = True,
         fused: bool = True,
         residual_dtype: torch.dtype | None = None,
-        bias: bool = False,
+        bias: bool | None = None,
+        weight_offset: float = 0.0,
     ):
         super().__init__()
         # nn.ModuleList and nn.Sequential iterate over their sublayers; any other single
@@ -101,31 +132,31 @@ class ResidualStack(nn.Module):
         for name, flag in (("final_norm", final_norm), ("fused", fused)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        check_int("dim", dim)
         check_float_dtype("residual_dtype", residual_dtype)
-        self.blocks = nn.ModuleList(
-            PreNormBlock(m, dim, kind=kind, eps=eps, residual_dtype=residual_dtype, bias=bias) for m in mixers
-        )
-        self.norm_f = AddNorm(dim, kind=kind, eps=eps, bias=bias, residual_dtype=residual_dtype) if final_norm else None
+        norm_kw = dict(kind=kind, eps=eps, bias=bias, residual_dtype=residual_dtype, weight_offset=weight_offset)
+        self.blocks = nn.ModuleList(PreNormBlock(m, dim, **norm_kw) for m in mixers)
+        self.norm_f = AddNorm(dim, **norm_kw) if final_norm else None
         self.fused = fused
         self.residual_dtype = residual_dtype
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self._fused(x) if self.fused else self._naive(x)
+    def forward(self, x: Tensor, **kwargs) -> Tensor:
+        return self._fused(x, kwargs) if self.fused else self._naive(x, kwargs)
 
-    def _fused(self, x: Tensor) -> Tensor:
+    def _fused(self, x: Tensor, kwargs: dict) -> Tensor:
         hidden, residual = x, None
         for block in self.blocks:
-            hidden, residual = block(hidden, residual)
+            hidden, residual = block(hidden, residual, **kwargs)[:2]
         if self.norm_f is not None:  # o = norm_f(p_n + r_n), one more launch
             out = self.norm_f(hidden, residual)[0]
         else:
             out = hidden if residual is None else hidden + residual
         return out.to(x.dtype)
 
-    def _naive(self, x: Tensor) -> Tensor:
+    def _naive(self, x: Tensor, kwargs: dict) -> Tensor:
         h = x if self.residual_dtype is None else x.to(self.residual_dtype)
         for block in self.blocks:
-            h = block.naive(h, x.dtype)
+            h = block._naive_step(h, x.dtype, kwargs)
         if self.norm_f is not None:
             h = self.norm_f.naive(h)
         return h.to(x.dtype)

@@ -64,7 +64,7 @@ def test_device_mismatch_is_a_value_error():
 
 
 def test_norm_module_rejects_bad_config():
-    with pytest.raises(ValueError, match="dim"):
+    with pytest.raises(ValueError, match="normalized_shape"):
         fuseblock.Norm(0)
     with pytest.raises(ValueError, match="kind"):
         fuseblock.Norm(8, kind="nope")

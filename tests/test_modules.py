@@ -31,8 +31,8 @@ TORCH_TWINS = {
     "rms-noaffine": (
         dict(kind="rms", eps=1e-6, weight=False), lambda: nn.RMSNorm(D, eps=1e-6, elementwise_affine=False)
     ),
-    "layer+bias": (dict(kind="layer", eps=1e-5, bias=True), lambda: nn.LayerNorm(D, eps=1e-5)),
-    "layer-nobias": (dict(kind="layer", eps=1e-5), lambda: nn.LayerNorm(D, eps=1e-5, bias=False)),
+    "layer+bias": (dict(kind="layer", eps=1e-5), lambda: nn.LayerNorm(D, eps=1e-5)),  # bias: the layer default
+    "layer-nobias": (dict(kind="layer", eps=1e-5, bias=False), lambda: nn.LayerNorm(D, eps=1e-5, bias=False)),
 }
 
 
@@ -170,11 +170,15 @@ def test_gate_is_passed_through(cls, gate_kw):
 # ----------------------------------------------------------------- bad arguments
 BAD = [
     # (argument named in the message, constructor kwargs, exception)
-    ("dim", dict(dim=0), ValueError),
-    ("dim", dict(dim=-3), ValueError),
-    ("dim", dict(dim=2.5), TypeError),
-    ("dim", dict(dim=True), TypeError),
-    ("dim", dict(dim="8"), TypeError),
+    ("normalized_shape", dict(normalized_shape=0), ValueError),
+    ("normalized_shape", dict(normalized_shape=-3), ValueError),
+    ("normalized_shape", dict(normalized_shape=2.5), TypeError),
+    ("normalized_shape", dict(normalized_shape=True), TypeError),
+    ("normalized_shape", dict(normalized_shape="8"), TypeError),
+    ("normalized_shape", dict(normalized_shape=(4, 8)), ValueError),
+    ("normalized_shape", dict(normalized_shape=()), ValueError),
+    ("normalized_shape", dict(normalized_shape=(8.0,)), TypeError),
+    ("normalized_shape", dict(normalized_shape=torch.Size([0])), ValueError),
     ("kind", dict(kind="batch"), ValueError),
     ("eps", dict(eps=-1.0), ValueError),
     ("eps", dict(eps="1e-6"), TypeError),
@@ -185,6 +189,9 @@ BAD = [
     ("gate_position", dict(gate_position="middle"), ValueError),
     ("weight", dict(weight=torch.ones(8)), TypeError),
     ("bias", dict(bias=1), TypeError),
+    ("weight_offset", dict(weight_offset="1"), TypeError),
+    ("weight_offset", dict(weight_offset=float("inf")), ValueError),
+    ("weight_offset", dict(weight=False, weight_offset=1.0), ValueError),
 ]
 
 
@@ -192,9 +199,9 @@ BAD = [
 @pytest.mark.parametrize("arg,kw,exc", BAD, ids=[f"{a}={kw[a]!r}" for a, kw, _ in BAD])
 def test_bad_constructor_arguments(cls, arg, kw, exc):
     kw = dict(kw)
-    dim = kw.pop("dim", 8)
+    shape = kw.pop("normalized_shape", 8)
     with pytest.raises(exc, match=arg):
-        getattr(fuseblock, cls)(dim, **kw)
+        getattr(fuseblock, cls)(shape, **kw)
 
 
 @pytest.mark.parametrize("bad", [torch.int32, "float32", torch.float8_e4m3fn])

@@ -6,6 +6,7 @@ with fused=False). Both are also checked against the naive stack run in float64,
 shares no code with fuseblock's kernels (torch ops and autograd only).
 """
 import copy
+import math
 
 import pytest
 import torch
@@ -87,10 +88,10 @@ def naive_twin(stack, dtype=None):
     return twin if dtype is None else twin.to(dtype)
 
 
-def forward_backward(stack, x, cot):
-    """[output, d input, d every parameter] for a cotangent `cot` on the output."""
+def forward_backward(stack, x, cot, **kwargs):
+    """[output, d input, d every parameter] for a cotangent `cot` on the output; kwargs go to the stack."""
     x = x.detach().requires_grad_(True)
-    out = stack(x)
+    out = stack(x, **kwargs)
     assert out.dtype == x.dtype and out.shape == x.shape
     params = list(stack.parameters())
     return [out, *torch.autograd.grad(out, [x, *params], cot)]
@@ -105,13 +106,22 @@ def rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def check_equivalent(stack, x, *, tol):
-    """Fused vs naive vs fp64 naive, output and every gradient."""
+def cast(value, dtype):
+    """Tensors in value (a tensor, or a tuple / dict of them) in dtype."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype)
+    if isinstance(value, tuple):
+        return tuple(cast(v, dtype) for v in value)
+    return {k: cast(v, dtype) for k, v in value.items()}
+
+
+def check_equivalent(stack, x, *, tol, **kwargs):
+    """Fused vs naive vs fp64 naive, output and every gradient; kwargs (side inputs) go to every mixer."""
     assert stack.fused
     cot = torch.randn_like(x)
-    fused = forward_backward(stack, x, cot)
-    naive = forward_backward(naive_twin(stack), x, cot)
-    exact = forward_backward(naive_twin(stack, torch.float64), x.double(), cot.double())
+    fused = forward_backward(stack, x, cot, **kwargs)
+    naive = forward_backward(naive_twin(stack), x, cot, **kwargs)
+    exact = forward_backward(naive_twin(stack, torch.float64), x.double(), cot.double(), **cast(kwargs, torch.float64))
     assert len(fused) == len(naive) == len(exact) == len(names(stack))
     for name, f, n, e in zip(names(stack), fused, naive, exact, strict=True):
         assert f.dtype == n.dtype, name
@@ -309,6 +319,132 @@ def test_compile_inductor_forward_and_backward():
     torch._dynamo.reset()
 
 
+# ----------------------------------------------------------------- weight_offset
+@pytest.mark.kernel
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_fused_equals_naive_with_weight_offset(kind):
+    # norm weights near 0 (make_stack's 0.3 * randn from the zeros init): the offset is most of each scale
+    stack = make_stack(2, kind=kind, weight_offset=1.0)
+    assert all(n.weight_offset == 1.0 for n in stack.modules() if isinstance(n, fuseblock.Norm))
+    check_equivalent(stack, torch.randn(BATCH, SEQ, DIM), tol=TOL_FP32)
+
+
+@pytest.mark.kernel
+def test_fused_equals_naive_with_weight_offset_bf16_fp32_stream():
+    stack = make_stack(2, dtype=torch.bfloat16, residual_dtype=torch.float32, weight_offset=1.0)
+    check_equivalent(stack, torch.randn(BATCH, SEQ, DIM).bfloat16(), tol=TOL_BF16)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("fused", [True, False])
+def test_fresh_stack_with_offset_is_the_plain_stack(fused):
+    """reset_parameters zeros the weights under an offset: (1 + 0) is the plain norm's 1."""
+    mixers = make_mixers(2)
+    plain = fuseblock.ResidualStack(mixers, DIM, fused=fused)
+    offset = fuseblock.ResidualStack(mixers, DIM, fused=fused, weight_offset=1.0)
+    x = torch.randn(BATCH, SEQ, DIM)
+    assert rel_err(offset(x), plain(x)) <= TOL_FP32
+    with torch.no_grad():  # and the weight is read as (1 + w)
+        offset.norm_f.weight.fill_(1.0)
+    assert rel_err(offset(x), 2 * plain(x)) <= TOL_FP32
+
+
+# ----------------------------------------------------------------- side channels
+def rotate_half(t):
+    a, b = t.chunk(2, -1)
+    return torch.cat((-b, a), -1)
+
+
+class SideAttention(nn.Module):
+    """Causal attention fed what a Hugging Face decoder layer is fed: rotary (cos, sin)
+    embeddings, positional or by keyword, and an additive mask, by keyword and required.
+    With return_weights it returns (out, weights), as Hugging Face attention does."""
+
+    def __init__(self, dim, heads=HEADS, return_weights=False):
+        super().__init__()
+        self.heads, self.return_weights = heads, return_weights
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x, position_embeddings, *, attention_mask):
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        cos, sin = position_embeddings  # (T, D/H) each
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        w = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(D // self.heads) + attention_mask, dim=-1)
+        out = self.proj((w @ v).transpose(1, 2).reshape(B, T, D))
+        return (out, w) if self.return_weights else out
+
+
+class SideMLP(MLP):
+    """An MLP in a stack whose mixers all receive the side inputs: it takes and ignores them."""
+
+    def forward(self, x, **kwargs):
+        return super().forward(x)
+
+
+def side_inputs(mask=True):
+    """{position_embeddings: (cos, sin), attention_mask}: rotary angles for SEQ positions and a causal mask."""
+    half = DIM // HEADS // 2
+    angles = torch.arange(SEQ, dtype=torch.float32)[:, None] * 100.0 ** (-torch.arange(half) / half)[None]
+    angles = torch.cat((angles, angles), -1)
+    causal = torch.full((SEQ, SEQ), float("-inf")).triu(1) if mask else torch.zeros(SEQ, SEQ)
+    return dict(position_embeddings=(angles.cos(), angles.sin()), attention_mask=causal)
+
+
+@pytest.mark.kernel
+def test_block_passes_positional_and_keyword_arguments_to_its_mixer():
+    block = fuseblock.PreNormBlock(SideAttention(DIM), DIM)
+    side = side_inputs()
+    pos, mask = side["position_embeddings"], side["attention_mask"]
+    h, r = torch.randn(BATCH, SEQ, DIM), torch.randn(BATCH, SEQ, DIM)
+    out, new_r = block(h, r, pos, attention_mask=mask)
+    normed, want_r = block.norm(h, r)
+    assert torch.equal(new_r, want_r)
+    assert torch.equal(out, block.mixer(normed, pos, attention_mask=mask))
+    assert torch.equal(block(h, r, **side)[0], out)  # the same by keyword
+    assert not torch.allclose(block(h, r, **side_inputs(mask=False))[0], out)  # the mask reached the mixer
+    x = torch.randn(BATCH, SEQ, DIM)
+    assert torch.equal(block.naive(x, pos, attention_mask=mask), x + block.mixer(block.norm.naive(x), **side))
+
+
+@pytest.mark.kernel
+def test_block_with_a_tuple_returning_mixer():
+    """A mixer returning (out, weights): the block returns (out, residual, weights)."""
+    block = fuseblock.PreNormBlock(SideAttention(DIM, return_weights=True), DIM)
+    h, r, side = torch.randn(BATCH, SEQ, DIM), torch.randn(BATCH, SEQ, DIM), side_inputs()
+    got = block(h, r, **side)
+    assert isinstance(got, tuple) and len(got) == 3
+    out, new_r, weights = got
+    normed, want_r = block.norm(h, r)
+    want_out, want_w = block.mixer(normed, **side)
+    assert torch.equal(out, want_out) and torch.equal(new_r, want_r) and torch.equal(weights, want_w)
+    assert weights.shape == (BATCH, HEADS, SEQ, SEQ) and torch.all(weights.triu(1) == 0)  # causal
+    x = torch.randn(BATCH, SEQ, DIM)
+    naive_x, naive_w = block.naive(x, **side)
+    want_out, want_w = block.mixer(block.norm.naive(x), **side)
+    assert torch.equal(naive_x, x + want_out) and torch.equal(naive_w, want_w)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("return_weights", [False, True], ids=["tensor", "tuple"])
+def test_stack_forwards_keyword_arguments_fused_equals_naive(return_weights):
+    """forward(x, **kwargs) gives every mixer the side inputs, in both forms, with every
+    gradient; of a tuple the stack keeps the first element."""
+    mixers = [SideAttention(DIM, return_weights=return_weights), SideMLP(DIM), SideAttention(DIM)]
+    stack = fuseblock.ResidualStack(mixers, DIM, kind="layer")
+    with torch.no_grad():
+        for name, p in stack.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    x = torch.randn(BATCH, SEQ, DIM)
+    fused = check_equivalent(stack, x, tol=TOL_FP32, **side_inputs())
+    assert isinstance(fused[0], torch.Tensor)
+    assert rel_err(stack(x, **side_inputs(mask=False)), fused[0]) > 1e-2  # the mask reached the mixers
+    with pytest.raises(TypeError, match="attention_mask"):
+        stack(x, position_embeddings=side_inputs()["position_embeddings"])
+
+
 # ----------------------------------------------------------------- bad arguments
 @pytest.mark.parametrize(
     "arg,call,exc",
@@ -317,6 +453,9 @@ def test_compile_inductor_forward_and_backward():
         ("residual_dtype", lambda: fuseblock.PreNormBlock(MLP(DIM), DIM, residual_dtype="fp32"), TypeError),
         ("kind", lambda: fuseblock.PreNormBlock(MLP(DIM), DIM, kind="batch"), ValueError),
         ("dim", lambda: fuseblock.PreNormBlock(MLP(DIM), 0), ValueError),
+        ("dim", lambda: fuseblock.ResidualStack([MLP(DIM)], 2.0), TypeError),
+        ("weight_offset", lambda: fuseblock.PreNormBlock(MLP(DIM), DIM, weight_offset="1"), TypeError),
+        ("bias", lambda: fuseblock.ResidualStack([MLP(DIM)], DIM, bias="yes"), TypeError),
         ("mixers", lambda: fuseblock.ResidualStack(MLP(DIM), DIM), TypeError),
         ("mixers", lambda: fuseblock.ResidualStack(3, DIM), TypeError),
         (r"mixers\[1\]", lambda: fuseblock.ResidualStack([MLP(DIM), "mlp"], DIM), TypeError),

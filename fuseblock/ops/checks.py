@@ -41,6 +41,12 @@ def check_number(name: str, v, *, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be finite, got {v}")
 
 
+def default_eps(dtype: torch.dtype) -> float:
+    """eps=None: torch's default for a tensor of dtype (F.rms_norm, nn.RMSNorm), the machine
+    epsilon of its computation dtype: fp32's for fp16, bf16 and fp32, fp64's for fp64."""
+    return torch.finfo(acc_dtype(dtype)).eps
+
+
 def check_eps(eps) -> None:
     check_number("eps", eps)
     if eps < 0:
@@ -115,16 +121,19 @@ def resolve(
     weight_offset=0.0,
 ) -> NormSpec:
     """Validate every argument of norm/add_norm and return the kernel-level spec.
-    eps=None is torch's default: torch.finfo of the dtype the statistics are computed in
-    (x's, or fp32 for fp16/bf16), which is what F.rms_norm does with eps=None."""
+    eps=None is torch's default (default_eps) for the normalized p = x + residual, in the
+    dtype it is stored in: what F.rms_norm(x + residual) would use."""
     check_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the normalized last dim)")
     d = x.shape[-1]
     if d < 1:
         raise ValueError("x's last dimension must be >= 1")
-    if eps is None:  # what torch's rms_norm does: the eps of the dtype it computes in (fp32 for halves)
-        eps = torch.finfo(acc_dtype(x.dtype)).eps
+    if eps is None:  # the checks below name a bad residual or residual_dtype: fall back to x's here
+        rdtype = residual_dtype if residual_dtype in FLOAT_DTYPES else None
+        if rdtype is None and isinstance(residual, torch.Tensor) and residual.dtype in FLOAT_DTYPES:
+            rdtype = torch.promote_types(x.dtype, residual.dtype)
+        eps = default_eps(rdtype or x.dtype)
     spec = _option_spec(d, kind, c, eps, num_groups, gate_act, gate_position, weight_offset, weight is not None,
                         gate is not None)
     for name, t in (("weight", weight), ("bias", bias)):

@@ -177,8 +177,9 @@ def add_norm(
         q = p (rms, l2) or p - mean(p) (layer);  sigma = sqrt(q.q/d + eps)
         out = (c/sqrt(d)) * (q/sigma) * (weight_offset + weight) + bias   (c: sqrt(d), or 1 for l2)
 
-    eps=None is torch's default, as F.rms_norm computes it: torch.finfo of the dtype the
-    statistics are computed in (x's; fp32 for fp16/bf16). weight_offset (Gemma's 1 + w) is added to the weight in fp32.
+    eps=None is torch's default for p, as in F.rms_norm(x + residual): the machine
+    epsilon of p's computation dtype (fp32's for fp16, bf16, fp32; fp64's for fp64).
+    weight_offset (Gemma's 1 + w) is added to the weight in fp32.
 
     A gate gives out = N(p * g(gate)) (gate_position="pre") or N(p) * g(gate) ("post"),
     g one of "silu" (alias "swish"), "sigmoid", "none". out has x's dtype.
