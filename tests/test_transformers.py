@@ -1,0 +1,400 @@
+"""fuseblock.integrations.transformers.fuse against the unfused Hugging Face models.
+
+Tiny configs with random weights (nothing downloaded): logits, loss and every
+parameter's gradient of the fused model against its unfused twin, in fp32 (tight) and
+bf16 (within the unfused model's own bf16 distance to its fp32 result, times a small
+factor); greedy generation with the KV cache and padding; hidden states; the norm call
+count (2n + 1) and no separate residual add; state_dicts both ways; gradient
+checkpointing; torch.compile(fullgraph=True); the kernel path on two architectures.
+
+`python tests/test_transformers.py` prints the table of measured differences that
+docs/transformers.md shows.
+"""
+import copy
+import math
+import os
+import subprocess
+import sys
+import warnings
+from contextlib import nullcontext
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+transformers = pytest.importorskip("transformers")
+
+import fuseblock.integrations.transformers as fbt  # noqa: E402
+from fuseblock import Norm  # noqa: E402
+from fuseblock.integrations.transformers import fuse  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HIDDEN, LAYERS, VOCAB = 64, 2, 128
+COMMON = dict(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, initializer_range=0.2,
+              pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False)
+# model_type -> (config class, model class, config overrides): windows shorter than the
+# test sequences, so the sliding-window masks differ from the causal ones
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=5, head_dim=16)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),  # q_norm / k_norm
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, sliding_window=5, query_pre_attn_scalar=16)),
+}
+T = 12  # sequence length
+
+
+def make(arch, *, layers=LAYERS, seed=0):
+    """The unfused model with random weights: every norm weight perturbed too (transformers
+    initializes them to the identity), so a misplaced or missing norm shows."""
+    config_cls, model_cls, extra = ARCHS[arch]
+    config = getattr(transformers, config_cls)(**{**COMMON, "num_hidden_layers": layers, **extra})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def pair(arch, **kw):
+    model = make(arch, **kw)
+    return model, fuse(copy.deepcopy(model))
+
+
+def batch(seed=1, b=2, t=T):
+    """Token ids, an attention mask with left padding on the first row, labels ignoring the pads."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (b, t), generator=g)
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[0, :3] = 0
+    ids[0, :3] = COMMON["pad_token_id"]
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask, labels
+
+
+def run(model, ids, mask, labels, hidden=True):
+    """(logits, loss, {name: grad}, hidden states or None) of one forward and backward."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, output_hidden_states=hidden)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in getattr(model, "_orig_mod", model).named_parameters()}
+    return out.logits.detach(), out.loss.detach(), grads, hidden and [h.detach() for h in out.hidden_states]
+
+
+def max_diff(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+def rel(a, b):
+    """|a - b| / max(1, |b|), the largest over the tensor: an error scaled as assert_close scales its atol."""
+    return max_diff(a, b) / max(1.0, b.double().abs().max().item())
+
+
+def differences(arch, dtype=torch.float32, *, residual_dtype=None, autocast=False):
+    """Max abs differences of the fused and the unfused model against the unfused fp32
+    model: {"logits", "loss", "grads"} for each, the grads the largest rel() over all
+    parameters. fp32 and no options: the fused model against its unfused twin."""
+    ref = make(arch)
+    ids, mask, labels = batch()
+    ref_logits, ref_loss, ref_grads, _ = run(ref, ids, mask, labels)
+    unfused = copy.deepcopy(ref) if autocast else copy.deepcopy(ref).to(dtype)
+    fused = fuse(copy.deepcopy(unfused), residual_dtype=residual_dtype)
+    result = {"scale": {"logits": ref_logits.abs().max().item(), "loss": abs(ref_loss.item()), "grads": 1.0}}
+    for name, model in (("unfused", unfused), ("fused", fused)):
+        ctx = torch.autocast("cpu", dtype=dtype) if autocast else nullcontext()
+        with ctx:
+            logits, loss, grads, _ = run(model, ids, mask, labels)
+        result[name] = {"logits": max_diff(logits, ref_logits), "loss": abs(loss.item() - ref_loss.item()),
+                        "grads": max(rel(grads[n], ref_grads[n]) for n in ref_grads)}
+    return result
+
+
+# ---------------------------------------------------------------------------- fp32
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp32_logits_loss_grads_hidden_states_match_the_unfused_model(arch):
+    unfused, fused = pair(arch)
+    assert list(fused.state_dict()) == list(unfused.state_dict())
+    ids, mask, labels = batch()
+    a, b = run(unfused, ids, mask, labels), run(fused, ids, mask, labels)
+    torch.testing.assert_close(b[0], a[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b[1], a[1], rtol=1e-6, atol=1e-6)
+    assert b[2].keys() == a[2].keys()
+    for name in a[2]:
+        torch.testing.assert_close(b[2][name], a[2][name], rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert len(b[3]) == len(a[3]) == LAYERS + 1  # the embeddings, then each layer's output (the last one normed)
+    for hf, hu in zip(b[3], a[3], strict=True):
+        torch.testing.assert_close(hf, hu, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_rms_norm_is_a_fuseblock_norm_holding_the_same_parameters(arch):
+    model = make(arch)
+    params = dict(model.named_parameters())
+    fuse(model)
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert not any(k.endswith("RMSNorm") for k in kinds) and "Norm" in kinds
+    assert all(p is params[n] for n, p in model.named_parameters())  # the Parameter objects themselves
+    offsets = {m.weight_offset for m in model.modules() if isinstance(m, Norm)}
+    assert offsets == ({1.0} if arch.startswith("gemma") else {0.0})
+    if arch == "qwen3":
+        assert isinstance(model.model.layers[0].self_attn.q_norm, Norm)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+def test_output_attentions_match(arch):
+    unfused, fused = pair(arch)
+    for m in (unfused, fused):
+        m.config._attn_implementation = "eager"  # attention weights come from the eager kernel only
+    ids, mask, _ = batch()
+    a = unfused(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    b = fused(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    assert len(a) == len(b) == LAYERS
+    for x, y in zip(b, a, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- the fused stream's shape
+
+
+class _HiddenAdds(TorchDispatchMode):
+    """Counts aten adds whose output has the hidden state's shape (B, T, hidden), except
+    inside fuseblock's add_norm: those are the separate residual adds."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.count, self.inside = tuple(shape), 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.inside and func.overloadpacket is torch.ops.aten.add and getattr(out, "shape", None) == self.shape:
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_two_n_plus_one_add_norm_calls_and_no_separate_residual_add(arch, monkeypatch):
+    n = 3
+    unfused, fused = pair(arch, layers=n)
+    ids = batch()[0]
+    calls = []
+    real = fbt.add_norm
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        mode.inside += 1
+        try:
+            return real(*args, **kwargs)
+        finally:
+            mode.inside -= 1
+
+    monkeypatch.setattr(fbt, "add_norm", counting)
+    shape = (*ids.shape, HIDDEN)
+    with torch.no_grad():
+        with _HiddenAdds(shape) as mode:
+            unfused(ids)
+        assert mode.count == 2 * n and not calls  # the counter sees the unfused model's adds
+        with _HiddenAdds(shape) as mode:
+            fused(ids)
+    assert mode.count == 0
+    assert len(calls) == 2 * n + 1 and set(calls) == {shape}
+
+
+# ---------------------------------------------------------------------------- bf16
+
+
+@pytest.mark.parametrize("mode", ["bf16", "bf16+fp32_stream", "autocast"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_error_within_the_unfused_models_own(arch, mode):
+    """bf16 weights (the stream bf16, or fp32 with residual_dtype), or fp32 weights under
+    bf16 autocast: the fused model's distance to the unfused fp32 result is at most twice
+    the unfused bf16 model's own, plus bf16's unit roundoff (2^-8) of the value's scale
+    (the unfused model's error can be small by luck: a loss is one number)."""
+    d = differences(arch, torch.bfloat16, residual_dtype=torch.float32 if "fp32" in mode else None,
+                    autocast=mode == "autocast")
+    for what in ("logits", "loss", "grads"):
+        assert d["fused"][what] <= 2 * d["unfused"][what] + 2**-8 * max(1.0, d["scale"][what]), (what, d)
+    assert d["unfused"]["logits"] > 0  # bf16 did round: the comparison means something
+
+
+def test_bf16_fp32_stream_keeps_activations_bf16():
+    _, fused = pair("llama")
+    fused.to(torch.bfloat16)
+    fuse(fused, residual_dtype=torch.float32)
+    seen = []
+    fused.model.layers[1].self_attn.q_proj.register_forward_hook(lambda m, a, o: seen.append(a[0].dtype))
+    out = fused(batch()[0], output_hidden_states=True)
+    assert seen == [torch.bfloat16] and out.logits.dtype == torch.bfloat16
+    assert out.hidden_states[1].dtype == torch.float32  # p + r in the stream's dtype
+
+
+# ---------------------------------------------------------------------------- generation, checkpoints
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_generation_with_cache_and_padding_is_identical(arch):
+    unfused, fused = pair(arch)
+    ids, mask, _ = batch(t=8)
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    a, b = unfused.generate(ids, **kw), fused.generate(ids, **kw)
+    assert a.shape == (2, 18) and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+def test_checkpoints_load_both_ways(arch, tmp_path):
+    unfused, fused = pair(arch)
+    with torch.no_grad():  # a fused model that has moved away from the unfused one
+        for p in fused.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    ids = batch()[0]
+    fused.save_pretrained(tmp_path / "fused")
+    back = type(unfused).from_pretrained(tmp_path / "fused")
+    assert type(back.model.layers[0]) is type(unfused.model.layers[0])
+    torch.testing.assert_close(back(ids).logits, fused(ids).logits, rtol=1e-5, atol=1e-5)
+
+    unfused.save_pretrained(tmp_path / "unfused")
+    loaded = fuse(type(unfused).from_pretrained(tmp_path / "unfused"))
+    torch.testing.assert_close(loaded(ids).logits, unfused(ids).logits, rtol=1e-5, atol=1e-5)
+    from safetensors.torch import load_file
+
+    fresh = pair(arch, seed=5)[1]  # strict load of the original checkpoint file into a fused model
+    fresh.load_state_dict(load_file(tmp_path / "unfused" / "model.safetensors"), strict=True)
+    torch.testing.assert_close(fresh(ids).logits, unfused(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_gradient_checkpointing(arch, reentrant):
+    unfused, fused = pair(arch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # 5.23 renames it activation_checkpointing_enable
+        fused.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    assert all(layer.gradient_checkpointing for layer in fused.model.layers)
+    fused.train(), unfused.train()
+    calls, mlp = [], fused.model.layers[0].mlp
+    mlp.forward = lambda x, forward=mlp.forward: calls.append(1) or forward(x)  # (the recompute runs no hooks)
+    ids, mask, labels = batch()
+    a, b = run(unfused, ids, mask, labels), run(fused, ids, mask, labels)
+    assert len(calls) == 2  # forward, then again in backward: checkpointing ran
+    torch.testing.assert_close(b[1], a[1], rtol=1e-6, atol=1e-6)
+    for name in a[2]:
+        torch.testing.assert_close(b[2][name], a[2][name], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- torch.compile
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_compile_fullgraph_forward_and_backward(arch):
+    torch._dynamo.reset()
+    unfused, fused = pair(arch)
+    ids, mask, labels = batch()
+    explained = torch._dynamo.explain(fused)(input_ids=ids, attention_mask=mask, labels=labels)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
+    # (output_hidden_states installs transformers' hooks under a lock, which Dynamo cannot trace)
+    a, b = run(unfused, ids, mask, labels, hidden=False), run(compiled, ids, mask, labels, hidden=False)
+    torch.testing.assert_close(b[0], a[0], rtol=1e-5, atol=1e-5)
+    for name in a[2]:
+        torch.testing.assert_close(b[2][name], a[2][name], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- the Triton kernels
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+def test_kernel_path_matches_the_unfused_model(arch):
+    unfused, fused = pair(arch)
+    ids, mask, labels = batch(t=6)
+    a, b = run(unfused, ids, mask, labels), run(fused, ids, mask, labels)
+    torch.testing.assert_close(b[0], a[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(b[1], a[1], rtol=1e-5, atol=1e-5)
+    for name in a[2]:
+        torch.testing.assert_close(b[2][name], a[2][name], rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------- the API
+
+
+def test_unsupported_architectures_and_bad_arguments():
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match=r"llama, mistral, qwen2, qwen3, gemma, gemma2.*'gpt2'"):
+        fuse(gpt2)
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        fuse(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="residual_dtype"):
+        fuse(make("llama"), residual_dtype=torch.int32)
+
+
+def test_fuse_is_per_instance_and_idempotent():
+    cls = transformers.models.llama.modeling_llama.LlamaDecoderLayer
+    forward, model_forward = cls.forward, transformers.LlamaModel.forward
+    unfused, fused = pair("llama")
+    assert cls.forward is forward and transformers.LlamaModel.forward is model_forward
+    assert type(unfused.model.layers[0]) is cls and isinstance(fused.model.layers[0], cls)
+    assert type(fused.model.layers[0]).__name__ == cls.__name__  # transformers finds layers by class name
+    again = fuse(copy.deepcopy(fused))
+    assert type(again.model.layers[0]) is type(fused.model.layers[0])
+    ids = batch()[0]
+    torch.testing.assert_close(again(ids).logits, unfused(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def _readme_example():
+    """The one ```python block of the README's section on transformers models."""
+    import re
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    section = re.search(r"^## Hugging Face transformers models\n(.*?)(?=^## )", text, re.S | re.M)
+    assert section, "no section '## Hugging Face transformers models' in README.md"
+    blocks = re.findall(r"```python\n(.*?)```", section.group(1), re.S)
+    assert len(blocks) == 1, f"expected one python block in the section, found {len(blocks)}"
+    return blocks[0]
+
+
+@pytest.mark.kernel
+def test_readme_example_runs_verbatim():
+    ns = {"__name__": "readme_example"}
+    exec(compile(_readme_example(), "README.md (Hugging Face transformers models)", "exec"), ns)
+    # it ran the fused model (not only the unfused one) and generated past the prompt
+    assert type(ns["fused"].model.layers[0]) is not type(ns["llama"].model.layers[0])
+    assert ns["tokens"].shape == (1, 12) and ns["out"].loss.requires_grad
+    assert all(p.grad is not None for p in ns["fused"].parameters())
+
+
+@pytest.mark.slow
+def test_train_hf_script_smoke():
+    """scripts/train_hf.py: fused and unfused loss curves side by side, equal to fp32 noise."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_hf.py"), "--iters", "3",
+                        "--eval-every", "1"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert p.returncode == 0, p.stderr
+    rows = [ln.split() for ln in p.stdout.splitlines() if ln.split() and ln.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == [1, 2, 3]
+    assert all(math.isfinite(float(r[1])) and abs(float(r[1]) - float(r[2])) < 1e-4 for r in rows)
+    assert "max |fused - unfused|" in p.stdout
+
+
+def main():
+    """The table of docs/transformers.md: max differences against the unfused fp32 model."""
+    print("| architecture | dtype | logits | loss | grads (rel) | unfused model's own: logits | loss | grads |")
+    print("|---|---|---|---|---|---|---|---|")
+    for arch in ARCHS:
+        for label, kw in (("fp32", dict(dtype=torch.float32)), ("bf16", dict(dtype=torch.bfloat16)),
+                          ("bf16, fp32 stream", dict(dtype=torch.bfloat16, residual_dtype=torch.float32)),
+                          ("bf16 autocast", dict(dtype=torch.bfloat16, autocast=True))):
+            d = differences(arch, **kw)
+            f, u = d["fused"], d["unfused"]
+            own = "-" if label == "fp32" else f"{u['logits']:.2e} | {u['loss']:.2e} | {u['grads']:.2e}"
+            own = own if label != "fp32" else "- | - | -"
+            print(f"| {arch} | {label} | {f['logits']:.2e} | {f['loss']:.2e} | {f['grads']:.2e} | {own} |")
+
+
+if __name__ == "__main__":
+    main()
