@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	# torch first, pinned to the CPU wheel, so the range in pyproject installs nothing more
 	# (a bare torch requirement on a machine with no torch pulls a multi-GB CUDA build).
 	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[train,test,lint]"
+	$(PY) -m pip install --quiet -e ".[train,test,lint,hf]"
 	touch $(STAMP)
 
 train: $(STAMP)

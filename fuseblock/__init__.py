@@ -1,4 +1,5 @@
 """fuseblock: fused residual-add + normalization kernels and the fused pre-norm residual stream."""
+from .convert import norm_from
 from .family import (
     BatchNorm,
     InstanceNorm,
@@ -11,6 +12,6 @@ from .modules import AddNorm, Norm
 from .ops.norm import add_norm, norm
 from .stream import PreNormBlock, ResidualStack
 
-__all__ = ["norm", "add_norm", "Norm", "AddNorm", "PreNormBlock", "ResidualStack"]
+__all__ = ["norm", "add_norm", "Norm", "AddNorm", "PreNormBlock", "ResidualStack", "norm_from"]
 __all__ += ["embed_norm", "batch_norm", "group_norm", "instance_norm", "BatchNorm", "InstanceNorm"]
 __version__ = "0.2.0"
