@@ -205,6 +205,11 @@ def norm_fwd(
     return out.to(x.dtype), new_residual, rstd, mean
 
 
+def _as(grad: Tensor | None, param: Tensor | None) -> Tensor | None:
+    """A parameter's gradient in the parameter's dtype."""
+    return None if grad is None else grad.to(param.dtype)
+
+
 def norm_bwd(
     dout: Tensor,
     dres: Tensor | None,
@@ -218,7 +223,8 @@ def norm_bwd(
     x_dtype: torch.dtype,
     residual_grad_dtype: torch.dtype | None,
 ):
-    """Returns (dx, dresidual or None, dgate, dw, db), like the Triton backward.
+    """Returns (dx, dresidual or None, dgate, dw, db), like the Triton backward: dw and db
+    in the weight's and the bias's dtypes.
 
     dx already includes dres (docs/math.md: the residual's gradient adds into dx) and is also the residual's
     gradient; a separate dresidual comes back only for a residual_grad_dtype.
@@ -231,7 +237,7 @@ def norm_bwd(
         if dres is not None:
             ds = ds + dres.to(acc)
         dresidual = None if residual_grad_dtype is None else ds.to(residual_grad_dtype)
-        return ds.to(x_dtype), dresidual, None, dw, db
+        return ds.to(x_dtype), dresidual, None, _as(dw, weight), _as(db, bias)
     z = gate.to(acc) if spec.gate != Gate.NONE else None
     g = gate_act(z, spec.act) if z is not None else None
     s = p * g if spec.gate == Gate.PRE else p
@@ -261,4 +267,4 @@ def norm_bwd(
         ds = ds + dres.to(acc)
     dresidual = None if residual_grad_dtype is None else ds.to(residual_grad_dtype)
     dgate = None if dgate is None else dgate.to(gate.dtype)
-    return ds.to(x_dtype), dresidual, dgate, dw, db
+    return ds.to(x_dtype), dresidual, dgate, _as(dw, weight), _as(db, bias)
