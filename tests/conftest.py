@@ -62,9 +62,10 @@ def launches():
 def small_wide_rows(monkeypatch):
     """Shrink the tile limits and chunk sizes so rows of a few dozen columns take the
     wide-row kernels (`_fwd_loop`, `_bwd_dots` + `_bwd_cols`), with ragged chunks and
-    several programs: fast enough for the interpreter."""
+    several programs: fast enough for the interpreter. Up to 16 `_bwd_cols` programs, so
+    a column chunk of a few row blocks has several, whose partial rows it sums."""
     import fuseblock.kernels.norm as K
 
     for name, value in dict(MAX_TILE_FWD=16, MAX_TILE_BWD=16, LOOP_BLOCK=8, COLS_BLOCK=8, COLS_TILE=32,
-                            MIN_ROWS_PER_PROGRAM=4, H100_SMS=2).items():
+                            MIN_ROWS_PER_PROGRAM=4, H100_SMS=2, COLS_PROGRAMS_PER_SM=8).items():
         monkeypatch.setattr(K, name, value)

@@ -1,5 +1,5 @@
 """What the test modules share: which path this run tests, the fp64 comparison, the core
-op's full check (`run_case`) and a count of Triton launches.
+op's full check (`run_case`), a count of Triton launches and one of every launch.
 
 Test modules import these from here, never from one another or from conftest; conftest
 holds the fixtures and hooks (the `launches` fixture, the `kernel_only` / `torch_only`
@@ -9,6 +9,7 @@ fuseblock (and through it triton) is imported inside the functions that use it:
 conftest imports this module before any test module, and before it has moved tensors
 to FUSEBLOCK_TEST_DEVICE.
 """
+import contextlib
 import os
 
 import torch
@@ -102,3 +103,44 @@ class Launches:
 
     def __call__(self, *kinds):
         return tuple(self[k] for k in kinds)
+
+    def total(self) -> int:
+        """Launches of every kind."""
+        return sum(self._module.LAUNCHES.values()) - sum(self._start.values())
+
+
+class AllLaunches(contextlib.AbstractContextManager):
+    """Every launch the code run inside makes, Triton kernels and torch ops together: what a
+    GPU would run for it. `kernels`: Triton launches (fuseblock.kernels.norm.LAUNCHES); under
+    the interpreter also `names`, those the interpreter really ran (else None). `ops`: the
+    aten ops that compute or copy, as fuseblock.testing.traffic.EagerTraffic (a
+    TorchDispatchMode) sees them. It passes over views (view, t, transpose, as_strided,
+    detach, alias: `func.is_view`), which only make new metadata, and allocations and
+    metadata queries (empty, empty_strided, new_empty, _unsafe_view, sym_size...:
+    traffic.FREE_OPS): none of them launches a kernel on a GPU, where the caching allocator
+    hands out memory without one. A reshape that must copy reaches it as clone: counted.
+    Under the interpreter, its own host copies inside a launch are not counted
+    (traffic.KernelTraffic pauses the eager counter there)."""
+
+    def __enter__(self):
+        from fuseblock.testing.traffic import EagerTraffic, KernelTraffic
+
+        self._launches = Launches()
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1" and DEVICE == "cpu"
+        self._kernel = KernelTraffic(glue=True) if interpreted else None
+        self._counter = self._kernel if interpreted else EagerTraffic()
+        self._counter.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._counter.__exit__(*exc)
+        self.kernels = self._launches.total()
+        eager = self._kernel.glue if self._kernel is not None else self._counter
+        self.ops = [name for name, _, _ in eager.ops]
+        self.launches = None if self._kernel is None else self._kernel.launches  # with bytes per argument
+        self.names = None if self._kernel is None else [ln.kernel for ln in self.launches]
+        return False
+
+    @property
+    def total(self) -> int:
+        return self.kernels + len(self.ops)

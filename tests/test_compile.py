@@ -56,3 +56,17 @@ def test_opcheck_fake_implementations():
         (x, r, None, w, None, NormSpec(True, 1.0, 1e-6, Gate.NONE, Act.UNUSED, 1).pack(), torch.float32, True),
         test_utils=("test_schema", "test_faketensor"),
     )
+
+
+@pytest.mark.kernel
+@pytest.mark.kernel_only("the custom op serves the Triton path")
+def test_backward_fake_gives_dw_db_the_parameters_dtypes():
+    # the backward returns dw and db in the weight's and the bias's dtypes (no cast after
+    # it, where the kernels would need a launch for it): its fake says so
+    x, w, b = torch.randn(3, 16).bfloat16(), torch.randn(16).bfloat16(), torch.randn(16).half()
+    spec = NormSpec(True, 1.0, 1e-6, Gate.NONE, Act.UNUSED, 1).pack()
+    _, _, rstd, mean = torch.ops.fuseblock.norm_fwd(x, None, None, w, b, spec, None, True)
+    args = (torch.randn_like(x), None, x, None, w, b, rstd, mean, spec, x.dtype, None)
+    torch.library.opcheck(torch.ops.fuseblock.norm_bwd.default, args, test_utils=("test_schema", "test_faketensor"))
+    dw, db = torch.ops.fuseblock.norm_bwd(*args)[3:]
+    assert (dw.dtype, db.dtype) == (torch.bfloat16, torch.float16)

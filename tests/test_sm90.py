@@ -37,12 +37,15 @@ def _launches(config, d, dtype, rows=512, compiled=None):
 def test_core_kernels_compile_for_h100(config, d):
     launches = _launches(config, d, torch.bfloat16)
     names = [ln.name for ln in launches]
-    assert names == {1000: ["_fwd_tile", "_bwd_tile"], 20000: ["_fwd_tile", "_bwd_dots", "_bwd_cols"],
+    # 512 rows: 8 tile backward programs, whose dw (db) partial rows _bwd_sum adds up
+    assert names == {1000: ["_fwd_tile", "_bwd_tile", "_bwd_sum"], 20000: ["_fwd_tile", "_bwd_dots", "_bwd_cols"],
                      40000: ["_fwd_loop", "_bwd_dots", "_bwd_cols"]}[d]
     for ln in launches:
         usage = resource_usage(compile_sm90(ln))
         assert 0 < usage["registers"] <= 255
-        if ln.name in ("_fwd_loop", "_bwd_dots", "_bwd_cols"):  # the wide-row kernels keep little live: no spills
+        # the wide-row kernels and the partial-row sum keep little live: no spills (a
+        # word or two outside the loops at most)
+        if ln.name in ("_fwd_loop", "_bwd_dots", "_bwd_cols", "_bwd_sum"):
             assert usage["stack"] <= 16, (ln.name, usage)
 
 

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.kernel, pytest.mark.kernel_only("the Triton kernels' l
 @pytest.mark.parametrize("res", ["none", "same", "fp32"])
 @pytest.mark.parametrize("affine", ["w", "wb"])
 def test_wide_row_kernels_match_fp64_reference(kind, dtype, res, affine, launches):
-    d, rows = 37, 29  # 5 chunks of 8 (the last has 5 columns); 8 row blocks of 4 over 2 programs
+    d, rows = 37, 29  # 5 chunks of 8 (the last has 5 columns); 8 row blocks of 4 over 3 programs a chunk
     x = torch.randn(rows, d).to(dtype) * 3 + 2  # an offset mean: the centring matters
     residual = None if res == "none" else torch.randn(rows, d).to(dtype)
     w = torch.randn(d).to(dtype)

@@ -8,6 +8,9 @@ Two layouts, picked per call by the width of one normalized group:
   a time (`_fwd_loop`); the backward takes two launches, the per-row constants
   (`_bwd_dots`) then a column-chunk pass (`_bwd_cols`).
 
+Launches: one forward; a backward of at most two, and no torch op around them (the
+parameters' gradients are written in their own dtypes, by a kernel).
+
 Names: i_ program ids, o_ offsets, m_ masks, b_ blocks (fp32 in registers). Tensors:
 X input, R residual, Z gate, W weight, B bias, O output, RO new_residual, P the saved
 p; a D prefix is a gradient. GATE and ACT take the named modes of `fuseblock.spec`.
@@ -17,8 +20,10 @@ Traffic (tile kernels): forward reads x, residual, gate once and writes out,
 new_residual once. Backward reads the saved p (new_residual or x), gate, dout and the
 gradient arriving at new_residual once, and writes dx (which is also the residual's
 gradient), dgate once. dw and db are reduced per program in registers and written as
-one partial row per program; the caller sums those rows. Wide rows read p (and dout,
-in the backward) twice: docs/performance.md counts it.
+one fp32 partial row per program, which a second launch (`_bwd_sum`) adds up and
+stores in the parameters' dtypes; `_bwd_cols` sums them itself, in the last program of
+each column chunk to finish. A single program writes dw and db directly. Wide rows read
+p (and dout, in the backward) twice: docs/performance.md counts it.
 """
 # No `from __future__ import annotations`: Triton 3.1's interpreter reads the string
 # "tl.constexpr" as no annotation and passes BR, BD, ... as arrays (tests/test_floor.py).
@@ -54,6 +59,8 @@ COLS_TILE = 8192  # and elements per [rows, columns] block it loads
 COLS_PROGRAMS_PER_SM = 2  # what fits of it (91 to 128 registers x 256 threads; bench.py sm90)
 H100_SMS = 132  # SM count assumed when there is no GPU (the interpreter)
 MIN_ROWS_PER_PROGRAM = 64  # keeps dw/db partial rows (fp32, written and summed) near 3% of bf16 traffic
+SUM_TILE = 2048  # _bwd_sum: elements per [partial rows, columns] block it loads
+SUM_MIN_COLS = 32  # and at least 32 columns per program: 128 bytes of each fp32 partial row
 
 
 # --------------------------------------------------------------------------- helpers
@@ -313,7 +320,7 @@ def _store_dx(b_dq, b_p, b_z, b_g, DZ, DRO, DX, DR, o_dz, o_dro, o_dx, o_dr, mas
 
 @triton.jit(do_not_specialize=["M", "scale", "woff"])
 def _bwd_tile(
-    P, Z, W, B, RSTD, MEAN, DO, DRO, DX, DR, DZ, DW, DB,
+    P, Z, W, B, RSTD, MEAN, DO, DRO, DX, DR, DZ, DWP, DBP,
     s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz,
     M, G, DG, scale, woff,
     BR: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
@@ -323,7 +330,9 @@ def _bwd_tile(
 ):
     _check_modes(GATE, ACT)
     # A persistent grid: program i_p handles row blocks i_p, i_p + n_p, ... and keeps
-    # its dw/db sums in registers, so it writes one partial row at the very end.
+    # its dw/db sums in registers, so it writes one partial row (fp32) at the very end:
+    # row i_p of DWP/DBP, which `_bwd_sum` adds up. A grid of one program writes dw and
+    # db themselves, in the parameters' dtype (DWP/DBP are then dw and db).
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
     o_g = tl.arange(0, BG)
@@ -367,18 +376,46 @@ def _bwd_tile(
                   row * s_dr + col, mask, HAS_DRO, STORE_DR, GATE, ACT)
     o_part = i_p.to(tl.int64) * G * DG + o_gd
     if NEED_DW:
-        tl.store(DW + o_part, b_dw, mask=m_gd)
+        tl.store(DWP + o_part, b_dw.to(DWP.dtype.element_ty), mask=m_gd)
     if NEED_DB:
-        tl.store(DB + o_part, b_db, mask=m_gd)
+        tl.store(DBP + o_part, b_db.to(DBP.dtype.element_ty), mask=m_gd)
+
+
+@triton.jit
+def _sum_rows(PART, OUT, n_rows, stride, o_col, m_col, BR: tl.constexpr, BD: tl.constexpr):
+    """OUT[o_col] = the sum of rows 0 .. n_rows - 1 of PART[:, o_col] (fp32), stored in
+    OUT's dtype: one rounding, as the parameter's gradient. BR rows at a time, added up
+    across them once at the end. The loads bypass L1 (.cg): the rows were written by
+    other programs, on other SMs (see _bwd_cols for when they are visible)."""
+    o_r = tl.arange(0, BR)
+    b_acc = tl.zeros([BR, BD], dtype=tl.float32)
+    for i_r in range(0, n_rows, BR):
+        o_row = (i_r + o_r).to(tl.int64)
+        mask = (o_row < n_rows)[:, None] & m_col[None, :]
+        b_acc += tl.load(PART + o_row[:, None] * stride + o_col[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+    tl.store(OUT + o_col, tl.sum(b_acc, 0).to(OUT.dtype.element_ty), mask=m_col)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _bwd_sum(DWP, DBP, DW, DB, n_rows, D, BR: tl.constexpr, BD: tl.constexpr,
+             NEED_DW: tl.constexpr, NEED_DB: tl.constexpr):
+    # The tile backward's second launch: dw and db, both in one, from the (n_rows, D)
+    # partial rows `_bwd_tile` wrote; program i_c sums columns i_c * BD ...
+    o_col = tl.program_id(0) * BD + tl.arange(0, BD)
+    m_col = o_col < D
+    if NEED_DW:
+        _sum_rows(DWP, DW, n_rows, D, o_col, m_col, BR, BD)
+    if NEED_DB:
+        _sum_rows(DBP, DB, n_rows, D, o_col, m_col, BR, BD)
 
 
 @triton.jit(do_not_specialize=["MG", "scale", "woff"])
 def _bwd_dots(
-    P, Z, W, RSTD, MEAN, DO, DOT,
+    P, Z, W, RSTD, MEAN, DO, DOT, CNT,
     s_p, s_z, s_do,
-    MG, G, DG, scale, woff,
+    MG, G, DG, scale, woff, n_cnt,
     BD: tl.constexpr,
-    HAS_W: tl.constexpr, CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr,
+    HAS_W: tl.constexpr, CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, ZERO_CNT: tl.constexpr,
 ):
     _check_modes(GATE, ACT)
     # Wide rows, step 1 of 2: the per-(row, group) constants of dq, which need the whole
@@ -386,6 +423,9 @@ def _bwd_dots(
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
     o_d = tl.arange(0, BD)
+    if ZERO_CNT:  # and the n_cnt arrival counters of _bwd_cols, which runs next: no launch of their own
+        for i_c in range(i_p * BD, n_cnt, n_p * BD):
+            tl.store(CNT + i_c + o_d, tl.zeros([BD], dtype=tl.int32), mask=i_c + o_d < n_cnt)
     for i_it in range(i_p, MG, n_p):
         i_mg = tl.cast(i_it, tl.int64)
         i_m = i_mg // G
@@ -420,12 +460,12 @@ def _bwd_dots(
 
 @triton.jit(do_not_specialize=["M", "scale", "woff"])
 def _bwd_cols(
-    P, Z, W, B, RSTD, MEAN, DOT, DO, DRO, DX, DR, DZ, DW, DB,
+    P, Z, W, B, RSTD, MEAN, DOT, DO, DRO, DX, DR, DZ, DWP, DBP, DW, DB, CNT,
     s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz,
     M, G, DG, scale, woff,
     BR: tl.constexpr, BD: tl.constexpr,
     HAS_DRO: tl.constexpr, STORE_DR: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, SUM_PARTS: tl.constexpr,
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr,
 ):
     _check_modes(GATE, ACT)
@@ -474,11 +514,34 @@ def _bwd_cols(
             b_dq -= tl.load(DOT + 2 * o_mg + 1, mask=m_m, other=0.0)[:, None]
         _store_dx(b_dq, b_p, b_z, b_g, DZ, DRO, DX, DR, row * s_dz + col, row * s_dro + col, row * s_dx + col,
                   row * s_dr + col, mask, HAS_DRO, STORE_DR, GATE, ACT)
-    o_part = i_p.to(tl.int64) * G * DG + o_col
-    if NEED_DW:
-        tl.store(DW + o_part, b_dw, mask=m_d)
-    if NEED_DB:
-        tl.store(DB + o_part, b_db, mask=m_d)
+    if not SUM_PARTS:  # one program per column chunk (n_p = 1): its sums are dw and db
+        if NEED_DW:
+            tl.store(DW + o_col, b_dw.to(DW.dtype.element_ty), mask=m_d)
+        if NEED_DB:
+            tl.store(DB + o_col, b_db.to(DB.dtype.element_ty), mask=m_d)
+    else:
+        # The n_p programs of a column chunk each write their partial row (fp32), then
+        # count themselves in on the chunk's counter (zeroed by _bwd_dots); the last to
+        # arrive sums the n_p rows into dw and db: no third launch. Memory order: the
+        # barrier makes every thread's partial stores precede (in the CTA) the one thread
+        # that does the atomic; its release (acq_rel, GPU scope) publishes them, being
+        # cumulative, before the count can be seen. The last program's acquire (the same
+        # atomic) then sees every earlier program's release, so all n_p rows are visible
+        # to it; the result reaches the other threads through shared memory and a barrier
+        # (how Triton hands out a scalar atomic's value), which orders their loads after
+        # that acquire (and _sum_rows loads through L2, past this SM's L1).
+        o_part = i_p.to(tl.int64) * G * DG + o_col
+        if NEED_DW:
+            tl.store(DWP + o_part, b_dw, mask=m_d)
+        if NEED_DB:
+            tl.store(DBP + o_part, b_db, mask=m_d)
+        tl.debug_barrier()
+        n_before = tl.atomic_add(CNT + i_c, 1, sem="acq_rel", scope="gpu")
+        if n_before == n_p - 1:
+            if NEED_DW:
+                _sum_rows(DWP, DW, n_p, G * DG, o_col, m_d, BR, BD)
+            if NEED_DB:
+                _sum_rows(DBP, DB, n_p, G * DG, o_col, m_d, BR, BD)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -602,9 +665,16 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
 
     dx is in x_dtype; a separate dresidual is written only when the residual's dtype
     differs (an fp32 residual stream under bf16 activations): otherwise dx serves both.
+    dw and db come in the weight's and the bias's dtype.
+
+    At most two launches, torch ops included: `_bwd_tile`, then `_bwd_sum` adding up its
+    dw/db partial rows (none when one program ran, or with no weight and no bias); wide
+    rows `_bwd_dots` + `_bwd_cols`, which sums its own partial rows.
     """
     d = p.shape[-1]
-    p2, do2, dro2, z2 = rows(p, d), rows(dout, d), rows(dres, d), rows(gate, d)  # as in norm_fwd
+    # As in norm_fwd. A dout whose columns are not unit-stride (an expanded gradient) is
+    # copied by `rows`, a torch op: the caller's layout, not this op's work.
+    p2, do2, dro2, z2 = rows(p, d), rows(dout, d), rows(dres, d), rows(gate, d)
     weight, bias = _vec(weight), _vec(bias)
     M, G = p2.shape[0], spec.groups
     dg = d // G
@@ -613,6 +683,11 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     dr = torch.empty((M, d), dtype=residual_grad_dtype, device=dev) if residual_grad_dtype is not None else None
     dz = torch.empty((M, d), dtype=gate.dtype, device=dev) if gate is not None else None
     need_dw, need_db = weight is not None, bias is not None
+    grads = (dx.view(p.shape), None if dr is None else dr.view(p.shape), None if dz is None else dz.view(p.shape))
+    if M == 0:  # no rows, no launch: the sums over none are zero (a fill each, for this edge case)
+        return (*grads, *(None if t is None else torch.zeros((d,), dtype=t.dtype, device=dev) for t in (weight, bias)))
+    dw = torch.empty((d,), dtype=weight.dtype, device=dev) if need_dw else None
+    db = torch.empty((d,), dtype=bias.dtype, device=dev) if need_db else None
     flags = dict(
         HAS_DRO=dro2 is not None, STORE_DR=dr is not None, HAS_W=need_dw, HAS_B=need_db,
         NEED_DW=need_dw, NEED_DB=need_db, CENTER=spec.center, GATE=int(spec.gate), ACT=int(spec.act),
@@ -625,6 +700,8 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
         lay = Layout(False, 1, bd, COLS_TILE // bd, 8, COLS_PROGRAMS_PER_SM)
         n_cols = G * cdiv(dg, bd)
     n_items = cdiv(M, lay.br)
+    # The variant's registers are those of its main loop: the partial rows' summing
+    # (SUM_PARTS below) comes after it, when those are free (bench.py sm90 shows both).
     variant = lay.variant("_bwd_tile" if lay.tile else "_bwd_cols", (p2, z2, weight, bias, do2, dro2, dx, dr, dz),
                           flags)
     # Programs per SM as many as fit at once (one wave), and at least
@@ -632,42 +709,37 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     # to the activations on small batches.
     slots = _num_sms(dev) * programs_per_sm(dev, variant, lay.per_sm)
     n_prog = max(1, min(slots // n_cols, n_items, cdiv(M, MIN_ROWS_PER_PROGRAM)))
-    dw_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_dw else None
-    db_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_db else None
-    if M > 0:
-        strides = (p2.stride(0), _stride(z2), do2.stride(0), _stride(dro2), dx.stride(0), _stride(dr), _stride(dz))
-        outs = (do2, dro2, dx, dr, dz, dw_part, db_part)
-        if lay.tile:
-            compiled = _bwd_tile[(n_prog,)](p2, z2, weight, bias, rstd, mean, *outs, *strides, M, G, dg, spec.scale,
-                                            spec.weight_offset, BR=lay.br, BG=lay.bg, BD=lay.bd,
-                                            num_warps=lay.warps, **flags)
+    # With one program its sums are dw and db: it writes them, and nothing is left to add.
+    sum_parts = n_prog > 1 and (need_dw or need_db)
+    dw_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_dw and sum_parts else dw
+    db_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_db and sum_parts else db
+    strides = (p2.stride(0), _stride(z2), do2.stride(0), _stride(dro2), dx.stride(0), _stride(dr), _stride(dz))
+    outs = (do2, dro2, dx, dr, dz, dw_part, db_part)
+    if lay.tile:
+        compiled = _bwd_tile[(n_prog,)](p2, z2, weight, bias, rstd, mean, *outs, *strides, M, G, dg, spec.scale,
+                                        spec.weight_offset, BR=lay.br, BG=lay.bg, BD=lay.bd, num_warps=lay.warps,
+                                        **flags)
+        LAUNCHES["bwd"] += 1
+        if sum_parts:
+            bd = max(SUM_MIN_COLS, min(_pow2(d), _pow2(cdiv(d, _num_sms(dev)))))
+            _bwd_sum[(cdiv(d, bd),)](dw_part, db_part, dw, db, n_prog, d, BR=max(1, SUM_TILE // bd), BD=bd,
+                                     NEED_DW=need_dw, NEED_DB=need_db, num_warps=4)
             LAUNCHES["bwd"] += 1
-        else:
-            dots = torch.empty((M * G, 2), dtype=torch.float32, device=dev)
-            dots_lay = Layout(False, 1, min(LOOP_BLOCK, _pow2(dg)), 1, 8, LOOP_PROGRAMS_PER_SM)
-            dots_flags = dict(BD=dots_lay.bd, HAS_W=need_dw, CENTER=spec.center, GATE=int(spec.gate),
-                              ACT=int(spec.act))
-            dots_variant = dots_lay.variant("_bwd_dots", (p2, z2, weight, do2), dots_flags)
-            n_dots = min(M * G, _num_sms(dev) * programs_per_sm(dev, dots_variant, dots_lay.per_sm))
-            dots_compiled = _bwd_dots[(n_dots,)](p2, z2, weight, rstd, mean, do2, dots, p2.stride(0), _stride(z2),
-                                                 do2.stride(0), M * G, G, dg, spec.scale, spec.weight_offset,
-                                                 num_warps=dots_lay.warps, **dots_flags)
-            learn(dev, dots_variant, dots_compiled, dots_lay.warps)
-            compiled = _bwd_cols[(n_cols, n_prog)](p2, z2, weight, bias, rstd, mean, dots, *outs, *strides, M, G,
-                                                   dg, spec.scale, spec.weight_offset, BR=lay.br, BD=lay.bd,
-                                                   num_warps=lay.warps, **flags)
-            LAUNCHES["bwd"] += 2
-        learn(dev, variant, compiled, lay.warps)
-    if M == 0:  # no program ran: the partial rows hold garbage, the true sums are zero
-        dw_part = None if dw_part is None else dw_part.zero_()
-        db_part = None if db_part is None else db_part.zero_()
-    dw = None if dw_part is None else dw_part.sum(0)
-    db = None if db_part is None else db_part.sum(0)
-    view = p.shape
-    return (
-        dx.view(view),
-        None if dr is None else dr.view(view),
-        None if dz is None else dz.view(view),
-        dw,
-        db,
-    )
+    else:
+        dots = torch.empty((M * G, 2), dtype=torch.float32, device=dev)
+        cnt = torch.empty((n_cols,), dtype=torch.int32, device=dev) if sum_parts else None  # zeroed by _bwd_dots
+        dots_lay = Layout(False, 1, min(LOOP_BLOCK, _pow2(dg)), 1, 8, LOOP_PROGRAMS_PER_SM)
+        dots_flags = dict(BD=dots_lay.bd, HAS_W=need_dw, CENTER=spec.center, GATE=int(spec.gate),
+                          ACT=int(spec.act), ZERO_CNT=sum_parts)
+        dots_variant = dots_lay.variant("_bwd_dots", (p2, z2, weight, do2), dots_flags)
+        n_dots = min(M * G, _num_sms(dev) * programs_per_sm(dev, dots_variant, dots_lay.per_sm))
+        dots_compiled = _bwd_dots[(n_dots,)](p2, z2, weight, rstd, mean, do2, dots, cnt, p2.stride(0), _stride(z2),
+                                             do2.stride(0), M * G, G, dg, spec.scale, spec.weight_offset, n_cols,
+                                             num_warps=dots_lay.warps, **dots_flags)
+        learn(dev, dots_variant, dots_compiled, dots_lay.warps)
+        compiled = _bwd_cols[(n_cols, n_prog)](p2, z2, weight, bias, rstd, mean, dots, *outs, dw, db, cnt, *strides,
+                                               M, G, dg, spec.scale, spec.weight_offset, BR=lay.br, BD=lay.bd,
+                                               SUM_PARTS=sum_parts, num_warps=lay.warps, **flags)
+        LAUNCHES["bwd"] += 2
+    learn(dev, variant, compiled, lay.warps)
+    return (*grads, dw, db)

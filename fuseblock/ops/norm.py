@@ -65,8 +65,8 @@ def _bwd_fake(dout, dres, p, gate, weight, bias, rstd, mean, spec, x_dtype, resi
         p.new_empty(p.shape, dtype=x_dtype),
         p.new_empty(p.shape, dtype=residual_grad_dtype) if residual_grad_dtype is not None else _empty(p),
         p.new_empty(p.shape, dtype=gate.dtype) if gate is not None else _empty(p),
-        p.new_empty((d,), dtype=rstd.dtype) if weight is not None else _empty(p),
-        p.new_empty((d,), dtype=rstd.dtype) if bias is not None else _empty(p),
+        p.new_empty((d,), dtype=weight.dtype) if weight is not None else _empty(p),
+        p.new_empty((d,), dtype=bias.dtype) if bias is not None else _empty(p),
     )
 
 
@@ -101,8 +101,8 @@ def _grads(ctx, grad_outputs, norm_bwd):
         dx,
         None if ctx.residual_dtype is None else (dres_sep if separate else dx),
         dgate if gate is not None else None,
-        dw.to(weight.dtype) if weight is not None else None,
-        db.to(bias.dtype) if bias is not None else None,
+        dw if weight is not None else None,  # in the weight's and bias's dtypes already: no cast launched
+        db if bias is not None else None,
     )
 
 

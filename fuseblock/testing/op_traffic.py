@@ -3,8 +3,10 @@
 Byte model: the compulsory minimum reads each external activation input once and writes
 each activation output once (forward: x, residual, gate in; out, new_residual out.
 Backward: the saved p, gate, grad_out, grad_new_residual in; dx, a separate dresidual
-when its dtype differs, dgate out). Weights, biases, row statistics and the per-program
-dw/db partial rows are reported apart, as "other".
+when its dtype differs, dgate out). Weights, biases, row statistics, the per-program
+dw/db partial rows (written by one launch, summed by the next or by the last program of
+the same launch: kernel bytes either way) and dw/db themselves are reported apart, as
+"other".
 
 The kernel counts need the Triton interpreter (TRITON_INTERPRET=1 before triton is
 imported); the naive counts do not.
@@ -18,7 +20,9 @@ from .traffic import EagerTraffic, KernelTraffic
 
 # Kernel argument names by role (the launchers' parameter names).
 ACTIVATION_ARGS = {"X", "R", "Z", "O", "RO", "P", "DO", "DRO", "DX", "DR", "DZ"}  # the launchers' tensor names
-UNCACHED_ARGS = ACTIVATION_ARGS | {"RSTD", "MEAN", "DOT", "DW", "DB", "?"}  # all but the weights, which stay cached
+# all but the weights, which stay cached: DWP, DBP are the dw/db partial rows, CNT the
+# wide-row backward's arrival counters
+UNCACHED_ARGS = ACTIVATION_ARGS | {"RSTD", "MEAN", "DOT", "DWP", "DBP", "DW", "DB", "CNT", "?"}
 
 
 def minimum_bytes(x, residual, kw, out, new_res) -> tuple[int, int]:

@@ -1,0 +1,146 @@
+"""Launches per call, Triton kernels and torch ops together: one for the forward, at most
+two for the backward (issue 16), for every dtype, variant and layout of the core op, and
+for embed_norm. Counted by helpers.AllLaunches; the gradients are checked against the fp64
+reference too, since these are the cases where dw and db are summed in a kernel."""
+from typing import NamedTuple
+
+import pytest
+import torch
+from helpers import DTYPES, AllLaunches, assert_close
+from ref64 import add_norm64, leaf64
+
+import fuseblock
+
+pytestmark = [pytest.mark.kernel, pytest.mark.kernel_only("counts the Triton path's launches")]
+
+class Case(NamedTuple):
+    kind: str
+    bias: bool = False
+    res: str = "none"  # the residual: none, same (x's dtype), fp32
+    gate: str | None = None  # its position
+    groups: int = 1
+    weight: bool = True
+
+    @property
+    def params(self) -> bool:
+        return self.weight or self.bias
+
+
+CASES = {
+    "rms": Case("rms"),
+    "layer_bias": Case("layer", bias=True),
+    "l2": Case("l2"),
+    "rms_residual": Case("rms", res="same"),
+    "layer_fp32_residual": Case("layer", bias=True, res="fp32"),
+    "pre_gate": Case("layer", bias=True, res="same", gate="pre"),
+    "post_gate": Case("rms", res="same", gate="post"),
+    "groups": Case("layer", bias=True, groups=4),
+    "no_weight_no_bias": Case("layer", res="same", weight=False),
+}
+
+
+def _inputs(case, dtype, rows, d):
+    kind, bias, res, gate, groups, weight = CASES[case]
+    x = torch.randn(rows, d).to(dtype) * 2 + 1
+    residual = {"none": None, "same": torch.randn(rows, d).to(dtype), "fp32": torch.randn(rows, d)}[res]
+    w = torch.randn(d).to(dtype) if weight else None
+    b = torch.randn(d).to(dtype) if bias else None
+    kw = dict(kind=kind, num_groups=groups, residual_dtype=torch.float32 if res == "fp32" else None)
+    if gate:
+        kw.update(gate=torch.randn(rows, d).to(dtype), gate_position=gate)
+    named = {k: t for k, t in dict(x=x, residual=residual, weight=w, bias=b, gate=kw.get("gate")).items()
+             if t is not None}
+    for t in named.values():
+        t.requires_grad_(True)
+    return x, residual, w, b, kw, named
+
+
+def _count(case, dtype, rows, d):
+    """(forward launches, backward launches) of one add_norm, its gradients checked."""
+    x, residual, w, b, kw, named = _inputs(case, dtype, rows, d)
+    with AllLaunches() as fwd:
+        out, new_res = fuseblock.add_norm(x, residual, w, b, **kw)
+    # new_residual gets a gradient when it is an output of its own (else it is x itself,
+    # and autograd would add the two gradients of x: its work, not the op's)
+    outs = [out, new_res] if residual is not None else [out]
+    grads = [torch.randn_like(t) for t in outs]
+    with AllLaunches() as bwd:
+        got = torch.autograd.grad(outs, list(named.values()), grads)
+
+    ref = {k: leaf64(t) for k, t in named.items()}
+    ref_kw = dict(kw, gate=ref.get("gate"), residual_dtype=kw["residual_dtype"] or dtype)
+    ref_outs = add_norm64(ref["x"], ref.get("residual"), ref.get("weight"), ref.get("bias"), **ref_kw)
+    ref_outs = ref_outs[: len(outs)]
+    ref_grads = torch.autograd.grad(ref_outs, list(ref.values()), [g.double() for g in grads])
+    for (name, leaf), g, rg in zip(named.items(), got, ref_grads, strict=True):
+        assert g.dtype == leaf.dtype, name  # in the parameter's own dtype, no cast launched after
+        assert_close(g, rg, leaf.dtype, f"d{name}")
+    for counted in (fwd, bwd):  # the launchers count what the interpreter ran
+        assert counted.names is None or len(counted.names) == counted.kernels
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [8, 130], ids=["one_program", "several_programs"])
+def test_tile_kernels_launch_once_forward_at_most_twice_backward(case, dtype, rows, monkeypatch):
+    import fuseblock.kernels.norm as K
+
+    monkeypatch.setattr(K, "SUM_TILE", 64)  # 2 partial rows per block: _bwd_sum loops, ragged
+    fwd, bwd = _count(case, dtype, rows, 40)  # 40 columns: _bwd_sum's second column block is ragged
+    assert (fwd.total, fwd.ops) == (1, [])
+    assert bwd.total <= 2 and bwd.ops == []
+    # 130 rows: 3 programs of 64 rows, whose partial rows _bwd_sum adds up; 8 rows: one
+    # program, which writes dw and db itself
+    expected = ["_bwd_tile"] + (["_bwd_sum"] if CASES[case].params and rows > 64 else [])
+    assert bwd.names in (None, expected)
+
+
+@pytest.mark.usefixtures("small_wide_rows")
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [3, 29], ids=["one_program", "several_programs"])
+def test_wide_row_kernels_launch_once_forward_at_most_twice_backward(case, dtype, rows):
+    # 20 columns, past the shrunken tile limits: 3 chunks of 8 (the last ragged); 29 rows
+    # are 8 row blocks over 5 programs per chunk, more than one block of partial rows (4)
+    # for the last of them to sum
+    fwd, bwd = _count(case, dtype, rows, 20)
+    assert (fwd.total, fwd.ops) == (1, [])
+    assert (bwd.total, bwd.ops) == (2, [])
+    if bwd.names is not None:
+        assert bwd.names == ["_bwd_dots", "_bwd_cols"]
+        # with several programs per chunk, the arrival counters (zeroed by _bwd_dots) pick
+        # the last, which sums the partial rows
+        assert ("CNT" in bwd.launches[1].written) == (CASES[case].params and rows == 29)
+
+
+@pytest.mark.parametrize("layout", ["tile", "wide"])
+def test_empty_batch_backward_fills_zeros_in_the_parameter_dtypes(layout, request):
+    if layout == "wide":
+        request.getfixturevalue("small_wide_rows")
+    x, residual, w, b, kw, named = _inputs("layer_fp32_residual", torch.bfloat16, 0, 20)
+    with AllLaunches() as fwd:
+        out, new_res = fuseblock.add_norm(x, residual, w, b, **kw)
+    with AllLaunches() as bwd:
+        got = torch.autograd.grad([out, new_res], list(named.values()), [out, new_res])
+    assert fwd.total == 0
+    assert bwd.kernels == 0 and bwd.ops == ["zeros", "zeros"]  # dw and db: no rows, no kernel, a fill each
+    for leaf, g in zip(named.values(), got, strict=True):
+        assert g.dtype == leaf.dtype and g.shape == leaf.shape and not g.any()
+
+
+@pytest.mark.parametrize("layout", ["tile", "wide"])
+@pytest.mark.parametrize("ord", ["l1", "l2", "max"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_embed_norm_launches_once_each_way(layout, ord, dtype, request):
+    if layout == "wide":
+        request.getfixturevalue("small_wide_rows")
+    x = torch.randn(6, 20).to(dtype).requires_grad_()
+    with AllLaunches() as fwd:
+        y = fuseblock.embed_norm(x, ord)
+    dy = torch.randn_like(y)
+    with AllLaunches() as bwd:
+        torch.autograd.grad(y, x, dy)
+    assert (fwd.total, bwd.total) == (1, 1) and fwd.ops == bwd.ops == []
+    if bwd.names is not None:
+        assert bwd.names == (["_bwd_tile"] if layout == "tile" else ["_bwd_loop"])
