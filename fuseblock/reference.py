@@ -160,7 +160,8 @@ def norm_fwd(
             new_residual = _as(_as(x, wide) + _as(residual, wide), residual_dtype)
         p = new_residual
     if not need_stats and _plain_ok(p, spec):  # exactly the naive form's ops (see _plain)
-        return _as(_plain(p, weight, bias, spec), x.dtype), new_residual, None, None
+        out = _plain(p, weight, bias, spec)
+        return (out if out.dtype == x.dtype else out.to(x.dtype)), new_residual, None, None
     # eps = 0, gates, groups, half-precision p: the composition, in fp32 (fp64 for fp64)
     out, rstd, mean = norm_out(p.to(acc_dtype(p.dtype)), gate, weight, bias, spec)
     if not need_stats:

@@ -136,18 +136,31 @@ def resolve(
         eps = default_eps(rdtype or x.dtype)
     spec = _option_spec(d, kind, c, eps, num_groups, gate_act, gate_position, weight_offset, weight is not None,
                         gate is not None)
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None:
-            check_tensor(name, t, x)
-            if tuple(t.shape) != (d,):
-                raise ValueError(f"{name} must have shape ({d},), got {tuple(t.shape)}")
-    for name, t in (("residual", residual), ("gate", gate)):
-        if t is not None:
-            check_tensor(name, t, x)
-            if t.shape != x.shape:
-                raise ValueError(f"{name} must have x's shape {tuple(x.shape)}, got {tuple(t.shape)}")
-    check_float_dtype("residual_dtype", residual_dtype)
+    # written out, not looped over (name, tensor) pairs: on the eager torch path this
+    # function's host time is part of every call's
+    if weight is not None:
+        _check_vector("weight", weight, x, d)
+    if bias is not None:
+        _check_vector("bias", bias, x, d)
+    if residual is not None:
+        _check_like_x("residual", residual, x)
+    if gate is not None:
+        _check_like_x("gate", gate, x)
+    if residual_dtype is not None:
+        check_float_dtype("residual_dtype", residual_dtype)
     return spec
+
+
+def _check_vector(name: str, t, x: torch.Tensor, d: int) -> None:
+    check_tensor(name, t, x)
+    if t.dim() != 1 or t.shape[0] != d:
+        raise ValueError(f"{name} must have shape ({d},), got {tuple(t.shape)}")
+
+
+def _check_like_x(name: str, t, x: torch.Tensor) -> None:
+    check_tensor(name, t, x)
+    if t.shape != x.shape:
+        raise ValueError(f"{name} must have x's shape {tuple(x.shape)}, got {tuple(t.shape)}")
 
 
 # Validated option tuples and their specs. The eager torch path's cost is host time, and
