@@ -14,4 +14,4 @@ from .stream import PreNormBlock, ResidualStack
 
 __all__ = ["norm", "add_norm", "Norm", "AddNorm", "PreNormBlock", "ResidualStack", "norm_from"]
 __all__ += ["embed_norm", "batch_norm", "group_norm", "instance_norm", "BatchNorm", "InstanceNorm"]
-__version__ = "0.2.0"
+__version__ = "0.3.0"
