@@ -92,6 +92,15 @@ def _torch_norm_grads(do: Tensor, p: Tensor, r: Tensor | None, rstd: Tensor, mea
     return dp, dw, db
 
 
+def _affine_(r: Tensor, weight, bias, spec: NormSpec) -> Tensor:
+    """reference.affine in place on r, once the norm's gradient no longer needs it: no
+    fresh (M, d) buffer per step of the rebuild."""
+    w = reference.plain_weight(weight, spec, r)  # scale * (w0 + w), or the scale alone
+    if w is not None:
+        r.mul_(w)
+    return r if bias is None else r.add_(bias.to(r.dtype))
+
+
 class _NormLinear(torch.autograd.Function):
     """Inputs (x, residual, norm_weight, norm_bias, weight, bias, spec, residual_dtype);
     outputs (y, new_residual or None). residual_dtype None: no residual is stored, and
@@ -132,40 +141,37 @@ class _NormLinear(torch.autograd.Function):
         dy2 = dy.reshape(-1, n_out) if dy is not None else p2.new_zeros((p2.shape[0], n_out), dtype=ctx.y_dtype)
         dres = dnew_res.reshape(-1, d) if ctx.stored and dnew_res is not None else None
         need_norm = any(needs[:4])
-        # the torch path's rebuilt r = q * rstd: the one extra elementwise pass over p
-        r = None if ctx.kernel or not (needs[4] or (need_norm and not ctx.native)) \
-            else reference.normalized(p2, rstd, mean, spec)
         # The Linear's gradients in y's dtype, cast back to the parameters' and x's, as
         # autograd does through autocast's casts (all no-ops without autocast).
         lin = ctx.y_dtype
-        dweight = dbias = None
-        if needs[4]:  # the Linear's input, rebuilt (the kernel path: one launch on p)
-            out = _kernel_out(p2, nw, nb, spec) if ctx.kernel else reference.affine(r, spec, nw, nb)
-            dweight = dy2.t().mm(out.to(ctx.x_dtype).to(lin)).to(weight.dtype)  # rounded as the forward's was
-        if needs[5]:
-            dbias = dy2.sum(0).to(ctx.bias_dtype)
-        if not need_norm:
-            return None, None, None, None, dweight, dbias, None, None
-        dout = dy2.mm(weight.to(lin)).to(ctx.x_dtype)  # (M, d), the gradient at the norm's output
+        dx = dresidual = dnw = dnb = None
         separate = ctx.residual_dtype is not None and ctx.residual_dtype != ctx.x_dtype
-        if ctx.kernel:
-            dx, dr, dnw, dnb = _kernel_norm_grads(dout, dres, p2, nw, nb, rstd, mean, spec, ctx.x_dtype,
-                                                  ctx.residual_dtype if separate else None)
-        else:
-            dp, dnw, dnb = _torch_norm_grads(dout, p2, r, rstd, mean, nw, nb, spec, ctx.native,
-                                             nw is not None and needs[2], nb is not None and needs[3])
-            if dres is not None:
-                dp = dp + dres.to(dp.dtype)
-            dx = dp.to(ctx.x_dtype)
-            dr = dp.to(ctx.residual_dtype) if separate else None
-        shape = p.shape
-        dx = dx.reshape(shape)
-        dresidual = None if ctx.residual_dtype is None else (dr.reshape(shape) if separate else dx)
+        # the torch path's rebuilt r = q * rstd: the one extra elementwise pass over p
+        r = None if ctx.kernel or not (needs[4] or (need_norm and not ctx.native)) \
+            else reference.normalized(p2, rstd, mean, spec)
+        if need_norm:
+            dout = dy2.mm(weight.to(lin)).to(ctx.x_dtype)  # (M, d), the gradient at the norm's output
+            if ctx.kernel:
+                dx, dr, dnw, dnb = _kernel_norm_grads(dout, dres, p2, nw, nb, rstd, mean, spec, ctx.x_dtype,
+                                                      ctx.residual_dtype if separate else None)
+            else:
+                dp, dnw, dnb = _torch_norm_grads(dout, p2, r, rstd, mean, nw, nb, spec, ctx.native,
+                                                 nw is not None and needs[2], nb is not None and needs[3])
+                if dres is not None:
+                    dp = dp + dres.to(dp.dtype)
+                dx = dp.to(ctx.x_dtype)
+                dr = dp.to(ctx.residual_dtype) if separate else None
+            dx = dx.reshape(p.shape)
+            dresidual = None if ctx.residual_dtype is None else (dr.reshape(p.shape) if separate else dx)
+        dweight = None
+        if needs[4]:  # the Linear's input, rebuilt (the kernel path: one launch on p; torch: r, in place)
+            out = _kernel_out(p2, nw, nb, spec) if ctx.kernel else _affine_(r, nw, nb, spec)
+            dweight = dy2.t().mm(out.to(ctx.x_dtype).to(lin)).to(weight.dtype)  # rounded as the forward's was
         return (
             dx, dresidual,
             dnw.to(nw.dtype) if nw is not None and needs[2] else None,
             dnb.to(nb.dtype) if nb is not None and needs[3] else None,
-            dweight, dbias, None, None,
+            dweight, dy2.sum(0).to(ctx.bias_dtype) if needs[5] else None, None, None,
         )
 
 

@@ -139,8 +139,8 @@ def normalized(p: Tensor, rstd: Tensor, mean: Tensor | None, spec: NormSpec) -> 
     if spec.gate != Gate.NONE:
         raise ValueError("normalized: a gated norm's rows are p * g(gate); rebuild it with norm_out")
     pg = _grouped(_as(p, acc_dtype(p.dtype)), spec.groups)
-    q = pg - mean[..., None] if spec.center else pg
-    return (q * rstd[..., None]).reshape(p.shape)
+    r = (pg - mean[..., None]).mul_(rstd[..., None]) if spec.center else pg * rstd[..., None]  # a fresh buffer
+    return r.reshape(p.shape)
 
 
 def residual_sum(x: Tensor, residual: Tensor | None, residual_dtype: torch.dtype | None) -> Tensor | None:
