@@ -52,8 +52,9 @@ def _weight(weight: Tensor | None, spec: NormSpec, dtype: torch.dtype) -> Tensor
     return w + spec.weight_offset if spec.weight_offset != 0.0 else w
 
 
-def _affine(r: Tensor, spec: NormSpec, weight, bias) -> Tensor:
-    o1 = r * spec.scale
+def affine(r: Tensor, spec: NormSpec, weight, bias) -> Tensor:
+    """o1 = scale * r * (weight_offset + weight) + bias, in r's dtype."""
+    o1 = r * spec.scale if spec.scale != 1.0 else r  # c = sqrt(d) (rms, layer): scale 1, no pass over r
     if weight is not None:
         o1 = o1 * _weight(weight, spec, r.dtype)
     if bias is not None:
@@ -66,11 +67,13 @@ def _affine(r: Tensor, spec: NormSpec, weight, bias) -> Tensor:
 # fp64 p, the torch path is exactly the naive form's ops: F.rms_norm / F.layer_norm,
 # which autograd, torch.func and Inductor all know. The scale c/sqrt(d) and the weight
 # offset fold into the weight they are given.
-def _plain_ok(p: Tensor, spec: NormSpec) -> bool:
+def plain_ok(p: Tensor, spec: NormSpec) -> bool:
+    """Whether the norm of p is a plain RMS or layer norm that torch's own ops compute."""
     return p.dtype in (torch.float32, torch.float64) and spec.gate == Gate.NONE and spec.groups == 1 and spec.eps > 0
 
 
-def _plain_weight(weight: Tensor | None, spec: NormSpec, like: Tensor) -> Tensor | None:
+def plain_weight(weight: Tensor | None, spec: NormSpec, like: Tensor) -> Tensor | None:
+    """The weight torch's norm ops take: scale * (weight_offset + weight), in like's dtype."""
     w = _weight(weight, spec, like.dtype)
     if spec.scale == 1.0:
         return w
@@ -82,7 +85,7 @@ def _plain(p: Tensor, weight, bias, spec: NormSpec) -> Tensor:
     # torch.layer_norm / torch.rms_norm are what F.layer_norm / F.rms_norm call, less
     # their Python wrappers' checks for __torch_function__ overrides
     d = (p.shape[-1],)
-    w = _plain_weight(weight, spec, p)
+    w = plain_weight(weight, spec, p)
     b = None if bias is None else _as(bias, p.dtype)
     if spec.center:
         return torch.layer_norm(p, d, w, b, spec.eps)
@@ -123,10 +126,34 @@ def norm_out(p: Tensor, gate: Tensor | None, weight: Tensor | None, bias: Tensor
     g = gate_act(gate.to(p.dtype), spec.act) if spec.gate != Gate.NONE else None
     s = p * g if spec.gate == Gate.PRE else p
     q, rstd, mean = _stats(s, spec)
-    o = _affine((q * rstd[..., None]).reshape(s.shape), spec, weight, bias)
+    o = affine((q * rstd[..., None]).reshape(s.shape), spec, weight, bias)
     if spec.gate == Gate.POST:
         o = o * g
     return o, rstd, mean
+
+
+def normalized(p: Tensor, rstd: Tensor, mean: Tensor | None, spec: NormSpec) -> Tensor:
+    """r = q * rstd rebuilt from p and its saved row statistics (rstd, mean: (M, G)), in
+    the accumulation dtype: one elementwise pass and no reduction, for a backward that
+    did not keep the normalized output (fuseblock.norm_linear). Ungated specs (s = p)."""
+    if spec.gate != Gate.NONE:
+        raise ValueError("normalized: a gated norm's rows are p * g(gate); rebuild it with norm_out")
+    pg = _grouped(_as(p, acc_dtype(p.dtype)), spec.groups)
+    r = (pg - mean[..., None]).mul_(rstd[..., None]) if spec.center else pg * rstd[..., None]  # a fresh buffer
+    return r.reshape(p.shape)
+
+
+def residual_sum(x: Tensor, residual: Tensor | None, residual_dtype: torch.dtype | None) -> Tensor | None:
+    """new_residual = x + residual in residual_dtype (None: none is stored), rounded once
+    from the exact sum."""
+    if residual_dtype is None:
+        return None
+    if residual is None:
+        return x.to(residual_dtype)
+    if x.dtype == residual.dtype == residual_dtype:  # the naive form's one add
+        return x + residual
+    wide = torch.promote_types(torch.promote_types(x.dtype, residual.dtype), residual_dtype)
+    return _as(_as(x, wide) + _as(residual, wide), residual_dtype)  # add in the widest of the three dtypes
 
 
 def norm_fwd(
@@ -148,20 +175,10 @@ def norm_fwd(
     whenever there is a residual or a dtype change), rounded once from the exact sum; the
     norm then reads that stored value, as the naive stack's next layer would.
     """
-    p = x
-    new_residual = None
-    if residual_dtype is not None:
-        if residual is None:
-            new_residual = x.to(residual_dtype)
-        elif x.dtype == residual.dtype == residual_dtype:  # the naive form's one add
-            new_residual = x + residual
-        else:  # add in the widest of the three dtypes, then round once
-            wide = torch.promote_types(torch.promote_types(x.dtype, residual.dtype), residual_dtype)
-            new_residual = _as(_as(x, wide) + _as(residual, wide), residual_dtype)
-        p = new_residual
-    if not need_stats and _plain_ok(p, spec):  # exactly the naive form's ops (see _plain)
-        out = _plain(p, weight, bias, spec)
-        return (out if out.dtype == x.dtype else out.to(x.dtype)), new_residual, None, None
+    new_residual = residual_sum(x, residual, residual_dtype)
+    p = x if new_residual is None else new_residual
+    if not need_stats and plain_ok(p, spec):  # exactly the naive form's ops (see _plain)
+        return _as(_plain(p, weight, bias, spec), x.dtype), new_residual, None, None
     # eps = 0, gates, groups, half-precision p: the composition, in fp32 (fp64 for fp64)
     out, rstd, mean = norm_out(p.to(acc_dtype(p.dtype)), gate, weight, bias, spec)
     if not need_stats:

@@ -46,6 +46,11 @@ class PreNormBlock(nn.Module):
     `norm` is an AddNorm (a Norm): the residual is kept in residual_dtype, by default the
     dtype of torch's `hidden + residual`. kind, eps, bias and weight_offset are Norm's
     (bias=None: a bias for kind="layer" only; eps=None: torch's default for the residual's dtype).
+
+    A mixer with a method `prenorm_forward(norm, hidden, residual, *args, **kwargs) ->
+    (hidden', residual')` is called that way instead, to apply `norm` itself fused into its
+    first Linear (fuseblock.norm_linear), so the normed activations are not kept for
+    backward. The naive form still calls `mixer(norm(x))`.
     """
 
     def __init__(
@@ -72,6 +77,11 @@ class PreNormBlock(nn.Module):
         return self.norm.residual_dtype
 
     def forward(self, hidden: Tensor, residual: Tensor | None = None, *args, **kwargs) -> tuple:
+        # A mixer whose first op is a Linear on the normed input may take the norm in
+        # with it (fuseblock.norm_linear, docs/stream.md): it is handed the un-normed sum.
+        prenorm = getattr(self.mixer, "prenorm_forward", None)
+        if prenorm is not None:
+            return prenorm(self.norm, hidden, residual, *args, **kwargs)
         normed, residual = self.norm(hidden, residual)
         out = self.mixer(normed, *args, **kwargs)
         if isinstance(out, tuple):

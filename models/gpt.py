@@ -1,5 +1,7 @@
 """A small GPT whose residual stream is fuseblock's: every attention and MLP sublayer is a
 `fuseblock.PreNormBlock`, all of them in one `fuseblock.ResidualStack` with a final norm.
+Fused, each block's norm and the Linear that consumes it (c_attn, c_fc) run as one
+`fuseblock.norm_linear` (the mixers' `prenorm_forward`), which keeps no normed activations.
 
 With norm="layer", bias=True and norm_eps=1e-5 it computes the same function as
 nanoGPT's GPT for the same weights; fused=False runs the naive stack, same state_dict.
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fuseblock
+from fuseblock.norm_linear import norm_linear
 
 
 @dataclass
@@ -67,6 +70,14 @@ class GPTConfig:
         return cls(**d)
 
 
+def _norm_linear(norm: fuseblock.AddNorm, linear: nn.Linear, hidden, residual):
+    """(linear(norm(hidden + residual)), hidden + residual) as one fuseblock.norm_linear
+    over the two modules' own parameters: the state_dict keys stay those of the naive
+    form, and the normed activations are not kept for backward."""
+    return norm_linear(hidden, residual, norm.weight, norm.bias, linear.weight, linear.bias, kind=norm.kind,
+                       eps=norm.eps, residual_dtype=norm.residual_dtype)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -76,8 +87,16 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x):  # (B, T, C) -> (B, T, C)
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
+        return self._attend(self.c_attn(x))
+
+    def prenorm_forward(self, norm, hidden, residual):
+        """The fused stream's call (fuseblock.PreNormBlock): the block's norm and c_attn in one."""
+        qkv, residual = _norm_linear(norm, self.c_attn, hidden, residual)
+        return self._attend(qkv), residual
+
+    def _attend(self, qkv):  # (B, T, 3C) -> (B, T, C)
+        B, T, C = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+        q, k, v = qkv.split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
@@ -92,7 +111,15 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x):  # (B, T, C) -> (B, T, C)
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))  # exact GELU, as GPT-2
+        return self._out(self.c_fc(x))
+
+    def prenorm_forward(self, norm, hidden, residual):
+        """The fused stream's call (fuseblock.PreNormBlock): the block's norm and c_fc in one."""
+        h, residual = _norm_linear(norm, self.c_fc, hidden, residual)
+        return self._out(h), residual
+
+    def _out(self, h):  # (B, T, 4C) -> (B, T, C)
+        return self.dropout(self.c_proj(F.gelu(h)))  # exact GELU, as GPT-2
 
 
 class GPT(nn.Module):
