@@ -9,9 +9,11 @@ from .family import (
     instance_norm,
 )
 from .modules import AddNorm, Norm
+from .norm_linear import NormLinear, norm_linear
 from .ops.norm import add_norm, norm
 from .stream import PreNormBlock, ResidualStack
 
 __all__ = ["norm", "add_norm", "Norm", "AddNorm", "PreNormBlock", "ResidualStack", "norm_from"]
+__all__ += ["norm_linear", "NormLinear"]
 __all__ += ["embed_norm", "batch_norm", "group_norm", "instance_norm", "BatchNorm", "InstanceNorm"]
 __version__ = "0.3.0"
