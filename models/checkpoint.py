@@ -19,6 +19,10 @@ and pointer intact; an earlier run's checkpoints are removed only after that.
 Everything loaded is checked before use: the files against their recorded size and
 sha256, meta.json's fields by type and range, and every tensor's name, dtype and shape
 against the model and optimizer it is loaded into.
+
+A model sharded by FSDP2 (DTensor parameters) is gathered whole to write, in the files a
+plain model makes; to load, each rank checks the whole tensors and keeps its part. So a
+sharded run and a single process resume each other's checkpoints.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file, save_model
 
+from . import sharded
 from .atomic import fsync_dir, fsync_file, write_json
 from .gpt import GPTConfig
 
@@ -83,9 +88,8 @@ def _write_reason(e: BaseException) -> str:
     return m.group(1) if m else str(e)
 
 
-def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+def _optimizer_tensors(sd: dict) -> tuple[dict, dict]:
     """Split an optimizer state_dict into safetensors tensors and JSON-able rest."""
-    sd = opt.state_dict()
     tensors, scalars = {}, {}
     for i, st in sd["state"].items():
         for k, v in st.items():
@@ -104,11 +108,54 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
-def _write_dir(tmp: Path, step: int, model, optimizer, config: dict, rng: dict, extra: dict | None) -> None:
-    """The complete checkpoint in `tmp`, every file fsynced."""
+def _one_name_each(tensors: dict[str, torch.Tensor]) -> tuple[dict, dict | None]:
+    """Gathered tensors as safetensors' save_model stores a plain model's: a tensor held
+    under several names (the tied head) under the first of them in sorted order, with the
+    metadata {dropped name: kept name}."""
+    names: dict[int, list[str]] = {}
+    for k, t in tensors.items():
+        names.setdefault(id(t), []).append(k)
+    kept, metadata = {}, {}
+    for group in names.values():
+        keep, *dropped = sorted(group)
+        kept[keep] = tensors[keep].contiguous()
+        metadata.update(dict.fromkeys(dropped, keep))
+    return kept, metadata or None
+
+
+def _gather(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict] | None:
+    """A sharded (FSDP2) model's state_dict and its optimizer's, whole and on the CPU, laid
+    out as a plain model's: the tied names share one tensor, and the optimizer state is
+    keyed by parameter index (torch's Optimizer.state_dict). Each distinct tensor is one
+    all-gather, which every rank joins in the same order; rank 0 keeps the results, the
+    others get None."""
+    rank0 = torch.distributed.get_rank() == 0
+    whole: dict[int, torch.Tensor | None] = {}
+
+    def get(t: torch.Tensor) -> torch.Tensor | None:
+        if id(t) not in whole:  # the tied head is wte's parameter: gathered once
+            whole[id(t)] = sharded.gather(t, keep=rank0)
+        return whole[id(t)]
+
+    tensors = {k: get(t) for k, t in model.state_dict(keep_vars=True).items()}
+    sd = optimizer.state_dict()
+    state = {i: {k: get(v) if torch.is_tensor(v) else v for k, v in st.items()} for i, st in sd["state"].items()}
+    return (tensors, dict(sd, state=state)) if rank0 else None
+
+
+def _write_dir(tmp: Path, step: int, model, optimizer, config: dict, rng: dict, extra: dict | None,
+               whole: tuple[dict, dict] | None) -> None:
+    """The complete checkpoint in `tmp`, every file fsynced; `whole`: a sharded model's
+    gathered state (_gather), written in the layout of a plain model's."""
     tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
-    opt_tensors, opt_meta = _optimizer_tensors(optimizer)
+    if whole is None:
+        save_model(model, str(tmp / "model.safetensors"))
+        optimizer_state = optimizer.state_dict()
+    else:
+        model_tensors, optimizer_state = whole
+        tensors, metadata = _one_name_each(model_tensors)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata=metadata)
+    opt_tensors, opt_meta = _optimizer_tensors(optimizer_state)
     tensors = dict(opt_tensors, **{f"rng.{k}": v.cpu().contiguous() for k, v in rng.items()})
     save_file(tensors, str(tmp / "optimizer.safetensors"))
     files = {}
@@ -169,18 +216,27 @@ def save(
     rng: dict[str, torch.Tensor],
     extra: dict | None = None,
     supersedes: tuple[str, ...] = (),
-) -> Path:
+) -> Path | None:
     """Write checkpoint `ckpt-{step}` atomically, then point `latest` at it; only then
     remove the checkpoints named in `supersedes` (an earlier run's) and prune old ones.
     Any failure to write raises CheckpointWriteError and leaves `latest` and what it
-    names as they were. The caller holds the directory's lock (one writer at a time)."""
+    names as they were. The caller holds the directory's lock (one writer at a time).
+
+    A model sharded by FSDP2 is gathered whole first and written as a plain one is, so
+    one process loads it: every rank calls save then (the gathers are collectives), rank
+    0 writes, and the others return None."""
+    whole = None
+    if any(sharded.is_shard(p) for p in model.parameters()):
+        whole = _gather(model, optimizer)
+        if whole is None:
+            return None
     out_dir = Path(out_dir)
     name = f"ckpt-{step:06d}"
     final = out_dir / name
     tmp = out_dir / f".{name}.tmp{os.getpid()}"
     try:
         _remove(tmp)
-        _write_dir(tmp, step, model, optimizer, config, rng, extra)
+        _write_dir(tmp, step, model, optimizer, config, rng, extra, whole)
         _put_in_place(out_dir, tmp, final)
         write_json(out_dir / "latest", {"checkpoint": name}, indent=1)
     except (OSError, SafetensorError) as e:
@@ -400,10 +456,11 @@ def read_config(ckpt: Path, meta: dict) -> GPTConfig:
 def _tied(model: torch.nn.Module) -> dict[str, set]:
     """state_dict name -> the other names of the same tensor (the tied LM head): a
     safetensors file stores each shared tensor under one of its names only."""
-    sd = model.state_dict()
-    groups: dict[tuple, set] = {}
-    for k, t in sd.items():
-        groups.setdefault((t.data_ptr(), tuple(t.shape), t.stride()), set()).add(k)
+    groups: dict[int, set] = {}
+    # the objects themselves (keep_vars): a tied parameter is one object under two names,
+    # and a DTensor shard has no data pointer to compare
+    for k, t in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(t), set()).add(k)
     return {k: g - {k} for g in groups.values() for k in g}
 
 
@@ -435,7 +492,8 @@ def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
         _check_tensor(path, k, t, expected[k], "model")
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise CheckpointError(f"{path}: {k} holds NaN or inf: the run this came from diverged")
-    model.load_state_dict(tensors, strict=False)  # tied names share the tensor just loaded
+    # tied names share the tensor just loaded; a sharded (FSDP2) model takes each rank's part
+    model.load_state_dict({k: sharded.shard_like(t, expected[k]) for k, t in tensors.items()}, strict=False)
 
 
 def _expected_optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -501,10 +559,12 @@ def load_training_state(ckpt: Path, meta: dict, optimizer: torch.optim.Optimizer
     if problem or opt_meta.get("scalars") != {}:
         raise CheckpointError(
             f"{ckpt / 'meta.json'}: optimizer section does not fit the optimizer ({problem or 'scalars'})")
+    params = [p for g in optimizer.param_groups for p in g["params"]]
     state = {}
     for key, v in tensors.items():
         if key.startswith("state."):
             _, i, k = key.split(".", 2)
-            state.setdefault(int(i), {})[k] = v
+            # a moment of a sharded (FSDP2) parameter: each rank takes its part; the step stays whole
+            state.setdefault(int(i), {})[k] = v if k == "step" else sharded.shard_like(v, params[int(i)])
     optimizer.load_state_dict({"state": state, "param_groups": opt_meta["param_groups"]})
     return {k[len("rng."):]: v for k, v in tensors.items() if k.startswith("rng.")}

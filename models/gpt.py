@@ -18,6 +18,8 @@ from torch import nn
 import fuseblock
 from fuseblock.norm_linear import norm_linear
 
+from .sharded import fill
+
 
 @dataclass
 class GPTConfig:
@@ -128,6 +130,7 @@ class GPT(nn.Module):
         if not isinstance(cfg, GPTConfig):
             raise TypeError(f"cfg must be a GPTConfig, got {type(cfg).__name__}")
         self.config = cfg
+        rng = torch.get_rng_state()
         mixers = [m for _ in range(cfg.n_layer) for m in (CausalSelfAttention(cfg), MLP(cfg))]
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
@@ -138,19 +141,37 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):  # GPT-2: scale the residual projections by depth
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        # The weights are a function of the seed alone: the submodules' own default inits
+        # above are overwritten, so init_weights draws from where construction began, as it
+        # does after a meta-device build (whose inits draw nothing).
+        torch.set_rng_state(rng)
+        if not self.wte.weight.is_meta:  # a meta build waits for to_empty, then init_weights()
+            self.init_weights()
 
-    @staticmethod
-    def _init_weights(m):
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Draw every parameter as construction does, from torch's global RNG: Linear and
+        Embedding weights N(0, 0.02), the residual projections (c_proj) N(0, 0.02 / sqrt(2
+        n_layer)) as GPT-2, biases zeros, norms their reset_parameters(). After
+        `torch.manual_seed(s)`, a model built on the meta device, moved with `to_empty` (and
+        sharded with FSDP2's fully_shard, or not) and then given init_weights() holds what
+        `torch.manual_seed(s); GPT(cfg)` holds, bit for bit. Weights are drawn whole on the CPU
+        and copied in (a shard keeps its part), so one seed gives one model on any device and
+        any number of ranks. Also re-ties the LM head to the token embedding (to_empty
+        unties them)."""
+        if self.lm_head.weight is not self.wte.weight:
+            self.lm_head.weight = self.wte.weight
+        proj_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, m in self.named_modules():
+            if m is self.lm_head:
+                continue  # its weight is wte's
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                fill(m.weight, torch.empty(m.weight.shape, dtype=m.weight.dtype, device="cpu").normal_(
+                    0.0, proj_std if name.endswith(".c_proj") else 0.02))
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+            elif m is not self and hasattr(m, "reset_parameters"):
+                m.reset_parameters()
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters()) - self.wpe.weight.numel()

@@ -1,12 +1,15 @@
-"""Train the small GPT on byte-level Shakespeare: CPU, one GPU, or DDP via torchrun.
+"""Train the small GPT on byte-level Shakespeare: CPU, one GPU, or N ranks via torchrun.
 
     python scripts/train.py --out-dir out/shakespeare            # the `make train` run
     python scripts/train.py --out-dir out/shakespeare --resume   # continue from `latest`
     torchrun --standalone --nproc_per_node=2 scripts/train.py ... # DDP (gloo on CPU, nccl on GPU)
+    torchrun --standalone --nproc_per_node=2 scripts/train.py --fsdp ...  # FSDP2: sharded
 
 Every rank draws the same global batch of world_size * grad_accum micro-batches from one
 seeded generator and takes its own slice, so N processes match one process with N times
-the gradient accumulation.
+the gradient accumulation. DDP replicates the model on every rank; --fsdp shards its
+parameters, gradients and optimizer state (FSDP2's fully_shard, built on the meta device),
+and its checkpoints are gathered whole, so either mode, or one process, resumes them.
 
 One run writes to an --out-dir at a time (rank 0 holds its lock). Ctrl-C or SIGTERM
 finishes the current step, writes a checkpoint and exits with 130 or 143; --resume then
@@ -17,12 +20,15 @@ written.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import signal
 import sys
 import threading
 import time
+import traceback
+import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     run.add_argument("--threads", type=arg_type("count"), default=None, help="CPU threads (default: torch's choice)")
     run.add_argument("--compile", action="store_true", help="torch.compile the model (default: off)")
+    run.add_argument("--fsdp", action="store_true",
+                     help="under torchrun, shard parameters, gradients and optimizer state over the ranks (FSDP2) "
+                          "instead of replicating the model (DDP); same results, same checkpoints (default: off)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar (default: off, a tqdm bar)")
 
     model = ap.add_argument_group("model (recorded; on --resume they must match the checkpoint)")
@@ -182,6 +191,9 @@ def parse_args(argv=None):
         ap.error(f"argument --device: {args.device!r} is not supported (use cpu or cuda)")
     if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
         ap.error(f"argument --device: {args.device} is not available on this machine")
+    if args.fsdp and not launched_by_torchrun():
+        ap.error("argument --fsdp: shards over torchrun's ranks; run it as "
+                 "torchrun --standalone --nproc_per_node=N scripts/train.py --fsdp ...")
     for k, v in MODEL_FLAGS.items():  # on --resume, replaced by the checkpoint's
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -272,21 +284,26 @@ class SettingsError(RuntimeError):
 
 @dataclass
 class Dist:
-    ddp: bool
+    distributed: bool  # launched by torchrun: one process group of `world` ranks
     rank: int
     world: int
     device: torch.device
+    fsdp: bool = False  # the model sharded over the ranks (FSDP2); else replicated (DDP)
 
     @property
     def master(self) -> bool:
         return self.rank == 0
 
 
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def init_distributed(args) -> Dist:
-    ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
+    distributed = launched_by_torchrun()
+    rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if distributed else (0, 1)
     device = torch.device(args.device)
-    if ddp:
+    if distributed:
         import torch.distributed as dist
 
         if device.type == "cuda":
@@ -295,12 +312,12 @@ def init_distributed(args) -> Dist:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if args.threads:
         torch.set_num_threads(args.threads)
-    return Dist(ddp, rank, world, device)
+    return Dist(distributed, rank, world, device, fsdp=args.fsdp)
 
 
 def claim_out_dir(args, dist: Dist) -> checkpoint.OutDirLock | None:
-    """Rank 0 checks --out-dir and locks it before any training; under DDP the other ranks
-    learn the outcome from it, so that all stop together instead of waiting on rank 0."""
+    """Rank 0 checks --out-dir and locks it before any training; under torchrun the other
+    ranks learn the outcome from it, so that all stop together instead of waiting on rank 0."""
     lock, error = None, None
     if dist.master:
         try:
@@ -309,7 +326,7 @@ def claim_out_dir(args, dist: Dist) -> checkpoint.OutDirLock | None:
             lock = checkpoint.claim(args.out_dir, create=not args.resume)
         except (checkpoint.OutDirError, checkpoint.CheckpointError) as e:
             error = e
-    if dist.ddp:
+    if dist.distributed:
         ok = torch.tensor([0.0 if error else 1.0], device=dist.device)
         torch.distributed.broadcast(ok, src=0)
         if not dist.master and ok.item() == 0:
@@ -425,6 +442,37 @@ class Run:
             print(msg, file=stream, flush=True)
 
 
+def build_model(cfg: GPTConfig, dist: Dist) -> GPT:
+    """The GPT on dist.device, its weights drawn from torch's RNG. Under --fsdp it is built
+    on the meta device (no memory), sharded by FSDP2's fully_shard, moved to the device
+    empty and initialised there: each rank holds its shards of the very model GPT(cfg)
+    draws."""
+    if not dist.fsdp:
+        return GPT(cfg).to(dist.device)
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6 has it here only
+        from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # FSDP2 warns when a unit returns a view, which an in-place op would cut off from its
+    # backward hook: a mixer returns a Linear's output, a view, and the stack never
+    # modifies a mixer's output in place
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    mesh = init_device_mesh(dist.device.type, (dist.world,))
+    with torch.device("meta"):
+        model = GPT(cfg)
+    # Each mixer is a unit: nearly all of a sublayer's weights, gathered whole only while it
+    # runs. Not its PreNormBlock: the naive stack (--impl naive) runs a block's step without
+    # calling the block, past the hooks by which a block unit would gather its norm.
+    for block in model.stack.blocks:
+        fully_shard(block.mixer, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # the rest: the embeddings (with the tied head) and the norms
+    model.to_empty(device=dist.device)
+    model.init_weights()
+    return model
+
+
 def build_run(args, dist: Dist) -> tuple[Run, list[str]]:
     """Model, optimizer and RNGs: fresh from the seed, or restored from the checkpoint."""
     notes, ckpt, meta = [], None, None
@@ -437,9 +485,11 @@ def build_run(args, dist: Dist) -> tuple[Run, list[str]]:
         # the stream stays fp32 under bf16 autocast (a no-op in fp32)
         cfg = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                         dropout=args.dropout, norm=args.norm, fused=args.impl == "fused", residual_dtype=torch.float32)
-    torch.manual_seed(args.seed + dist.rank)  # dropout differs per rank; data does not
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    model = build_model(cfg, dist)
+    if dist.rank:
+        torch.manual_seed(args.seed + dist.rank)  # dropout differs per rank; data does not
     batch_gen = torch.Generator().manual_seed(args.seed)
-    model = GPT(cfg).to(dist.device)
     optimizer = torch.optim.AdamW(model.optimizer_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
     start, history, curve, supersedes = 0, [], [], ()
     if ckpt is not None:
@@ -458,7 +508,7 @@ def build_run(args, dist: Dist) -> tuple[Run, list[str]]:
             notes.append(f"note: {args.out_dir} holds an earlier run's checkpoints; they stay until this fresh run's "
                          "first checkpoint is written, then go (pass --resume to continue them instead)")
     train_model = model
-    if dist.ddp:
+    if dist.distributed and not dist.fsdp:
         from torch.nn.parallel import DistributedDataParallel
 
         # parameters and gradients are fp32 (autocast only lowers the matmuls), so the
@@ -502,6 +552,16 @@ class StopSignals:
             signal.signal(s, handler)
 
 
+def gradient_sync(run: Run, last: bool):
+    """Gradients are averaged over the ranks once per step, after its last micro-batch: DDP
+    holds its all-reduce under no_sync, FSDP2 its reduce-scatter while sync is off."""
+    if run.dist.fsdp:
+        run.model.set_requires_gradient_sync(last)
+    elif run.dist.distributed and not last:
+        return run.train_model.no_sync()
+    return nullcontext()
+
+
 def train_step(run: Run, it: int, stop: StopSignals) -> tuple[float, int]:
     """One optimizer step; returns its loss, averaged over ranks, and the signal that
     stops the run after it (0 for none), agreed by all ranks in the loss's all-reduce so
@@ -516,13 +576,12 @@ def train_step(run: Run, it: int, stop: StopSignals) -> tuple[float, int]:
     total = torch.zeros((), device=dist.device)
     for micro, st in enumerate(mine):
         x, y = (t.to(dist.device) for t in data.batch(run.splits["train"], st, args.block_size))
-        sync = not dist.ddp or micro == args.grad_accum - 1  # all-reduce once, on the last micro-batch
-        with (nullcontext() if sync else run.train_model.no_sync()), autocast(dist.device):
+        with gradient_sync(run, micro == args.grad_accum - 1), autocast(dist.device):
             loss = run.train_model(x, y)[1] / args.grad_accum
         loss.backward()
         total += loss.detach()
     signum = stop.signum
-    if dist.ddp:
+    if dist.distributed:
         flags = torch.tensor([signum == signal.SIGINT, signum == signal.SIGTERM], dtype=torch.float32,
                              device=dist.device)
         stats = torch.cat([total.reshape(1), flags])
@@ -537,9 +596,10 @@ def train_step(run: Run, it: int, stop: StopSignals) -> tuple[float, int]:
 
 
 def save(run: Run, step: int) -> None:
-    """Checkpoint (rank 0), and redraw the loss plot when there is a new evaluation or at
-    the end. A failed write (a full disk) is a warning and training goes on; `latest` and
-    what it names stay as they were."""
+    """Checkpoint (rank 0; under --fsdp every rank joins the gathering of the shards), and
+    redraw the loss plot when there is a new evaluation or at the end. A failed write (a
+    full disk) is a warning and training goes on; `latest` and what it names stay as they
+    were."""
     args = run.args
     rng = {"batches": run.batch_gen.get_state(), "torch0": torch.get_rng_state()}
     settings = {k: getattr(args, k) for k in TRAIN_DEFAULTS}
@@ -553,6 +613,8 @@ def save(run: Run, step: int) -> None:
                 else "this run has no checkpoint yet")
         run.unsaved = f"checkpoint at step {step} not written ({e.reason}); {kept}"
         run.say(f"warning: {run.unsaved}", err=True)
+        return
+    if not run.dist.master:  # under --fsdp the other ranks only joined the gathering
         return
     run.unsaved, run.last_saved, run.supersedes = None, step, ()
     if len(run.history) != run.plotted or step == args.max_iters:
@@ -593,7 +655,7 @@ def train_loop(run: Run, stop: StopSignals) -> tuple[float, int, int]:
                 losses = evaluate(run.model, run.splits, args, run.dist.device, seed=args.seed + 1)
             run.history.append({"step": step, **losses})
             run.say(f"step {step}: train {losses['train']:.4f}, val {losses['val']:.4f}")
-        if run.dist.master and (step % args.ckpt_interval == 0 or step == args.max_iters or signum):
+        if (run.dist.master or run.dist.fsdp) and (step % args.ckpt_interval == 0 or step == args.max_iters or signum):
             with timed(run, "ckpt"):
                 save(run, step)
         if signum:
@@ -601,9 +663,23 @@ def train_loop(run: Run, stop: StopSignals) -> tuple[float, int, int]:
     return loss, step, signum
 
 
+def release_shards() -> None:
+    """Free an --fsdp model before its process group goes. FSDP2's hooks put the model in
+    reference cycles that hold the group; left to the interpreter's exit, they outlive it,
+    and gloo's threads are torn down out of order: 2 of 16 two-rank runs on CPU aborted at
+    exit ("terminate called without an active exception"), 0 of 16 with this. An error on
+    its way out holds the model in its traceback's frames, so their locals go first."""
+    error = sys.exc_info()[1]
+    if error is not None:
+        traceback.clear_frames(error.__traceback__)
+    gc.collect()
+
+
 def main(argv=None) -> dict:
     """Train; returns {"model", "loss", "history", "curve", "signal"} for tests and
-    notebooks ("signal": the SIGINT or SIGTERM that stopped the run early, else 0)."""
+    notebooks ("signal": the SIGINT or SIGTERM that stopped the run early, else 0;
+    "model": None under --fsdp, whose shards go with the process group: the last
+    checkpoint holds the whole model)."""
     t_start = time.perf_counter()
     args = parse_args(argv)
     dist = init_distributed(args)
@@ -616,7 +692,9 @@ def main(argv=None) -> dict:
                 if lock is not None:
                     lock.release()
     finally:
-        if dist.ddp:
+        if dist.fsdp:
+            release_shards()
+        if dist.distributed:
             torch.distributed.destroy_process_group()
 
 
@@ -647,7 +725,8 @@ def _train(args, dist: Dist, stop: StopSignals, t_start: float) -> dict:
     if signum:
         run.say(f"stopped by {signal.Signals(signum).name} after step {step}: checkpoint "
                 f"{args.out_dir / f'ckpt-{step:06d}'} written; --resume continues", err=True)
-    return {"model": run.model, "loss": loss, "history": run.history, "curve": run.curve, "signal": signum}
+    return {"model": None if dist.fsdp else run.model, "loss": loss, "history": run.history, "curve": run.curve,
+            "signal": signum}
 
 
 def cli(argv=None) -> None:
