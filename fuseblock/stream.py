@@ -47,10 +47,12 @@ class PreNormBlock(nn.Module):
     dtype of torch's `hidden + residual`. kind, eps, bias and weight_offset are Norm's
     (bias=None: a bias for kind="layer" only; eps=None: torch's default for the residual's dtype).
 
-    A mixer with a method `prenorm_forward(norm, hidden, residual, *args, **kwargs) ->
-    (hidden', residual')` is called that way instead, to apply `norm` itself fused into its
-    first Linear (fuseblock.norm_linear), so the normed activations are not kept for
-    backward. The naive form still calls `mixer(norm(x))`.
+    A mixer with `fuses_prenorm = True` is called as `mixer(hidden, residual, *args,
+    prenorm=norm, **kwargs) -> (hidden', residual')` instead: it applies `norm` itself,
+    fused into its first Linear (fuseblock.norm_linear), so the normed activations are not
+    kept for backward. The call goes through the mixer's __call__, so its hooks (FSDP2's
+    gathering of its parameters among them) run as for any call. The naive form still
+    calls `mixer(norm(x))`.
     """
 
     def __init__(
@@ -79,9 +81,8 @@ class PreNormBlock(nn.Module):
     def forward(self, hidden: Tensor, residual: Tensor | None = None, *args, **kwargs) -> tuple:
         # A mixer whose first op is a Linear on the normed input may take the norm in
         # with it (fuseblock.norm_linear, docs/stream.md): it is handed the un-normed sum.
-        prenorm = getattr(self.mixer, "prenorm_forward", None)
-        if prenorm is not None:
-            return prenorm(self.norm, hidden, residual, *args, **kwargs)
+        if getattr(self.mixer, "fuses_prenorm", False):
+            return self.mixer(hidden, residual, *args, prenorm=self.norm, **kwargs)
         normed, residual = self.norm(hidden, residual)
         out = self.mixer(normed, *args, **kwargs)
         if isinstance(out, tuple):

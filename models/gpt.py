@@ -1,7 +1,7 @@
 """A small GPT whose residual stream is fuseblock's: every attention and MLP sublayer is a
 `fuseblock.PreNormBlock`, all of them in one `fuseblock.ResidualStack` with a final norm.
 Fused, each block's norm and the Linear that consumes it (c_attn, c_fc) run as one
-`fuseblock.norm_linear` (the mixers' `prenorm_forward`), which keeps no normed activations.
+`fuseblock.norm_linear` (the mixers' `prenorm=` call), which keeps no normed activations.
 
 With norm="layer", bias=True and norm_eps=1e-5 it computes the same function as
 nanoGPT's GPT for the same weights; fused=False runs the naive stack, same state_dict.
@@ -88,12 +88,13 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x):  # (B, T, C) -> (B, T, C)
-        return self._attend(self.c_attn(x))
+    fuses_prenorm = True  # fuseblock.PreNormBlock passes the un-normed sum and its norm as prenorm=
 
-    def prenorm_forward(self, norm, hidden, residual):
-        """The fused stream's call (fuseblock.PreNormBlock): the block's norm and c_attn in one."""
-        qkv, residual = _norm_linear(norm, self.c_attn, hidden, residual)
+    def forward(self, x, residual=None, prenorm=None):  # (B, T, C) -> (B, T, C)
+        if prenorm is None:  # x is normed already (the naive stack)
+            return self._attend(self.c_attn(x))
+        # the fused stream: the block's norm and c_attn in one (fuseblock.norm_linear)
+        qkv, residual = _norm_linear(prenorm, self.c_attn, x, residual)
         return self._attend(qkv), residual
 
     def _attend(self, qkv):  # (B, T, 3C) -> (B, T, C)
@@ -112,12 +113,12 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x):  # (B, T, C) -> (B, T, C)
-        return self._out(self.c_fc(x))
+    fuses_prenorm = True  # as CausalSelfAttention's
 
-    def prenorm_forward(self, norm, hidden, residual):
-        """The fused stream's call (fuseblock.PreNormBlock): the block's norm and c_fc in one."""
-        h, residual = _norm_linear(norm, self.c_fc, hidden, residual)
+    def forward(self, x, residual=None, prenorm=None):  # (B, T, C) -> (B, T, C)
+        if prenorm is None:
+            return self._out(self.c_fc(x))
+        h, residual = _norm_linear(prenorm, self.c_fc, x, residual)  # the block's norm and c_fc in one
         return self._out(h), residual
 
     def _out(self, h):  # (B, T, 4C) -> (B, T, C)
