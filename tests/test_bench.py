@@ -281,7 +281,9 @@ def test_gpu_report_writes_one_report_and_fails_on_any_part_or_target(monkeypatc
 
 def test_make_gpu_check_prints_its_commands():
     # PY given on the command line: no .venv install (the GPU image has no network)
-    p = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check", "PY=python"], capture_output=True, text=True, timeout=60,
+    # --no-print-directory: under a parent make (CI's make test) it would print Entering/Leaving lines
+    p = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check", "PY=python"], capture_output=True, text=True,
+                       timeout=60,
                        cwd=ROOT, check=True)
     lines = p.stdout.splitlines()
     assert not any("pip" in ln or "venv" in ln for ln in lines)
