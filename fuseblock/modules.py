@@ -71,7 +71,7 @@ class Norm(nn.Module):
         # eps=None passes through to the op, which resolves it for each input's dtype
         check_options(dim, kind=kind, c=c, eps=0.0 if eps is None else eps, num_groups=num_groups, gate_act=gate_act,
                       gate_position=gate_position)
-        check_weight_offset(weight_offset, True if weight else None)
+        check_weight_offset(weight_offset, bool(weight))
         self.dim, self.normalized_shape = dim, (dim,)
         self.kind, self.c, self.eps = kind, c, None if eps is None else float(eps)
         self.num_groups, self.gate_act, self.gate_position = int(num_groups), gate_act, gate_position

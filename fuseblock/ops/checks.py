@@ -82,10 +82,10 @@ def check_last_dim(x, dim: int) -> None:
         raise ValueError(f"x's last dim {x.shape[-1]} does not match the module's dim {dim}")
 
 
-def check_weight_offset(weight_offset, weight) -> None:
+def check_weight_offset(weight_offset, has_weight: bool) -> None:
     """A finite number, and only with a weight to add it to: out = N(p) * (weight_offset + weight)."""
     check_number("weight_offset", weight_offset)
-    if weight_offset != 0 and weight is None:
+    if weight_offset != 0 and not has_weight:
         raise ValueError(f"weight_offset={weight_offset} needs a weight: it is added to the weight (weight is None)")
 
 
@@ -178,7 +178,7 @@ def _option_spec(d, kind, c, eps, num_groups, gate_act, gate_position, weight_of
         return _SPECS[key]
     except (KeyError, TypeError):  # new, or unhashable (then invalid: the checks below say how)
         pass
-    check_weight_offset(weight_offset, None if not has_weight else True)
+    check_weight_offset(weight_offset, has_weight)
     check_options(d, kind=kind, c=c, eps=eps, num_groups=num_groups, gate_act=gate_act, gate_position=gate_position)
     if not gated and (gate_act != DEFAULT_GATE_ACT or gate_position != DEFAULT_GATE_POSITION):
         raise ValueError("gate_act and gate_position only apply when a gate tensor is given (gate is None)")
