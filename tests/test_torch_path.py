@@ -120,3 +120,88 @@ def test_the_fused_gpt_compiles_whole_into_plain_ops(norm):
     assert explained.graph_break_count == 0 and explained.graph_count == 1
     assert "fuseblock" not in str(explained.graphs[0].graph)
     torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------- the plain call's lane
+# A plain add_norm on the CPU torch path skips fuseblock's own checks (its eager cost is
+# host time) and leaves to torch's ops what they refuse; what they would let through is
+# checked on the lane, and every refusal re-runs the call through the named checks.
+
+def _no_checks(*args, **kwargs):
+    raise AssertionError("the general checks ran")
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_plain_calls_take_the_lane_and_equal_the_naive_form(monkeypatch, kind, dtype):
+    monkeypatch.setattr(fuseblock.ops.norm, "resolve", _no_checks)
+    x, r = torch.randn(3, 5, 64, dtype=dtype), torch.randn(3, 5, 64, dtype=dtype)
+    w, b = torch.randn(64, dtype=dtype), torch.randn(64, dtype=dtype)
+    bias = b if kind == "layer" else None
+
+    def norm(p, eps, w):
+        eps = torch.finfo(dtype).eps if eps is None else eps  # eps=None: torch's default for p
+        return F.layer_norm(p, (64,), w, bias, eps) if kind == "layer" else F.rms_norm(p, (64,), w, eps)
+
+    for eps in (1e-5, None):
+        out, res = fuseblock.add_norm(x, r, w, bias, kind=kind, eps=eps)
+        torch.testing.assert_close(res, x + r, rtol=0, atol=0)
+        torch.testing.assert_close(out, norm(x + r, eps, w), rtol=0, atol=0)
+    out, res = fuseblock.add_norm(x, None, None, bias, kind=kind)
+    assert res is x
+    torch.testing.assert_close(out, norm(x, 1e-6, None), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(gate=torch.randn(4, 8)), dict(num_groups=2), dict(c=1.0), dict(weight_offset=1.0),
+    dict(residual_dtype=torch.float64), dict(kind="l2"), dict(eps=0.0), dict(eps=1),
+    dict(x=torch.randn(4, 8, dtype=torch.bfloat16)), dict(residual=torch.randn(4, 8, dtype=torch.float16)),
+    dict(bias=torch.randn(8)), dict(weight=torch.randn(8, dtype=torch.float16)),
+], ids=lambda kw: next(iter(kw)) + "-" + str(next(iter(kw.values())))[:12].replace(" ", ""))
+def test_every_other_call_takes_the_checked_path(monkeypatch, kwargs):
+    monkeypatch.setattr(fuseblock.ops.norm, "resolve", _no_checks)
+    args = dict(x=torch.randn(4, 8), residual=torch.randn(4, 8), weight=torch.randn(8)) | kwargs
+    with pytest.raises(AssertionError, match="the general checks ran"):
+        fuseblock.add_norm(args.pop("x"), args.pop("residual"), **args)
+
+
+LANE_MISTAKES = [
+    # (kind, kwargs, exception, what the message names): each is a call the lane takes up
+    ("rms", dict(residual=torch.ones(1, 8)), ValueError, "residual"),  # would broadcast to x
+    ("layer", dict(residual=torch.ones(1, 8)), ValueError, "residual"),
+    ("rms", dict(residual=torch.ones(4, 8, dtype=torch.int64)), TypeError, "residual"),  # would promote
+    ("rms", dict(weight=torch.ones(1, 8)), ValueError, "weight"),  # would broadcast
+    ("rms", dict(weight=torch.ones(1)), ValueError, "weight"),
+    ("rms", dict(weight=torch.ones(8, dtype=torch.int32)), TypeError, "weight"),  # would promote
+    ("layer", dict(weight=torch.ones(1, 8)), ValueError, "weight"),  # torch refuses: the checks name it
+    ("layer", dict(bias=torch.ones(9)), ValueError, "bias"),
+    ("layer", dict(bias=torch.ones(8, dtype=torch.int32)), TypeError, "bias"),
+    ("layer", dict(weight=torch.ones(8, device="meta")), ValueError, "weight"),
+    ("rms", dict(x=torch.ones(4, 0), residual=None, weight=None), ValueError, "last dimension"),
+    ("rms", dict(x=torch.tensor(1.0), residual=None, weight=None), ValueError, "x must have at least one"),
+    ("layer", dict(x=torch.ones(4, 8, dtype=torch.complex64), residual=None, weight=None), TypeError, "x must"),
+    ("rms", dict(eps=float("inf")), ValueError, "eps"),
+    ("rms", dict(eps=True), TypeError, "eps"),
+    ("rms", dict(num_groups=True), TypeError, "num_groups"),
+    ("rms", dict(weight_offset=False), TypeError, "weight_offset"),
+]
+
+
+@pytest.mark.parametrize("kind,kwargs,exc,named", LANE_MISTAKES, ids=[f"{c[0]}-{c[3]}-{i}"
+                                                                     for i, c in enumerate(LANE_MISTAKES)])
+def test_mistakes_on_the_lane_are_named(kind, kwargs, exc, named):
+    args = dict(x=torch.randn(4, 8), residual=torch.randn(4, 8), weight=torch.randn(8)) | kwargs
+    with pytest.raises(exc, match=named):
+        fuseblock.add_norm(args.pop("x"), args.pop("residual"), kind=kind, **args)
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_a_weight_in_another_float_dtype_is_cast_as_the_checked_path_does(kind):
+    """torch's layer_norm refuses an fp16 weight for fp32 x, and its rms_norm would
+    promote an fp64 one; the checked path casts both to p's dtype, as before the lane."""
+    x, r = torch.randn(4, 8), torch.randn(4, 8)
+    for wdtype in (torch.float16, torch.float64):
+        w = torch.randn(8, dtype=wdtype)
+        out, _ = fuseblock.add_norm(x, r, w, kind=kind)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, fuseblock.add_norm(x, r, w.float(), kind=kind)[0], rtol=0, atol=0)

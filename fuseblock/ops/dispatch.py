@@ -24,10 +24,14 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _cpu_kernels = False  # set by `kernels_on_cpu`
 
 
+def kernels_take_cpu() -> bool:
+    """Whether CPU tensors go to the Triton kernels (the interpreter, or `kernels_on_cpu`)."""
+    return INTERPRET or _cpu_kernels
+
+
 def uses_triton(x: Tensor) -> bool:
     """Whether a call on `x` runs the Triton kernels (else the pure-PyTorch path)."""
-    on_cpu = INTERPRET or _cpu_kernels
-    return x.dtype != torch.float64 and (x.is_cuda or (on_cpu and x.device.type == "cpu"))
+    return x.dtype != torch.float64 and (x.is_cuda or (kernels_take_cpu() and x.device.type == "cpu"))
 
 
 def kernels(op: str, x: Tensor) -> ModuleType:

@@ -9,15 +9,17 @@ Dispatch is `fuseblock.ops.dispatch`'s, decided per call before anything is regi
 """
 from __future__ import annotations
 
+import math
 from typing import List, Optional
 
 import torch
 from torch import Tensor
+from torch.compiler import is_compiling
 
 from .. import reference
 from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, acc_dtype
-from .checks import resolve
-from .dispatch import func_transforms_active, kernels, uses_triton
+from .checks import default_eps, resolve
+from .dispatch import func_transforms_active, kernels, kernels_take_cpu, uses_triton
 from .registry import FusedOp
 
 
@@ -150,6 +152,47 @@ def apply_norm(x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], we
     return _norm_op(x, residual, gate, weight, bias, spec.pack(), residual_dtype, need_stats)
 
 
+_F32, _F64 = torch.float32, torch.float64
+_DEFAULT_EPS = {_F32: default_eps(_F32), _F64: default_eps(_F64)}
+_ONE_GROUP = 1  # compared by identity: CPython has one int 1, and True is another object
+_INF = math.inf
+
+
+def _plain_call(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor], kind: str,
+                eps) -> Optional[tuple[Tensor, Tensor]]:
+    """add_norm's (out, new_residual) for a plain call on the CPU torch path, or None for
+    any other call: an fp32 or fp64 RMS or layer norm, every tensor in x's dtype and the
+    residual of x's shape, eps a positive float or None. `x + residual`, then torch's
+    norm: the naive form's ops.
+
+    On the eager torch path a small call's cost is its host time, so this checks only what
+    torch's ops would let through (a residual broadcast to x, an RMS weight broadcast or
+    promoted); they themselves refuse every other mistake (devices, the layer norm's
+    shapes and dtypes, x with no dims), and add_norm then takes the checked path, whose
+    checks name the argument."""
+    dtype = x.dtype
+    if (dtype is not _F32 and dtype is not _F64) or not x.is_cpu or kernels_take_cpu():
+        return None
+    shape = x.shape
+    if residual is not None and (residual.dtype is not dtype or residual.shape != shape):
+        return None
+    if eps is None:
+        eps = _DEFAULT_EPS[dtype]
+    elif type(eps) is not float or not 0.0 < eps < _INF:
+        return None
+    d = shape[-1]
+    if d < 1:
+        return None
+    if kind == "layer":  # torch.layer_norm refuses a weight or bias of another shape or dtype
+        p = x if residual is None else torch.add(x, residual)
+        return torch.layer_norm(p, (d,), weight, bias, eps), p
+    if kind != "rms" or bias is not None or (
+            weight is not None and (weight.dtype is not dtype or weight.dim() != 1 or weight.numel() != d)):
+        return None
+    p = x if residual is None else torch.add(x, residual)
+    return reference.RMS_NORM_BODY(p, (d,), weight, eps)[0], p
+
+
 def add_norm(
     x: Tensor,
     residual: Optional[Tensor] = None,
@@ -184,6 +227,15 @@ def add_norm(
     A gate gives out = N(p * g(gate)) (gate_position="pre") or N(p) * g(gate) ("post"),
     g one of "silu" (alias "swish"), "sigmoid", "none". out has x's dtype.
     """
+    if (gate is None and c is None and residual_dtype is None and num_groups is _ONE_GROUP
+            and type(weight_offset) is float and weight_offset == 0.0 and gate_act is DEFAULT_GATE_ACT
+            and gate_position is DEFAULT_GATE_POSITION and not is_compiling()):
+        try:
+            plain = _plain_call(x, residual, weight, bias, kind, eps)
+        except Exception:  # a mistake torch refused: the checked path below names it
+            plain = None
+        if plain is not None:
+            return plain
     spec = resolve(
         x, residual, weight, bias, gate, kind=kind, c=c, eps=eps, gate_act=gate_act,
         gate_position=gate_position, num_groups=num_groups, residual_dtype=residual_dtype,
