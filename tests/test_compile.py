@@ -2,7 +2,7 @@
 forward and backward; on the torch path it sees the plain torch ops, with no fuseblock op."""
 import pytest
 import torch
-from helpers import KERNEL_PATH
+from helpers import DEVICE, KERNEL_PATH
 
 import fuseblock
 from fuseblock.spec import Act, Gate, NormSpec
@@ -38,12 +38,57 @@ def test_fullgraph_aot_eager_matches_eager_and_keeps_the_op_whole():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.kernel
 def test_fullgraph_inductor_forward_and_backward():
+    """Inductor, not only aot_eager: on the kernel path (the interpreter too) the compiled
+    code calls the custom ops, so the Triton kernels run, one launch forward."""
     torch._dynamo.reset()
     compiled = torch.compile(_fn, fullgraph=True)
     inputs = _inputs()
-    for a, b in zip(_grads(compiled, inputs), _grads(_fn, inputs), strict=True):
+    _grads(compiled, inputs)  # compiles
+    if KERNEL_PATH:
+        from helpers import Launches
+
+        launches = Launches()
+    got = _grads(compiled, inputs)
+    if KERNEL_PATH:
+        assert launches["fwd"] == 1 and launches["bwd"] >= 1
+    for a, b in zip(got, _grads(_fn, inputs), strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.kernel
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_cuda_graphs_capture_the_op_forward_and_backward():
+    """A CUDA graph captured around add_norm's forward and backward (eager, the
+    autograd.Function over the launchers) replays them: no host sync or host read inside;
+    and torch.compile's reduce-overhead mode, which captures the compiled graph with
+    the custom ops in it, matches eager."""
+    inputs = [t.detach().requires_grad_() for t in _inputs()]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm up: compile the kernels, fill the caching allocator
+            got = _grads(_fn, inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _grads(_fn, inputs)
+    with torch.no_grad():
+        for t in inputs:
+            t.copy_(torch.randn_like(t))
+    graph.replay()
+    for a, b in zip(captured, _grads(_fn, inputs), strict=True):
+        torch.testing.assert_close(a, b)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(_fn, fullgraph=True, mode="reduce-overhead")
+    for _ in range(3):  # reduce-overhead records on the second call and replays after
+        got = _grads(compiled, inputs)
+    for a, b in zip(got, _grads(_fn, inputs), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    skips = torch._dynamo.utils.counters["inductor"]
+    assert not any(k.startswith("cudagraph_skips") and v for k, v in skips.items()), dict(skips)
 
 
 @pytest.mark.kernel

@@ -2,7 +2,10 @@
 
 Every public entry point validates here, before any kernel runs, so bad input gets a
 ValueError/TypeError that names the argument instead of a crash inside Triton. Each
-kind of check exists once: the family ops and the modules call these too.
+kind of check exists once: the family ops and the modules call these too. One call
+skips them: a plain add_norm on the CPU torch path (`fuseblock.ops.norm._plain_call`),
+which checks only what torch's ops would let through and sends anything they refuse
+back here, so its errors name the argument too.
 """
 from __future__ import annotations
 
