@@ -20,7 +20,7 @@ from .ops.checks import (
     check_weight_offset,
     default_eps,
 )
-from .ops.norm import add_norm, norm
+from .ops.norm import add_norm
 from .spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec
 
 
@@ -90,16 +90,27 @@ class Norm(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def _kwargs(self, gate: Tensor | None) -> dict:
-        kw = dict(kind=self.kind, c=self.c, eps=self.eps, num_groups=self.num_groups, gate=gate,
-                  weight_offset=self.weight_offset)
-        if gate is not None:
-            kw.update(gate_act=self.gate_act, gate_position=self.gate_position)
-        return kw
-
     def forward(self, x: Tensor, gate: Tensor | None = None) -> Tensor:
-        check_last_dim(x, self.dim)
-        return norm(x, self.weight, self.bias, **self._kwargs(gate))
+        return self._call(x, None, gate, None)[0]
+
+    def _call(self, x: Tensor, residual: Tensor | None, gate: Tensor | None, residual_dtype: torch.dtype | None):
+        # Written for host time, which is the eager torch path's cost: keywords written out
+        # (no dict built per call), and x's width checked up front only where no parameter
+        # would catch it; otherwise after the op refuses, to name x rather than the weight.
+        weight, bias = self.weight, self.bias
+        if weight is None and bias is None:
+            check_last_dim(x, self.dim)
+        gated = gate is not None  # the gate settings apply only with a gate
+        try:
+            return add_norm(
+                x, residual, weight, bias, kind=self.kind, c=self.c, eps=self.eps, residual_dtype=residual_dtype,
+                gate=gate, gate_act=self.gate_act if gated else DEFAULT_GATE_ACT,
+                gate_position=self.gate_position if gated else DEFAULT_GATE_POSITION, num_groups=self.num_groups,
+                weight_offset=self.weight_offset,
+            )
+        except ValueError:
+            check_last_dim(x, self.dim)
+            raise
 
     def naive(self, x: Tensor) -> Tensor:
         """The same function (without a gate) on the torch path's plain ops, never the fused
@@ -145,8 +156,7 @@ class AddNorm(Norm):
         self.residual_dtype = residual_dtype
 
     def forward(self, x: Tensor, residual: Tensor | None = None, gate: Tensor | None = None):
-        check_last_dim(x, self.dim)
-        return add_norm(x, residual, self.weight, self.bias, residual_dtype=self.residual_dtype, **self._kwargs(gate))
+        return self._call(x, residual, gate, self.residual_dtype)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ("" if self.residual_dtype is None else f", residual_dtype={self.residual_dtype}")

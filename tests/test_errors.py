@@ -73,7 +73,9 @@ def test_norm_module_rejects_bad_config():
 
 
 def test_modules_blame_x_for_a_last_dim_that_does_not_match():
-    for module in (fuseblock.Norm(8), fuseblock.AddNorm(8), fuseblock.Norm(8, weight=False)):
+    for module in (fuseblock.Norm(8), fuseblock.AddNorm(8), fuseblock.Norm(8, weight=False),
+                   fuseblock.Norm(8, kind="layer", weight=False), fuseblock.AddNorm(8, kind="layer", bias=False),
+                   fuseblock.Norm(8, weight=False, bias=False)):
         with pytest.raises(ValueError, match=r"x's last dim 16 does not match the module's dim 8"):
             module(torch.randn(2, 16))
 
