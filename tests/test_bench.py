@@ -144,7 +144,9 @@ def test_overhead_quick_times_the_host_side_alone():
     rows = _bench("overhead")
     torch_rows = [r for r in rows if r.get("path") == "torch"]
     rows = [r for r in rows if r.get("path") != "torch"]
-    assert {r["kind"] for r in rows} == {"rms", "layer"} == {r["kind"] for r in torch_rows}
+    assert {r["kind"] for r in rows} == {"rms", "layer"}
+    assert sorted((r["kind"], r["form"]) for r in torch_rows) == [
+        ("layer", "function"), ("layer", "module"), ("rms", "function"), ("rms", "module")]
     for r in torch_rows:  # the torch path against the naive form, side by side
         assert r["fused_min_us"] <= r["fused_us"] <= r["fused_max_us"]
         assert r["naive_min_us"] <= r["naive_us"] <= r["naive_max_us"]

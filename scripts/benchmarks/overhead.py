@@ -5,8 +5,10 @@
   backward at d = 1024 is ~100 us of GPU work on an H100). Measured with tiny CPU
   tensors, so allocation here stands in for the GPU caching allocator.
 - Torch-path rows: eager `add_norm` forward + backward at 1 x 1024 fp32 on the torch
-  path against the naive form it replaces, `x + r` then `F.rms_norm` (or `F.layer_norm`),
-  alternated call by call; the median and min-max of the per-run medians.
+  path against the naive form it replaces, `x + r` then `F.rms_norm` (or `F.layer_norm`)
+  (form "function"), and `fuseblock.AddNorm` against `x + r` then `nn.RMSNorm` (or
+  `nn.LayerNorm`) (form "module"), alternated call by call; the median and min-max of the
+  per-run medians.
 """
 from __future__ import annotations
 
@@ -64,20 +66,36 @@ def _kind_row(kind: str, reps: int, calls: int) -> dict:
     return row
 
 
-def _torch_path_row(kind: str, repeats: int, calls: int) -> dict:
+def _torch_path_row(kind: str, form: str, repeats: int, calls: int) -> dict:
     x, r = torch.randn(1, 1024, requires_grad=True), torch.randn(1, 1024, requires_grad=True)
-    w = torch.randn(1024, requires_grad=True)
-    b = torch.randn(1024, requires_grad=True) if kind == "layer" else None
-    leaves = [t for t in (x, r, w, b) if t is not None]
+    if form == "module":  # fuseblock.AddNorm against x + r then nn.RMSNorm / nn.LayerNorm
+        fused_norm = fuseblock.AddNorm(1024, kind=kind, eps=1e-6)
+        naive_norm = torch.nn.LayerNorm(1024, eps=1e-6) if kind == "layer" else torch.nn.RMSNorm(1024, eps=1e-6)
+        naive_norm.load_state_dict(fused_norm.state_dict())
+        leaves = [x, r, *fused_norm.parameters()]
+        naive_leaves = [x, r, *naive_norm.parameters()]
 
-    def fused():
-        out, res = fuseblock.add_norm(x, r, w, b, kind=kind)
-        torch.autograd.grad((out, res), leaves, (out, res))
+        def fused():
+            out, res = fused_norm(x, r)
+            torch.autograd.grad((out, res), leaves, (out, res))
 
-    def naive():
-        res = x + r
-        out = F.layer_norm(res, (1024,), w, b, 1e-6) if kind == "layer" else F.rms_norm(res, (1024,), w, 1e-6)
-        torch.autograd.grad((out, res), leaves, (out, res))
+        def naive():
+            res = x + r
+            out = naive_norm(res)
+            torch.autograd.grad((out, res), naive_leaves, (out, res))
+    else:  # fuseblock.add_norm against x + r then F.rms_norm / F.layer_norm
+        w = torch.randn(1024, requires_grad=True)
+        b = torch.randn(1024, requires_grad=True) if kind == "layer" else None
+        leaves = [t for t in (x, r, w, b) if t is not None]
+
+        def fused():
+            out, res = fuseblock.add_norm(x, r, w, b, kind=kind)
+            torch.autograd.grad((out, res), leaves, (out, res))
+
+        def naive():
+            res = x + r
+            out = F.layer_norm(res, (1024,), w, b, 1e-6) if kind == "layer" else F.rms_norm(res, (1024,), w, 1e-6)
+            torch.autograd.grad((out, res), leaves, (out, res))
 
     runs = {"fused": [], "naive": []}
     for fn in (fused, naive):
@@ -93,7 +111,7 @@ def _torch_path_row(kind: str, repeats: int, calls: int) -> dict:
         for name, v in times.items():
             runs[name].append(statistics.median(v) * 1e6)
     ratio = [f / n for f, n in zip(runs["fused"], runs["naive"], strict=True)]
-    return dict(kind=kind, d=1024, path="torch", fused_us=statistics.median(runs["fused"]),
+    return dict(kind=kind, d=1024, path="torch", form=form, fused_us=statistics.median(runs["fused"]),
                 fused_min_us=min(runs["fused"]), fused_max_us=max(runs["fused"]),
                 naive_us=statistics.median(runs["naive"]), naive_min_us=min(runs["naive"]),
                 naive_max_us=max(runs["naive"]), fused_over_naive=statistics.median(ratio),
@@ -103,4 +121,5 @@ def _torch_path_row(kind: str, repeats: int, calls: int) -> dict:
 def run(args) -> list[dict]:
     reps, calls = (3, 100) if args.quick else (7, 500)
     rows = [_kind_row(kind, reps, calls) for kind in ("rms", "layer")]
-    return rows + [_torch_path_row(kind, args.repeats, calls) for kind in ("rms", "layer")]
+    return rows + [_torch_path_row(kind, form, args.repeats, calls) for form in ("function", "module")
+                   for kind in ("rms", "layer")]
