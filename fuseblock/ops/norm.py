@@ -166,10 +166,10 @@ def _plain_call(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor],
     norm: the naive form's ops.
 
     On the eager torch path a small call's cost is its host time, so this checks only what
-    torch's ops would let through (a residual broadcast to x, an RMS weight broadcast or
-    promoted); they themselves refuse every other mistake (devices, the layer norm's
-    shapes and dtypes, x with no dims), and add_norm then takes the checked path, whose
-    checks name the argument."""
+    torch's ops would let through (a residual broadcast to x, an RMS weight broadcast, a
+    dtype they would promote); they themselves refuse every other mistake (devices, the
+    layer norm's parameter shapes, x with no dims, a non-tensor), and add_norm then takes
+    the checked path, whose checks name the argument."""
     dtype = x.dtype
     if (dtype is not _F32 and dtype is not _F64) or not x.is_cpu or kernels_take_cpu():
         return None
@@ -181,13 +181,15 @@ def _plain_call(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor],
     elif type(eps) is not float or not 0.0 < eps < _INF:
         return None
     d = shape[-1]
-    if d < 1:
+    # parameters in another float dtype are supported (cast to p's): the checked path
+    if d < 1 or (weight is not None and weight.dtype is not dtype):
         return None
-    if kind == "layer":  # torch.layer_norm refuses a weight or bias of another shape or dtype
-        p = x if residual is None else torch.add(x, residual)
+    if kind == "layer":
+        if bias is not None and bias.dtype is not dtype:
+            return None
+        p = x if residual is None else torch.add(x, residual)  # layer_norm refuses a weight or bias of another shape
         return torch.layer_norm(p, (d,), weight, bias, eps), p
-    if kind != "rms" or bias is not None or (
-            weight is not None and (weight.dtype is not dtype or weight.dim() != 1 or weight.numel() != d)):
+    if kind != "rms" or bias is not None or (weight is not None and (weight.dim() != 1 or weight.numel() != d)):
         return None
     p = x if residual is None else torch.add(x, residual)
     return reference.RMS_NORM_BODY(p, (d,), weight, eps)[0], p
