@@ -238,8 +238,8 @@ def batch_norm(
 def group_norm(
     x: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5
 ) -> Tensor:
-    """torch.nn.functional.group_norm for (N, C, *) inputs: the core layer norm of each
-    sample's C*L values in num_groups groups of whole channels."""
+    """torch.nn.functional.group_norm for (N, C, *) inputs: each sample's C*L values
+    normalized in num_groups groups of whole channels, then the per-channel affine."""
     n, n_ch, length = _check_input(x, "(N, C) or (N, C, *)", 2)
     _check_channel_vectors(x, n_ch, weight=weight, bias=bias)
     check_int("num_groups", num_groups)
