@@ -437,9 +437,12 @@ def run_channel(op, x, affine=True, param_dtype=None, momentum=0.3):
         else (None, None)
     running = (torch.randn(c), torch.rand(c) + 0.5) if op == "batch" else (None, None)
     mine = [None if t is None else t.clone() for t in running]
+    versions = [None if t is None else t._version for t in mine]
     x = x.detach().requires_grad_()  # a view keeps its strides
     leaves = [t.requires_grad_(True) for t in (x, w, b) if t is not None]
     y = _channel(op, x, w, b, mine, momentum)
+    for t, version in zip(mine, versions, strict=True):  # updated in place, as autograd sees it
+        assert t is None or t._version > version
     assert y.dtype == dtype and y.shape == x.shape
     dy = torch.randn(y.shape, dtype=torch.float64)
     grads = torch.autograd.grad((y.double() * dy).sum(), leaves)

@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.graph import increment_version
 
 from ..spec import Act, Gate, NormSpec, acc_dtype
 from .checks import check_eps, check_int, check_number, check_tensor
@@ -83,8 +84,12 @@ def _fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], batch: boo
 
 def _eager_fwd(x, weight, bias, batch, groups, eps, *, running_mean, running_var, momentum):
     """_fwd, also updating batch norm's running buffers in its launch (eager only: see FusedOp)."""
-    return kernels("channel_norm", x).channel_norm_fwd(x, weight, bias, batch, groups, eps,
-                                                      running_mean, running_var, momentum)
+    out = kernels("channel_norm", x).channel_norm_fwd(x, weight, bias, batch, groups, eps,
+                                                     running_mean, running_var, momentum)
+    # the kernel wrote them behind autograd's back: bump their versions as an in-place op
+    # would, so a graph that saved them notices
+    increment_version((running_mean, running_var))
+    return out
 
 
 def _fwd_fake(x, weight, bias, batch, groups, eps):
