@@ -1,11 +1,13 @@
 """Launches per call, Triton kernels and torch ops together: one for the forward, at most
 two for the backward (issue 16), for every dtype, variant and layout of the core op, and
 for embed_norm. Counted by helpers.AllLaunches; the gradients are checked against the fp64
-reference too, since these are the cases where dw and db are summed in a kernel."""
+reference too, since these are the cases where dw and db are summed in a kernel. The channel
+norms (batch, group, instance norm) too: one launch forward, one or two backward."""
 from typing import NamedTuple
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import DTYPES, AllLaunches, assert_close
 from ref64 import add_norm64, leaf64
 
@@ -144,3 +146,53 @@ def test_embed_norm_launches_once_each_way(layout, ord, dtype, request):
     assert (fwd.total, bwd.total) == (1, 1) and fwd.ops == bwd.ops == []
     if bwd.names is not None:
         assert bwd.names == (["_bwd_tile"] if layout == "tile" else ["_bwd_loop"])
+
+
+# ------------------------------------------------------------------ the channel norms
+CHANNEL_OPS = ["batch_norm", "batch_norm_running", "group_norm", "instance_norm"]
+
+
+def _channel_call(op, x, w, b, running, fn=None):
+    """One channel norm: fuseblock's (fn None), else torch's `fn` (F), on running buffers."""
+    if op.startswith("batch_norm"):
+        return (fn or fuseblock).batch_norm(x, *running, w, b, training=True, momentum=0.3)
+    if op == "group_norm":
+        return (fn or fuseblock).group_norm(x, 2, w, b, eps=1e-5)
+    return (fn or fuseblock).instance_norm(x, weight=w, bias=b, eps=1e-5)
+
+
+@pytest.mark.parametrize("op", CHANNEL_OPS)
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+@pytest.mark.parametrize("n", [1, 3], ids=["one_sample", "three_samples"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_channel_norms_launch_once_forward_at_most_twice_backward(op, affine, n, dtype):
+    # batch norm: one program per channel, which owns it and writes dw[c], db[c]: one launch
+    # each way, the running buffers updated in the forward's; group and instance norm: the
+    # per-sample partials of dw, db summed by _bwd_sum, one launch more with several samples
+    x = (torch.randn(n, 4, 5) * 2 + 1).to(dtype).requires_grad_()
+    w, b = (torch.randn(4).to(dtype).requires_grad_(), torch.randn(4).to(dtype).requires_grad_()) if affine \
+        else (None, None)
+    running = (torch.randn(4), torch.rand(4) + 0.5) if op == "batch_norm_running" else (None, None)
+    mine = [None if t is None else t.clone() for t in running]
+    with AllLaunches() as fwd:
+        y = _channel_call(op, x, w, b, mine)
+    leaves = [t for t in (x, w, b) if t is not None]
+    dy = torch.randn_like(y)
+    with AllLaunches() as bwd:
+        got = torch.autograd.grad(y, leaves, dy)
+
+    refs = [leaf64(t) for t in leaves]
+    ref64 = [None if t is None else t.double() for t in running]
+    ref = _channel_call(op, refs[0], *(refs[1:] if affine else (None, None)), ref64, fn=F)
+    assert_close(y, ref, dtype, "y")
+    for name, leaf, g, rg in zip("xwb", leaves, got, torch.autograd.grad(ref, refs, dy.double()), strict=False):
+        assert g.dtype == leaf.dtype, name
+        assert_close(g, rg, dtype, f"d{name}")
+    for buf, rbuf in zip(mine, ref64, strict=True):
+        if buf is not None:
+            assert_close(buf, rbuf, torch.float32, "running buffer")
+    assert (fwd.total, fwd.ops) == (1, [])
+    assert fwd.names in (None, ["_channel_fwd"])
+    summed = affine and n > 1 and not op.startswith("batch_norm")
+    assert (bwd.total, bwd.ops) == (2 if summed else 1, [])
+    assert bwd.names in (None, ["_channel_bwd"] + (["_bwd_sum"] if summed else []))

@@ -64,6 +64,23 @@ def test_fp32_and_embed_norm_kernels_compile_for_h100():
         assert resource_usage(compile_sm90(ln))["registers"] > 0
 
 
+@pytest.mark.parametrize("sets", ["batch", "group"])
+@pytest.mark.parametrize("shape", [(32, 64, 1000), (256, 64)], ids=str)  # full [BR, BL] blocks, and L = 1
+def test_channel_norm_kernels_compile_for_h100(sets, shape):
+    import fuseblock.kernels.channel_norm as ck
+
+    batch, groups = sets == "batch", 0 if sets == "batch" else 8
+    x = torch.empty(shape, dtype=torch.bfloat16)
+    w, running = torch.empty(64, dtype=torch.bfloat16), torch.empty(64) if batch else None
+    with captured_launches(ck) as launches:
+        _, mean, rstd = ck.channel_norm_fwd(x, w, w, batch, groups, 1e-5, running, running, 0.1)
+        ck.channel_norm_bwd(torch.empty_like(x), x, w, w, mean, rstd, batch, groups)
+    assert [ln.name for ln in launches] == ["_channel_fwd", "_channel_bwd"] + ([] if batch else ["_bwd_sum"])
+    for ln in launches:
+        usage = resource_usage(compile_sm90(ln))
+        assert 0 < usage["registers"] <= 255 and usage["stack"] == 0, (ln.name, usage)  # no spills
+
+
 def test_resident_programs_follow_the_occupancy_rule():
     # registers bind: 166 -> 168 per thread, x 32 x 4 warps = 21504 per program: 3 fit in 64K
     assert resident_programs({"registers": 166, "shared": 4096}, 4) == 3

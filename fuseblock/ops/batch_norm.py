@@ -1,33 +1,45 @@
-"""Channel norms of (N, C, *) inputs, built on the core op's row kernels.
+"""Channel norms of (N, C, *) inputs: `batch_norm`, `group_norm`, `instance_norm`.
 
-- `batch_norm`: "layer norm is the transpose of batch norm" (docs/family.md). Training mode
-  views the batch as C rows of N*L values, x -> (C, N*L), and runs the core layer norm
-  (forward and backward kernels, kind="layer", no affine) on those rows. Its per-row
-  statistics are the per-channel batch statistics that update the running buffers.
-- `group_norm`, `instance_norm`: no transpose needed. Each sample (C*L values) is one
-  row split into num_groups contiguous groups, so group norm is the core op with
-  num_groups, and instance norm is group norm with one group per channel. The
-  per-channel weight becomes a per-column one by repeating it L times, so the affine
-  stays fused in the kernel.
+The Triton path (`fuseblock.kernels.channel_norm`): one program per normalized set of a
+strided (N, C, L) view of x, L the product of the trailing dims, with the weight and bias
+loaded per channel:
+- batch norm (training): program c normalizes channel c over its N*L values, and
+  updates the running buffers' entry c in the same launch (eagerly; under torch.compile
+  the buffers are updated by torch ops on the op's statistics, which Inductor fuses);
+- group norm: program (n, g) normalizes the C/G channels x L values of group g of
+  sample n; instance norm is group norm with one group per channel.
+Launches per call, torch ops included: one forward; backward one for batch norm (a
+program owns its channel, so it writes dw[c], db[c] itself) and for group norm of one
+sample, two for group norm of several (fp32 partials of dw, db per sample, then the core
+op's `_bwd_sum`). Forward and backward are registered by `fuseblock.ops.registry.FusedOp`,
+so torch.compile(fullgraph=True) traces them whole.
 
-Why batch norm reuses the row kernels rather than a column kernel of its own: it
-shares the forward, the backward (docs/family.md: its formula is the core op's layer-norm
-backward) and their tests. The cost: two transposing copies (in, as fp32, and out),
-the per-channel affine as separate elementwise torch ops (it is per row in the
-transposed view, so it cannot be the core op's per-column weight), and few rows: the
-row kernels parallelize over rows, so C channels of N*L values use about C programs.
-A split-reduction column kernel would avoid all three on a GPU, with the same results.
+Why a program per set rather than the core op's row kernels: batch norm on those took
+transposing copies in and out and its affine as separate elementwise ops (6 / 10
+launches backward), and group norm repeated the per-channel weight per column (3 to 4).
+The cost: a set longer than one block is read twice each way, and batch norm runs C
+programs, few when C is small and N*L large (a split reduction would spread them).
+
+The torch path (CPU tensors without TRITON_INTERPRET=1, float64, torch.func transforms)
+is the reference's plain differentiable ops: batch norm as the layer norm of the
+transposed batch (docs/family.md: "layer norm is the transpose of batch norm"), group
+norm as the core op with num_groups and the weight repeated per column.
 """
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.graph import increment_version
 
 from ..spec import Act, Gate, NormSpec, acc_dtype
 from .checks import check_eps, check_int, check_number, check_tensor
+from .dispatch import func_transforms_active, kernels, uses_triton
 from .norm import apply_norm, norm
+from .registry import FusedOp
 
 
 def _check_input(x, what: str, min_dim: int) -> tuple[int, int, int]:
@@ -58,10 +70,122 @@ def check_momentum(momentum, *, allow_none: bool = False) -> None:
         raise ValueError(f"momentum must be in [0, 1], got {momentum}")
 
 
+# --------------------------------------------------------------------------- Triton path registration
+def _empty(x: Tensor) -> Tensor:
+    # custom ops cannot return None; absent gradients are empty placeholders
+    return x.new_empty(0, dtype=torch.float32)
+
+
+def _fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], batch: bool, groups: int,
+         eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, mean, rstd): sets per channel over the batch (batch), else per sample and group."""
+    return kernels("channel_norm", x).channel_norm_fwd(x, weight, bias, batch, groups, eps)
+
+
+def _eager_fwd(x, weight, bias, batch, groups, eps, *, running_mean, running_var, momentum):
+    """_fwd, also updating batch norm's running buffers in its launch (eager only: see FusedOp)."""
+    out = kernels("channel_norm", x).channel_norm_fwd(x, weight, bias, batch, groups, eps,
+                                                     running_mean, running_var, momentum)
+    # the kernel wrote them behind autograd's back: bump their versions as an in-place op
+    # would, so a graph that saved them notices
+    increment_version((running_mean, running_var))
+    return out
+
+
+def _fwd_fake(x, weight, bias, batch, groups, eps):
+    n_sets = x.shape[1] if batch else x.shape[0] * groups
+    stat = (n_sets,)
+    return x.new_empty(x.shape), x.new_empty(stat, dtype=torch.float32), x.new_empty(stat, dtype=torch.float32)
+
+
+def _bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor, rstd: Tensor,
+         batch: bool, groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    dx, dw, db = kernels("channel_norm", x).channel_norm_bwd(dy, x, weight, bias, mean, rstd, batch, groups)
+    return dx, _empty(x) if dw is None else dw, _empty(x) if db is None else db
+
+
+def _bwd_fake(dy, x, weight, bias, mean, rstd, batch, groups):
+    n_ch = x.shape[1]
+    return (x.new_empty(x.shape), _empty(x) if weight is None else weight.new_empty((n_ch,)),
+            _empty(x) if bias is None else bias.new_empty((n_ch,)))
+
+
+def _setup(ctx, inputs, output):
+    x, weight, bias, batch, groups, eps = inputs
+    ctx.save_for_backward(x, weight, bias, output[1], output[2])  # y is not kept: x and the statistics give it
+    ctx.batch, ctx.groups, ctx.eps = batch, groups, eps
+
+
+def _grads(ctx, grad_outputs, bwd):
+    dy = grad_outputs[0]
+    if dy is None:  # no gradient reached y (grads are not materialized): none for x, w, b
+        return (None, None, None)
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dw, db = bwd(dy, x, weight, bias, mean, rstd, ctx.batch, ctx.groups)
+    return dx, None if weight is None else dw, None if bias is None else db  # in their own dtypes
+
+
+def _graph_grads(ctx, grad_outputs):
+    """(dx, dw, db) as differentiable torch ops, for create_graph=True: y rebuilt from the
+    saved x by torch's own batch / group norm, in fp32, and differentiated with a graph."""
+    dy = grad_outputs[0]
+    x, weight, bias, _, _ = ctx.saved_tensors
+    leaves = [t for t in (x, weight, bias) if t is not None and t.requires_grad]
+    if dy is None or not leaves:
+        return (None, None, None)
+    acc = acc_dtype(x.dtype)
+    w, b = (None if t is None else t.to(acc) for t in (weight, bias))
+    if ctx.batch:
+        y = F.batch_norm(x.to(acc), None, None, w, b, True, 0.0, ctx.eps)
+    else:
+        y = F.group_norm(x.to(acc), ctx.groups, w, b, ctx.eps)
+    got = dict(zip(map(id, leaves), torch.autograd.grad(y, leaves, dy.to(acc), create_graph=True, allow_unused=True),
+                   strict=True))
+    return tuple(None if t is None or got.get(id(t)) is None else got[id(t)].to(t.dtype) for t in (x, weight, bias))
+
+
+_channel_op = FusedOp("channel_norm", _fwd, _fwd_fake, _bwd, _bwd_fake, _setup, _grads, stats=(1, 2),
+                      graph_grads=_graph_grads, eager_fwd=_eager_fwd)
+
+
+def _kernel_path(x: Tensor) -> bool:
+    return uses_triton(x) and not func_transforms_active()
+
+
 def _dense(t: Tensor, dtype: torch.dtype) -> Tensor:
     """t in dtype and contiguous, in one copy (`to` alone keeps the strides, and
     returns t itself, strides and all, when the dtype already matches)."""
     return t.to(dtype, memory_format=torch.contiguous_format).contiguous()
+
+
+def _update_running(running_mean, running_var, mean, rstd, momentum, eps, rows):
+    """r = (1 - momentum) r + momentum s from the batch statistics, the variance unbiased."""
+    with torch.no_grad():
+        # biased variance back from rstd = 1/sqrt(var + eps); clamp the rounding at 0
+        var = (rstd.view(-1).reciprocal().square() - eps).clamp_min(0)
+        running_mean.mul_(1 - momentum).add_(mean.view(-1) * momentum)
+        running_var.mul_(1 - momentum).add_(var * (momentum * rows / (rows - 1)))
+
+
+def _torch_batch_norm(x, running_mean, running_var, weight, bias, momentum, eps):
+    """Training-mode batch norm on the torch path: the core layer norm of the transposed batch."""
+    n_ch = x.shape[1]
+    rows = x.numel() // n_ch
+    # (N, C, *) -> (C, N, *) in fp32, one copy; then each channel is one contiguous row
+    xt = _dense(x.transpose(0, 1), acc_dtype(x.dtype))
+    # the core layer norm (scale c/sqrt(d) = 1, no gate, one group, no residual), with
+    # the row statistics
+    spec = NormSpec(center=True, scale=1.0, eps=eps, gate=Gate.NONE, act=Act.UNUSED, groups=1)
+    out, _, rstd, mean = apply_norm(xt.view(n_ch, rows), None, None, None, None, spec, None, True)
+    if running_mean is not None:
+        _update_running(running_mean, running_var, mean, rstd, momentum, eps, rows)
+    y = out.view(xt.shape)  # (C, N, *)
+    t_shape = (n_ch,) + (1,) * (x.dim() - 1)
+    if weight is not None:
+        y = y * weight.view(t_shape)
+    if bias is not None:
+        y = y + bias.view(t_shape)
+    return _dense(y.transpose(0, 1), x.dtype)
 
 
 def batch_norm(
@@ -104,38 +228,32 @@ def batch_norm(
     rows = n * length
     if rows < 2:
         raise ValueError(f"x: expected more than 1 value per channel when training, got shape {tuple(x.shape)}")
-    # (N, C, *) -> (C, N, *) in fp32, one copy; then each channel is one contiguous row
-    xt = _dense(x.transpose(0, 1), acc_dtype(x.dtype))
-    # the core layer norm (scale c/sqrt(d) = 1, no gate, one group, no residual), with
-    # the row statistics
-    spec = NormSpec(center=True, scale=1.0, eps=float(eps), gate=Gate.NONE, act=Act.UNUSED, groups=1)
-    out, _, rstd, mean = apply_norm(xt.view(n_ch, rows), None, None, None, None, spec, None, True)
-    if running_mean is not None:
-        with torch.no_grad():
-            # biased variance back from rstd = 1/sqrt(var + eps); clamp the rounding at 0
-            var = (rstd.view(n_ch).reciprocal().square() - eps).clamp_min(0)
-            running_mean.mul_(1 - momentum).add_(mean.view(n_ch) * momentum)
-            running_var.mul_(1 - momentum).add_(var * (momentum * rows / (rows - 1)))
-    y = out.view(xt.shape)  # (C, N, *)
-    t_shape = (n_ch,) + (1,) * (x.dim() - 1)
-    if weight is not None:
-        y = y * weight.view(t_shape)
-    if bias is not None:
-        y = y + bias.view(t_shape)
-    return _dense(y.transpose(0, 1), x.dtype)
+    if not _kernel_path(x):
+        return _torch_batch_norm(x, running_mean, running_var, weight, bias, momentum, float(eps))
+    if running_mean is None:
+        return _channel_op(x, weight, bias, True, 0, float(eps))[0]
+    if torch.compiler.is_compiling():  # the custom op mutates nothing: the update is torch ops here
+        y, mean, rstd = _channel_op(x, weight, bias, True, 0, float(eps))
+        _update_running(running_mean, running_var, mean, rstd, momentum, eps, rows)
+        return y
+    return _channel_op(x, weight, bias, True, 0, float(eps), running_mean=running_mean, running_var=running_var,
+                       momentum=float(momentum))[0]
 
 
 def group_norm(
     x: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5
 ) -> Tensor:
-    """torch.nn.functional.group_norm for (N, C, *) inputs: the core layer norm of each
-    sample's C*L values in num_groups groups of whole channels."""
+    """torch.nn.functional.group_norm for (N, C, *) inputs: each sample's C*L values
+    normalized in num_groups groups of whole channels, then the per-channel affine."""
     n, n_ch, length = _check_input(x, "(N, C) or (N, C, *)", 2)
     _check_channel_vectors(x, n_ch, weight=weight, bias=bias)
     check_int("num_groups", num_groups)
     if n_ch % num_groups:
         raise ValueError(f"num_groups must be >= 1 and divide the channel count {n_ch}, got {num_groups}")
     check_eps(eps)
+    if _kernel_path(x):
+        return _channel_op(x, weight, bias, False, int(num_groups), float(eps))[0]
+    # the torch path: the core op with groups
     if length > 1:  # per channel -> per column of the flattened sample
         weight = None if weight is None else weight.repeat_interleave(length)
         bias = None if bias is None else bias.repeat_interleave(length)

@@ -35,7 +35,7 @@ def uses_triton(x: Tensor) -> bool:
 
 
 def kernels(op: str, x: Tensor) -> ModuleType:
-    """The Triton launchers of `op` ("norm", "embed_norm") for a call on `x`."""
+    """The Triton launchers of `op` ("norm", "embed_norm", "channel_norm") for a call on `x`."""
     return kernel_module(op, x.device)
 
 

@@ -2,7 +2,8 @@
 fake implementations (so torch.compile(fullgraph=True) traces them whole, forward and
 backward), the autograd formula tying them together, and an eager autograd.Function
 over the same implementations, which skips the dispatcher's per-call cost (~0.15 ms,
-more than a kernel on small inputs). `norm` and `embed_norm` are both registered here.
+more than a kernel on small inputs). `norm`, `embed_norm` and the channel norms
+(`fuseblock.ops.batch_norm`) are registered here.
 """
 from __future__ import annotations
 
@@ -21,12 +22,16 @@ class FusedOp:
       the trailing options get None, counted from `fwd`'s signature;
     - `stats`: indices of outputs that carry no gradient (row statistics);
     - `graph_grads(ctx, grad_outputs)`, if given, serves create_graph=True in eager mode
-      with differentiable ops, so a second derivative is right.
+      with differentiable ops, so a second derivative is right;
+    - `eager_fwd(*inputs, **extra)`, if given, is the eager forward when a call passes
+      keywords `extra`: side effects the custom op cannot declare (torch.library gives no
+      autograd formula to an op that mutates its arguments), such as batch norm updating
+      its running buffers in the forward's own launch. Compiled code passes none.
     """
 
     def __init__(self, name: str, fwd: Callable, fwd_fake: Callable, bwd: Callable, bwd_fake: Callable,
                  setup: Callable, grads: Callable, stats: tuple[int, ...] = (),
-                 graph_grads: Callable | None = None):
+                 graph_grads: Callable | None = None, eager_fwd: Callable | None = None):
         n_inputs = len(inspect.signature(fwd).parameters)
         fwd_op = torch.library.custom_op(f"fuseblock::{name}_fwd", fwd, mutates_args=())
         fwd_op.register_fake(fwd_fake)
@@ -43,8 +48,8 @@ class FusedOp:
 
         class Eager(torch.autograd.Function):
             @staticmethod
-            def forward(ctx, *inputs):
-                outputs = fwd(*inputs)
+            def forward(ctx, extra, *inputs):
+                outputs = eager_fwd(*inputs, **extra) if extra else fwd(*inputs)
                 setup(ctx, inputs, outputs)
                 ctx.mark_non_differentiable(*(outputs[i] for i in stats))
                 ctx.set_materialize_grads(False)  # no zero-filled gradients (a memset launch each)
@@ -53,12 +58,19 @@ class FusedOp:
             @staticmethod
             def backward(ctx, *grad_outputs):
                 if graph_grads is not None and torch.is_grad_enabled():  # create_graph=True
-                    return pad(graph_grads(ctx, grad_outputs))
-                return pad(grads(ctx, grad_outputs, bwd))
+                    return (None, *pad(graph_grads(ctx, grad_outputs)))
+                return (None, *pad(grads(ctx, grad_outputs, bwd)))  # None: for `extra`
 
         Eager.__name__ = Eager.__qualname__ = f"Eager_{name}"
-        self._fwd_op, self._eager = fwd_op, Eager
+        self._fwd_op, self._eager, self._eager_fwd = fwd_op, Eager, eager_fwd
 
-    def __call__(self, *inputs):
-        """Run the op: the custom op while torch.compile traces, else the eager Function."""
-        return self._fwd_op(*inputs) if torch.compiler.is_compiling() else self._eager.apply(*inputs)
+    def __call__(self, *inputs, **extra):
+        """Run the op: the custom op while torch.compile traces, else the eager Function
+        (with `extra` for `eager_fwd`: never while compiling)."""
+        if torch.compiler.is_compiling():
+            if extra:
+                raise RuntimeError(f"{self._fwd_op}: eager-only arguments {sorted(extra)} while compiling")
+            return self._fwd_op(*inputs)
+        if extra and self._eager_fwd is None:
+            raise TypeError(f"{self._fwd_op} takes no eager-only arguments, got {sorted(extra)}")
+        return self._eager.apply(extra, *inputs)
