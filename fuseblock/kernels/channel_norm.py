@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .norm import LAUNCHES, SUM_MIN_COLS, SUM_TILE, _bwd_sum, _num_sms, cdiv
+from .norm import LAUNCHES, pow2, sum_partial_rows
 
 SETS_BATCH = tl.constexpr(0)  # one set per channel, over the batch
 SETS_GROUP = tl.constexpr(1)  # one set per (sample, group of channels)
@@ -222,14 +222,10 @@ def _channel_bwd(
 
 
 # --------------------------------------------------------------------------- launchers
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def _blocks(rows: int, length: int, block: int) -> tuple[int, int, int]:
     """(BR, BL, warps): BL covers L up to the block, BR fills the rest with rows."""
-    bl = min(_pow2(length), block)
-    br = min(_pow2(rows), max(1, block // bl))
+    bl = min(pow2(length), block)
+    br = min(pow2(rows), max(1, block // bl))
     return br, bl, min(8, max(1, br * bl // 256))
 
 
@@ -300,8 +296,6 @@ def channel_norm_bwd(dy, x, weight, bias, mean, rstd, batch: bool, groups: int):
                     num_warps=warps)
     LAUNCHES["channel_bwd"] += 1
     if sum_parts:
-        bd = max(SUM_MIN_COLS, min(_pow2(n_ch), _pow2(cdiv(n_ch, _num_sms(dev)))))
-        _bwd_sum[(cdiv(n_ch, bd),)](dw_part, db_part, dw, db, n, n_ch, BR=max(1, SUM_TILE // bd), BD=bd,
-                                    NEED_DW=need_dw, NEED_DB=need_db, num_warps=4)
+        sum_partial_rows(dw_part, db_part, dw, db, n, n_ch)
         LAUNCHES["channel_bwd"] += 1
     return dx.view(x.shape), dw, db

@@ -551,7 +551,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
     """The smallest power of two >= n (n >= 1)."""
     return 1 << (n - 1).bit_length()
 
@@ -587,7 +587,7 @@ def layout(d: int, groups: int, max_tile: int) -> Layout:
     fewer programs; rows of 4K and more want 16K-element tiles and 8 programs per SM.
     """
     dg = d // groups
-    bg, bd = _pow2(groups), _pow2(dg)
+    bg, bd = pow2(groups), pow2(dg)
     if bg * bd <= max_tile:
         wide = bg * bd >= 4096
         br = max(1, min(64, (16384 if wide else 4096) // (bg * bd)))
@@ -621,6 +621,14 @@ def _vec(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def _stride(t: torch.Tensor | None) -> int:
     return t.stride(0) if t is not None else 0
+
+
+def sum_partial_rows(dw_part, db_part, dw, db, n_rows: int, d: int) -> None:
+    """Launch `_bwd_sum`: dw and db (either may be None), in their own dtypes, become the
+    column sums of the (n_rows, d) fp32 partial rows dw_part and db_part."""
+    bd = max(SUM_MIN_COLS, min(pow2(d), pow2(cdiv(d, _num_sms((dw_part if dw is not None else db_part).device)))))
+    _bwd_sum[(cdiv(d, bd),)](dw_part, db_part, dw, db, n_rows, d, BR=max(1, SUM_TILE // bd), BD=bd,
+                             NEED_DW=dw is not None, NEED_DB=db is not None, num_warps=4)
 
 
 def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, need_stats):
@@ -696,7 +704,7 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     if lay.tile:
         n_cols = 1
     else:  # the column-chunk kernel's layout: [BR, BD] blocks, BD columns of one group
-        bd = min(COLS_BLOCK, _pow2(dg))
+        bd = min(COLS_BLOCK, pow2(dg))
         lay = Layout(False, 1, bd, COLS_TILE // bd, 8, COLS_PROGRAMS_PER_SM)
         n_cols = G * cdiv(dg, bd)
     n_items = cdiv(M, lay.br)
@@ -721,14 +729,12 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
                                         **flags)
         LAUNCHES["bwd"] += 1
         if sum_parts:
-            bd = max(SUM_MIN_COLS, min(_pow2(d), _pow2(cdiv(d, _num_sms(dev)))))
-            _bwd_sum[(cdiv(d, bd),)](dw_part, db_part, dw, db, n_prog, d, BR=max(1, SUM_TILE // bd), BD=bd,
-                                     NEED_DW=need_dw, NEED_DB=need_db, num_warps=4)
+            sum_partial_rows(dw_part, db_part, dw, db, n_prog, d)
             LAUNCHES["bwd"] += 1
     else:
         dots = torch.empty((M * G, 2), dtype=torch.float32, device=dev)
         cnt = torch.empty((n_cols,), dtype=torch.int32, device=dev) if sum_parts else None  # zeroed by _bwd_dots
-        dots_lay = Layout(False, 1, min(LOOP_BLOCK, _pow2(dg)), 1, 8, LOOP_PROGRAMS_PER_SM)
+        dots_lay = Layout(False, 1, min(LOOP_BLOCK, pow2(dg)), 1, 8, LOOP_PROGRAMS_PER_SM)
         dots_flags = dict(BD=dots_lay.bd, HAS_W=need_dw, CENTER=spec.center, GATE=int(spec.gate),
                           ACT=int(spec.act), ZERO_CNT=sum_parts)
         dots_variant = dots_lay.variant("_bwd_dots", (p2, z2, weight, do2), dots_flags)

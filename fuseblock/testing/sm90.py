@@ -64,9 +64,9 @@ def captured_launches(*modules, compiled=None):
     import triton
 
     if not modules:
-        from ..kernels import embed_norm, norm
+        from ..kernels import channel_norm, embed_norm, norm
 
-        modules = (norm, embed_norm)
+        modules = (norm, embed_norm, channel_norm)
     out: list[CapturedLaunch] = []
     saved = [(mod, name, obj) for mod in modules for name, obj in list(vars(mod).items())
              if isinstance(obj, triton.runtime.JITFunction)]
