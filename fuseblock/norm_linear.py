@@ -30,7 +30,7 @@ from .ops.checks import (
 )
 from .ops.dispatch import func_transforms_active, kernels, uses_triton
 from .ops.norm import apply_norm
-from .spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, acc_dtype
+from .spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, acc_dtype, stored_dtype
 
 
 def _kernel_out(p: Tensor, weight, bias, spec: NormSpec) -> Tensor:
@@ -223,7 +223,7 @@ def norm_linear(
     spec = resolve(x, residual, norm_weight, norm_bias, None, kind=kind, c=None, eps=eps, gate_act=DEFAULT_GATE_ACT,
                    gate_position=DEFAULT_GATE_POSITION, num_groups=1, residual_dtype=residual_dtype,
                    weight_offset=weight_offset)
-    rdtype = residual_dtype or (x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype))
+    rdtype = stored_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
     store = residual is not None or rdtype != x.dtype
     if func_transforms_active():  # vmap, grad, jvp: the plain composition, which they see through
         out, new_res, _, _ = reference.norm_fwd(x, residual, None, norm_weight, norm_bias, spec,
@@ -273,17 +273,22 @@ class NormLinear(nn.Module):
         factory = dict(device=device, dtype=dtype)
         self.weight = nn.Parameter(torch.empty((out_features, in_features), **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
-        self.norm_weight = nn.Parameter(torch.full((in_features,), 1.0 - self.weight_offset, **factory))
-        self.norm_bias = nn.Parameter(torch.zeros(in_features, **factory)) if norm_bias else None
+        self.norm_weight = nn.Parameter(torch.empty(in_features, **factory))
+        self.norm_bias = nn.Parameter(torch.empty(in_features, **factory)) if norm_bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """The Linear's weight and bias as nn.Linear initialises them (uniform, bound
-        1/sqrt(in_features) for both); the norm's parameters are left as they are."""
+        """Every parameter's initial value: the Linear's weight and bias as nn.Linear
+        initialises them (uniform, bound 1/sqrt(in_features) for both), the norm's weight
+        so that weight_offset + norm_weight = 1 and its bias zeros. Called by __init__;
+        call it again after building on the meta device and `to_empty`."""
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.bias is not None:
             bound = 1 / math.sqrt(self.in_features)
             nn.init.uniform_(self.bias, -bound, bound)
+        nn.init.constant_(self.norm_weight, 1.0 - self.weight_offset)
+        if self.norm_bias is not None:
+            nn.init.zeros_(self.norm_bias)
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
         check_last_dim(x, self.in_features)

@@ -49,6 +49,16 @@ DEFAULT_GATE_ACT = "silu"
 DEFAULT_GATE_POSITION = "post"
 
 
+def stored_dtype(x_dtype: torch.dtype, residual: torch.dtype | None, residual_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype new_residual = x + residual is stored in: residual_dtype when given, else
+    the dtype torch's `x + residual` has (residual: the residual's dtype, None for none)."""
+    if residual_dtype is not None:
+        return residual_dtype
+    if residual is None or residual == x_dtype:  # torch.promote_types is a dispatcher call: skip it here
+        return x_dtype
+    return torch.promote_types(x_dtype, residual)
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Statistics and math run in fp32, or fp64 for fp64 inputs (gradcheck)."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -77,7 +77,7 @@ def _norm_linear(norm: fuseblock.AddNorm, linear: nn.Linear, hidden, residual):
     over the two modules' own parameters: the state_dict keys stay those of the naive
     form, and the normed activations are not kept for backward."""
     return norm_linear(hidden, residual, norm.weight, norm.bias, linear.weight, linear.bias, kind=norm.kind,
-                       eps=norm.eps, residual_dtype=norm.residual_dtype)
+                       eps=norm.eps, weight_offset=norm.weight_offset, residual_dtype=norm.residual_dtype)
 
 
 class CausalSelfAttention(nn.Module):

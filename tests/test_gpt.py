@@ -191,3 +191,20 @@ def test_fifty_training_steps_fused_and_naive_agree():
     # fp32 differences between the two forms (~1e-7 per step) compound through Adam over
     # 50 steps; 1e-4 absolute on a loss of ~3-5 nats is far below any real discrepancy
     torch.testing.assert_close(curves[True], curves[False], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("mixer", ["attn", "mlp"])
+def test_mixers_fuse_every_setting_of_the_blocks_norm(mixer):
+    """The mixers apply the block's norm themselves (prenorm=): a weight_offset on it
+    (Gemma's 1 + w) must reach the fused call, or fused and naive differ."""
+    import fuseblock
+    from models.gpt import MLP, CausalSelfAttention
+
+    cfg = GPTConfig(block_size=8, n_layer=1, n_head=2, n_embd=16)
+    torch.manual_seed(0)
+    block = fuseblock.PreNormBlock((CausalSelfAttention if mixer == "attn" else MLP)(cfg), 16, weight_offset=1.0)
+    with torch.no_grad():
+        block.norm.weight.normal_()
+    x = torch.randn(2, 8, 16)
+    out, residual = block(x)
+    torch.testing.assert_close(out + residual, block.naive(x))

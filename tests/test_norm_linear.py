@@ -245,6 +245,23 @@ def test_module_parameters_forward_and_state_dict():
     assert "kind='layer'" in repr(m) and "weight_offset=1.0" in repr(m)
 
 
+@pytest.mark.parametrize("weight_offset", [0.0, 1.0])
+def test_meta_build_to_empty_and_reset_parameters_equals_eager(weight_offset):
+    """FSDP2's deferred init: every parameter, the norm's too, comes back from
+    reset_parameters() (the norm's were left uninitialised memory before)."""
+    torch.manual_seed(0)
+    eager = NormLinear(D, N, kind="layer", norm_bias=True, weight_offset=weight_offset)
+    meta = NormLinear(D, N, kind="layer", norm_bias=True, weight_offset=weight_offset, device="meta")
+    meta.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in meta.parameters():
+            p.fill_(float("nan"))
+    torch.manual_seed(0)
+    meta.reset_parameters()
+    for name, p in eager.state_dict().items():
+        assert torch.equal(meta.state_dict()[name], p), name
+
+
 def test_bad_arguments_name_the_argument():
     x, r, nw, nb, w, b = (t.detach() for t in _inputs(torch.float32, residual=True, norm_bias=True, bias=True))
     with pytest.raises(ValueError, match="weight must have shape"):

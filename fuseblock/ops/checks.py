@@ -23,6 +23,7 @@ from ..spec import (
     KINDS,
     NormSpec,
     acc_dtype,
+    stored_dtype,
 )
 
 
@@ -132,11 +133,9 @@ def resolve(
     d = x.shape[-1]
     if d < 1:
         raise ValueError("x's last dimension must be >= 1")
-    if eps is None:  # the checks below name a bad residual or residual_dtype: fall back to x's here
-        rdtype = residual_dtype if residual_dtype in FLOAT_DTYPES else None
-        if rdtype is None and isinstance(residual, torch.Tensor) and residual.dtype in FLOAT_DTYPES:
-            rdtype = torch.promote_types(x.dtype, residual.dtype)
-        eps = default_eps(rdtype or x.dtype)
+    if eps is None:  # the checks below name a bad residual or residual_dtype: leave them out here
+        rin = residual.dtype if isinstance(residual, torch.Tensor) and residual.dtype in FLOAT_DTYPES else None
+        eps = default_eps(stored_dtype(x.dtype, rin, residual_dtype if residual_dtype in FLOAT_DTYPES else None))
     spec = _option_spec(d, kind, c, eps, num_groups, gate_act, gate_position, weight_offset, weight is not None,
                         gate is not None)
     # written out, not looped over (name, tensor) pairs: on the eager torch path this

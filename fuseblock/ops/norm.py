@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.compiler import is_compiling
 
 from .. import reference
-from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, acc_dtype
+from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, acc_dtype, stored_dtype
 from .checks import default_eps, resolve
 from .dispatch import func_transforms_active, kernels, kernels_take_cpu, uses_triton
 from .registry import FusedOp
@@ -184,14 +184,14 @@ def _plain_call(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor],
     # parameters in another float dtype are supported (cast to p's): the checked path
     if d < 1 or (weight is not None and weight.dtype is not dtype):
         return None
-    if kind == "layer":
+    if kind == "layer":  # layer_norm itself refuses a weight or bias of another shape
         if bias is not None and bias.dtype is not dtype:
             return None
-        p = x if residual is None else torch.add(x, residual)  # layer_norm refuses a weight or bias of another shape
-        return torch.layer_norm(p, (d,), weight, bias, eps), p
-    if kind != "rms" or bias is not None or (weight is not None and (weight.dim() != 1 or weight.numel() != d)):
+    elif kind != "rms" or bias is not None or (weight is not None and (weight.dim() != 1 or weight.numel() != d)):
         return None
     p = x if residual is None else torch.add(x, residual)
+    if kind == "layer":
+        return torch.layer_norm(p, (d,), weight, bias, eps), p
     return reference.RMS_NORM_BODY(p, (d,), weight, eps)[0], p
 
 
@@ -243,10 +243,7 @@ def add_norm(
         gate_position=gate_position, num_groups=num_groups, residual_dtype=residual_dtype,
         weight_offset=weight_offset,
     )
-    rdtype = residual_dtype
-    if rdtype is None:  # torch.promote_types is a dispatcher call: skip it in the common case
-        same = residual is None or residual.dtype == x.dtype
-        rdtype = x.dtype if same else torch.promote_types(x.dtype, residual.dtype)
+    rdtype = stored_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
     store = residual is not None or rdtype != x.dtype
     out, new_res, _, _ = apply_norm(x, residual, gate, weight, bias, spec, rdtype if store else None)
     return out, (new_res if store else x)
