@@ -86,12 +86,11 @@ class NormSpec:
 
     def pack(self) -> list[float]:
         # .value: torch.compile traces this, and float() of an IntEnum member recurses in Dynamo
-        return [float(v.value if isinstance(v, IntEnum) else v) for v in (getattr(self, f.name) for f in fields(self))]
+        return [float(v.value if isinstance(v, IntEnum) else v) for v in (getattr(self, name) for name in _NAMES)]
 
     @classmethod
     def unpack(cls, values: list[float]) -> NormSpec:
-        hints = get_type_hints(cls)
-        return cls(*(_cast(hints[f.name], v) for f, v in zip(fields(cls), values, strict=True)))
+        return cls(*(cast(v) for cast, v in zip(_CASTS, values, strict=True)))
 
     @classmethod
     def of(cls, d: int, *, kind: str, c, eps: float, num_groups: int, gate_act: str | None,
@@ -112,5 +111,14 @@ class NormSpec:
         )
 
 
-def _cast(kind: type, value: float):
-    return kind(int(value)) if issubclass(kind, int) else kind(value)  # bool and the IntEnums are ints
+def _caster(kind: type):
+    if issubclass(kind, int):  # bool and the IntEnums are ints; their values cross as floats
+        return lambda value: kind(int(value))
+    return kind
+
+
+# pack and unpack run on every kernel-path call, forward and backward, so the fields' names
+# and casts are resolved once: fields() and get_type_hints (which evaluates the string
+# annotations anew) cost microseconds a call.
+_NAMES = tuple(f.name for f in fields(NormSpec))
+_CASTS = tuple(_caster(get_type_hints(NormSpec)[name]) for name in _NAMES)

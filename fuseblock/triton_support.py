@@ -15,7 +15,7 @@ from types import ModuleType
 
 import torch
 
-_checked_interpreter = False
+_loaded: dict[str, ModuleType] = {}  # kernel modules imported and checked: kernel_module runs on every call
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -49,14 +49,20 @@ def missing_triton_error(device: torch.device | str) -> ModuleNotFoundError:
 
 def kernel_module(name: str, device: torch.device) -> ModuleType:
     """`fuseblock.kernels.<name>`, imported now (and triton with it) for a call on `device`."""
-    global _checked_interpreter
+    module = _loaded.get(name)
+    if module is None:
+        module = _loaded[name] = _load(name, device)
+    return module
+
+
+def _load(name: str, device: torch.device) -> ModuleType:
     try:
         module = importlib.import_module(f"fuseblock.kernels.{name}")
     except ImportError as e:
         if (e.name or "").partition(".")[0] != "triton":
             raise
         raise missing_triton_error(device) from None
-    if not _checked_interpreter and os.environ.get("TRITON_INTERPRET") == "1":
+    if os.environ.get("TRITON_INTERPRET") == "1":
         import numpy
         import triton
 
@@ -64,5 +70,4 @@ def kernel_module(name: str, device: torch.device) -> ModuleType:
         if need is not None:
             raise RuntimeError(f"TRITON_INTERPRET=1: the interpreter of triton {triton.__version__} fails under "
                                f"numpy {numpy.__version__}: pip install '{need}', or triton>=3.7")
-        _checked_interpreter = True
     return module
