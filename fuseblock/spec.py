@@ -5,6 +5,7 @@ import this module, and it imports none of them. The math is in docs/math.md.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
 from enum import IntEnum
@@ -90,7 +91,7 @@ class NormSpec:
 
     @classmethod
     def unpack(cls, values: list[float]) -> NormSpec:
-        return cls(*(cast(v) for cast, v in zip(_CASTS, values, strict=True)))
+        return _unpack(cls, tuple(values))
 
     @classmethod
     def of(cls, d: int, *, kind: str, c, eps: float, num_groups: int, gate_act: str | None,
@@ -122,3 +123,8 @@ def _caster(kind: type):
 # annotations anew) cost microseconds a call.
 _NAMES = tuple(f.name for f in fields(NormSpec))
 _CASTS = tuple(_caster(get_type_hints(NormSpec)[name]) for name in _NAMES)
+
+
+@functools.lru_cache(maxsize=256)  # a model has a few specs, unpacked 3 times a step; frozen, so shared
+def _unpack(cls: type[NormSpec], values: tuple[float, ...]) -> NormSpec:
+    return cls(*(cast(v) for cast, v in zip(_CASTS, values, strict=True)))
