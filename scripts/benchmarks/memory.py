@@ -12,6 +12,8 @@ and the tokens, so the embedding, the head, the loss and the logits cancel.
 """
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -40,9 +42,14 @@ def saved(model, idx) -> tuple[int, int]:
 
 def allocated(model, idx) -> int:
     """Net bytes the forward leaves allocated (on the CPU, where the model runs here), by
-    the profiler's per-op memory accounting; the graph is held until the count is done."""
+    the profiler's per-op memory accounting; the graph is held until the count is done.
+    Triton's interpreter leaves storages in reference cycles (fuseblock's own code makes
+    none: see docs/performance.md), so the collector runs inside the window: otherwise
+    the count would depend on when it last ran."""
+    gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         _, loss = model(idx, idx)
+        gc.collect()
     net = sum(e.self_cpu_memory_usage for e in prof.key_averages())
     del loss
     return net
