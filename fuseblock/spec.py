@@ -91,7 +91,7 @@ class NormSpec:
 
     @classmethod
     def unpack(cls, values: list[float]) -> NormSpec:
-        return _unpack(cls, tuple(values))
+        return _unpack(tuple(values))
 
     @classmethod
     def of(cls, d: int, *, kind: str, c, eps: float, num_groups: int, gate_act: str | None,
@@ -112,19 +112,18 @@ class NormSpec:
         )
 
 
-def _caster(kind: type):
-    if issubclass(kind, int):  # bool and the IntEnums are ints; their values cross as floats
-        return lambda value: kind(int(value))
-    return kind
+def _cast(kind: type, value: float):
+    return kind(int(value)) if issubclass(kind, int) else kind(value)  # bool and the IntEnums are ints
 
 
-# pack and unpack run on every kernel-path call, forward and backward, so the fields' names
-# and casts are resolved once: fields() and get_type_hints (which evaluates the string
-# annotations anew) cost microseconds a call.
+# pack and unpack run on every kernel-path call, forward and backward: the fields' names
+# are read once, and a spec is rebuilt only from values not seen before (get_type_hints
+# evaluates the string annotations anew, ~50 us). A model has a few specs; they are
+# frozen, so one instance serves every call.
 _NAMES = tuple(f.name for f in fields(NormSpec))
-_CASTS = tuple(_caster(get_type_hints(NormSpec)[name]) for name in _NAMES)
 
 
-@functools.lru_cache(maxsize=256)  # a model has a few specs, unpacked 3 times a step; frozen, so shared
-def _unpack(cls: type[NormSpec], values: tuple[float, ...]) -> NormSpec:
-    return cls(*(cast(v) for cast, v in zip(_CASTS, values, strict=True)))
+@functools.lru_cache(maxsize=256)
+def _unpack(values: tuple[float, ...]) -> NormSpec:
+    hints = get_type_hints(NormSpec)
+    return NormSpec(*(_cast(hints[name], v) for name, v in zip(_NAMES, values, strict=True)))

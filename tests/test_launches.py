@@ -200,8 +200,8 @@ def test_channel_norms_launch_once_forward_at_most_twice_backward(op, affine, n,
 
 def test_a_call_resolves_no_types_and_imports_nothing_anew(monkeypatch):
     # The host work around each launch is what bounds small kernels (bench.py overhead):
-    # the spec's field types (get_type_hints evaluates string annotations) and the kernel
-    # module are looked up once, not on every forward and backward.
+    # a spec already seen is not rebuilt (get_type_hints evaluates string annotations) and
+    # the kernel module is not imported again, on any forward or backward.
     import importlib
 
     import fuseblock.spec
