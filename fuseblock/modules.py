@@ -2,8 +2,13 @@
 
 They keep torch.nn's habits: parameters named `weight` and `bias` with nn.RMSNorm's and
 nn.LayerNorm's defaults, so state_dicts load both ways with no flags; `normalized_shape`
-an int or a 1-tuple; eps=None torch's default for the input's dtype; `reset_parameters`
+an int or a 1-tuple, and eps the second positional argument, by default torch's (None:
+nn.RMSNorm's machine epsilon for the input's dtype, nn.LayerNorm's 1e-5); `reset_parameters`
 for deferred (meta-device) initialization.
+
+`Norm.add` is the fused call with the module's own parameters and settings: the stream,
+the Hugging Face integration and the GPT call it rather than copying settings into
+`add_norm`, so a new Norm option stops in this file.
 """
 from __future__ import annotations
 
@@ -18,10 +23,10 @@ from .ops.checks import (
     check_last_dim,
     check_options,
     check_weight_offset,
-    default_eps,
+    resolve,
 )
 from .ops.norm import add_norm
-from .spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec
+from .spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION
 
 
 def normalized_dim(normalized_shape) -> int:
@@ -39,20 +44,26 @@ def normalized_dim(normalized_shape) -> int:
 class Norm(nn.Module):
     """Normalize over the last dim: RMSNorm (kind="rms"), LayerNorm ("layer") or L2 ("l2").
 
-    `forward(x, gate=None)`; a gate applies `gate_act` at `gate_position` (see fuseblock.norm).
-    out = N(x) * (weight_offset + weight) + bias. bias=None means a bias for kind="layer"
-    only, so nn.LayerNorm(d) and nn.RMSNorm(d) state_dicts load with no other flags.
-    weight_offset (Gemma's 1 + w) makes the weight's initial value zeros. eps=None is
-    torch's default for the input's dtype (as nn.RMSNorm's), resolved at each call.
+    `forward(x, *, gate=None)`; a gate applies `gate_act` at `gate_position` (see
+    fuseblock.norm). It is keyword-only, so flash-attention's habit `norm(x, residual)`
+    is a TypeError rather than a gate. out = N(x) * (weight_offset + weight) + bias.
+    bias=None means a bias for kind="layer" only, so nn.LayerNorm(d) and nn.RMSNorm(d)
+    state_dicts load with no other flags. weight_offset (Gemma's 1 + w) makes the
+    weight's initial value zeros. eps=None (the default) is torch's, resolved at each
+    call: nn.LayerNorm's 1e-5 for kind="layer", else nn.RMSNorm's machine epsilon of the
+    input's computation dtype.
     """
+
+    # the dtype `add` keeps new_residual in when its call names none; AddNorm's is settable
+    residual_dtype: torch.dtype | None = None
 
     def __init__(
         self,
         normalized_shape: int | tuple[int],
+        eps: float | None = None,
         *,
         kind: str = "rms",
         c: float | None = None,
-        eps: float | None = 1e-6,
         weight: bool = True,
         bias: bool | None = None,
         num_groups: int = 1,
@@ -90,13 +101,19 @@ class Norm(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def forward(self, x: Tensor, gate: Tensor | None = None) -> Tensor:
-        return self._call(x, None, gate, None)[0]
+    def forward(self, x: Tensor, *, gate: Tensor | None = None) -> Tensor:
+        return self.add(x, None, gate=gate)[0]
 
-    def _call(self, x: Tensor, residual: Tensor | None, gate: Tensor | None, residual_dtype: torch.dtype | None):
+    def add(self, x: Tensor, residual: Tensor | None = None, *, residual_dtype: torch.dtype | None = None,
+            gate: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """fuseblock.add_norm with this module's parameters and settings: (N(x + residual),
+        x + residual). residual_dtype=None keeps new_residual in the module's residual_dtype
+        (an AddNorm's), else in the dtype torch's `x + residual` has."""
         # Written for host time, which is the eager torch path's cost: keywords written out
         # (no dict built per call), and x's width checked up front only where no parameter
         # would catch it; otherwise after the op refuses, to name x rather than the weight.
+        if residual_dtype is None:
+            residual_dtype = self.residual_dtype
         weight, bias = self.weight, self.bias
         if weight is None and bias is None:
             check_last_dim(x, self.dim)
@@ -115,9 +132,10 @@ class Norm(nn.Module):
     def naive(self, x: Tensor) -> Tensor:
         """The same function (without a gate) on the torch path's plain ops, never the fused
         kernels: the naive stream's norm."""
-        eps = default_eps(x.dtype) if self.eps is None else self.eps
-        spec = NormSpec.of(self.dim, kind=self.kind, c=self.c, eps=eps, num_groups=self.num_groups,
-                           gate_act=None, gate_position=None, weight_offset=self.weight_offset)
+        check_last_dim(x, self.dim)
+        spec = resolve(x, None, self.weight, self.bias, None, kind=self.kind, c=self.c, eps=self.eps,
+                       gate_act=DEFAULT_GATE_ACT, gate_position=DEFAULT_GATE_POSITION, num_groups=self.num_groups,
+                       residual_dtype=None, weight_offset=self.weight_offset)
         return reference.norm_fwd(x, None, None, self.weight, self.bias, spec, None, need_stats=False)[0]
 
     def extra_repr(self) -> str:
@@ -142,7 +160,7 @@ class Norm(nn.Module):
 
 
 class AddNorm(Norm):
-    """Fused residual add + normalize: `forward(x, residual=None, gate=None) -> (out, new_residual)`.
+    """Fused residual add + normalize: `forward(x, residual=None, *, gate=None) -> (out, new_residual)`.
 
     new_residual = x + residual, kept in `residual_dtype`: by default the dtype torch's
     `x + residual` has (fuseblock.add_norm's default too), so an fp32 residual is never
@@ -150,13 +168,14 @@ class AddNorm(Norm):
     new_residual, the tensor normalized (fuseblock.add_norm). The other arguments are Norm's.
     """
 
-    def __init__(self, normalized_shape: int | tuple[int], *, residual_dtype: torch.dtype | None = None, **kwargs):
-        super().__init__(normalized_shape, **kwargs)
+    def __init__(self, normalized_shape: int | tuple[int], eps: float | None = None, *,
+                 residual_dtype: torch.dtype | None = None, **kwargs):
+        super().__init__(normalized_shape, eps, **kwargs)
         check_float_dtype("residual_dtype", residual_dtype)
         self.residual_dtype = residual_dtype
 
-    def forward(self, x: Tensor, residual: Tensor | None = None, gate: Tensor | None = None):
-        return self._call(x, residual, gate, self.residual_dtype)
+    def forward(self, x: Tensor, residual: Tensor | None = None, *, gate: Tensor | None = None):
+        return self.add(x, residual, gate=gate)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ("" if self.residual_dtype is None else f", residual_dtype={self.residual_dtype}")

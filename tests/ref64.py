@@ -17,13 +17,18 @@ ACTS = {
 }
 
 
-def add_norm64(x, residual=None, weight=None, bias=None, *, kind="rms", c=None, eps=1e-6,
+def add_norm64(x, residual=None, weight=None, bias=None, *, kind="rms", c=None, eps=None,
                gate=None, gate_act="silu", gate_position="post", num_groups=1, residual_dtype=None):
     """Returns (out, p) in float64; differentiable w.r.t. every float64 leaf passed in.
 
     residual_dtype rounds p to the stored residual's precision (our adopted reading:
     the norm reads the stored new_residual); the rounding passes gradients straight through.
+    eps=None is torch's default: F.layer_norm's 1e-5 for kind="layer", else F.rms_norm's,
+    the machine epsilon of the stored p's computation dtype (fp64's for fp64, else fp32's).
     """
+    if eps is None:
+        stored = residual_dtype or (x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype))
+        eps = 1e-5 if kind == "layer" else torch.finfo(torch.float64 if stored == torch.float64 else torch.float32).eps
     p = x.double() if residual is None else x.double() + residual.double()
     if residual_dtype is not None:
         p = p + (p.to(residual_dtype).double() - p).detach()

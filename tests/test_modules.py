@@ -75,7 +75,7 @@ def test_attributes():
     assert n.weight.shape == (D,) and n.bias.shape == (D,)
     assert fuseblock.Norm(D).bias is None and fuseblock.Norm(D, weight=False).weight is None
     a = fuseblock.AddNorm(D, kind="rms", residual_dtype=torch.float32)
-    assert isinstance(a, fuseblock.Norm) and a.residual_dtype == torch.float32 and a.eps == 1e-6
+    assert isinstance(a, fuseblock.Norm) and a.residual_dtype == torch.float32 and a.eps is None
     assert "residual_dtype=torch.float32" in repr(a)
 
 

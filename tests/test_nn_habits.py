@@ -227,18 +227,18 @@ def test_stream_modules_on_meta_reset_their_norms_by_the_apply_pattern(cls):
 
 # ----------------------------------------------------------------- extra_repr
 REPRS = [
-    (lambda: fuseblock.Norm(D), "Norm((8,), kind='rms', eps=1e-06)"),
+    (lambda: fuseblock.Norm(D), "Norm((8,), kind='rms', eps=None)"),
     (lambda: fuseblock.Norm((D,), kind="layer", eps=1e-5), "Norm((8,), kind='layer', eps=1e-05)"),
     (lambda: fuseblock.Norm(D, kind="layer", bias=False, eps=None), "Norm((8,), kind='layer', eps=None, bias=False)"),
-    (lambda: fuseblock.Norm(D, weight=False, bias=True), "Norm((8,), kind='rms', eps=1e-06, weight=False, bias=True)"),
+    (lambda: fuseblock.Norm(D, weight=False, bias=True), "Norm((8,), kind='rms', eps=None, weight=False, bias=True)"),
     (
         lambda: fuseblock.Norm(D, kind="l2", c=2.0, num_groups=2, gate_act="sigmoid", gate_position="pre",
                                weight_offset=1.0),
-        "Norm((8,), kind='l2', eps=1e-06, c=2.0, num_groups=2, gate_act='sigmoid', gate_position='pre', "
+        "Norm((8,), kind='l2', eps=None, c=2.0, num_groups=2, gate_act='sigmoid', gate_position='pre', "
         "weight_offset=1.0)",
     ),
     (lambda: fuseblock.AddNorm(D, residual_dtype=torch.float32),
-     "AddNorm((8,), kind='rms', eps=1e-06, residual_dtype=torch.float32)"),
+     "AddNorm((8,), kind='rms', eps=None, residual_dtype=torch.float32)"),
 ]
 
 

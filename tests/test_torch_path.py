@@ -47,7 +47,7 @@ def test_add_norm_runs_the_naive_forms_ops(kind, dtype):
 
     def naive():
         p = x + r
-        out = F.layer_norm(p, (64,), w, b, 1e-6) if kind == "layer" else F.rms_norm(p, (64,), w, 1e-6)
+        out = F.layer_norm(p, (64,), w, b) if kind == "layer" else F.rms_norm(p, (64,), w)  # torch's default eps
         return out, p
 
     fused_ops, out = _trace(lambda: fuseblock.add_norm(x, r, w, b, kind=kind), leaves)
@@ -140,8 +140,9 @@ def test_plain_calls_take_the_lane_and_equal_the_naive_form(monkeypatch, kind, d
     bias = b if kind == "layer" else None
 
     def norm(p, eps, w):
-        eps = torch.finfo(dtype).eps if eps is None else eps  # eps=None: torch's default for p
-        return F.layer_norm(p, (64,), w, bias, eps) if kind == "layer" else F.rms_norm(p, (64,), w, eps)
+        if kind == "layer":  # eps=None: torch's default, F.layer_norm's 1e-5 or F.rms_norm's for p
+            return F.layer_norm(p, (64,), w, bias, 1e-5 if eps is None else eps)
+        return F.rms_norm(p, (64,), w, eps)
 
     for eps in (1e-5, None):
         out, res = fuseblock.add_norm(x, r, w, bias, kind=kind, eps=eps)
@@ -149,7 +150,7 @@ def test_plain_calls_take_the_lane_and_equal_the_naive_form(monkeypatch, kind, d
         torch.testing.assert_close(out, norm(x + r, eps, w), rtol=0, atol=0)
     out, res = fuseblock.add_norm(x, None, None, bias, kind=kind)
     assert res is x
-    torch.testing.assert_close(out, norm(x, 1e-6, None), rtol=0, atol=0)
+    torch.testing.assert_close(out, norm(x, None, None), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kwargs", [

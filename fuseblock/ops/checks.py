@@ -45,10 +45,16 @@ def check_number(name: str, v, *, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be finite, got {v}")
 
 
-def default_eps(dtype: torch.dtype) -> float:
-    """eps=None: torch's default for a tensor of dtype (F.rms_norm, nn.RMSNorm), the machine
-    epsilon of its computation dtype: fp32's for fp16, bf16 and fp32, fp64's for fp64."""
-    return torch.finfo(acc_dtype(dtype)).eps
+# F.layer_norm's and nn.LayerNorm's default eps
+LAYER_NORM_EPS = 1e-5
+
+
+def default_eps(dtype: torch.dtype, kind: str = "rms") -> float:
+    """eps=None: torch's default for normalizing a tensor of dtype. For kind="layer" that
+    of F.layer_norm and nn.LayerNorm, 1e-5; for "rms" (and "l2") that of F.rms_norm and
+    nn.RMSNorm, the machine epsilon of the computation dtype: fp32's for fp16, bf16 and
+    fp32, fp64's for fp64. The one place eps=None is resolved."""
+    return LAYER_NORM_EPS if kind == "layer" else torch.finfo(acc_dtype(dtype)).eps
 
 
 def check_eps(eps) -> None:
@@ -125,8 +131,8 @@ def resolve(
     weight_offset=0.0,
 ) -> NormSpec:
     """Validate every argument of norm/add_norm and return the kernel-level spec.
-    eps=None is torch's default (default_eps) for the normalized p = x + residual, in the
-    dtype it is stored in: what F.rms_norm(x + residual) would use."""
+    eps=None is torch's default (default_eps) for the kind and the normalized p = x + residual,
+    in the dtype it is stored in: what F.rms_norm(x + residual) or F.layer_norm would use."""
     check_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the normalized last dim)")
@@ -135,7 +141,7 @@ def resolve(
         raise ValueError("x's last dimension must be >= 1")
     if eps is None:  # the checks below name a bad residual or residual_dtype: leave them out here
         rin = residual.dtype if isinstance(residual, torch.Tensor) and residual.dtype in FLOAT_DTYPES else None
-        eps = default_eps(stored_dtype(x.dtype, rin, residual_dtype if residual_dtype in FLOAT_DTYPES else None))
+        eps = default_eps(stored_dtype(x.dtype, rin, residual_dtype if residual_dtype in FLOAT_DTYPES else None), kind)
     spec = _option_spec(d, kind, c, eps, num_groups, gate_act, gate_position, weight_offset, weight is not None,
                         gate is not None)
     # written out, not looped over (name, tensor) pairs: on the eager torch path this

@@ -15,6 +15,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 from torch.compiler import is_compiling
+from torch.utils.checkpoint import CheckpointError
 
 from .. import reference
 from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, acc_dtype, stored_dtype
@@ -153,7 +154,7 @@ def apply_norm(x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], we
 
 
 _F32, _F64 = torch.float32, torch.float64
-_DEFAULT_EPS = {_F32: default_eps(_F32), _F64: default_eps(_F64)}
+_DEFAULT_EPS = {(kind, dt): default_eps(dt, kind) for kind in ("rms", "layer") for dt in (_F32, _F64)}
 _ONE_GROUP = 1  # compared by identity: CPython has one int 1, and True is another object
 _INF = math.inf
 
@@ -171,14 +172,14 @@ def _plain_call(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor],
     layer norm's parameter shapes, x with no dims, a non-tensor), and add_norm then takes
     the checked path, whose checks name the argument."""
     dtype = x.dtype
-    if (dtype is not _F32 and dtype is not _F64) or not x.is_cpu or kernels_take_cpu():
+    if (dtype is not _F32 and dtype is not _F64) or not x.is_cpu or kernels_take_cpu() or type(kind) is not str:
         return None
     shape = x.shape
+    if not shape:  # x with no dims: the checked path names it
+        return None
     if residual is not None and (residual.dtype is not dtype or residual.shape != shape):
         return None
-    if eps is None:
-        eps = _DEFAULT_EPS[dtype]
-    elif type(eps) is not float or not 0.0 < eps < _INF:
+    if eps is not None and (type(eps) is not float or not 0.0 < eps < _INF):
         return None
     d = shape[-1]
     # parameters in another float dtype are supported (cast to p's): the checked path
@@ -189,6 +190,8 @@ def _plain_call(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor],
             return None
     elif kind != "rms" or bias is not None or (weight is not None and (weight.dim() != 1 or weight.numel() != d)):
         return None
+    if eps is None:  # kind is "rms" or "layer" here
+        eps = _DEFAULT_EPS[kind, dtype]
     p = x if residual is None else torch.add(x, residual)
     if kind == "layer":
         return torch.layer_norm(p, (d,), weight, bias, eps), p
@@ -203,7 +206,7 @@ def add_norm(
     *,
     kind: str = "rms",
     c: Optional[float] = None,
-    eps: Optional[float] = 1e-6,
+    eps: Optional[float] = None,
     residual_dtype: Optional[torch.dtype] = None,
     gate: Optional[Tensor] = None,
     gate_act: str = DEFAULT_GATE_ACT,
@@ -222,8 +225,9 @@ def add_norm(
         q = p (rms, l2) or p - mean(p) (layer);  sigma = sqrt(q.q/d + eps)
         out = (c/sqrt(d)) * (q/sigma) * (weight_offset + weight) + bias   (c: sqrt(d), or 1 for l2)
 
-    eps=None is torch's default for p, as in F.rms_norm(x + residual): the machine
-    epsilon of p's computation dtype (fp32's for fp16, bf16, fp32; fp64's for fp64).
+    eps=None (the default) is torch's for the kind and p: 1e-5 for kind="layer", as
+    F.layer_norm's; for "rms" and "l2" the machine epsilon of p's computation dtype (fp32's
+    for fp16, bf16, fp32; fp64's for fp64), as in F.rms_norm(x + residual).
     weight_offset (Gemma's 1 + w) is added to the weight in fp32.
 
     A gate gives out = N(p * g(gate)) (gate_position="pre") or N(p) * g(gate) ("post"),
@@ -234,7 +238,12 @@ def add_norm(
             and gate_position is DEFAULT_GATE_POSITION and not is_compiling()):
         try:
             plain = _plain_call(x, residual, weight, bias, kind, eps)
-        except Exception:  # a mistake torch refused: the checked path below names it
+        except (RuntimeError, AttributeError) as e:  # a mistake torch refused: the checked path below names it
+            # Only torch's refusals (a RuntimeError; an AttributeError for a non-tensor):
+            # torch's own control flow passes through, such as activation checkpointing's
+            # early stop (an Exception) and its CheckpointError (a RuntimeError).
+            if isinstance(e, CheckpointError):
+                raise
             plain = None
         if plain is not None:
             return plain
@@ -256,7 +265,7 @@ def norm(
     *,
     kind: str = "rms",
     c: Optional[float] = None,
-    eps: Optional[float] = 1e-6,
+    eps: Optional[float] = None,
     gate: Optional[Tensor] = None,
     gate_act: str = DEFAULT_GATE_ACT,
     gate_position: str = DEFAULT_GATE_POSITION,
