@@ -21,7 +21,8 @@ def _check_config(num_features, eps) -> None:
 
 
 def _check_channels(x, num_features: int) -> None:
-    if isinstance(x, Tensor) and (x.dim() < 2 or x.shape[1] != num_features):
+    """(N, C) or (N, C, L), as nn.BatchNorm1d and nn.InstanceNorm1d take (the functions take any (N, C, *))."""
+    if isinstance(x, Tensor) and (x.dim() not in (2, 3) or x.shape[1] != num_features):
         raise ValueError(f"x must be (N, {num_features}) or (N, {num_features}, L), got shape {tuple(x.shape)}")
 
 

@@ -278,7 +278,7 @@ def run_batch_norm(shape, dtype=torch.float32, affine=True, stats=True, training
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("shape", [(6, 4), (3, 4, 5), (1, 3, 7)], ids=str)
+@pytest.mark.parametrize("shape", [(6, 4), (3, 4, 5), (1, 3, 7), (2, 3, 2, 3)], ids=str)
 @pytest.mark.parametrize("affine", [True, False])
 @pytest.mark.parametrize("stats", [True, False])
 def test_batch_norm_training_matches_torch(shape, affine, stats):
@@ -286,7 +286,7 @@ def test_batch_norm_training_matches_torch(shape, affine, stats):
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("shape", [(6, 4), (3, 4, 5)], ids=str)
+@pytest.mark.parametrize("shape", [(6, 4), (3, 4, 5), (2, 3, 2, 3)], ids=str)
 @pytest.mark.parametrize("affine", [True, False])
 def test_batch_norm_eval_uses_running_stats(shape, affine):
     run_batch_norm(shape, affine=affine, training=False)

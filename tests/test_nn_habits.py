@@ -323,3 +323,75 @@ def test_fresh_module_with_offset_is_the_plain_norm():
         offset.weight.fill_(0.5)
     torch.testing.assert_close(offset(x), 1.5 * plain(x))
     assert math.isclose(offset.weight_offset, 1.0)
+
+
+# ----------------------------------------------------------------- torch's default eps
+def _small(*shape):
+    """Rows of RMS about 1e-3: where eps = 1e-6 and torch's defaults part (24% for rms)."""
+    return 1e-3 * torch.randn(*shape)
+
+
+@pytest.mark.kernel
+def test_the_default_eps_is_torchs_for_modules_and_functions():
+    x, r = _small(4, 3, D), _small(4, 3, D)
+    rms, layer = randomize(nn.RMSNorm(D)), randomize(nn.LayerNorm(D))
+    cases = [
+        ("Norm(d) = nn.RMSNorm(d)", lambda: fuseblock.Norm(D), rms, x),
+        ("Norm(d, kind='layer') = nn.LayerNorm(d)", lambda: fuseblock.Norm(D, kind="layer"), layer, x),
+        ("Norm(d, 1e-3) = nn.RMSNorm(d, 1e-3)", lambda: fuseblock.Norm(D, 1e-3), randomize(nn.RMSNorm(D, 1e-3)), x),
+        ("AddNorm(d)(x)", lambda: fuseblock.AddNorm(D), rms, x),
+    ]
+    for what, make, twin, inp in cases:
+        mod = make()
+        mod.load_state_dict(twin.state_dict())
+        assert_close(_first(mod(inp)), twin(inp), torch.float32, what, per_row=True)
+    w, b = rms.weight, layer.bias
+    assert_close(fuseblock.norm(x, w), F.rms_norm(x, (D,), w), torch.float32, "norm = F.rms_norm", per_row=True)
+    assert_close(fuseblock.norm(x, layer.weight, b, kind="layer"), F.layer_norm(x, (D,), layer.weight, b),
+                 torch.float32, "norm(kind='layer') = F.layer_norm", per_row=True)
+    out, p = fuseblock.add_norm(x, r, w)
+    assert_close(out, F.rms_norm(x + r, (D,), w), torch.float32, "add_norm = F.rms_norm(x + r)", per_row=True)
+    out = fuseblock.add_norm(x, r, layer.weight, b, kind="layer")[0]
+    assert_close(out, F.layer_norm(x + r, (D,), layer.weight, b), torch.float32, "add_norm(layer)", per_row=True)
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def test_eps_is_the_second_positional_argument_as_in_torch():
+    assert fuseblock.Norm(D, 1e-3).eps == nn.RMSNorm(D, 1e-3).eps == 1e-3
+    assert fuseblock.AddNorm(D, 1e-3).eps == 1e-3
+    assert fuseblock.Norm(D).eps is None and fuseblock.Norm(D, kind="layer").eps is None  # resolved per call
+    with pytest.raises(TypeError):
+        fuseblock.Norm(D, 1e-3, "layer")  # kind stays a keyword
+
+
+# ----------------------------------------------------------------- gate is keyword-only
+@pytest.mark.kernel
+def test_a_residual_passed_positionally_is_never_taken_as_a_gate():
+    """flash-attention's habit `norm(x, residual)` must not silently return N(x) * silu(residual)."""
+    x, r = torch.randn(2, D), torch.randn(2, D)
+    with pytest.raises(TypeError):
+        fuseblock.Norm(D)(x, r)
+    with pytest.raises(TypeError):
+        fuseblock.AddNorm(D)(x, r, r)
+    gated = fuseblock.Norm(D)(x, gate=r)  # by keyword it gates
+    assert_close(gated, F.rms_norm(x, (D,)) * F.silu(r), torch.float32, "gate=")
+
+
+# ----------------------------------------------------------------- new_residual's requires_grad
+@pytest.mark.kernel
+@pytest.mark.parametrize("residual_dtype", [None, torch.float64], ids=["promoted", "fp64"])
+def test_new_residual_needs_no_grad_when_only_the_weight_does(residual_dtype):
+    """As torch's x + r: only x and residual feed new_residual, on both paths."""
+    x, r, w = torch.randn(2, D), torch.randn(2, D), torch.ones(D, requires_grad=True)
+    out, p = fuseblock.add_norm(x, r, w, residual_dtype=residual_dtype)
+    assert out.requires_grad and not p.requires_grad
+    out.sum().backward()
+    assert w.grad is not None
+    x.requires_grad_(True)
+    out, p = fuseblock.add_norm(x, r, w, residual_dtype=residual_dtype)
+    assert p.requires_grad
+    (out.sum() + p.sum()).backward()
+    assert x.grad is not None

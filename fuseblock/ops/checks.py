@@ -30,6 +30,9 @@ from ..spec import (
 def check_tensor(name: str, t, x: torch.Tensor | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout is not torch.strided or t.is_nested:  # sparse, jagged: no op here reads those
+        form = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+        raise TypeError(f"{name} must be a dense (strided) tensor, got {form}")
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be a floating tensor (float16, bfloat16, float32 or float64), got {t.dtype}")
     if x is not None and t.device != x.device:

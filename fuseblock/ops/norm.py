@@ -84,6 +84,9 @@ def _setup(ctx, inputs, output):
     ctx.x_dtype = x.dtype
     ctx.residual_dtype = None if residual is None else residual.dtype
     ctx.stored = residual_dtype is not None
+    if ctx.stored and not (x.requires_grad or (residual is not None and residual.requires_grad)):
+        return (1,)  # new_residual = x + residual needs no gradient when neither does, as in torch
+    return ()
 
 
 def _grads(ctx, grad_outputs, norm_bwd):
@@ -172,7 +175,8 @@ def _plain_call(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor],
     layer norm's parameter shapes, x with no dims, a non-tensor), and add_norm then takes
     the checked path, whose checks name the argument."""
     dtype = x.dtype
-    if (dtype is not _F32 and dtype is not _F64) or not x.is_cpu or kernels_take_cpu() or type(kind) is not str:
+    if ((dtype is not _F32 and dtype is not _F64) or not x.is_cpu or kernels_take_cpu() or type(kind) is not str
+            or x.is_nested):  # torch's rms_norm takes a jagged x: the checked path refuses it
         return None
     shape = x.shape
     if not shape:  # x with no dims: the checked path names it

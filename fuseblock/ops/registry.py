@@ -16,7 +16,9 @@ import torch
 class FusedOp:
     """A forward `fwd(*tensors, *options) -> outputs` and backward `bwd(...) -> grads`.
 
-    - `setup(ctx, inputs, output)` (torch's names) saves what `grads` needs;
+    - `setup(ctx, inputs, output)` (torch's names) saves what `grads` needs; in eager mode
+      it may return indices of outputs that carry no gradient for these inputs (added to
+      `stats`), such as a sum of inputs none of which requires a gradient;
     - `grads(ctx, grad_outputs, bwd)` returns the gradients of the leading tensor
       inputs, calling `bwd` (the custom op when compiled, the plain function in eager);
       the trailing options get None, counted from `fwd`'s signature;
@@ -50,8 +52,8 @@ class FusedOp:
             @staticmethod
             def forward(ctx, extra, *inputs):
                 outputs = eager_fwd(*inputs, **extra) if extra else fwd(*inputs)
-                setup(ctx, inputs, outputs)
-                ctx.mark_non_differentiable(*(outputs[i] for i in stats))
+                constant = setup(ctx, inputs, outputs) or ()
+                ctx.mark_non_differentiable(*(outputs[i] for i in (*stats, *constant)))
                 ctx.set_materialize_grads(False)  # no zero-filled gradients (a memset launch each)
                 return outputs
 
