@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from . import reference
+from .norm_linear import norm_linear
 from .ops.checks import (
     check_flag,
     check_float_dtype,
@@ -128,6 +129,21 @@ class Norm(nn.Module):
         except ValueError:
             check_last_dim(x, self.dim)
             raise
+
+    def add_linear(self, x: Tensor, residual: Tensor | None, linear: nn.Linear, *,
+                   residual_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+        """fuseblock.norm_linear with this module's parameters and settings and `linear`'s:
+        (linear(N(x + residual)), x + residual), the normed activations not kept for
+        backward. residual_dtype as in `add`. A gate, groups or a c of its own are not
+        norm_linear's: a ValueError."""
+        if self.c is not None or self.num_groups != 1:
+            raise ValueError(f"add_linear: norm_linear takes no c or num_groups (this norm has c={self.c}, "
+                             f"num_groups={self.num_groups}); call add, then the Linear")
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        return norm_linear(x, residual, self.weight, self.bias, linear.weight, linear.bias, kind=self.kind,
+                           eps=self.eps, weight_offset=self.weight_offset,
+                           residual_dtype=self.residual_dtype if residual_dtype is None else residual_dtype)
 
     def naive(self, x: Tensor) -> Tensor:
         """The same function (without a gate) on the torch path's plain ops, never the fused

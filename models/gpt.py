@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import fuseblock
-from fuseblock.norm_linear import norm_linear
 
 from .sharded import fill
 
@@ -72,14 +71,6 @@ class GPTConfig:
         return cls(**d)
 
 
-def _norm_linear(norm: fuseblock.AddNorm, linear: nn.Linear, hidden, residual):
-    """(linear(norm(hidden + residual)), hidden + residual) as one fuseblock.norm_linear
-    over the two modules' own parameters: the state_dict keys stay those of the naive
-    form, and the normed activations are not kept for backward."""
-    return norm_linear(hidden, residual, norm.weight, norm.bias, linear.weight, linear.bias, kind=norm.kind,
-                       eps=norm.eps, weight_offset=norm.weight_offset, residual_dtype=norm.residual_dtype)
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -94,7 +85,7 @@ class CausalSelfAttention(nn.Module):
         if prenorm is None:  # x is normed already (the naive stack)
             return self._attend(self.c_attn(x))
         # the fused stream: the block's norm and c_attn in one (fuseblock.norm_linear)
-        qkv, residual = _norm_linear(prenorm, self.c_attn, x, residual)
+        qkv, residual = prenorm.add_linear(x, residual, self.c_attn)  # over both modules' own parameters
         return self._attend(qkv), residual
 
     def _attend(self, qkv):  # (B, T, 3C) -> (B, T, C)
@@ -118,7 +109,7 @@ class MLP(nn.Module):
     def forward(self, x, residual=None, prenorm=None):  # (B, T, C) -> (B, T, C)
         if prenorm is None:
             return self._out(self.c_fc(x))
-        h, residual = _norm_linear(prenorm, self.c_fc, x, residual)  # the block's norm and c_fc in one
+        h, residual = prenorm.add_linear(x, residual, self.c_fc)  # the block's norm and c_fc in one
         return self._out(h), residual
 
     def _out(self, h):  # (B, T, 4C) -> (B, T, C)

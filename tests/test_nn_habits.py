@@ -395,3 +395,50 @@ def test_new_residual_needs_no_grad_when_only_the_weight_does(residual_dtype):
     assert p.requires_grad
     (out.sum() + p.sum()).backward()
     assert x.grad is not None
+
+
+# ----------------------------------------------------------------- Norm.add, Norm.add_linear
+@pytest.mark.kernel
+@pytest.mark.parametrize("cls", ["Norm", "AddNorm"])
+def test_add_and_add_linear_use_the_modules_own_settings(cls):
+    """Norm.add is add_norm, and Norm.add_linear norm_linear, with every setting of the
+    module (kind, eps, bias, weight_offset, an AddNorm's residual_dtype): values and gradients
+    against the functional calls with the settings written out."""
+    kw = dict(kind="layer", eps=1e-3, weight_offset=1.0)
+    if cls == "AddNorm":
+        kw["residual_dtype"] = torch.float64
+    mod = randomize(getattr(fuseblock, cls)(D, **kw))
+    lin = nn.Linear(D, 5)
+    x, r = torch.randn(3, D, requires_grad=True), torch.randn(3, D, requires_grad=True)
+    rdtype = kw.get("residual_dtype")
+    written = dict(kind="layer", eps=1e-3, weight_offset=1.0, residual_dtype=rdtype)
+    pairs = [
+        ("add", mod.add(x, r), fuseblock.add_norm(x, r, mod.weight, mod.bias, **written)),
+        ("add_linear", mod.add_linear(x, r, lin),
+         fuseblock.norm_linear(x, r, mod.weight, mod.bias, lin.weight, lin.bias, **written)),
+    ]
+    leaves = [x, r, mod.weight, mod.bias, lin.weight, lin.bias]
+    for what, got, want in pairs:
+        assert got[1].dtype == want[1].dtype == (rdtype or torch.float32), what
+        for g, w in zip(got, want, strict=True):
+            assert_close(g, w, torch.float32, what)
+        seeds = [torch.randn_like(t) for t in got]
+        def grads(outs, seeds=seeds):
+            loss = sum((t * s).sum() for t, s in zip(outs, seeds, strict=True))
+            return torch.autograd.grad(loss, leaves, allow_unused=True)
+
+        gg, gw = grads(got), grads(want)
+        for i, (a, b) in enumerate(zip(gg, gw, strict=True)):
+            assert (a is None) == (b is None), (what, i)
+            if a is not None:
+                assert_close(a, b, torch.float32, f"{what}: gradient {i}")
+
+
+def test_add_linear_refuses_what_norm_linear_cannot_do():
+    x = torch.randn(2, D)
+    with pytest.raises(ValueError, match="num_groups"):
+        fuseblock.Norm(D, num_groups=2).add_linear(x, None, nn.Linear(D, 4))
+    with pytest.raises(ValueError, match="c="):
+        fuseblock.Norm(D, c=1.0).add_linear(x, None, nn.Linear(D, 4))
+    with pytest.raises(TypeError, match="linear must be an nn.Linear"):
+        fuseblock.Norm(D).add_linear(x, None, nn.Identity())
