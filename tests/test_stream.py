@@ -594,6 +594,20 @@ def test_a_mixer_that_returns_no_tensor_is_named(fused):
         stack(torch.randn(BATCH, SEQ, 8))
 
 
+@pytest.mark.kernel
+def test_compile_fullgraph_with_side_inputs_and_extras():
+    """The keyword routing and the extras compile with no graph break."""
+    torch._dynamo.reset()
+    stack = fuseblock.ResidualStack([SideAttention(DIM, return_weights=True), PlainMLP(DIM)], DIM, return_extras=True)
+    x, side = torch.randn(BATCH, SEQ, DIM), side_inputs()
+    got, got_extras = torch.compile(stack, fullgraph=True, backend="aot_eager")(x, **side)
+    want, want_extras = stack(x, **side)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got_extras[1] == () and len(got_extras[0]) == 1
+    torch.testing.assert_close(got_extras[0][0], want_extras[0][0], rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
+
+
 # ----------------------------------------------------------------- bad arguments
 @pytest.mark.parametrize(
     "arg,call,exc",
