@@ -37,8 +37,8 @@ def _split(out) -> tuple:
 
 def _keywords_accepted(mixer: nn.Module, bound: int, reserved: tuple[str, ...] = ()) -> frozenset[str] | None:
     """The keywords `mixer.forward` accepts once the block has bound its first `bound`
-    parameters positionally and passed `reserved` itself; None for all (a **kwargs, or a
-    forward whose signature cannot be read, such as a compiled module's wrapper)."""
+    parameters positionally and passed `reserved` itself; None for all: a **kwargs (as a
+    torch.compile'd module's forward has), or a forward whose signature cannot be read."""
     try:
         params = list(inspect.signature(mixer.forward).parameters.values())
     except (TypeError, ValueError):  # no signature to read: pass everything, as before
