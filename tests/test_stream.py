@@ -445,6 +445,169 @@ def test_stack_forwards_keyword_arguments_fused_equals_naive(return_weights):
         stack(x, position_embeddings=side_inputs()["position_embeddings"])
 
 
+class PlainMLP(MLP):
+    """An MLP as people write it: forward(x), no **kwargs to swallow a stack's side inputs."""
+
+
+class RecordingMixer(nn.Module):
+    """Takes **kwargs, so it is handed every keyword; keeps their names."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.lin, self.seen = nn.Linear(dim, dim), []
+
+    def forward(self, x, **kwargs):
+        self.seen.append(sorted(kwargs))
+        return self.lin(x)
+
+
+@pytest.mark.kernel
+def test_each_mixer_gets_the_keywords_its_forward_accepts():
+    """An MLP with forward(x) beside attention fed a mask and rotary embeddings: fused equals
+    naive equals fp64, every gradient; a **kwargs mixer is handed them all."""
+    mixers = [SideAttention(DIM), PlainMLP(DIM), SideAttention(DIM, return_weights=True), RecordingMixer(DIM)]
+    stack = fuseblock.ResidualStack(mixers, DIM, kind="layer")
+    x = torch.randn(BATCH, SEQ, DIM)
+    fused = check_equivalent(stack, x, tol=TOL_FP32, **side_inputs())
+    assert rel_err(stack(x, **side_inputs(mask=False)), fused[0]) > 1e-2  # the mask reached the attention
+    assert mixers[3].seen and all(s == ["attention_mask", "position_embeddings"] for s in mixers[3].seen)
+
+
+def test_a_keyword_no_mixer_accepts_is_a_type_error():
+    stack = fuseblock.ResidualStack([SideAttention(DIM), PlainMLP(DIM)], DIM)
+    with pytest.raises(TypeError, match="'atention_mask'.*no mixer"):
+        stack(torch.randn(BATCH, SEQ, DIM), position_embeddings=side_inputs()["position_embeddings"],
+              atention_mask=side_inputs()["attention_mask"])
+    with pytest.raises(TypeError, match="'x'"):  # the block's own argument is never a side input
+        fuseblock.ResidualStack([PlainMLP(DIM)], DIM)(torch.randn(BATCH, SEQ, DIM), x=1)
+
+
+class PrenormMixer(nn.Module):
+    """A mixer that fuses the block's norm (fuses_prenorm) and takes a scale by keyword."""
+
+    fuses_prenorm = True
+
+    def __init__(self, dim):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x, residual=None, prenorm=None, *, scale=1.0):
+        if prenorm is None:
+            return scale * self.lin(x)
+        normed, residual = prenorm(x, residual)
+        return scale * self.lin(normed), residual
+
+
+@pytest.mark.kernel
+def test_a_fuses_prenorm_mixer_gets_its_keywords_but_never_residual_or_prenorm():
+    stack = fuseblock.ResidualStack([PrenormMixer(DIM), PlainMLP(DIM)], DIM)
+    x = torch.randn(BATCH, SEQ, DIM)
+    check_equivalent(stack, x, tol=TOL_FP32, scale=torch.tensor(0.5))
+    assert rel_err(stack(x, scale=0.5), stack(x)) > 1e-2
+    for name in ("residual", "prenorm"):
+        with pytest.raises(TypeError, match=f"'{name}'.*no mixer"):
+            stack(x, **{name: None})
+
+
+def test_the_signature_is_read_once_per_mixer(monkeypatch):
+    import fuseblock.stream as stream
+
+    reads = []
+    monkeypatch.setattr(stream.inspect, "signature", lambda f, s=stream.inspect.signature: reads.append(f) or s(f))
+    stack = fuseblock.ResidualStack([SideAttention(DIM), PlainMLP(DIM)], DIM)
+    assert len(reads) == 2
+    x = torch.randn(BATCH, SEQ, DIM)
+    for _ in range(3):
+        stack(x, **side_inputs())
+    stack.fused = False
+    stack(x, **side_inputs())
+    assert len(reads) == 2
+    stack.blocks[1].mixer = RecordingMixer(DIM)  # a replaced mixer is read anew, once
+    for _ in range(2):
+        stack(x, **side_inputs())
+    assert len(reads) == 3 and stack.blocks[1].mixer.seen[-1] == ["attention_mask", "position_embeddings"]
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("fused", [True, False])
+def test_return_extras_gives_each_mixers_tail(fused):
+    """return_extras=True: (out, extras), extras[k] the tail of mixers[k]'s tuple, () for a
+    tensor; the same out as without, and the weights those the mixers see in a loop of blocks."""
+    mixers = [SideAttention(DIM, return_weights=True), PlainMLP(DIM), SideAttention(DIM, return_weights=True)]
+    stack = make_side_stack(mixers, fused=fused)
+    x, side = torch.randn(BATCH, SEQ, DIM), side_inputs()
+    plain = stack(x, **side)
+    stack.return_extras = True
+    out, extras = stack(x, **side)
+    assert isinstance(plain, torch.Tensor) and torch.equal(out, plain)
+    assert isinstance(extras, tuple) and len(extras) == 3 and extras[1] == ()
+    assert all(len(e) == 1 and e[0].shape == (BATCH, HEADS, SEQ, SEQ) for e in (extras[0], extras[2]))
+    # the loop of blocks, written out (fused) or naive, sees the same weights
+    h, r, want = x, None, []
+    for blk in stack.blocks:
+        h, r, *rest = blk(h, r, **{k: v for k, v in side.items() if not isinstance(blk.mixer, PlainMLP)})
+        want.append(tuple(rest))
+    for got, w in zip(extras, want, strict=True):
+        assert len(got) == len(w) and all(rel_err(g, ww) <= TOL_FP32 for g, ww in zip(got, w, strict=True))
+    # and the gradient flows through an extra: d|weights|^2/dx equals the other form's
+    x.requires_grad_(True)
+    twin = naive_twin(stack)
+    twin.fused = not fused
+    g = torch.autograd.grad((stack(x, **side)[1][2][0] ** 2).sum(), x)[0]
+    g_naive = torch.autograd.grad((twin(x, **side)[1][2][0] ** 2).sum(), x)[0]
+    assert rel_err(g, g_naive) <= 2 * TOL_FP32 and g.abs().max() > 0
+
+
+def make_side_stack(mixers, **kw):
+    stack = fuseblock.ResidualStack(mixers, DIM, **kw)
+    with torch.no_grad():
+        for name, p in stack.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return stack
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("final_norm", [True, False])
+def test_a_mixer_of_the_wrong_width_is_named(fused, final_norm):
+    """Not "x's last dim": the mixer, its index and both widths."""
+    x = torch.randn(BATCH, SEQ, 8)
+    stack = fuseblock.ResidualStack([nn.Linear(8, 4)], 8, fused=fused, final_norm=final_norm)
+    with pytest.raises(ValueError, match=r"mixers\[0\] \(Linear\) maps last dim 8 to 4"):
+        stack(x)
+    stack = fuseblock.ResidualStack([nn.Linear(8, 8), nn.Linear(8, 16)], 8, fused=fused, final_norm=final_norm)
+    with pytest.raises(ValueError, match=r"mixers\[1\] \(Linear\) maps last dim 8 to 16"):
+        stack(x)
+
+
+class ReturnsNone(nn.Module):
+    def forward(self, x):
+        return None
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_mixer_that_returns_no_tensor_is_named(fused):
+    stack = fuseblock.ResidualStack([nn.Linear(8, 8), ReturnsNone()], 8, fused=fused)
+    with pytest.raises(TypeError, match=r"mixers\[1\] \(ReturnsNone\) returned NoneType"):
+        stack(torch.randn(BATCH, SEQ, 8))
+
+
+@pytest.mark.kernel
+def test_compile_fullgraph_with_side_inputs_and_extras():
+    """The keyword routing and the extras compile with no graph break."""
+    torch._dynamo.reset()
+    stack = fuseblock.ResidualStack([SideAttention(DIM, return_weights=True), PlainMLP(DIM)], DIM, return_extras=True)
+    x, side = torch.randn(BATCH, SEQ, DIM), side_inputs()
+    got, got_extras = torch.compile(stack, fullgraph=True, backend="aot_eager")(x, **side)
+    want, want_extras = stack(x, **side)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got_extras[1] == () and len(got_extras[0]) == 1
+    torch.testing.assert_close(got_extras[0][0], want_extras[0][0], rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
+
+
 # ----------------------------------------------------------------- bad arguments
 @pytest.mark.parametrize(
     "arg,call,exc",
@@ -458,9 +621,12 @@ def test_stack_forwards_keyword_arguments_fused_equals_naive(return_weights):
         ("bias", lambda: fuseblock.ResidualStack([MLP(DIM)], DIM, bias="yes"), TypeError),
         ("mixers", lambda: fuseblock.ResidualStack(MLP(DIM), DIM), TypeError),
         ("mixers", lambda: fuseblock.ResidualStack(3, DIM), TypeError),
+        ("mixers", lambda: fuseblock.ResidualStack([], DIM), ValueError),
+        ("mixers", lambda: fuseblock.ResidualStack(nn.ModuleList(), DIM), ValueError),
         (r"mixers\[1\]", lambda: fuseblock.ResidualStack([MLP(DIM), "mlp"], DIM), TypeError),
         ("fused", lambda: fuseblock.ResidualStack([MLP(DIM)], DIM, fused="yes"), TypeError),
         ("final_norm", lambda: fuseblock.ResidualStack([MLP(DIM)], DIM, final_norm=None), TypeError),
+        ("return_extras", lambda: fuseblock.ResidualStack([MLP(DIM)], DIM, return_extras=1), TypeError),
         ("residual_dtype", lambda: fuseblock.ResidualStack([MLP(DIM)], DIM, residual_dtype=torch.int8), TypeError),
         ("eps", lambda: fuseblock.ResidualStack([MLP(DIM)], DIM, eps=-1.0), ValueError),
     ],
