@@ -63,7 +63,7 @@ class PreNormBlock(nn.Module):
 
     `norm` is an AddNorm (a Norm): the residual is kept in residual_dtype, by default the
     dtype of torch's `hidden + residual`. kind, eps, bias and weight_offset are Norm's
-    (bias=None: a bias for kind="layer" only; eps=None: torch's default for the residual's dtype).
+    (bias=None: a bias for kind="layer" only; eps=None: torch's default for the kind and the residual's dtype).
 
     A mixer with `fuses_prenorm = True` is called as `mixer(hidden, residual, *args,
     prenorm=norm, **kwargs) -> (hidden', residual')` instead: it applies `norm` itself,
@@ -79,7 +79,7 @@ class PreNormBlock(nn.Module):
         dim: int,
         *,
         kind: str = "rms",
-        eps: float | None = 1e-6,
+        eps: float | None = None,
         residual_dtype: torch.dtype | None = None,
         bias: bool | None = None,
         weight_offset: float = 0.0,
@@ -155,7 +155,7 @@ class ResidualStack(nn.Module):
         dim: int,
         *,
         kind: str = "rms",
-        eps: float | None = 1e-6,
+        eps: float | None = None,
         final_norm: bool = True,
         fused: bool = True,
         residual_dtype: torch.dtype | None = None,
