@@ -11,6 +11,7 @@ checkpointing; torch.compile(fullgraph=True); the kernel path on two architectur
 docs/transformers.md shows.
 """
 import copy
+import json
 import math
 import os
 import subprocess
@@ -399,6 +400,24 @@ def test_from_pretrained_without_weights_equals_the_unfused_class(arch):
     fused = fusing_class(arch).from_pretrained(None, config=config, state_dict={})
     assert isinstance(fused.model.norm, Norm)
     assert_same_state(fused, unfused)
+
+
+def test_fsdp2_meta_init_on_two_cpu_ranks_equals_the_unfused_model(tmp_path):
+    """fully_shard between fuse and to_empty: tests/transformers_fsdp_worker.py on 2 gloo
+    ranks, Llama and Gemma2 (weights with an offset); every parameter as the unfused
+    sharded model's, no NaN left, the norms the identity's, the losses equal and finite."""
+    out = tmp_path / "found.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CPU torch path
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        os.path.join(ROOT, "tests", "transformers_fsdp_worker.py"), str(out)],
+                       env={**env, "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, f"{p.stdout}\n{p.stderr}"
+    found = json.loads(out.read_text())
+    assert set(found) == {"llama", "gemma2"}
+    for arch, f in found.items():
+        assert f["same_names"] and f["differing"] == [] and f["nan"] == [], (arch, f)
+        assert f["norm_values"] == ([0.0] if arch == "gemma2" else [1.0]), (arch, f)
+        assert f["losses"][0] == f["losses"][1] and math.isfinite(f["losses"][1]), (arch, f)
 
 
 # ---------------------------------------------------------------------------- torch.compile
