@@ -58,20 +58,24 @@ def _hf_eps(module: nn.Module) -> float | None:
 def _weight_offset(module: nn.Module, weight: nn.Parameter, eps: float) -> float:
     """Which of x/rms(x) * (offset + w) the module computes, found by running its forward
     on CPU with a known weight (torch.func.functional_call: the module's own weight is
-    neither read nor copied, so a weight on a GPU or the meta device is fine). One row is
-    small enough that eps matters, so a misread eps fails the check too."""
+    neither read nor copied, so a weight on a GPU or the meta device is fine). The probe
+    runs under torch.device("cpu"), so that inside a `with torch.device("meta")` block
+    (where from_pretrained builds models) neither the probe nor any tensor the forward
+    makes is meta. One row is small enough that eps matters, so a misread eps fails the
+    check too."""
     d = weight.shape[0]
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, d, generator=gen, dtype=torch.float32)
-    x[1] *= 1e-3  # mean(x^2) ~ 1e-6: comparable to the usual eps
-    w = torch.rand(d, generator=gen, dtype=torch.float32) + 0.5
-    try:
-        with torch.no_grad():
-            out = torch.func.functional_call(module, {"weight": w}, (x,))
-    except Exception as e:  # any failure means: not a module this converter understands
-        raise TypeError(f"norm_from: unsupported module {type(module).__name__}: its forward failed on a probe "
-                        f"input ({type(e).__name__}: {e})") from e
-    base = F.rms_norm(x, (d,), None, eps)
+    with torch.device("cpu"):
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(2, d, generator=gen, dtype=torch.float32)
+        x[1] *= 1e-3  # mean(x^2) ~ 1e-6: comparable to the usual eps
+        w = torch.rand(d, generator=gen, dtype=torch.float32) + 0.5
+        try:
+            with torch.no_grad():
+                out = torch.func.functional_call(module, {"weight": w}, (x,))
+        except Exception as e:  # any failure means: not a module this converter understands
+            raise TypeError(f"norm_from: unsupported module {type(module).__name__}: its forward failed on a probe "
+                            f"input ({type(e).__name__}: {e})") from e
+        base = F.rms_norm(x, (d,), None, eps)
     for offset in _OFFSETS:
         if isinstance(out, torch.Tensor) and out.shape == x.shape and \
                 torch.allclose(out.float(), base * (offset + w), rtol=1e-4, atol=1e-5):

@@ -127,6 +127,15 @@ def test_device_and_dtype_follow_the_source_meta_included():
     assert norm.weight.is_meta and norm.weight_offset == 1.0
 
 
+@pytest.mark.parametrize("source", [OffsetNorm, LlamaStyleRMSNorm])
+def test_converts_inside_the_meta_device_context(source):
+    """Where from_pretrained builds its models: tensors made without a device are meta there,
+    and the probe that tells w from 1 + w must still run on CPU."""
+    with torch.device("meta"):
+        norm = norm_from(source(D))
+    assert norm.weight.is_meta and norm.weight_offset == (1.0 if source is OffsetNorm else 0.0)
+
+
 class Scaled(LlamaStyleRMSNorm):
     def forward(self, x):
         return 2 * super().forward(x)

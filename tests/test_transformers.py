@@ -11,6 +11,7 @@ checkpointing; torch.compile(fullgraph=True); the kernel path on two architectur
 docs/transformers.md shows.
 """
 import copy
+import json
 import math
 import os
 import subprocess
@@ -286,6 +287,139 @@ def test_gradient_checkpointing(arch, reentrant):
         torch.testing.assert_close(b[2][name], a[2][name], rtol=1e-5, atol=1e-5)
 
 
+# ---------------------------------------------------------------------------- initialization
+
+
+def config_of(arch):
+    config_cls, _, extra = ARCHS[arch]
+    return getattr(transformers, config_cls)(**{**COMMON, **extra})
+
+
+def model_class(arch):
+    return getattr(transformers, ARCHS[arch][1])
+
+
+def fusing_class(arch):
+    """The model class under its own name, fusing itself in __init__ (docs/transformers.md):
+    from_pretrained then builds the fused model on the meta device and initialises what the
+    checkpoint lacks on the fused model."""
+    base = model_class(arch)
+
+    def __init__(self, config, *args, **kwargs):
+        base.__init__(self, config, *args, **kwargs)
+        fuse(self)
+
+    return type(base.__name__, (base,), {"__init__": __init__})
+
+
+def norms(model):
+    """{name: tensor} of the norms' parameters."""
+    names = {f"{m}.{p}" for m, mod in model.named_modules() if isinstance(mod, Norm) or "RMSNorm" in type(mod).__name__
+             for p, _ in mod.named_parameters(recurse=False)}
+    assert names
+    return {n: t for n, t in model.state_dict().items() if n in names}
+
+
+def assert_same_state(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+@pytest.mark.parametrize("init", ["init_weights", "post_init"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_meta_device_init_gives_the_norms_what_the_unfused_model_gets(arch, init):
+    """Built on meta (fused there, as from_pretrained would), to_empty, then transformers'
+    init: every parameter equals the unfused model's after the same steps, the norms are
+    the eager model's (ones, zeros for Gemma's 1 + w), and the loss is finite."""
+    config, cls = config_of(arch), model_class(arch)
+    with torch.device("meta"):
+        unfused, fused = cls(config), fuse(cls(config))
+    for model in (unfused, fused):
+        model.to_empty(device="cpu")
+        with torch.no_grad():  # what to_empty's memory may hold: init must leave none of it
+            for p in model.parameters():
+                p.fill_(math.nan)
+        torch.manual_seed(3)
+        getattr(model, init)()
+    assert {type(m) for m in fused.modules()} >= {Norm}
+    assert_same_state(fused, unfused)
+    torch.manual_seed(3)
+    eager = norms(cls(config))
+    assert norms(fused).keys() == eager.keys()
+    for name, t in norms(fused).items():
+        assert torch.equal(t, eager[name]) and torch.equal(t, torch.full_like(t, 0.0 if "gemma" in arch else 1.0)), name
+    ids, mask, labels = batch()
+    loss = fused(input_ids=ids, attention_mask=mask, labels=labels).loss
+    torch.testing.assert_close(loss, unfused(input_ids=ids, attention_mask=mask, labels=labels).loss)
+    assert math.isfinite(loss.item())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_init_weights_leaves_initialised_norms_alone_as_the_unfused_model_does(arch):
+    """An eager model is initialised: its init_weights (post_init, after any change) skips every
+    module, the norms replaced by fuse included, so trained norm weights survive it."""
+    unfused, fused = pair(arch)
+    for model in (unfused, fused):
+        model.init_weights()
+    assert_same_state(fused, unfused)
+    assert all((t != (0.0 if "gemma" in arch else 1.0)).all() for t in norms(fused).values())  # make() perturbed them
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_from_pretrained_initialises_missing_norm_keys_of_the_fused_class(arch, tmp_path):
+    """A checkpoint lacking half its norm weights, loaded by a class that fuses in __init__:
+    the loaded ones are the checkpoint's, the missing ones what the unfused class gives them
+    (its test_can_init_all_missing_weights, on the norms); every parameter as the unfused class loads it."""
+    from safetensors.torch import load_file, save_file
+
+    source = make(arch)
+    source.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    state = load_file(path)
+    dropped = sorted(norms(source))[::2]
+    save_file({k: v for k, v in state.items() if k not in dropped}, path, metadata={"format": "pt"})
+    unfused = model_class(arch).from_pretrained(tmp_path)
+    fused = fusing_class(arch).from_pretrained(tmp_path)
+    assert isinstance(fused.model.norm, Norm) and type(fused.model.layers[0]) is not type(unfused.model.layers[0])
+    assert_same_state(fused, unfused)
+    identity = 0.0 if "gemma" in arch else 1.0
+    for name, t in norms(fused).items():
+        assert torch.equal(t, torch.full_like(t, identity) if name in dropped else state[name]), name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_from_pretrained_without_weights_equals_the_unfused_class(arch):
+    """transformers' test_can_init_all_missing_weights: from_pretrained(None, state_dict={})
+    initialises every parameter on the meta-built model; the fused class gets what the unfused one does."""
+    config = config_of(arch)
+    torch.manual_seed(4)
+    unfused = model_class(arch).from_pretrained(None, config=config, state_dict={})
+    torch.manual_seed(4)
+    fused = fusing_class(arch).from_pretrained(None, config=config, state_dict={})
+    assert isinstance(fused.model.norm, Norm)
+    assert_same_state(fused, unfused)
+
+
+def test_fsdp2_meta_init_on_two_cpu_ranks_equals_the_unfused_model(tmp_path):
+    """fully_shard between fuse and to_empty: tests/transformers_fsdp_worker.py on 2 gloo
+    ranks, Llama and Gemma2 (weights with an offset); every parameter as the unfused
+    sharded model's, no NaN left, the norms the identity's, the losses equal and finite."""
+    out = tmp_path / "found.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CPU torch path
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        os.path.join(ROOT, "tests", "transformers_fsdp_worker.py"), str(out)],
+                       env={**env, "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, f"{p.stdout}\n{p.stderr}"
+    found = json.loads(out.read_text())
+    assert set(found) == {"llama", "gemma2"}
+    for arch, f in found.items():
+        assert f["same_names"] and f["differing"] == [] and f["nan"] == [], (arch, f)
+        assert f["norm_values"] == ([0.0] if arch == "gemma2" else [1.0]), (arch, f)
+        assert f["losses"][0] == f["losses"][1] and math.isfinite(f["losses"][1]), (arch, f)
+
+
 # ---------------------------------------------------------------------------- torch.compile
 
 
@@ -339,7 +473,10 @@ def test_fuse_is_per_instance_and_idempotent():
     assert cls.forward is forward and transformers.LlamaModel.forward is model_forward
     assert type(unfused.model.layers[0]) is cls and isinstance(fused.model.layers[0], cls)
     assert type(fused.model.layers[0]).__name__ == cls.__name__  # transformers finds layers by class name
-    again = fuse(copy.deepcopy(fused))
+    copied = copy.deepcopy(fused)  # what fuse bound to the instances is bound to the copies
+    assert copied._init_weights.__self__ is copied and copied.model._init_weights.__self__ is copied.model
+    assert copied.model.forward.__self__ is copied.model
+    again = fuse(copied)
     assert type(again.model.layers[0]) is type(fused.model.layers[0])
     ids = batch()[0]
     torch.testing.assert_close(again(ids).logits, unfused(ids).logits, rtol=1e-5, atol=1e-5)

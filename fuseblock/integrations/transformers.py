@@ -29,7 +29,12 @@ fused and an unfused model live side by side in one process. It
 - binds a fused forward to the inner model instance (LlamaModel and friends), which
   keeps its other duties: embeddings (Gemma's scaled embedding is the embedding
   module's own), rotary embeddings, causal / sliding-window masks, the KV cache,
-  output_hidden_states and output_attentions.
+  output_hidden_states and output_attentions;
+- binds an `_init_weights` to the model and its base model that initialises the Norms as
+  transformers initialises the RMSNorms they replaced (it finds those by class name), so
+  init_weights, post_init and from_pretrained's missing keys work on a fused model built
+  on the meta device. fuse runs inside `with torch.device("meta")`, where from_pretrained
+  builds its models.
 """
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ from ..ops.norm import add_norm
 try:
     import transformers
     from transformers import PreTrainedModel
+    from transformers import initialization as hf_init
     from transformers.cache_utils import DynamicCache
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
     from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -209,14 +215,40 @@ def _is_rms_norm(module: nn.Module) -> bool:
 
 def _convert_norms(model: nn.Module) -> None:
     """Every RMSNorm of model becomes a fuseblock Norm with the same parameters; a module
-    reachable under several names stays one module."""
+    reachable under several names stays one module. A norm transformers has initialised
+    (the flag its init_weights sets, and skips a module by) stays marked so: a later
+    init_weights or post_init leaves it alone, as it would the original."""
     converted: dict[int, Norm] = {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if _is_rms_norm(child):
                 if id(child) not in converted:
-                    converted[id(child)] = norm_from(child)
+                    norm = converted[id(child)] = norm_from(child)
+                    if getattr(child, "_is_hf_initialized", False):
+                        norm._is_hf_initialized = True
                 setattr(parent, name, converted[id(child)])
+
+
+def _init_weights(self: PreTrainedModel, module: nn.Module) -> None:
+    """`_init_weights` of each PreTrainedModel of a fused model, bound to the instance by fuse.
+
+    transformers initialises weights through this one method: init_weights and post_init,
+    and the keys from_pretrained finds missing (all of them on a model built on the meta
+    device and moved with to_empty). It recognises a norm by its class name (*RMSNorm,
+    *LayerNorm), which a fuseblock Norm does not carry, so the class's method would leave
+    a Norm as it finds it: uninitialised memory. A Norm gets the initial values of the
+    function it computes, which are what transformers gives the RMSNorm it replaced: the
+    identity map, weight ones, or zeros where the weight has an offset (Gemma's 1 + w, which
+    Gemma's _init_weights zeroes); bias zeros (Norm.reset_parameters' values). Through
+    transformers' init functions, which leave a tensor flagged as loaded alone. Every other
+    module goes to the class's own method."""
+    if not isinstance(module, Norm):
+        type(self)._init_weights(self, module)
+        return
+    if module.weight is not None:
+        (hf_init.zeros_ if module.weight_offset != 0.0 else hf_init.ones_)(module.weight)
+    if module.bias is not None:
+        hf_init.zeros_(module.bias)
 
 
 def fuse(model: PreTrainedModel, *, residual_dtype: torch.dtype | None = None) -> PreTrainedModel:
@@ -248,6 +280,9 @@ def fuse(model: PreTrainedModel, *, residual_dtype: torch.dtype | None = None) -
         raise ValueError(f"{type(base).__name__} ({model_type}) lacks {', '.join(missing)}: not the layout fuse "
                          f"supports")
     _convert_norms(model)
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):  # the model and its base model each initialise their own modules
+            module._init_weights = types.MethodType(_init_weights, module)
     for layer in base.layers:
         layer.__class__ = _fused_layer_class(type(layer), layer_forward)
         layer.fuseblock_residual_dtype = residual_dtype
