@@ -46,7 +46,6 @@ from torch import Tensor, nn
 from ..convert import norm_from
 from ..modules import Norm
 from ..ops.checks import check_float_dtype
-from ..ops.norm import add_norm
 
 try:
     import transformers
@@ -71,12 +70,6 @@ __all__ = ["fuse", "SUPPORTED"]
 _SUM = "fuseblock_hidden_state"
 
 
-def _add_norm(norm: Norm, x: Tensor, residual: Tensor | None, residual_dtype: torch.dtype | None):
-    """(norm(x + residual), x + residual) in one call, with norm's parameters and settings."""
-    return add_norm(x, residual, norm.weight, norm.bias, kind=norm.kind, c=norm.c, eps=norm.eps,
-                    weight_offset=norm.weight_offset, residual_dtype=residual_dtype)
-
-
 def _out(hidden: Tensor, residual: Tensor, want_sum: bool):
     """A fused layer's output (sum, p, r). transformers records a layer's hidden state
     from element 0 of its output (its output_hidden_states hooks), so element 0 is the
@@ -89,9 +82,9 @@ def _pre_norm_forward(self, hidden_states: Tensor, residual: Tensor | None = Non
     kwargs (masks, rotary embeddings, cache, ...) go to the attention, as in the unfused layer."""
     want_sum = kwargs.pop(_SUM, False)
     rdtype = self.fuseblock_residual_dtype
-    normed, residual = _add_norm(self.input_layernorm, hidden_states, residual, rdtype)
+    normed, residual = self.input_layernorm.add(hidden_states, residual, residual_dtype=rdtype)
     attn = self.self_attn(hidden_states=normed, **kwargs)[0]
-    normed, residual = _add_norm(self.post_attention_layernorm, attn, residual, rdtype)
+    normed, residual = self.post_attention_layernorm.add(attn, residual, residual_dtype=rdtype)
     return _out(self.mlp(normed), residual, want_sum)
 
 
@@ -100,9 +93,9 @@ def _sandwich_forward(self, hidden_states: Tensor, residual: Tensor | None = Non
     residual add, so they stay with the sublayer; the pre-norms fuse with the add."""
     want_sum = kwargs.pop(_SUM, False)
     rdtype = self.fuseblock_residual_dtype
-    normed, residual = _add_norm(self.input_layernorm, hidden_states, residual, rdtype)
+    normed, residual = self.input_layernorm.add(hidden_states, residual, residual_dtype=rdtype)
     attn = self.post_attention_layernorm(self.self_attn(hidden_states=normed, **kwargs)[0])
-    normed, residual = _add_norm(self.pre_feedforward_layernorm, attn, residual, rdtype)
+    normed, residual = self.pre_feedforward_layernorm.add(attn, residual, residual_dtype=rdtype)
     return _out(self.post_feedforward_layernorm(self.mlp(normed)), residual, want_sum)
 
 
@@ -148,7 +141,7 @@ def _final_norm(norm: Norm, hidden: Tensor, residual: Tensor | None, rdtype: tor
     activations' (a bf16 model with an fp32 stream feeds its bf16 head bf16)."""
     if rdtype is None and residual is not None and torch.promote_types(hidden.dtype, residual.dtype) != hidden.dtype:
         hidden, residual = residual, hidden  # the sum is the same; out takes the wider dtype
-    return _add_norm(norm, hidden, residual, rdtype)[0]
+    return norm.add(hidden, residual, residual_dtype=rdtype)[0]
 
 
 def _model_forward(
