@@ -9,8 +9,9 @@ from .family import (
     instance_norm,
 )
 from .modules import AddNorm, Norm
-from .norm_linear import NormLinear, norm_linear
+from .norm_linear import NormLinear
 from .ops.norm import add_norm, norm
+from .ops.norm_linear import norm_linear  # after .norm_linear: `fuseblock.norm_linear` is the op, not the module
 from .stream import PreNormBlock, ResidualStack
 
 __all__ = ["norm", "add_norm", "Norm", "AddNorm", "PreNormBlock", "ResidualStack", "norm_from"]

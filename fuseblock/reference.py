@@ -1,10 +1,11 @@
 """The pure-PyTorch path of the normalize op family: the math as plain differentiable torch ops.
 
-Same forward contract as the Triton launchers in `fuseblock.kernels.norm`. It has no
-backward of its own: autograd differentiates these ops, as it would the naive form's
-(the full backward, which the kernels implement, is derived in docs/math.md). It runs
-wherever the kernels do not, and serves the kernels' double backward. Symbols follow
-docs/math.md:
+Same forward contract as the Triton launchers in `fuseblock.kernels.norm`. autograd
+differentiates these ops, as it would the naive form's (the full backward, which the
+kernels implement, is derived in docs/math.md). It runs wherever the kernels do not, and
+serves the kernels' double backward. One backward is written out, `norm_grads`: for a
+caller that keeps no graph of the norm, only p and its row statistics
+(fuseblock.norm_linear). Symbols follow docs/math.md:
 
     p = x + residual               (the residual sum, stored as new_residual)
     s = p * g(z)     (pre-gate)    or  s = p         (z: the gate tensor)
@@ -152,17 +153,6 @@ def norm_out(p: Tensor, gate: Tensor | None, weight: Tensor | None, bias: Tensor
     return o, rstd, mean
 
 
-def normalized(p: Tensor, rstd: Tensor, mean: Tensor | None, spec: NormSpec) -> Tensor:
-    """r = q * rstd rebuilt from p and its saved row statistics (rstd, mean: (M, G)), in
-    the accumulation dtype: one elementwise pass and no reduction, for a backward that
-    did not keep the normalized output (fuseblock.norm_linear). Ungated specs (s = p)."""
-    if spec.gate != Gate.NONE:
-        raise ValueError("normalized: a gated norm's rows are p * g(gate); rebuild it with norm_out")
-    pg = _grouped(_as(p, acc_dtype(p.dtype)), spec.groups)
-    r = (pg - mean[..., None]).mul_(rstd[..., None]) if spec.center else pg * rstd[..., None]  # a fresh buffer
-    return r.reshape(p.shape)
-
-
 def residual_sum(x: Tensor, residual: Tensor | None, residual_dtype: torch.dtype | None) -> Tensor | None:
     """new_residual = x + residual in residual_dtype (None: none is stored), rounded once
     from the exact sum."""
@@ -204,3 +194,66 @@ def norm_fwd(
     if not need_stats:
         rstd = mean = None
     return out.to(x.dtype), new_residual, rstd, mean
+
+
+# ---------------------------------------------------------------- a backward from statistics
+# For a caller that runs the norm without a graph and differentiates it later from what it
+# saved: p and the row statistics (fuseblock.norm_linear, which thus never keeps the
+# normalized output). Ungated, one group.
+def norm_and_stats(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None, spec: NormSpec,
+                   residual_dtype: torch.dtype | None):
+    """The norm with its row statistics: (out, new_residual or None, rstd (M, 1), mean
+    (M, 1) or None, native). native: a plain layer norm ran torch.native_layer_norm, the
+    naive form's own op, which returns them and whose backward takes them (one op each
+    way, where the composition is a dozen on the CPU); else the composition of norm_out."""
+    new_res = residual_sum(x, residual, residual_dtype)
+    p = x if new_res is None else new_res
+    if spec.center and plain_ok(p, spec):
+        out, mean, rstd = torch.native_layer_norm(p, (p.shape[-1],), plain_weight(weight, spec, p),
+                                                  None if bias is None else bias.to(p.dtype), spec.eps)
+        return out.to(x.dtype), new_res, rstd.reshape(-1, 1), mean.reshape(-1, 1), True
+    out, rstd, mean = norm_out(p.to(acc_dtype(p.dtype)), None, weight, bias, spec)
+    return out.to(x.dtype), new_res, rstd, mean, False
+
+
+def normalized(p: Tensor, rstd: Tensor, mean: Tensor | None, spec: NormSpec) -> Tensor:
+    """r = q * rstd rebuilt from p and its saved row statistics (rstd, mean: (M, G)), in
+    the accumulation dtype: one elementwise pass and no reduction, for a backward that
+    did not keep the normalized output (fuseblock.norm_linear). Ungated specs (s = p)."""
+    if spec.gate != Gate.NONE:
+        raise ValueError("normalized: a gated norm's rows are p * g(gate); rebuild it with norm_out")
+    pg = _grouped(_as(p, acc_dtype(p.dtype)), spec.groups)
+    r = (pg - mean[..., None]).mul_(rstd[..., None]) if spec.center else pg * rstd[..., None]  # a fresh buffer
+    return r.reshape(p.shape)
+
+
+def norm_grads(do: Tensor, p: Tensor, r: Tensor | None, rstd: Tensor, mean: Tensor | None, weight, bias,
+               spec: NormSpec, native: bool, need_w: bool, need_b: bool):
+    """(dp, dweight, dbias) of the norm, in p's accumulation dtype, from the gradient `do`
+    at its output (rows (M, d), statistics (M, 1), as norm_and_stats returns them).
+    native: torch's native_layer_norm_backward (r unused). Else the closed form of
+    docs/math.md on r = normalized(p, rstd, mean, spec): dq = (dr - mean(dr * r) r) * rstd
+    with dr = do * scale * (w0 + w), less mean(dr) for a centred norm (mean(r) = 0)."""
+    do = _as(do, acc_dtype(p.dtype))
+    if native:
+        b = None if bias is None else bias.to(p.dtype)
+        dp, dw, db = torch.ops.aten.native_layer_norm_backward(
+            do, p, [p.shape[-1]], mean, rstd, plain_weight(weight, spec, p), b, [True, need_w, need_b])
+    else:
+        dr = affine(do, spec, weight, None)
+        dq = dr - r * (dr * r).mean(-1, keepdim=True)
+        if spec.center:
+            dq = dq - dr.mean(-1, keepdim=True)
+        dp, dw, db = dq * rstd, (do * r).sum(0) if need_w else None, do.sum(0) if need_b else None
+    if dw is not None and spec.scale != 1.0:  # the gradient of scale * (w0 + w) with respect to w
+        dw = dw * spec.scale
+    return dp, dw, db
+
+
+def affine_(r: Tensor, spec: NormSpec, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+    """affine in place on r, for a caller done with r otherwise (norm_grads has read it):
+    no fresh (M, d) buffer for the norm's rebuilt output."""
+    w = plain_weight(weight, spec, r)  # scale * (w0 + w), or the scale alone
+    if w is not None:
+        r.mul_(w)
+    return r if bias is None else r.add_(bias.to(r.dtype))

@@ -60,6 +60,21 @@ def stored_dtype(x_dtype: torch.dtype, residual: torch.dtype | None, residual_dt
     return torch.promote_types(x_dtype, residual)
 
 
+def new_residual_dtype(x_dtype: torch.dtype, residual: torch.dtype | None,
+                       residual_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype add_norm writes new_residual in, or None where it writes none: with no
+    residual and no dtype change, new_residual is x itself (and p is x)."""
+    dtype = stored_dtype(x_dtype, residual, residual_dtype)
+    return dtype if residual is not None or dtype != x_dtype else None
+
+
+def residual_grad_dtype(x_dtype: torch.dtype, residual: torch.dtype | None) -> torch.dtype | None:
+    """The dtype of a dresidual written apart from dx: the residual's, where it differs
+    from x's (an fp32 stream under bf16 activations). None where there is no residual,
+    or where dx, in the same dtype, is dresidual too (d new_residual / d residual = 1)."""
+    return residual if residual is not None and residual != x_dtype else None
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Statistics and math run in fp32, or fp64 for fp64 inputs (gradcheck)."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -5,6 +5,7 @@ import torch
 from helpers import DEVICE, KERNEL_PATH
 
 import fuseblock
+from fuseblock.ops.norm import norm_op
 from fuseblock.spec import Act, Gate, NormSpec
 
 
@@ -97,7 +98,7 @@ def test_opcheck_fake_implementations():
     x, r = torch.randn(3, 16, requires_grad=True), torch.randn(3, 16, requires_grad=True)
     w = torch.randn(16, requires_grad=True)
     torch.library.opcheck(
-        torch.ops.fuseblock.norm_fwd.default,
+        norm_op.fwd_op,
         (x, r, None, w, None, NormSpec(True, 1.0, 1e-6, Gate.NONE, Act.UNUSED, 1).pack(), torch.float32, True),
         test_utils=("test_schema", "test_faketensor"),
     )
@@ -110,8 +111,8 @@ def test_backward_fake_gives_dw_db_the_parameters_dtypes():
     # it, where the kernels would need a launch for it): its fake says so
     x, w, b = torch.randn(3, 16).bfloat16(), torch.randn(16).bfloat16(), torch.randn(16).half()
     spec = NormSpec(True, 1.0, 1e-6, Gate.NONE, Act.UNUSED, 1).pack()
-    _, _, rstd, mean = torch.ops.fuseblock.norm_fwd(x, None, None, w, b, spec, None, True)
+    _, _, rstd, mean = norm_op.fwd_op(x, None, None, w, b, spec, None, True)
     args = (torch.randn_like(x), None, x, None, w, b, rstd, mean, spec, x.dtype, None)
-    torch.library.opcheck(torch.ops.fuseblock.norm_bwd.default, args, test_utils=("test_schema", "test_faketensor"))
-    dw, db = torch.ops.fuseblock.norm_bwd(*args)[3:]
+    torch.library.opcheck(norm_op.bwd_op, args, test_utils=("test_schema", "test_faketensor"))
+    dw, db = norm_op.bwd_op(*args)[3:]
     assert (dw.dtype, db.dtype) == (torch.bfloat16, torch.float16)

@@ -13,6 +13,8 @@ from ref64 import leaf64
 
 import fuseblock
 from fuseblock.kernels.norm import MAX_TILE_FWD, fwd_layout
+from fuseblock.ops.batch_norm import channel_norm_op
+from fuseblock.ops.embed_norm import embed_norm_op
 from fuseblock.ops.norm import uses_triton
 
 HALF = [torch.float16, torch.bfloat16]
@@ -171,9 +173,9 @@ def test_compile_fullgraph_traces_embed_and_batch_norm():
 def test_embed_norm_opcheck_fake_implementations():
     x = torch.randn(3, 16, requires_grad=True)
     tests = ("test_schema", "test_faketensor")
-    torch.library.opcheck(torch.ops.fuseblock.embed_norm_fwd.default, (x, 3, 1e-12), test_utils=tests)
-    _, n = torch.ops.fuseblock.embed_norm_fwd(x.detach(), 2, 1e-12)
-    torch.library.opcheck(torch.ops.fuseblock.embed_norm_bwd.default, (torch.randn(3, 16), x.detach(), n, 2, 1e-12))
+    torch.library.opcheck(embed_norm_op.fwd_op, (x, 3, 1e-12), test_utils=tests)
+    _, n = embed_norm_op.fwd_op(x.detach(), 2, 1e-12)
+    torch.library.opcheck(embed_norm_op.bwd_op, (torch.randn(3, 16), x.detach(), n, 2, 1e-12))
 
 
 EMBED_BAD = [
@@ -568,9 +570,9 @@ def test_channel_norms_second_derivatives_match_torch(op):
 @pytest.mark.kernel_only("the custom ops serve the Triton path")
 def test_channel_norm_opcheck_fake_implementations():
     x, w = torch.randn(3, 4, 5, requires_grad=True), torch.randn(4)
-    torch.library.opcheck(torch.ops.fuseblock.channel_norm_fwd.default, (x, w, None, False, 2, 1e-5))
-    _, mean, rstd = torch.ops.fuseblock.channel_norm_fwd(x.detach(), w, None, True, 0, 1e-5)
-    torch.library.opcheck(torch.ops.fuseblock.channel_norm_bwd.default,
+    torch.library.opcheck(channel_norm_op.fwd_op, (x, w, None, False, 2, 1e-5))
+    _, mean, rstd = channel_norm_op.fwd_op(x.detach(), w, None, True, 0, 1e-5)
+    torch.library.opcheck(channel_norm_op.bwd_op,
                           (torch.randn(3, 4, 5), x.detach(), w, None, mean, rstd, True, 0))
 
 

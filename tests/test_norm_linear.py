@@ -3,8 +3,9 @@ that keeps p and the row statistics for backward, never the normalized output.
 
 Values and every gradient against the composition in fp64 (tests/ref64.py, then
 F.linear) and against the unfused fuseblock.add_norm + F.linear in the same dtype; what
-is saved for backward; the GPT's activation memory against its naive twin (the figure
-`bench.py memory` reports); torch.compile, torch.func, autocast; bad arguments.
+is saved for backward; the torch path's backward (reference.norm_grads) against autograd;
+the GPT's activation memory against its naive twin (the figure `bench.py memory`
+reports); torch.compile, torch.func, autocast; bad arguments.
 """
 import gc
 
@@ -107,6 +108,34 @@ def test_kernel_path_one_forward_launch_and_one_recompute_in_backward(launches):
     assert launches("fwd", "bwd") == (1, 0)
     _grads(y, new_res, [x, r, nw, nb, w, b])
     assert launches("fwd", "bwd") == (2, 1)  # the rebuilt output for dW, then the norm's backward
+
+
+@pytest.mark.parametrize("kind,c,offset,native", [
+    ("rms", None, 0.0, False), ("layer", None, 1.0, False), ("layer", None, 1.0, True), ("l2", None, 0.0, False),
+    ("rms", 2.0, 0.5, False),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_the_torch_paths_backward_is_autograds(kind, c, offset, native, dtype):
+    """reference.norm_grads, the one torch backward of the norm (norm_linear's, and the
+    traffic tool's RMS norm's), from what norm_and_stats saved: the closed form (any
+    norm) and torch's layer norm backward (the plain layer norm), against autograd
+    through the reference's composition in fp64. c=2 and l2: a scale other than 1."""
+    from fuseblock import reference
+    from fuseblock.spec import NormSpec
+
+    spec = NormSpec.of(D, kind=kind, c=c, eps=1e-6, num_groups=1, gate_act=None, gate_position=None,
+                       weight_offset=offset)
+    p, do = torch.randn(6, D, dtype=dtype), torch.randn(6, D, dtype=dtype)
+    w, b = (1 + 0.3 * torch.randn(D)).to(dtype), (0.2 * torch.randn(D)).to(dtype)
+    _, _, rstd, mean, ran_native = reference.norm_and_stats(p, None, w, b, spec, None)
+    assert ran_native == (kind == "layer")
+    r = None if native else reference.normalized(p, rstd, mean, spec)
+    got = reference.norm_grads(do, p, r, rstd, mean, w, b, spec, native, True, True)
+    leaves = [leaf64(t) for t in (p, w, b)]
+    out64 = reference.norm_out(leaves[0], None, leaves[1], leaves[2], spec)[0]
+    for name, g, e in zip(("dp", "dw", "db"), got, torch.autograd.grad(out64, leaves, do.double()), strict=True):
+        assert g.dtype == dtype, name
+        assert_close(g, e, dtype, name)
 
 
 def _saved(fn):

@@ -127,3 +127,26 @@ def test_persistent_grids_shrink_to_one_wave_once_compiled(monkeypatch, config, 
     assert any(before[name] > 1.05 for name in persistent)  # a second, partly idle wave: the default's cost
     for name in persistent:
         assert after[name] <= 1.0, (name, before[name], after[name])
+
+
+@pytest.mark.parametrize("x_dtype,res_dtype,residual_dtype", [
+    (torch.bfloat16, None, None), (torch.bfloat16, None, torch.float32), (torch.bfloat16, torch.bfloat16, None),
+    (torch.bfloat16, torch.float32, None), (torch.float32, torch.bfloat16, None),
+    (torch.bfloat16, torch.bfloat16, torch.float32),
+], ids=str)
+def test_the_launches_store_what_add_norm_stores(x_dtype, res_dtype, residual_dtype):
+    """norm_launches compiles the variants add_norm runs: new_residual written (RO) only
+    where add_norm stores one, in its dtype; its gradient read (DRO) only then; a
+    separate dresidual (DR) only in a residual dtype other than x's."""
+    import fuseblock
+
+    x, w = torch.randn(8, 64, dtype=x_dtype), torch.randn(64, dtype=x_dtype)
+    residual = None if res_dtype is None else torch.randn(8, 64, dtype=res_dtype)
+    _, new_res = fuseblock.add_norm(x, residual, w, residual_dtype=residual_dtype)
+    stored = None if new_res is x else new_res.dtype
+    fwd, bwd = (dict(zip(ln.fn.arg_names, ln.args, strict=False)) for ln in
+                norm_launches(x, residual, w, residual_dtype=residual_dtype)[:2])
+    assert (None if fwd["RO"] is None else fwd["RO"].dtype) == stored
+    assert (bwd["DRO"] is None) == (stored is None)
+    separate = res_dtype if res_dtype not in (None, x_dtype) else None
+    assert (None if bwd["DR"] is None else bwd["DR"].dtype) == separate

@@ -144,8 +144,8 @@ def _graph_grads(ctx, grad_outputs):
     return tuple(None if t is None or got.get(id(t)) is None else got[id(t)].to(t.dtype) for t in (x, weight, bias))
 
 
-_channel_op = FusedOp("channel_norm", _fwd, _fwd_fake, _bwd, _bwd_fake, _setup, _grads, stats=(1, 2),
-                      graph_grads=_graph_grads, eager_fwd=_eager_fwd)
+channel_norm_op = FusedOp("channel_norm", _fwd, _fwd_fake, _bwd, _bwd_fake, _setup, _grads, stats=(1, 2),
+                          graph_grads=_graph_grads, eager_fwd=_eager_fwd)
 
 
 def _kernel_path(x: Tensor) -> bool:
@@ -231,13 +231,13 @@ def batch_norm(
     if not _kernel_path(x):
         return _torch_batch_norm(x, running_mean, running_var, weight, bias, momentum, float(eps))
     if running_mean is None:
-        return _channel_op(x, weight, bias, True, 0, float(eps))[0]
+        return channel_norm_op(x, weight, bias, True, 0, float(eps))[0]
     if torch.compiler.is_compiling():  # the custom op mutates nothing: the update is torch ops here
-        y, mean, rstd = _channel_op(x, weight, bias, True, 0, float(eps))
+        y, mean, rstd = channel_norm_op(x, weight, bias, True, 0, float(eps))
         _update_running(running_mean, running_var, mean, rstd, momentum, eps, rows)
         return y
-    return _channel_op(x, weight, bias, True, 0, float(eps), running_mean=running_mean, running_var=running_var,
-                       momentum=float(momentum))[0]
+    return channel_norm_op(x, weight, bias, True, 0, float(eps), running_mean=running_mean, running_var=running_var,
+                           momentum=float(momentum))[0]
 
 
 def group_norm(
@@ -252,7 +252,7 @@ def group_norm(
         raise ValueError(f"num_groups must be >= 1 and divide the channel count {n_ch}, got {num_groups}")
     check_eps(eps)
     if _kernel_path(x):
-        return _channel_op(x, weight, bias, False, int(num_groups), float(eps))[0]
+        return channel_norm_op(x, weight, bias, False, int(num_groups), float(eps))[0]
     # the torch path: the core op with groups
     if length > 1:  # per channel -> per column of the flattened sample
         weight = None if weight is None else weight.repeat_interleave(length)

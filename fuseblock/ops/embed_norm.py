@@ -75,7 +75,7 @@ def _grads(ctx, grad_outputs, bwd):
     return (bwd(dy, x, n, ctx.ord, ctx.eps),)
 
 
-_embed_norm_op = FusedOp("embed_norm", _fwd, _fwd_fake, _bwd, _bwd_fake, _setup, _grads, stats=(1,))
+embed_norm_op = FusedOp("embed_norm", _fwd, _fwd_fake, _bwd, _bwd_fake, _setup, _grads, stats=(1,))
 
 
 def embed_norm(x: Tensor, ord: str = "l2", eps: float = 1e-12) -> Tensor:
@@ -93,4 +93,4 @@ def embed_norm(x: Tensor, ord: str = "l2", eps: float = 1e-12) -> Tensor:
     # the torch path, and torch.func transforms, run plain torch ops (see fuseblock.ops.norm.apply_norm)
     if not uses_triton(x) or func_transforms_active():
         return torch_fwd(x, ORDS[ord], float(eps))[0]
-    return _embed_norm_op(x, int(ORDS[ord]), float(eps))[0]
+    return embed_norm_op(x, int(ORDS[ord]), float(eps))[0]

@@ -18,7 +18,7 @@ from torch.compiler import is_compiling
 from torch.utils.checkpoint import CheckpointError
 
 from .. import reference
-from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, acc_dtype, stored_dtype
+from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, acc_dtype, new_residual_dtype, residual_grad_dtype
 from .checks import default_eps, resolve
 from .dispatch import func_transforms_active, kernels, kernels_take_cpu, uses_triton
 from .registry import FusedOp
@@ -98,14 +98,13 @@ def _grads(ctx, grad_outputs, norm_bwd):
     if dout is None:
         dout = torch.zeros(p.shape, dtype=ctx.x_dtype, device=p.device)
     dres = dnew_res if ctx.stored else None  # else new_residual is x: autograd routes it
-    separate = ctx.residual_dtype is not None and ctx.residual_dtype != ctx.x_dtype
+    rgrad_dtype = residual_grad_dtype(ctx.x_dtype, ctx.residual_dtype)
     dx, dres_sep, dgate, dw, db = norm_bwd(
-        dout, dres, p, gate, weight, bias, rstd, mean, ctx.spec.pack(), ctx.x_dtype,
-        ctx.residual_dtype if separate else None,
+        dout, dres, p, gate, weight, bias, rstd, mean, ctx.spec.pack(), ctx.x_dtype, rgrad_dtype,
     )
     return (
         dx,
-        None if ctx.residual_dtype is None else (dres_sep if separate else dx),
+        None if ctx.residual_dtype is None else (dx if rgrad_dtype is None else dres_sep),
         dgate if gate is not None else None,
         dw if weight is not None else None,  # in the weight's and bias's dtypes already: no cast launched
         db if bias is not None else None,
@@ -137,7 +136,7 @@ def _graph_grads(ctx, grad_outputs):
     return dx, dresidual, found.get(id(gate)), found.get(id(weight)), found.get(id(bias))
 
 
-_norm_op = FusedOp("norm", _fwd, _fwd_fake, _bwd, _bwd_fake, _setup, _grads, stats=(2, 3), graph_grads=_graph_grads)
+norm_op = FusedOp("norm", _fwd, _fwd_fake, _bwd, _bwd_fake, _setup, _grads, stats=(2, 3), graph_grads=_graph_grads)
 
 
 def apply_norm(x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], weight: Optional[Tensor],
@@ -153,7 +152,7 @@ def apply_norm(x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], we
         return reference.norm_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats)
     need_stats = need_stats or (torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, residual, gate, weight, bias)))
-    return _norm_op(x, residual, gate, weight, bias, spec.pack(), residual_dtype, need_stats)
+    return norm_op(x, residual, gate, weight, bias, spec.pack(), residual_dtype, need_stats)
 
 
 _F32, _F64 = torch.float32, torch.float64
@@ -256,10 +255,9 @@ def add_norm(
         gate_position=gate_position, num_groups=num_groups, residual_dtype=residual_dtype,
         weight_offset=weight_offset,
     )
-    rdtype = stored_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
-    store = residual is not None or rdtype != x.dtype
-    out, new_res, _, _ = apply_norm(x, residual, gate, weight, bias, spec, rdtype if store else None)
-    return out, (new_res if store else x)
+    rdtype = new_residual_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
+    out, new_res, _, _ = apply_norm(x, residual, gate, weight, bias, spec, rdtype)
+    return out, (x if rdtype is None else new_res)
 
 
 def norm(

@@ -29,16 +29,24 @@ class FusedOp:
       keywords `extra`: side effects the custom op cannot declare (torch.library gives no
       autograd formula to an op that mutates its arguments), such as batch norm updating
       its running buffers in the forward's own launch. Compiled code passes none.
+
+    `fwd_op` and `bwd_op` are the registered custom ops (`torch.ops.fuseblock.<name>_fwd`
+    and `_bwd`, the overloads a traced graph holds): code that calls the launchers under
+    torch.compile, and tests that look for the ops in a graph, take them from here
+    rather than naming them by string.
     """
 
     def __init__(self, name: str, fwd: Callable, fwd_fake: Callable, bwd: Callable, bwd_fake: Callable,
                  setup: Callable, grads: Callable, stats: tuple[int, ...] = (),
                  graph_grads: Callable | None = None, eager_fwd: Callable | None = None):
         n_inputs = len(inspect.signature(fwd).parameters)
-        fwd_op = torch.library.custom_op(f"fuseblock::{name}_fwd", fwd, mutates_args=())
-        fwd_op.register_fake(fwd_fake)
-        bwd_op = torch.library.custom_op(f"fuseblock::{name}_bwd", bwd, mutates_args=())
-        bwd_op.register_fake(bwd_fake)
+        fwd_def = torch.library.custom_op(f"fuseblock::{name}_fwd", fwd, mutates_args=())
+        fwd_def.register_fake(fwd_fake)
+        bwd_def = torch.library.custom_op(f"fuseblock::{name}_bwd", bwd, mutates_args=())
+        bwd_def.register_fake(bwd_fake)
+        # the overloads the CustomOpDefs call, and which a traced graph holds
+        fwd_op = getattr(torch.ops.fuseblock, f"{name}_fwd").default
+        bwd_op = getattr(torch.ops.fuseblock, f"{name}_bwd").default
 
         def pad(found: tuple) -> tuple:
             return found + (None,) * (n_inputs - len(found))
@@ -64,15 +72,16 @@ class FusedOp:
                 return (None, *pad(grads(ctx, grad_outputs, bwd)))  # None: for `extra`
 
         Eager.__name__ = Eager.__qualname__ = f"Eager_{name}"
-        self._fwd_op, self._eager, self._eager_fwd = fwd_op, Eager, eager_fwd
+        self.fwd_op, self.bwd_op = fwd_op, bwd_op
+        self._eager, self._eager_fwd = Eager, eager_fwd
 
     def __call__(self, *inputs, **extra):
         """Run the op: the custom op while torch.compile traces, else the eager Function
         (with `extra` for `eager_fwd`: never while compiling)."""
         if torch.compiler.is_compiling():
             if extra:
-                raise RuntimeError(f"{self._fwd_op}: eager-only arguments {sorted(extra)} while compiling")
-            return self._fwd_op(*inputs)
+                raise RuntimeError(f"{self.fwd_op}: eager-only arguments {sorted(extra)} while compiling")
+            return self.fwd_op(*inputs)
         if extra and self._eager_fwd is None:
-            raise TypeError(f"{self._fwd_op} takes no eager-only arguments, got {sorted(extra)}")
+            raise TypeError(f"{self.fwd_op} takes no eager-only arguments, got {sorted(extra)}")
         return self._eager.apply(extra, *inputs)

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 
 import fuseblock
 
+from .. import reference
+from ..spec import NormSpec
 from .traffic import charge, uncounted
 
 OPS = ["norm", "add_norm", "add_norm_layer", "add_norm_fp32_residual", "pre_gate", "post_gate", "post_gate_residual"]
@@ -62,11 +64,11 @@ class OneKernelRMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         x, w, rstd = ctx.saved_tensors
+        spec = NormSpec.of(x.shape[-1], kind="rms", c=None, eps=1e-6, num_groups=1, gate_act=None, gate_position=None)
         with uncounted():
-            r = x.to(rstd.dtype) * rstd
-            dr = dout.to(rstd.dtype) * w.to(rstd.dtype)
-            dx = (rstd * (dr - r * (dr * r).mean(-1, keepdim=True))).to(x.dtype)
-            dw = (dout.to(rstd.dtype) * r).sum(0).to(w.dtype)
+            r = reference.normalized(x, rstd, None, spec)
+            dx, dw, _ = reference.norm_grads(dout, x, r, rstd, None, w, None, spec, False, True, False)
+            dx, dw = dx.to(x.dtype), dw.to(w.dtype)
         charge("rms_norm_backward (one kernel)", [dout, x, rstd, w], [dx, dw])
         return dx, dw
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..spec import residual_grad_dtype
 from .cases import fused, leaves, naive, op_inputs
 from .traffic import EagerTraffic, KernelTraffic
 
@@ -32,8 +33,8 @@ def minimum_bytes(x, residual, kw, out, new_res) -> tuple[int, int]:
     fwd_out = out.nbytes + (new_res.nbytes if new_res is not None else 0)
     p_bytes = new_res.nbytes if new_res is not None else x.nbytes
     bwd_in = p_bytes + out.nbytes + (new_res.nbytes if new_res is not None else 0) + gate
-    separate = residual is not None and residual.dtype != x.dtype  # else dx is also dresidual
-    bwd_out = x.nbytes + (residual.nbytes if separate else 0) + gate
+    separate = residual is not None and residual_grad_dtype(x.dtype, residual.dtype) is not None
+    bwd_out = x.nbytes + (residual.nbytes if separate else 0) + gate  # else dx is also dresidual
     return fwd_in + fwd_out, bwd_in + bwd_out
 
 

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from ..spec import new_residual_dtype, residual_grad_dtype
+
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
            torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.bool: "i1"}
 
@@ -158,12 +160,12 @@ def norm_launches(x, residual=None, weight=None, bias=None, gate=None, *, kind="
 
     spec = resolve(x, residual, weight, bias, gate, kind=kind, c=None, eps=1e-6, gate_act=gate_act,
                    gate_position=gate_position, num_groups=num_groups, residual_dtype=residual_dtype)
-    rdtype = residual_dtype or x.dtype
+    rin = None if residual is None else residual.dtype
+    rdtype = new_residual_dtype(x.dtype, rin, residual_dtype)  # what add_norm stores: None, or its dtype
     with captured_launches(kernels, compiled=compiled) as out:
         _, new_res, rstd, mean = kernels.norm_fwd(x, residual, gate, weight, bias, spec, rdtype, True)
         p = x if new_res is None else new_res
-        dres = None if residual is None else torch.empty_like(p)
-        separate = residual is not None and residual.dtype != x.dtype
+        dres = None if new_res is None else torch.empty_like(p)
         kernels.norm_bwd(torch.empty_like(x), dres, p, gate, weight, bias, rstd, mean, spec, x.dtype,
-                         residual.dtype if separate else None)
+                         residual_grad_dtype(x.dtype, rin))
     return out

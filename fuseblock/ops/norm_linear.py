@@ -1,0 +1,178 @@
+"""`norm_linear`: a norm and the Linear that consumes it, as one autograd node.
+
+    new_residual = x + residual,   y = Linear(norm(new_residual))
+
+Unfused, the norm's output lives until backward because the Linear saves its input for
+its weight gradient. Here only p (the stored new_residual, or x), the row statistics
+(rstd, and mean for a layer norm) and the weights are saved; backward rebuilds the
+normalized output from them in one elementwise pass over p, then forms the Linear's
+dW = dy^T out and the norm's gradient from dout = dy W. That saves one activation of
+the norm's width per norm + Linear pair, for one extra read of p in backward.
+
+Dispatch as `fuseblock.ops.norm`'s: the Triton kernels (the norm op's launchers, or its
+registered custom ops while torch.compile traces), else the torch path (the reference's
+norm with its statistics and `reference.norm_grads`); under a torch.func transform the
+plain composition.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import reference
+from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, new_residual_dtype, residual_grad_dtype
+from .checks import check_tensor, resolve
+from .dispatch import func_transforms_active, kernels, uses_triton
+from .norm import apply_norm, norm_op
+
+
+def _kernel_out(p: Tensor, weight, bias, spec: NormSpec) -> Tensor:
+    """The norm's output rebuilt by the forward kernel on p: one launch that reads p and
+    writes out (the statistics are recomputed in registers, which costs no traffic), and
+    the same rounding as the forward's output. The registered op while torch.compile
+    traces (opaque to it, with a fake), else the launcher itself (no dispatcher cost)."""
+    if torch.compiler.is_compiling():
+        return norm_op.fwd_op(p, None, None, weight, bias, spec.pack(), None, False)[0]
+    return kernels("norm", p).norm_fwd(p, None, None, weight, bias, spec, None, False)[0]
+
+
+def _kernel_norm_grads(dout, dres, p, weight, bias, rstd, mean, spec: NormSpec, x_dtype, rgrad_dtype):
+    """(dx, dresidual or None, dweight, dbias) from the Triton backward."""
+    if torch.compiler.is_compiling():
+        dx, dr, _, dw, db = norm_op.bwd_op(dout, dres, p, None, weight, bias, rstd, mean, spec.pack(), x_dtype,
+                                           rgrad_dtype)
+    else:
+        dx, dr, _, dw, db = kernels("norm", p).norm_bwd(dout, dres, p, None, weight, bias, rstd, mean, spec, x_dtype,
+                                                        rgrad_dtype)
+    return dx, (dr if rgrad_dtype is not None else None), dw, db
+
+
+class _NormLinear(torch.autograd.Function):
+    """Inputs (x, residual, norm_weight, norm_bias, weight, bias, spec, residual_dtype);
+    outputs (y, new_residual or None). residual_dtype None: no residual is stored, and
+    p is x itself (the caller returns x as new_residual, so autograd routes its gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, residual, norm_weight, norm_bias, weight, bias, spec: NormSpec, residual_dtype):
+        ctx.kernel, ctx.native = uses_triton(x), False
+        with torch.no_grad():  # the statistics are wanted here, not a graph of the norm
+            if ctx.kernel:
+                out, new_res, rstd, mean = apply_norm(x, residual, None, norm_weight, norm_bias, spec, residual_dtype,
+                                                      need_stats=True)
+            else:
+                out, new_res, rstd, mean, ctx.native = reference.norm_and_stats(x, residual, norm_weight, norm_bias,
+                                                                                spec, residual_dtype)
+            y = F.linear(out, weight, bias)
+        del out  # the point of the op: nothing keeps the normalized rows alive past here
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(new_res if residual_dtype is not None else x, norm_weight, norm_bias, weight, rstd,
+                              mean if spec.center else None)
+        ctx.spec = spec
+        ctx.x_dtype, ctx.y_dtype = x.dtype, y.dtype  # y's differs under autocast, which lowers the Linear
+        ctx.residual_dtype = None if residual is None else residual.dtype
+        ctx.stored = residual_dtype is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y, new_res
+
+    @staticmethod
+    def backward(ctx, dy, dnew_res):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "fuseblock.norm_linear does not support double backward (create_graph=True): its backward "
+                "rebuilds the normalized output from saved statistics. Use the unfused norm and nn.Linear there.")
+        p, nw, nb, weight, rstd, mean = ctx.saved_tensors
+        spec, needs = ctx.spec, ctx.needs_input_grad
+        d, n_out = p.shape[-1], weight.shape[0]
+        p2 = p.reshape(-1, d)
+        dy2 = dy.reshape(-1, n_out) if dy is not None else p2.new_zeros((p2.shape[0], n_out), dtype=ctx.y_dtype)
+        dres = dnew_res.reshape(-1, d) if ctx.stored and dnew_res is not None else None
+        need_norm = any(needs[:4])
+        # The Linear's gradients in y's dtype, cast back to the parameters' and x's, as
+        # autograd does through autocast's casts (all no-ops without autocast).
+        lin = ctx.y_dtype
+        dx = dresidual = dnw = dnb = None
+        rgrad_dtype = residual_grad_dtype(ctx.x_dtype, ctx.residual_dtype)
+        # the torch path's rebuilt r = q * rstd: the one extra elementwise pass over p
+        r = None if ctx.kernel or not (needs[4] or (need_norm and not ctx.native)) \
+            else reference.normalized(p2, rstd, mean, spec)
+        if need_norm:
+            dout = dy2.mm(weight.to(lin)).to(ctx.x_dtype)  # (M, d), the gradient at the norm's output
+            if ctx.kernel:
+                dx, dr, dnw, dnb = _kernel_norm_grads(dout, dres, p2, nw, nb, rstd, mean, spec, ctx.x_dtype,
+                                                      rgrad_dtype)
+            else:
+                dp, dnw, dnb = reference.norm_grads(dout, p2, r, rstd, mean, nw, nb, spec, ctx.native,
+                                                    nw is not None and needs[2], nb is not None and needs[3])
+                if dres is not None:
+                    dp = dp + dres.to(dp.dtype)
+                dx = dp.to(ctx.x_dtype)
+                dr = None if rgrad_dtype is None else dp.to(rgrad_dtype)
+            dx = dx.reshape(p.shape)
+            dresidual = None if ctx.residual_dtype is None else (dx if rgrad_dtype is None else dr.reshape(p.shape))
+        dweight = None
+        if needs[4]:  # the Linear's input, rebuilt (the kernel path: one launch on p; torch: r, in place)
+            out = _kernel_out(p2, nw, nb, spec) if ctx.kernel else reference.affine_(r, spec, nw, nb)
+            dweight = dy2.t().mm(out.to(ctx.x_dtype).to(lin)).to(weight.dtype)  # rounded as the forward's was
+        return (
+            dx, dresidual,
+            dnw.to(nw.dtype) if nw is not None and needs[2] else None,
+            dnb.to(nb.dtype) if nb is not None and needs[3] else None,
+            dweight, dy2.sum(0).to(ctx.bias_dtype) if needs[5] else None, None, None,
+        )
+
+
+def _check_linear(x: Tensor, weight, bias) -> None:
+    check_tensor("weight", weight, x)
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"weight must have shape (out_features, {x.shape[-1]}), got {tuple(weight.shape)}")
+    # The Linear runs on the norm's output, which has x's dtype; autocast casts both.
+    if weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    if bias is not None:
+        check_tensor("bias", bias, x)
+        if tuple(bias.shape) != (weight.shape[0],) or bias.dtype != weight.dtype:
+            raise ValueError(f"bias must be a ({weight.shape[0]},) tensor of weight's dtype, got "
+                             f"{tuple(bias.shape)} {bias.dtype}")
+
+
+def norm_linear(
+    x: Tensor,
+    residual: Tensor | None,
+    norm_weight: Tensor | None,
+    norm_bias: Tensor | None,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    kind: str = "rms",
+    eps: float | None = 1e-6,
+    weight_offset: float = 0.0,
+    residual_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
+    """`y = F.linear(norm(x + residual), weight, bias)`: returns (y, new_residual).
+
+    The norm is `fuseblock.add_norm(x, residual, norm_weight, norm_bias, kind=kind,
+    eps=eps, weight_offset=weight_offset, residual_dtype=residual_dtype)` (same
+    defaults: new_residual in torch.promote_types(x, residual), x itself when residual
+    is None). Its output is not kept for backward: only p, the row statistics and the
+    weights are, and backward rebuilds the output in one elementwise pass. Double
+    backward is refused.
+    """
+    check_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the normalized last dim)")
+    for name, t in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
+        if t is not None:
+            check_tensor(name, t, x)
+            if tuple(t.shape) != (x.shape[-1],):
+                raise ValueError(f"{name} must have shape ({x.shape[-1]},), got {tuple(t.shape)}")
+    _check_linear(x, weight, bias)
+    spec = resolve(x, residual, norm_weight, norm_bias, None, kind=kind, c=None, eps=eps, gate_act=DEFAULT_GATE_ACT,
+                   gate_position=DEFAULT_GATE_POSITION, num_groups=1, residual_dtype=residual_dtype,
+                   weight_offset=weight_offset)
+    rdtype = new_residual_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
+    if func_transforms_active():  # vmap, grad, jvp: the plain composition, which they see through
+        out, new_res, _, _ = reference.norm_fwd(x, residual, None, norm_weight, norm_bias, spec, rdtype, False)
+        return F.linear(out, weight, bias), (x if rdtype is None else new_res)
+    y, new_res = _NormLinear.apply(x, residual, norm_weight, norm_bias, weight, bias, spec, rdtype)
+    return y, (x if rdtype is None else new_res)
