@@ -16,7 +16,6 @@ import torch
 from torch import Tensor, nn
 
 from . import reference
-from .norm_linear import norm_linear
 from .ops.checks import (
     check_flag,
     check_float_dtype,
@@ -27,6 +26,7 @@ from .ops.checks import (
     resolve,
 )
 from .ops.norm import add_norm
+from .ops.norm_linear import norm_linear
 from .spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION
 
 

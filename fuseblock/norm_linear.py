@@ -34,7 +34,7 @@ class NormLinear(nn.Module):
         bias: bool = True,
         *,
         kind: str = "rms",
-        eps: float = 1e-6,
+        eps: float | None = None,
         norm_bias: bool = False,
         weight_offset: float = 0.0,
         residual_dtype: torch.dtype | None = None,
@@ -49,10 +49,10 @@ class NormLinear(nn.Module):
         check_number("weight_offset", weight_offset)
         check_float_dtype("dtype", dtype)
         check_float_dtype("residual_dtype", residual_dtype)
-        check_options(in_features, kind=kind, c=None, eps=eps, num_groups=1, gate_act=DEFAULT_GATE_ACT,
-                      gate_position=DEFAULT_GATE_POSITION)
+        check_options(in_features, kind=kind, c=None, eps=0.0 if eps is None else eps, num_groups=1,
+                      gate_act=DEFAULT_GATE_ACT, gate_position=DEFAULT_GATE_POSITION)  # eps=None: torch's, per call
         self.in_features, self.out_features = int(in_features), int(out_features)
-        self.kind, self.eps, self.weight_offset = kind, float(eps), float(weight_offset)
+        self.kind, self.eps, self.weight_offset = kind, None if eps is None else float(eps), float(weight_offset)
         self.residual_dtype = residual_dtype
         factory = dict(device=device, dtype=dtype)
         self.weight = nn.Parameter(torch.empty((out_features, in_features), **factory))

@@ -145,7 +145,7 @@ def norm_linear(
     bias: Tensor | None = None,
     *,
     kind: str = "rms",
-    eps: float | None = 1e-6,
+    eps: float | None = None,
     weight_offset: float = 0.0,
     residual_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
