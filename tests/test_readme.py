@@ -1,4 +1,5 @@
 """The README's Python examples run verbatim, in order, in one namespace, so the docs cannot rot."""
+import ast
 import pathlib
 import re
 
@@ -51,3 +52,40 @@ def test_readme_wheel_name_has_the_current_version():
 
     names = re.findall(r"fuseblock-([\w.]+)-py3-none-any\.whl", README.read_text())
     assert names and set(names) == {fuseblock.__version__}
+
+
+def _layout_entries() -> dict[str, str]:
+    """The README's layout block as {path at the line's start: the text describing it}."""
+    section = README.read_text().split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```\n(.*?)```", section, re.S).group(1)
+    entries: dict[str, str] = {}
+    current = None
+    for line in block.splitlines():
+        if line[:1].strip():
+            current = line.split()[0]
+            entries[current] = line[len(current):]
+        elif current is not None:
+            entries[current] += " " + line.strip()
+    return entries
+
+
+def test_readme_layout_names_every_module_of_the_package():
+    # A file is named by its own path, or by its name (relative to the folder) in the text of
+    # its folder's entry. The subpackages' __init__.py files are left out: they hold only a
+    # docstring (checked here, so that stays true), and their folder is named.
+    entries = _layout_entries()
+    package = README.parent / "fuseblock"
+    missing = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(README.parent).as_posix()
+        if path.name == "__init__.py" and path.parent != package:
+            body = ast.parse(path.read_text()).body
+            assert len(body) == 1 and isinstance(body[0], ast.Expr), f"{rel} holds code: name it in the layout"
+            continue
+        named = rel in entries or any(
+            folder.endswith("/") and rel.startswith(folder)
+            and re.search(r"(?<![\w/.])" + re.escape(rel[len(folder):]) + r"(?!\w)", text)
+            for folder, text in entries.items())
+        if not named:
+            missing.append(rel)
+    assert not missing, f"README.md's layout section names none of {missing}"
