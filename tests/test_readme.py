@@ -1,4 +1,5 @@
-"""The README's Python examples run verbatim, in order, in one namespace, so the docs cannot rot."""
+"""The README's Python examples run verbatim, in order, in one namespace; its commands,
+layout and pointers, and docs/'s, say what the repository holds, so the docs cannot rot."""
 import ast
 import pathlib
 import re
@@ -89,3 +90,25 @@ def test_readme_layout_names_every_module_of_the_package():
         if not named:
             missing.append(rel)
     assert not missing, f"README.md's layout section names none of {missing}"
+
+
+DOCS = [README, *sorted((README.parent / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_docs_point_only_into_the_repository(doc):
+    # a reader has the repository: no path above it (the spec is docs/math.md), no issue numbers
+    text = doc.read_text()
+    for ref in re.findall(r"\.\./[\w./-]*", text):
+        target = (doc.parent / ref).resolve()
+        assert target.is_relative_to(README.parent) and target.exists(), f"{doc.name}: {ref} is outside the repository"
+    found = re.findall(r"\bissues?[ -]#?\d[\d.]*", text, re.IGNORECASE)
+    assert not found, f"{doc.name}: {found}: say what changed (or the version), not the issue"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_docs_run_python_from_the_venv(doc):
+    # a bare `python` has no torch (nothing is installed outside .venv); `python3 -m venv`
+    # makes one, and PY=python is make's own option for an interpreter already set up
+    bare = re.findall(r"(?<![\w/.=\\-])python3?(?= (?:scripts/|tools/|-m (?!venv)|-c ))", doc.read_text())
+    assert not bare, f"{doc.name}: {len(bare)} commands with a bare python: use .venv/bin/python"
