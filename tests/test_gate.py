@@ -64,8 +64,8 @@ def test_identity_gate_is_named_identity_and_none_is_its_alias(name, position):
     x, r, z = (torch.randn(4, 24, dtype=torch.float32, requires_grad=True) for _ in range(3))
     w = torch.randn(24, requires_grad=True)
     out, _ = fuseblock.add_norm(x, r, w, gate=z, gate_act=name, gate_position=position)
-    F = torch.nn.functional
-    ref = F.rms_norm((x + r) * z, (24,), w, eps=1e-6) if position == "pre" else F.rms_norm(x + r, (24,), w, eps=1e-6) * z
+    rms = torch.nn.functional.rms_norm
+    ref = rms((x + r) * z, (24,), w, eps=1e-6) if position == "pre" else rms(x + r, (24,), w, eps=1e-6) * z
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     dy = torch.randn_like(out)
     got = torch.autograd.grad(out, (x, r, z, w), dy)
