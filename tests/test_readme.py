@@ -112,3 +112,19 @@ def test_docs_run_python_from_the_venv(doc):
     # makes one, and PY=python is make's own option for an interpreter already set up
     bare = re.findall(r"(?<![\w/.=\\-])python3?(?= (?:scripts/|tools/|-m (?!venv)|-c ))", doc.read_text())
     assert not bare, f"{doc.name}: {len(bare)} commands with a bare python: use .venv/bin/python"
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py", "train_hf.py"])
+def test_script_help_gives_every_options_default(script):
+    # README: "--help gives each one's meaning and default"; a switch (no value) has none to
+    # give, and a required option says so instead
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, str(README.parent / "scripts" / script), "--help"], capture_output=True,
+                       text=True, timeout=120, check=True)
+    options = re.split(r"\n  (?=-)", p.stdout.split("options:", 1)[1])[1:]
+    takes_value = [o for o in options if re.match(r"(?:-\w, )?--[\w-]+ [A-Z_{]", o)]
+    assert takes_value, p.stdout
+    missing = [o.split()[0] for o in takes_value if not re.search(r"\(default|\(required\)", " ".join(o.split()))]
+    assert not missing, f"{script} --help gives no default for {missing}"
