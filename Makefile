@@ -13,7 +13,8 @@ $(STAMP): pyproject.toml
 	# torch first, pinned to the CPU wheel, so the range in pyproject installs nothing more
 	# (a bare torch requirement on a machine with no torch pulls a multi-GB CUDA build).
 	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[train,test,lint,hf]"
+	# triton: the kernel tests run them through its interpreter (the CPU torch brings none)
+	$(PY) -m pip install --quiet -e ".[triton,train,test,lint,hf]"
 	touch $(STAMP)
 
 train: $(STAMP)
@@ -41,7 +42,7 @@ test-kernels: $(STAMP)
 # .venv-floor: the declared floors exactly (tools/floor_env.py reads them from pyproject.toml).
 $(FLOOR_STAMP): pyproject.toml tools/floor_env.py
 	test -x $(FLOOR_PY) || python3 -m venv .venv-floor
-	$(FLOOR_PY) tools/floor_env.py --extra train
+	$(FLOOR_PY) tools/floor_env.py --extra triton --extra train
 	touch $(FLOOR_STAMP)
 
 test-floor: $(FLOOR_STAMP)
@@ -53,6 +54,8 @@ wheel: $(STAMP)
 	rm -rf build
 	$(PY) -m pip wheel --quiet --no-deps . -w dist
 
+# the bytes every op moves, counted through Triton's interpreter: about 23 minutes on a 2-core
+# CPU (`scripts/bench.py traffic --quick`: under a minute of CPU time)
 bench: $(STAMP)
 	$(PY) scripts/bench.py traffic
 

@@ -42,8 +42,9 @@ class Ord(IntEnum):
     MAX = 3
 
 
-# the user-facing names
-GATE_ACTS = {"none": Act.IDENTITY, "sigmoid": Act.SIGMOID, "silu": Act.SILU, "swish": Act.SILU}
+# the user-facing names; "none" and "swish" are aliases ("none" was the identity's first name)
+GATE_ACTS = {"identity": Act.IDENTITY, "none": Act.IDENTITY, "sigmoid": Act.SIGMOID, "silu": Act.SILU,
+             "swish": Act.SILU}
 GATE_POSITIONS = {"pre": Gate.PRE, "post": Gate.POST}
 ORDS = {"l1": Ord.L1, "l2": Ord.L2, "max": Ord.MAX}
 DEFAULT_GATE_ACT = "silu"

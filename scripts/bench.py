@@ -1,6 +1,10 @@
 """Benchmarks, each printing a markdown table (--json: one JSON row per line).
 
-    python scripts/bench.py traffic [--quick]   bytes moved: Triton kernels (interpreter) vs naive eager vs minimum
+    python scripts/bench.py traffic [--quick]   bytes moved: Triton kernels (interpreter) vs naive eager vs minimum;
+                                                slow: every op at 256, 2048 and 16384 rows took about 23 minutes
+                                                on a 2-core CPU; --quick (256 and 2048 rows, d = 256) takes 44 s
+                                                of CPU time (5.5 minutes wall at load average 8); --ops, --rows
+                                                and --d pick a part
     python scripts/bench.py memory  [--quick]   bytes saved for backward per layer per token, fused vs naive GPT
     python scripts/bench.py speed   [--quick] [--repeats N]  CPU training-step time: naive, fused, torch.compile of each
     python scripts/bench.py gpu     [--out DIR] GPU add_norm bandwidth vs eager and torch.compile (exits 0 without CUDA)
@@ -11,6 +15,7 @@
 
 Options go before or after the subcommand. Each subcommand is a module of
 scripts/benchmarks/; the byte model of `traffic` is in fuseblock/testing/op_traffic.py.
+A table is followed by what its columns mean where that is not plain (speed, gpt-step).
 """
 from __future__ import annotations
 
@@ -48,7 +53,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     rows = module.run(args)
     if rows:
-        emit(rows, args.json)
+        emit(rows, args.json, getattr(module, "COLUMNS", None))
 
 
 if __name__ == "__main__":

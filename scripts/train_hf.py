@@ -46,15 +46,17 @@ def positive_float(s: str) -> float:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--iters", type=positive_int, default=60, help="optimizer steps (default 60)")
-    p.add_argument("--batch-size", type=positive_int, default=8)
-    p.add_argument("--block-size", type=positive_int, default=64, help="tokens (bytes) per sequence")
-    p.add_argument("--hidden", type=positive_int, default=64, help="hidden size (default 64)")
-    p.add_argument("--layers", type=positive_int, default=2, help="decoder layers (default 2)")
-    p.add_argument("--heads", type=positive_int, default=4, help="attention heads (default 4)")
-    p.add_argument("--lr", type=positive_float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-every", type=positive_int, default=5, help="print a row every N steps (default 5)")
+    p.add_argument("--iters", type=positive_int, default=60, help="optimizer steps (default %(default)s)")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step (default %(default)s)")
+    p.add_argument("--block-size", type=positive_int, default=64,
+                   help="tokens (bytes) per sequence (default %(default)s)")
+    p.add_argument("--hidden", type=positive_int, default=64, help="hidden size (default %(default)s)")
+    p.add_argument("--layers", type=positive_int, default=2, help="decoder layers (default %(default)s)")
+    p.add_argument("--heads", type=positive_int, default=4, help="attention heads (default %(default)s)")
+    p.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the shared initial weights and the batches (default %(default)s)")
+    p.add_argument("--eval-every", type=positive_int, default=5, help="print a row every N steps (default %(default)s)")
     args = p.parse_args(argv)
     if args.hidden % args.heads:
         p.error(f"--hidden ({args.hidden}) must be divisible by --heads ({args.heads})")

@@ -1,7 +1,7 @@
-"""An independent float64 reference, written straight from the seed formulas.
+"""An independent float64 reference, written straight from the formulas of docs/math.md.
 
 It uses plain autograd for gradients, so it shares nothing with fuseblock's own
-forward/backward code. Seed 001 with the eps reading of the seeds' README:
+forward/backward code:
 p = x + y; s = p * g(gate) (pre) or p; q = s or s - mean(s); sigma = sqrt(q.q/d + eps);
 o1 = (c/sqrt(d)) * (q/sigma) * w + b; o = o1 * g(gate) (post) or o1.
 """

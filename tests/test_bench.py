@@ -8,15 +8,18 @@ import pytest
 from trainutil import ROOT
 
 
-def _run_bench(*args):
+def _run_bench(*args, stderr=None):
+    """The JSON rows bench.py printed; stderr: a list that gets what it wrote there."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), *args],
                        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT, check=True)
+    if stderr is not None:
+        stderr.append(p.stderr)
     return [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
 
 
-def _bench(*args):
-    return _run_bench(*args, "--quick", "--json")
+def _bench(*args, stderr=None):
+    return _run_bench(*args, "--quick", "--json", stderr=stderr)
 
 
 def test_traffic_quick():
@@ -34,7 +37,9 @@ def test_traffic_quick():
 
 
 def test_memory_quick_fused_saves_no_more():
-    rows = _bench("memory")
+    stderr = []
+    rows = _bench("memory", stderr=stderr)
+    assert "USDT:" not in stderr[0]  # the profiler's trace lines, 16 of them, are held back
     for norm in ("rms", "layer"):
         by = {r["impl"]: r for r in rows if r["norm"] == norm}
         assert 0 < by["fused"]["bytes_per_layer_per_token"] <= by["naive"]["bytes_per_layer_per_token"]
@@ -42,8 +47,12 @@ def test_memory_quick_fused_saves_no_more():
         assert 2 <= by["fused"]["in_units_of_d_fp32"] < 64
 
 
-def test_speed_quick_runs():
+def test_speed_quick_runs(monkeypatch):
     rows = _bench("speed")
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from benchmarks import speed
+
+    assert set(rows[0]) - {"impl"} == set(speed.COLUMNS)  # the table's legend explains every measured column
     assert {r["impl"] for r in rows} == {"naive", "fused"} and all(r["median_ms"] > 0 for r in rows)
     for r in rows:  # the spread over the default three runs
         assert r["runs"] == 3 and 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"]
@@ -295,3 +304,34 @@ def test_make_gpu_check_prints_its_commands():
         line = next(ln for ln in lines if command in ln)  # each part's status is kept, and make goes on
         assert "echo $? >out/gpu-check/" in line and "| tee out/gpu-check/" in line
     assert lines[-1] == "python scripts/bench.py gpu-report --out out/gpu-check"
+
+
+def test_step_tables_say_what_each_column_is(capsys, monkeypatch):
+    # --quick once showed fused slower in median_ms and faster in speedup_vs_naive (a median
+    # of per-run ratios): the table is followed by what each column is
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from benchmarks import common, gpt_step, speed
+
+    rows = [dict(impl="naive", runs=3, median_ms=10.0, speedup_vs_naive=1.0),
+            dict(impl="fused", runs=3, median_ms=10.2, speedup_vs_naive=1.03)]
+    common.emit(rows, False, speed.COLUMNS)
+    out = capsys.readouterr().out
+    assert out.startswith("| impl | runs | median_ms | speedup_vs_naive |")
+    legend = out.split("\n\n", 1)[1].strip().splitlines()
+    assert [ln.split(":")[0] for ln in legend] == ["- runs", "- median_ms", "- speedup_vs_naive"]
+    assert "median over runs of (naive's step / this step) within the same run" in out
+    common.emit(rows, True, speed.COLUMNS)
+    assert [json.loads(ln) for ln in capsys.readouterr().out.splitlines()] == rows  # JSON: the rows alone
+    assert set(gpt_step.COLUMNS) >= set(speed.COLUMNS) | {"steps_per_run"}
+
+
+def test_help_says_which_subcommands_take_rows_and_d_and_that_traffic_is_slow():
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--help"], capture_output=True,
+                       text=True, timeout=60, cwd=ROOT, check=True)
+    text = " ".join(p.stdout.split())
+    options = text[text.index("options:"):]  # past the usage line, which names them too
+    rows_help = options[options.index("--rows ROWS"):options.index("--d D")]
+    d_help = options[options.index("--d D"):]
+    assert "traffic" in rows_help and "gpu" in rows_help
+    assert all(name in d_help for name in ("traffic", "sm90", "gpu"))
+    assert "about 23 minutes" in text and "--quick" in text

@@ -1,5 +1,5 @@
-"""The rest of the normalization family: embedding norms (seed 003), group norm through
-num_groups, and batch / instance / group norm of (N, C, L) inputs (seeds 002, 004).
+"""The rest of the normalization family (docs/family.md): embedding norms, group norm through
+num_groups, and batch / instance / group norm of (N, C, L) inputs.
 
 Everything is checked against torch's own functions in float64 (F.normalize,
 F.group_norm, F.batch_norm, F.instance_norm, the nn modules), values and gradients,

@@ -54,3 +54,30 @@ def test_gated_one_launch_each_way(launches):
     out = fuseblock.norm(x, gate=g, gate_position="pre", gate_act="sigmoid")
     out.sum().backward()
     assert launches("fwd", "bwd") == (1, 1)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("position", ["pre", "post"])
+@pytest.mark.parametrize("name", ["identity", "none"])
+def test_identity_gate_is_named_identity_and_none_is_its_alias(name, position):
+    # g(z) = z: against torch's rms_norm with the gate multiplied in by hand, values and gradients
+    x, r, z = (torch.randn(4, 24, dtype=torch.float32, requires_grad=True) for _ in range(3))
+    w = torch.randn(24, requires_grad=True)
+    out, _ = fuseblock.add_norm(x, r, w, gate=z, gate_act=name, gate_position=position)
+    rms = torch.nn.functional.rms_norm
+    ref = rms((x + r) * z, (24,), w, eps=1e-6) if position == "pre" else rms(x + r, (24,), w, eps=1e-6) * z
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(out)
+    got = torch.autograd.grad(out, (x, r, z, w), dy)
+    want = torch.autograd.grad(ref, (x, r, z, w), dy)
+    for g, e in zip(got, want, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+    module = fuseblock.Norm(24, eps=1e-6, gate_act=name, gate_position=position)
+    assert f"gate_act={name!r}" in repr(module)
+    torch.testing.assert_close(module(x + r, gate=z), fuseblock.norm(x + r, gate=z, gate_act="identity",
+                                                                     gate_position=position), rtol=0, atol=0)
+
+
+def test_an_unknown_gate_act_names_identity():
+    with pytest.raises(ValueError, match=r"gate_act must be one of .*'identity'.*got 'relu'"):
+        fuseblock.norm(torch.ones(2, 8), gate=torch.ones(2, 8), gate_act="relu")

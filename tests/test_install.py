@@ -123,6 +123,8 @@ USE_WHEEL = textwrap.dedent("""
     assert md.version("fuseblock") == fuseblock.__version__
     requires = md.requires("fuseblock")
     assert not any(r.startswith("einops") for r in requires), requires
+    # the CPU torch requires no triton, and fuseblock only in its `triton` extra: none installed
+    assert importlib.util.find_spec("triton") is None, "triton was installed"
     x, r = torch.randn(4, 64, requires_grad=True), torch.randn(4, 64)
     out, res = fuseblock.add_norm(x, r, torch.ones(64), kind="layer")
     out.square().sum().backward()
@@ -151,7 +153,8 @@ def test_wheel_holds_only_fuseblock_and_runs_from_another_directory(tmp_path):
     assert "fuseblock/py.typed" in names and not any(n.startswith(("models/", "data/", "scripts/")) for n in names)
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "License-Expression: MIT" in metadata
-    assert "Requires-Dist: triton>=3.1; platform_system == \"Linux\"" in metadata
+    triton = [ln for ln in metadata.splitlines() if ln.startswith("Requires-Dist: triton")]
+    assert triton == ['Requires-Dist: triton>=3.1; platform_system == "Linux" and extra == "triton"'], triton
 
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", str(venv))
@@ -165,3 +168,48 @@ def test_wheel_holds_only_fuseblock_and_runs_from_another_directory(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("wheel ok") and proc.stdout.split()[-1] == "MIT"
+
+
+# ------------------------------------------------------------------------------ what installs triton
+def _project() -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def _make_recipe(target_line: str) -> str:
+    text = (ROOT / "Makefile").read_text()
+    return text[text.index(target_line):].split("\n\n", 1)[0]
+
+
+def test_triton_comes_from_torch_or_the_triton_extra_and_make_installs_that_extra():
+    # fuseblock requires no triton (PyPI's CUDA torch brings its own); what runs the kernels
+    # without a GPU, make test's interpreter run, installs it through the extra
+    import re
+
+    project = _project()
+    assert not any(r.startswith("triton") for r in project["dependencies"]), project["dependencies"]
+    extras = project["optional-dependencies"]
+    assert extras["triton"] == ["triton>=3.1; platform_system == 'Linux'"]
+    (installed,) = re.findall(r'pip install --quiet -e "\.\[([\w,]+)\]"', _make_recipe("$(STAMP): pyproject.toml"))
+    assert {"triton", "test"} <= set(installed.split(",")), installed
+    (dev_self,) = [r for r in extras["dev"] if r.startswith("fuseblock[")]
+    assert set(dev_self[len("fuseblock["):-1].split(",")) == set(installed.split(",")), "dev: what make test installs"
+    assert any(r.startswith("pre-commit") for r in extras["dev"])
+
+
+def test_the_floor_environment_installs_the_triton_floor(monkeypatch):
+    # make test-floor's floor_env.py call names the extras whose floors it installs: triton's among them
+    import re
+
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import floor_env
+
+    recipe = _make_recipe("$(FLOOR_STAMP):")
+    extras = re.findall(r"--extra (\w+)", recipe)
+    project = _project()
+    pins = floor_env.floors(project["dependencies"] + [r for e in extras for r in project["optional-dependencies"][e]])
+    assert pins["torch"] == "2.5" and pins["numpy"] == "1.24"
+    assert pins.get("triton") == ("3.1" if sys.platform == "linux" else None)

@@ -1,4 +1,6 @@
-"""The README's Python examples run verbatim, in order, in one namespace, so the docs cannot rot."""
+"""The README's Python examples run verbatim, in order, in one namespace; its commands,
+layout and pointers, and docs/'s, say what the repository holds, so the docs cannot rot."""
+import ast
 import pathlib
 import re
 
@@ -51,3 +53,78 @@ def test_readme_wheel_name_has_the_current_version():
 
     names = re.findall(r"fuseblock-([\w.]+)-py3-none-any\.whl", README.read_text())
     assert names and set(names) == {fuseblock.__version__}
+
+
+def _layout_entries() -> dict[str, str]:
+    """The README's layout block as {path at the line's start: the text describing it}."""
+    section = README.read_text().split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```\n(.*?)```", section, re.S).group(1)
+    entries: dict[str, str] = {}
+    current = None
+    for line in block.splitlines():
+        if line[:1].strip():
+            current = line.split()[0]
+            entries[current] = line[len(current):]
+        elif current is not None:
+            entries[current] += " " + line.strip()
+    return entries
+
+
+def test_readme_layout_names_every_module_of_the_package():
+    # A file is named by its own path, or by its name (relative to the folder) in the text of
+    # its folder's entry. The subpackages' __init__.py files are left out: they hold only a
+    # docstring (checked here, so that stays true), and their folder is named.
+    entries = _layout_entries()
+    package = README.parent / "fuseblock"
+    missing = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(README.parent).as_posix()
+        if path.name == "__init__.py" and path.parent != package:
+            body = ast.parse(path.read_text()).body
+            assert len(body) == 1 and isinstance(body[0], ast.Expr), f"{rel} holds code: name it in the layout"
+            continue
+        named = rel in entries or any(
+            folder.endswith("/") and rel.startswith(folder)
+            and re.search(r"(?<![\w/.])" + re.escape(rel[len(folder):]) + r"(?!\w)", text)
+            for folder, text in entries.items())
+        if not named:
+            missing.append(rel)
+    assert not missing, f"README.md's layout section names none of {missing}"
+
+
+DOCS = [README, *sorted((README.parent / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_docs_point_only_into_the_repository(doc):
+    # a reader has the repository: no path above it (the spec is docs/math.md), no issue numbers
+    text = doc.read_text()
+    for ref in re.findall(r"\.\./[\w./-]*", text):
+        target = (doc.parent / ref).resolve()
+        assert target.is_relative_to(README.parent) and target.exists(), f"{doc.name}: {ref} is outside the repository"
+    found = re.findall(r"\bissues?[ -]#?\d[\d.]*", text, re.IGNORECASE)
+    assert not found, f"{doc.name}: {found}: say what changed (or the version), not the issue"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_docs_run_python_from_the_venv(doc):
+    # a bare `python` has no torch (nothing is installed outside .venv); `python3 -m venv`
+    # makes one, and PY=python is make's own option for an interpreter already set up
+    bare = re.findall(r"(?<![\w/.=\\-])python3?(?= (?:scripts/|tools/|-m (?!venv)|-c ))", doc.read_text())
+    assert not bare, f"{doc.name}: {len(bare)} commands with a bare python: use .venv/bin/python"
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py", "train_hf.py"])
+def test_script_help_gives_every_options_default(script):
+    # README: "--help gives each one's meaning and default"; a switch (no value) has none to
+    # give, and a required option says so instead
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, str(README.parent / "scripts" / script), "--help"], capture_output=True,
+                       text=True, timeout=120, check=True)
+    options = re.split(r"\n  (?=-)", p.stdout.split("options:", 1)[1])[1:]
+    takes_value = [o for o in options if re.match(r"(?:-\w, )?--[\w-]+ [A-Z_{]", o)]
+    assert takes_value, p.stdout
+    missing = [o.split()[0] for o in takes_value if not re.search(r"\(default|\(required\)", " ".join(o.split()))]
+    assert not missing, f"{script} --help gives no default for {missing}"

@@ -1,6 +1,6 @@
 """Install the oldest versions pyproject.toml declares into the running environment.
 
-    .venv-floor/bin/python tools/floor_env.py --extra train     # what `make test-floor` does
+    .venv-floor/bin/python tools/floor_env.py --extra triton --extra train   # what `make test-floor` does
     .venv-floor/bin/python tools/floor_env.py --pin torch==2.6.0 --pin triton==3.2.0
 
 Each runtime dependency (and each of the named extras) with a `>=` floor whose marker

@@ -234,7 +234,7 @@ def add_norm(
     weight_offset (Gemma's 1 + w) is added to the weight in fp32.
 
     A gate gives out = N(p * g(gate)) (gate_position="pre") or N(p) * g(gate) ("post"),
-    g one of "silu" (alias "swish"), "sigmoid", "none". out has x's dtype.
+    g one of "silu" (alias "swish"), "sigmoid", "identity" (alias "none"). out has x's dtype.
     """
     if (gate is None and c is None and residual_dtype is None and num_groups is _ONE_GROUP
             and type(weight_offset) is float and weight_offset == 0.0 and gate_act is DEFAULT_GATE_ACT

@@ -30,8 +30,12 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
                     help="speed, gpt-step: independent runs of all the steps (median, min, max; default 3)")
     ap.add_argument("--ops", type=lambda v: v.split(","), default=None,
                     help="traffic: a comma list of ops (fuseblock.testing.cases.OPS; default all)")
-    ap.add_argument("--rows", type=_ints, default=None, help="traffic: row counts")
-    ap.add_argument("--d", type=int, default=None, help="traffic, sm90: row width")
+    ap.add_argument("--rows", type=_ints, default=None,
+                    help="traffic: row counts (default 256,2048,16384; --quick 256,2048); gpu: the first is the "
+                         "row count (default 32768), capped at 2^29 / d")
+    ap.add_argument("--d", type=int, default=None,
+                    help="traffic: row width (default 1024; --quick 256); sm90, gpu: this one row width instead "
+                         "of their list")
     return ap
 
 

@@ -18,12 +18,34 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def emit(rows: list[dict], as_json: bool) -> None:
+def emit(rows: list[dict], as_json: bool, columns: dict[str, str] | None = None) -> None:
+    """The rows as JSON lines, or as a table followed by `columns`' meaning of each of its
+    columns that `columns` names."""
     if as_json:
         for r in rows:
             print(json.dumps(r))
-    else:
-        print(markdown(rows))
+        return
+    print(markdown(rows))
+    names = [c for c in dict.fromkeys(k for r in rows for k in r) if c in (columns or {})]
+    for c in names:
+        print(f"- {c}: {columns[c]}")
+    if names:
+        print()
+
+
+# The columns of the step-time tables (speed, gpt-step): each run times every variant in
+# turn, step by step, and keeps each variant's median step.
+STEP_COLUMNS = {
+    "runs": "independent runs (--repeats)",
+    "median_ms": "the median over runs of each run's median step time",
+    "min_ms": "the fastest run's median step time",
+    "max_ms": "the slowest run's median step time",
+    "tokens_per_s": "tokens a step / median_ms",
+    "speedup_vs_naive": "the median over runs of (naive's step / this step) within the same run: not "
+                        "naive's median_ms / this median_ms, so the two can disagree when the runs differ",
+    "speedup_min": "the lowest of those per-run ratios",
+    "speedup_max": "the highest of those per-run ratios",
+}
 
 
 def cpu_bench(fn, warmup: float = 25, rep: float = 100, grad_to_none=None) -> float:

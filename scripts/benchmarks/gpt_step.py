@@ -12,6 +12,11 @@ from contextlib import nullcontext
 
 import torch
 
+from .common import STEP_COLUMNS
+
+COLUMNS = {**STEP_COLUMNS, "steps_per_run": "timed steps of each contender in a run (their median is the run's "
+                                            "step time)"}
+
 # GPT-2 small's shape (vocab padded to a multiple of 64, as nanoGPT does); 8 x 1024 tokens
 # a step fit one H100 with the four models and their optimizers resident at once.
 GPT2_SMALL = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)

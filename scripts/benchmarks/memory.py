@@ -12,7 +12,11 @@ and the tokens, so the embedding, the head, the loss and the logits cancel.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
+import sys
+import tempfile
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -40,6 +44,27 @@ def saved(model, idx) -> tuple[int, int]:
     return sum(seen.values()), len(seen)
 
 
+@contextlib.contextmanager
+def _without_usdt_lines():
+    """The CPU profiler (kineto, in C++) writes a `USDT:` trace line to the process's
+    stderr at each start and stop, twice a measurement: stderr goes to a temporary file
+    meanwhile, and every other line is passed on after."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            lines = held.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(line for line in lines if not line.startswith("USDT:")))
+            sys.stderr.flush()
+
+
 def allocated(model, idx) -> int:
     """Net bytes the forward leaves allocated (on the CPU, where the model runs here), by
     the profiler's per-op memory accounting; the graph is held until the count is done.
@@ -47,7 +72,7 @@ def allocated(model, idx) -> int:
     none: see docs/performance.md), so the collector runs inside the window: otherwise
     the count would depend on when it last ran."""
     gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _without_usdt_lines(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         _, loss = model(idx, idx)
         gc.collect()
     net = sum(e.self_cpu_memory_usage for e in prof.key_averages())

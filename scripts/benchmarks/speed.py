@@ -7,7 +7,9 @@ import time
 
 import torch
 
-from .common import gpt
+from .common import STEP_COLUMNS, gpt
+
+COLUMNS = STEP_COLUMNS
 
 
 def run(args) -> list[dict]:
