@@ -72,7 +72,9 @@ def _weight_offset(module: nn.Module, weight: nn.Parameter, eps: float) -> float
         try:
             with torch.no_grad():
                 out = torch.func.functional_call(module, {"weight": w}, (x,))
-        except Exception as e:  # any failure means: not a module this converter understands
+        # what a forward raises on an input or weight it does not take: not a module this
+        # converter understands (anything else, an interrupt or torch's own control flow, passes)
+        except (RuntimeError, TypeError, ValueError, AttributeError, IndexError, KeyError) as e:
             raise TypeError(f"norm_from: unsupported module {type(module).__name__}: its forward failed on a probe "
                             f"input ({type(e).__name__}: {e})") from e
         base = F.rms_norm(x, (d,), None, eps)

@@ -173,3 +173,19 @@ class WrongEps(LlamaStyleRMSNorm):
 def test_unsupported_modules_are_a_type_error_naming_them(module, match):
     with pytest.raises(TypeError, match=match):
         norm_from(module)
+
+
+class _Signal(Exception):
+    """An exception of someone else's control flow (as torch.utils.checkpoint's early stop)."""
+
+
+class Signalling(LlamaStyleRMSNorm):
+    def forward(self, x):
+        raise _Signal
+
+
+def test_the_probe_catches_only_what_a_forward_raises_on_input_it_does_not_take():
+    """A failed forward is a TypeError naming the module; an exception of another kind is
+    not the converter's to swallow and passes unchanged."""
+    with pytest.raises(_Signal):
+        norm_from(Signalling(D))
