@@ -252,22 +252,23 @@ def channel_norm_fwd(x, weight, bias, batch: bool, groups: int, eps: float,
     strides: x's (N, C, L) view and the per-channel vectors' are passed to the kernel."""
     x3, n_sets, rows, k = _geometry(x, batch, groups)
     n, n_ch, length = x3.shape
-    y = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # not a view: users may edit it in place
+    y3 = y.view(x3.shape)
     mean = torch.empty((n_sets,), dtype=torch.float32, device=x.device)
     rstd = torch.empty((n_sets,), dtype=torch.float32, device=x.device)
-    if y.numel() > 0:
+    if y3.numel() > 0:
         has_run = running_mean is not None
         count = rows * length
         mom_var = momentum * count / (count - 1) if has_run else 0.0
         br, bl, warps = _blocks(rows, length, FWD_BLOCK)
-        _channel_fwd[(n_sets,)](x3, weight, bias, y, mean, rstd, running_mean, running_var,
-                        *x3.stride(), y.stride(0), y.stride(1), _stride(weight), _stride(bias),
+        _channel_fwd[(n_sets,)](x3, weight, bias, y3, mean, rstd, running_mean, running_var,
+                        *x3.stride(), y3.stride(0), y3.stride(1), _stride(weight), _stride(bias),
                         _stride(running_mean), _stride(running_var),
                         rows, length, max(groups, 1), k, float(count), eps, momentum, mom_var,
                         BR=br, BL=bl, SETS=0 if batch else 1, HAS_W=weight is not None, HAS_B=bias is not None,
                         HAS_RUN=has_run, num_warps=warps)
         LAUNCHES["channel_fwd"] += 1
-    return y.view(x.shape), mean, rstd
+    return y, mean, rstd
 
 
 def channel_norm_bwd(dy, x, weight, bias, mean, rstd, batch: bool, groups: int):
@@ -278,10 +279,10 @@ def channel_norm_bwd(dy, x, weight, bias, mean, rstd, batch: bool, groups: int):
     dy3 = dy.reshape(x3.shape)
     dev = x.device
     need_dw, need_db = weight is not None, bias is not None
-    dx = torch.empty(x3.shape, dtype=x.dtype, device=dev)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=dev)  # as y in channel_norm_fwd
+    dx3 = dx.view(x3.shape)
     if dx.numel() == 0:  # no samples, no launch: the sums over none are zero (a fill each)
-        return (dx.view(x.shape), *(None if t is None else torch.zeros((n_ch,), dtype=t.dtype, device=dev)
-                                    for t in (weight, bias)))
+        return (dx, *(None if t is None else torch.zeros((n_ch,), dtype=t.dtype, device=dev) for t in (weight, bias)))
     dw = torch.empty((n_ch,), dtype=weight.dtype, device=dev) if need_dw else None
     db = torch.empty((n_ch,), dtype=bias.dtype, device=dev) if need_db else None
     # group norm over several samples: each program has one sample's share of a channel
@@ -289,8 +290,8 @@ def channel_norm_bwd(dy, x, weight, bias, mean, rstd, batch: bool, groups: int):
     dw_part = torch.empty((n, n_ch), dtype=torch.float32, device=dev) if need_dw and sum_parts else dw
     db_part = torch.empty((n, n_ch), dtype=torch.float32, device=dev) if need_db and sum_parts else db
     br, bl, warps = _blocks(rows, length, BWD_BLOCK)
-    _channel_bwd[(n_sets,)](x3, weight, mean, rstd, dy3, dx, dw_part, db_part,
-                    *x3.stride(), *dy3.stride(), dx.stride(0), dx.stride(1), _stride(weight),
+    _channel_bwd[(n_sets,)](x3, weight, mean, rstd, dy3, dx3, dw_part, db_part,
+                    *x3.stride(), *dy3.stride(), dx3.stride(0), dx3.stride(1), _stride(weight),
                     rows, length, max(groups, 1), k, float(rows * length), n_ch,
                     BR=br, BL=bl, SETS=0 if batch else 1, HAS_W=need_dw, NEED_DW=need_dw, NEED_DB=need_db,
                     num_warps=warps)
@@ -298,4 +299,4 @@ def channel_norm_bwd(dy, x, weight, bias, mean, rstd, batch: bool, groups: int):
     if sum_parts:
         sum_partial_rows(dw_part, db_part, dw, db, n, n_ch)
         LAUNCHES["channel_bwd"] += 1
-    return dx.view(x.shape), dw, db
+    return dx, dw, db

@@ -168,17 +168,19 @@ def embed_norm_fwd(x: torch.Tensor, ord: int, eps: float):
     d = x.shape[-1]
     x2 = rows(x, d)
     M = x2.shape[0]
-    y = torch.empty((M, d), dtype=x.dtype, device=x.device)
-    n = torch.empty((M,), dtype=torch.float32, device=x.device)
+    # outputs in their final shapes, the kernel writing through views (see kernels.norm.norm_fwd)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if M > 0:
         lay = fwd_layout(d)
-        args = (x2, y, n, x2.stride(0), y.stride(0))
+        y2 = y.view(M, d)
+        args = (x2, y2, n.view(M), x2.stride(0), y2.stride(0))
         if lay.tile:
             _fwd_tile[(cdiv(M, lay.br),)](*args, M, d, eps, BR=lay.br, BD=lay.bd, ORD=int(ord), num_warps=lay.warps)
         else:
             _fwd_loop[(M,)](*args, d, eps, BD=lay.bd, ORD=int(ord), num_warps=lay.warps)
         LAUNCHES["embed_fwd"] += 1
-    return y.view(x.shape), n.view(x.shape[:-1])
+    return y, n
 
 
 def embed_norm_bwd(dy: torch.Tensor, x: torch.Tensor, n: torch.Tensor, ord: int, eps: float) -> torch.Tensor:
@@ -186,14 +188,14 @@ def embed_norm_bwd(dy: torch.Tensor, x: torch.Tensor, n: torch.Tensor, ord: int,
     d = x.shape[-1]
     x2, do2 = rows(x, d), rows(dy, d)
     M = x2.shape[0]
-    dx = torch.empty((M, d), dtype=x.dtype, device=x.device)
-    n1 = n.reshape(-1)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if M > 0:
         lay = bwd_layout(d)
-        args = (x2, n1, do2, dx, x2.stride(0), do2.stride(0), dx.stride(0))
+        dx2 = dx.view(M, d)
+        args = (x2, n.reshape(M), do2, dx2, x2.stride(0), do2.stride(0), dx2.stride(0))
         if lay.tile:
             _bwd_tile[(cdiv(M, lay.br),)](*args, M, d, eps, BR=lay.br, BD=lay.bd, ORD=int(ord), num_warps=lay.warps)
         else:
             _bwd_loop[(M,)](*args, d, eps, BD=lay.bd, ORD=int(ord), num_warps=lay.warps)
         LAUNCHES["embed_bwd"] += 1
-    return dx.view(x.shape)
+    return dx

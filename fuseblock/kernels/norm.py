@@ -640,15 +640,18 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
     x2, r2, z2 = rows(x, d), rows(residual, d), rows(gate, d)
     weight, bias = _vec(weight), _vec(bias)
     M, G = x2.shape[0], spec.groups
-    out = torch.empty((M, d), dtype=x.dtype, device=x.device)
-    new_res = torch.empty((M, d), dtype=residual_dtype, device=x.device) if residual_dtype is not None else None
+    # Outputs in x's shape, the kernel writing through (M, d) views of them: a returned
+    # view would be one autograd refuses to let users edit in place.
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    new_res = torch.empty(x.shape, dtype=residual_dtype, device=x.device) if residual_dtype is not None else None
+    o2, ro2 = out.view(M, d), None if new_res is None else new_res.view(M, d)
     rstd = torch.empty((M, G), dtype=torch.float32, device=x.device) if need_stats else None
     mean = torch.empty((M, G), dtype=torch.float32, device=x.device) if need_stats and spec.center else None
     if M > 0:
         lay = fwd_layout(d, G)
         args = (
-            x2, r2, z2, weight, bias, out, new_res, rstd, mean,
-            x2.stride(0), _stride(r2), _stride(z2), out.stride(0), _stride(new_res),
+            x2, r2, z2, weight, bias, o2, ro2, rstd, mean,
+            x2.stride(0), _stride(r2), _stride(z2), o2.stride(0), _stride(ro2),
         )
         flags = dict(
             HAS_R=r2 is not None, STORE_R=new_res is not None, HAS_W=weight is not None,
@@ -659,13 +662,13 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
             _fwd_tile[(cdiv(M, lay.br),)](*args, M, G, d // G, spec.eps, spec.scale, spec.weight_offset,
                                           BR=lay.br, BG=lay.bg, BD=lay.bd, **flags)
         else:
-            variant = lay.variant("_fwd_loop", (x2, r2, z2, weight, bias, out, new_res), flags)
+            variant = lay.variant("_fwd_loop", (x2, r2, z2, weight, bias, o2, ro2), flags)
             n_prog = min(M * G, _num_sms(x.device) * programs_per_sm(x.device, variant, lay.per_sm))
             compiled = _fwd_loop[(n_prog,)](*args, M * G, G, d // G, spec.eps, spec.scale, spec.weight_offset,
                                             BD=lay.bd, **flags)
             learn(x.device, variant, compiled, lay.warps)
         LAUNCHES["fwd"] += 1
-    return out.view(x.shape), None if new_res is None else new_res.view(x.shape), rstd, mean
+    return out, new_res, rstd, mean
 
 
 def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dtype, residual_grad_dtype):
@@ -687,11 +690,12 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     M, G = p2.shape[0], spec.groups
     dg = d // G
     dev = p.device
-    dx = torch.empty((M, d), dtype=x_dtype, device=dev)
-    dr = torch.empty((M, d), dtype=residual_grad_dtype, device=dev) if residual_grad_dtype is not None else None
-    dz = torch.empty((M, d), dtype=gate.dtype, device=dev) if gate is not None else None
+    # The gradients in p's shape, as norm_fwd's outputs (the kernels write (M, d) views)
+    grads = (torch.empty(p.shape, dtype=x_dtype, device=dev),
+             torch.empty(p.shape, dtype=residual_grad_dtype, device=dev) if residual_grad_dtype is not None else None,
+             torch.empty(p.shape, dtype=gate.dtype, device=dev) if gate is not None else None)
+    dx, dr, dz = (None if t is None else t.view(M, d) for t in grads)
     need_dw, need_db = weight is not None, bias is not None
-    grads = (dx.view(p.shape), None if dr is None else dr.view(p.shape), None if dz is None else dz.view(p.shape))
     if M == 0:  # no rows, no launch: the sums over none are zero (a fill each, for this edge case)
         return (*grads, *(None if t is None else torch.zeros((d,), dtype=t.dtype, device=dev) for t in (weight, bias)))
     dw = torch.empty((d,), dtype=weight.dtype, device=dev) if need_dw else None
