@@ -1,9 +1,10 @@
 """Triton kernels for the embedding norms y = x / max(n(x), eps) over the last dim.
 
 n is sum|x| (ORD_L1, "l1"), sqrt(x.x) (ORD_L2, "l2") or max|x| (ORD_MAX, "max").
-Same two layouts and names as `fuseblock.kernels.norm` (whose layout rule is reused):
+Same two layouts and names as `fuseblock.kernels.norm`, by the same rule
+(`fuseblock.kernels.launch`):
 - `tile`: a [BR rows, BD columns] block, many whole rows per program, for rows that
-  fit (the core op's MAX_TILE_FWD / MAX_TILE_BWD).
+  fit (MAX_TILE_FWD / MAX_TILE_BWD).
 - `loop`: one row per program, looping over column chunks of BD, for wide rows.
 Names: i_ program ids, o_ offsets, m_ masks, b_ blocks (fp32 in registers); X input,
 O output, N row norms, DO and DX their gradients.
@@ -23,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..spec import Ord
-from .norm import LAUNCHES, bwd_layout, cdiv, fwd_layout, rows
+from .launch import LAUNCHES, bwd_layout, cdiv, fwd_layout, rows
 
 ORD_L1 = tl.constexpr(int(Ord.L1))
 ORD_L2 = tl.constexpr(int(Ord.L2))
