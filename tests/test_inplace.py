@@ -56,6 +56,13 @@ def _add_norm_fp32_residual_out(fused):
     return out, [x, r, w]
 
 
+def _norm_linear(fused):
+    x, r, w, lw = _inputs(SHAPE, SHAPE, (D,), (5, D))
+    if fused:
+        return fuseblock.norm_linear(x, r, w, None, lw, eps=EPS)[0], [x, r, w, lw]
+    return F.linear(F.rms_norm(x + r, (D,), w, EPS), lw), [x, r, w, lw]
+
+
 def _modules(fused):
     torch.manual_seed(2)
     w = torch.randn(D)
@@ -109,9 +116,9 @@ def _batch_norm(fused):
     return fn(x, rm, rv, w, b, True, 0.1, EPS), [x, w, b]
 
 
-CASES = {f.__name__[1:]: f for f in (_norm, _layer_norm, _add_norm_out, _add_norm_fp32_residual_out, _norm_module,
-                                      _layer_norm_module, _add_norm_module, _residual_stack, _embed_norm, _group_norm,
-                                      _batch_norm)}
+CASES = {f.__name__[1:]: f for f in (_norm, _layer_norm, _add_norm_out, _add_norm_fp32_residual_out, _norm_linear,
+                                      _norm_module, _layer_norm_module, _add_norm_module, _residual_stack, _embed_norm,
+                                      _group_norm, _batch_norm)}
 
 
 def _add_t(y):
@@ -141,15 +148,19 @@ def test_outputs_take_in_place_edits_as_the_naive_form_does(case, edit):
         assert_close(g, rg, y.dtype, f"grad {i}")
 
 
+@pytest.mark.parametrize("op", ["add_norm", "norm_linear"])
 @pytest.mark.parametrize("residual_dtype", [None, torch.float32], ids=["same_dtype", "fp32_residual"])
-def test_editing_new_residual_fails_as_editing_x_plus_r_before_rms_norm_does(residual_dtype):
+def test_editing_new_residual_fails_as_editing_x_plus_r_before_rms_norm_does(residual_dtype, op):
     # both keep p = x + r for their backward: an edit of it must not pass silently
     dtype = torch.float32 if residual_dtype is None else torch.bfloat16
 
     def run(fused):
         x, r, w = _inputs(SHAPE, SHAPE, (D,))
         x = x.to(dtype)
-        if fused:
+        if fused and op == "norm_linear":
+            out, p = fuseblock.norm_linear(x, r, w, None, torch.eye(D, dtype=dtype), eps=EPS,
+                                           residual_dtype=residual_dtype)
+        elif fused:
             out, p = fuseblock.add_norm(x, r, w, eps=EPS, residual_dtype=residual_dtype)
         else:
             p = x.float() + r
