@@ -64,8 +64,10 @@ def small_wide_rows(monkeypatch):
     wide-row kernels (`_fwd_loop`, `_bwd_dots` + `_bwd_cols`), with ragged chunks and
     several programs: fast enough for the interpreter. Up to 16 `_bwd_cols` programs, so
     a column chunk of a few row blocks has several, whose partial rows it sums."""
+    import fuseblock.kernels.launch as L
     import fuseblock.kernels.norm as K
 
-    for name, value in dict(MAX_TILE_FWD=16, MAX_TILE_BWD=16, LOOP_BLOCK=8, COLS_BLOCK=8, COLS_TILE=32,
-                            MIN_ROWS_PER_PROGRAM=4, H100_SMS=2, COLS_PROGRAMS_PER_SM=8).items():
+    for name, value in dict(MAX_TILE_FWD=16, MAX_TILE_BWD=16, LOOP_BLOCK=8, H100_SMS=2).items():
+        monkeypatch.setattr(L, name, value)
+    for name, value in dict(COLS_BLOCK=8, COLS_TILE=32, MIN_ROWS_PER_PROGRAM=4, COLS_PROGRAMS_PER_SM=8).items():
         monkeypatch.setattr(K, name, value)

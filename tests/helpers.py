@@ -85,14 +85,14 @@ def run_case(x, residual, weight, bias, *, residual_dtype=None, grad_res=True, *
 
 class Launches:
     """Triton launches by kind ("fwd", "bwd", "embed_fwd", "embed_bwd"), counted by
-    fuseblock.kernels.norm.LAUNCHES since this object was made or last reset():
+    fuseblock.kernels.launch.LAUNCHES since this object was made or last reset():
     `launches["fwd"]`, or `launches("fwd", "bwd")` for a tuple. The `launches` fixture
     gives a test one, started at its setup."""
 
     def __init__(self):
-        import fuseblock.kernels.norm  # here, not at the top: triton may be absent
+        import fuseblock.kernels.launch  # here, not at the top: triton may be absent
 
-        self._module = fuseblock.kernels.norm
+        self._module = fuseblock.kernels.launch
         self.reset()
 
     def reset(self):
@@ -111,7 +111,7 @@ class Launches:
 
 class AllLaunches(contextlib.AbstractContextManager):
     """Every launch the code run inside makes, Triton kernels and torch ops together: what a
-    GPU would run for it. `kernels`: Triton launches (fuseblock.kernels.norm.LAUNCHES); under
+    GPU would run for it. `kernels`: Triton launches (fuseblock.kernels.launch.LAUNCHES); under
     the interpreter also `names`, those the interpreter really ran (else None). `ops`: the
     aten ops that compute or copy, as fuseblock.testing.traffic.EagerTraffic (a
     TorchDispatchMode) sees them. It passes over views (view, t, transpose, as_strided,

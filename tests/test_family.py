@@ -12,7 +12,7 @@ from helpers import KERNEL_PATH, assert_close
 from ref64 import leaf64
 
 import fuseblock
-from fuseblock.kernels.norm import MAX_TILE_FWD, fwd_layout
+from fuseblock.kernels.launch import MAX_TILE_FWD, fwd_layout
 from fuseblock.ops.batch_norm import channel_norm_op
 from fuseblock.ops.embed_norm import embed_norm_op
 from fuseblock.ops.norm import uses_triton

@@ -86,9 +86,9 @@ def _count(case, dtype, rows, d):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", [8, 130], ids=["one_program", "several_programs"])
 def test_tile_kernels_launch_once_forward_at_most_twice_backward(case, dtype, rows, monkeypatch):
-    import fuseblock.kernels.norm as K
+    import fuseblock.kernels.launch as L
 
-    monkeypatch.setattr(K, "SUM_TILE", 64)  # 2 partial rows per block: _bwd_sum loops, ragged
+    monkeypatch.setattr(L, "SUM_TILE", 64)  # 2 partial rows per block: _bwd_sum loops, ragged
     fwd, bwd = _count(case, dtype, rows, 40)  # 40 columns: _bwd_sum's second column block is ragged
     assert (fwd.total, fwd.ops) == (1, [])
     assert bwd.total <= 2 and bwd.ops == []

@@ -72,7 +72,7 @@ def test_channel_norm_kernels_compile_for_h100(sets, shape):
     batch, groups = sets == "batch", 0 if sets == "batch" else 8
     x = torch.empty(shape, dtype=torch.bfloat16)
     w, running = torch.empty(64, dtype=torch.bfloat16), torch.empty(64) if batch else None
-    with captured_launches() as launches:  # all kernel modules: the sum is the core op's `_bwd_sum`
+    with captured_launches() as launches:  # all kernel modules: the sum is launch.py's `_bwd_sum`
         _, mean, rstd = ck.channel_norm_fwd(x, w, w, batch, groups, 1e-5, running, running, 0.1)
         ck.channel_norm_bwd(torch.empty_like(x), x, w, w, mean, rstd, batch, groups)
     assert [ln.name for ln in launches] == ["_channel_fwd", "_channel_bwd"] + ([] if batch else ["_bwd_sum"])
@@ -105,7 +105,7 @@ def _compiled(launch):
                                       ("pre_gate_layer", 65536)])
 def test_persistent_grids_shrink_to_one_wave_once_compiled(monkeypatch, config, d):
     from fuseblock.kernels import occupancy
-    from fuseblock.kernels.norm import H100_SMS
+    from fuseblock.kernels.launch import H100_SMS
 
     monkeypatch.setattr(occupancy, "_RESIDENT", {})
 

@@ -12,8 +12,8 @@ The weight and bias are loaded per channel, never repeated per column.
 Launches (docs/performance.md, "Launches per call"): one forward, which also updates
 batch norm's running buffers (program c owns entry c); backward one for batch norm
 (program c owns channel c: it writes dw[c], db[c] in the parameters' dtypes) and for
-group norm with N = 1, else two: fp32 partials (N, C) of dw and db, which the core op's
-`_bwd_sum` adds up over N.
+group norm with N = 1, else two: fp32 partials (N, C) of dw and db, which
+`fuseblock.kernels.launch`'s `_bwd_sum` adds up over N.
 
 Each program reads its set twice each way (statistics, then the output or dx): a set
 longer than one block does not fit on chip. Blocks are [BR rows, BL columns] of at most
@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .norm import LAUNCHES, pow2, sum_partial_rows
+from .launch import LAUNCHES, pow2, stride, sum_partial_rows
 
 SETS_BATCH = tl.constexpr(0)  # one set per channel, over the batch
 SETS_GROUP = tl.constexpr(1)  # one set per (sample, group of channels)
@@ -142,7 +142,7 @@ def _channel_bwd(
     s_n, s_c, s_l, u_n, u_c, u_l, t_n, t_c, s_w,
     R, L, G, K, count, n_ch,
     BR: tl.constexpr, BL: tl.constexpr, SETS: tl.constexpr,
-    HAS_W: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr,
 ):
     _check_sets(SETS)
     # With x_hat = (x - mean) rstd and g = dy w[ch] (docs/family.md), over the set:
@@ -180,9 +180,9 @@ def _channel_bwd(
             b_cdx = tl.sum(b_sdx, 1)
             # this sample's share of dw, db: written directly (N = 1), else fp32 partials (N, C)
             o_part = (i_set // G) * n_ch + ch0 + o_r
-            if NEED_DW:
+            if HAS_W:
                 tl.store(DW + o_part, b_cdx.to(DW.dtype.element_ty), mask=m_r)
-            if NEED_DB:
+            if HAS_B:
                 tl.store(DB + o_part, b_cdy.to(DB.dtype.element_ty), mask=m_r)
             if HAS_W:
                 b_wr = _rows_vec(W, s_w, ch0, o_r, m_r)
@@ -193,9 +193,9 @@ def _channel_bwd(
     if SETS == SETS_BATCH:  # one channel, whole: its sums are dw[c] and db[c]
         b_tdy = tl.sum(tl.sum(b_sdy, 1), 0)
         b_tdx = tl.sum(tl.sum(b_sdx, 1), 0)
-        if NEED_DW:
+        if HAS_W:
             tl.store(DW + ch0, b_tdx.to(DW.dtype.element_ty))
-        if NEED_DB:
+        if HAS_B:
             tl.store(DB + ch0, b_tdy.to(DB.dtype.element_ty))
         if HAS_W:
             b_w = tl.load(W + ch0 * s_w).to(tl.float32)
@@ -240,10 +240,6 @@ def _geometry(x: torch.Tensor, batch: bool, groups: int):
     return x3, n * groups, k, k
 
 
-def _stride(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.stride(0)
-
-
 def channel_norm_fwd(x, weight, bias, batch: bool, groups: int, eps: float,
                      running_mean=None, running_var=None, momentum: float = 0.0):
     """(y shaped like x, contiguous; mean and rstd (n_sets,) fp32). Sets: one per channel
@@ -252,22 +248,23 @@ def channel_norm_fwd(x, weight, bias, batch: bool, groups: int, eps: float,
     strides: x's (N, C, L) view and the per-channel vectors' are passed to the kernel."""
     x3, n_sets, rows, k = _geometry(x, batch, groups)
     n, n_ch, length = x3.shape
-    y = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # not a view: users may edit it in place
+    y3 = y.view(x3.shape)
     mean = torch.empty((n_sets,), dtype=torch.float32, device=x.device)
     rstd = torch.empty((n_sets,), dtype=torch.float32, device=x.device)
-    if y.numel() > 0:
+    if y3.numel() > 0:
         has_run = running_mean is not None
         count = rows * length
         mom_var = momentum * count / (count - 1) if has_run else 0.0
         br, bl, warps = _blocks(rows, length, FWD_BLOCK)
-        _channel_fwd[(n_sets,)](x3, weight, bias, y, mean, rstd, running_mean, running_var,
-                        *x3.stride(), y.stride(0), y.stride(1), _stride(weight), _stride(bias),
-                        _stride(running_mean), _stride(running_var),
+        _channel_fwd[(n_sets,)](x3, weight, bias, y3, mean, rstd, running_mean, running_var,
+                        *x3.stride(), y3.stride(0), y3.stride(1), stride(weight), stride(bias),
+                        stride(running_mean), stride(running_var),
                         rows, length, max(groups, 1), k, float(count), eps, momentum, mom_var,
                         BR=br, BL=bl, SETS=0 if batch else 1, HAS_W=weight is not None, HAS_B=bias is not None,
                         HAS_RUN=has_run, num_warps=warps)
         LAUNCHES["channel_fwd"] += 1
-    return y.view(x.shape), mean, rstd
+    return y, mean, rstd
 
 
 def channel_norm_bwd(dy, x, weight, bias, mean, rstd, batch: bool, groups: int):
@@ -278,10 +275,10 @@ def channel_norm_bwd(dy, x, weight, bias, mean, rstd, batch: bool, groups: int):
     dy3 = dy.reshape(x3.shape)
     dev = x.device
     need_dw, need_db = weight is not None, bias is not None
-    dx = torch.empty(x3.shape, dtype=x.dtype, device=dev)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=dev)  # as y in channel_norm_fwd
+    dx3 = dx.view(x3.shape)
     if dx.numel() == 0:  # no samples, no launch: the sums over none are zero (a fill each)
-        return (dx.view(x.shape), *(None if t is None else torch.zeros((n_ch,), dtype=t.dtype, device=dev)
-                                    for t in (weight, bias)))
+        return (dx, *(None if t is None else torch.zeros((n_ch,), dtype=t.dtype, device=dev) for t in (weight, bias)))
     dw = torch.empty((n_ch,), dtype=weight.dtype, device=dev) if need_dw else None
     db = torch.empty((n_ch,), dtype=bias.dtype, device=dev) if need_db else None
     # group norm over several samples: each program has one sample's share of a channel
@@ -289,13 +286,13 @@ def channel_norm_bwd(dy, x, weight, bias, mean, rstd, batch: bool, groups: int):
     dw_part = torch.empty((n, n_ch), dtype=torch.float32, device=dev) if need_dw and sum_parts else dw
     db_part = torch.empty((n, n_ch), dtype=torch.float32, device=dev) if need_db and sum_parts else db
     br, bl, warps = _blocks(rows, length, BWD_BLOCK)
-    _channel_bwd[(n_sets,)](x3, weight, mean, rstd, dy3, dx, dw_part, db_part,
-                    *x3.stride(), *dy3.stride(), dx.stride(0), dx.stride(1), _stride(weight),
+    _channel_bwd[(n_sets,)](x3, weight, mean, rstd, dy3, dx3, dw_part, db_part,
+                    *x3.stride(), *dy3.stride(), dx3.stride(0), dx3.stride(1), stride(weight),
                     rows, length, max(groups, 1), k, float(rows * length), n_ch,
-                    BR=br, BL=bl, SETS=0 if batch else 1, HAS_W=need_dw, NEED_DW=need_dw, NEED_DB=need_db,
+                    BR=br, BL=bl, SETS=0 if batch else 1, HAS_W=need_dw, HAS_B=need_db,
                     num_warps=warps)
     LAUNCHES["channel_bwd"] += 1
     if sum_parts:
         sum_partial_rows(dw_part, db_part, dw, db, n, n_ch)
         LAUNCHES["channel_bwd"] += 1
-    return dx.view(x.shape), dw, db
+    return dx, dw, db

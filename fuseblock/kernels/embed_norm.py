@@ -1,9 +1,10 @@
 """Triton kernels for the embedding norms y = x / max(n(x), eps) over the last dim.
 
 n is sum|x| (ORD_L1, "l1"), sqrt(x.x) (ORD_L2, "l2") or max|x| (ORD_MAX, "max").
-Same two layouts and names as `fuseblock.kernels.norm` (whose layout rule is reused):
+Same two layouts and names as `fuseblock.kernels.norm`, by the same rule
+(`fuseblock.kernels.launch`):
 - `tile`: a [BR rows, BD columns] block, many whole rows per program, for rows that
-  fit (the core op's MAX_TILE_FWD / MAX_TILE_BWD).
+  fit (MAX_TILE_FWD / MAX_TILE_BWD).
 - `loop`: one row per program, looping over column chunks of BD, for wide rows.
 Names: i_ program ids, o_ offsets, m_ masks, b_ blocks (fp32 in registers); X input,
 O output, N row norms, DO and DX their gradients.
@@ -23,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..spec import Ord
-from .norm import LAUNCHES, bwd_layout, cdiv, fwd_layout, rows
+from .launch import LAUNCHES, bwd_layout, cdiv, fwd_layout, rows
 
 ORD_L1 = tl.constexpr(int(Ord.L1))
 ORD_L2 = tl.constexpr(int(Ord.L2))
@@ -168,17 +169,19 @@ def embed_norm_fwd(x: torch.Tensor, ord: int, eps: float):
     d = x.shape[-1]
     x2 = rows(x, d)
     M = x2.shape[0]
-    y = torch.empty((M, d), dtype=x.dtype, device=x.device)
-    n = torch.empty((M,), dtype=torch.float32, device=x.device)
+    # outputs in their final shapes, the kernel writing through views (see kernels.norm.norm_fwd)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if M > 0:
         lay = fwd_layout(d)
-        args = (x2, y, n, x2.stride(0), y.stride(0))
+        y2 = y.view(M, d)
+        args = (x2, y2, n.view(M), x2.stride(0), y2.stride(0))
         if lay.tile:
             _fwd_tile[(cdiv(M, lay.br),)](*args, M, d, eps, BR=lay.br, BD=lay.bd, ORD=int(ord), num_warps=lay.warps)
         else:
             _fwd_loop[(M,)](*args, d, eps, BD=lay.bd, ORD=int(ord), num_warps=lay.warps)
         LAUNCHES["embed_fwd"] += 1
-    return y.view(x.shape), n.view(x.shape[:-1])
+    return y, n
 
 
 def embed_norm_bwd(dy: torch.Tensor, x: torch.Tensor, n: torch.Tensor, ord: int, eps: float) -> torch.Tensor:
@@ -186,14 +189,14 @@ def embed_norm_bwd(dy: torch.Tensor, x: torch.Tensor, n: torch.Tensor, ord: int,
     d = x.shape[-1]
     x2, do2 = rows(x, d), rows(dy, d)
     M = x2.shape[0]
-    dx = torch.empty((M, d), dtype=x.dtype, device=x.device)
-    n1 = n.reshape(-1)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if M > 0:
         lay = bwd_layout(d)
-        args = (x2, n1, do2, dx, x2.stride(0), do2.stride(0), dx.stride(0))
+        dx2 = dx.view(M, d)
+        args = (x2, n.reshape(M), do2, dx2, x2.stride(0), do2.stride(0), dx2.stride(0))
         if lay.tile:
             _bwd_tile[(cdiv(M, lay.br),)](*args, M, d, eps, BR=lay.br, BD=lay.bd, ORD=int(ord), num_warps=lay.warps)
         else:
             _bwd_loop[(M,)](*args, d, eps, BD=lay.bd, ORD=int(ord), num_warps=lay.warps)
         LAUNCHES["embed_bwd"] += 1
-    return dx.view(x.shape)
+    return dx

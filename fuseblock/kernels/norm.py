@@ -9,7 +9,9 @@ Two layouts, picked per call by the width of one normalized group:
   (`_bwd_dots`) then a column-chunk pass (`_bwd_cols`).
 
 Launches: one forward; a backward of at most two, and no torch op around them (the
-parameters' gradients are written in their own dtypes, by a kernel).
+parameters' gradients are written in their own dtypes, by a kernel). The layout rule,
+the stride contract and the partial-row sums are `fuseblock.kernels.launch`'s, shared
+with the other kernel modules.
 
 Names: i_ program ids, o_ offsets, m_ masks, b_ blocks (fp32 in registers). Tensors:
 X input, R residual, Z gate, W weight, B bias, O output, RO new_residual, P the saved
@@ -28,14 +30,26 @@ p (and dout, in the backward) twice: docs/performance.md counts it.
 # No `from __future__ import annotations`: Triton 3.1's interpreter reads the string
 # "tl.constexpr" as no annotation and passes BR, BD, ... as arrays (tests/test_floor.py).
 
-import collections
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
 from ..spec import Act, Gate, NormSpec
+from .launch import (
+    LAUNCHES,
+    Layout,
+    bwd_layout,
+    cdiv,
+    fwd_layout,
+    loop_layout,
+    num_sms,
+    pow2,
+    rows,
+    stride,
+    sum_partial_rows,
+    sum_rows,
+    vec,
+)
 from .occupancy import learn, programs_per_sm
 
 # The modes of fuseblock.spec as kernel constants (launchers pass int(spec.gate) etc.).
@@ -47,20 +61,11 @@ ACT_IDENTITY = tl.constexpr(int(Act.IDENTITY))
 ACT_SIGMOID = tl.constexpr(int(Act.SIGMOID))
 ACT_SILU = tl.constexpr(int(Act.SILU))
 
-# Kernel launches per kind, for tests and benchmarks that check "one launch per call".
-LAUNCHES: collections.Counter = collections.Counter()
-
-MAX_TILE_FWD = 32768  # widest row (elements) the forward tile kernel holds in registers
-MAX_TILE_BWD = 16384  # the backward keeps more blocks live: it spills beyond this
-LOOP_PROGRAMS_PER_SM = 2  # loop kernels: persistent programs per SM
-LOOP_BLOCK = 4096  # column chunk of the row-looping kernels
-COLS_BLOCK = 2048  # wide-row backward: columns per program of the column-chunk kernel
+# The wide-row backward's column pass (read at call time, as launch.py's constants)
+COLS_BLOCK = 2048  # columns per program of the column-chunk kernel
 COLS_TILE = 8192  # and elements per [rows, columns] block it loads
 COLS_PROGRAMS_PER_SM = 2  # what fits of it (91 to 128 registers x 256 threads; bench.py sm90)
-H100_SMS = 132  # SM count assumed when there is no GPU (the interpreter)
 MIN_ROWS_PER_PROGRAM = 64  # keeps dw/db partial rows (fp32, written and summed) near 3% of bf16 traffic
-SUM_TILE = 2048  # _bwd_sum: elements per [partial rows, columns] block it loads
-SUM_MIN_COLS = 32  # and at least 32 columns per program: 128 bytes of each fp32 partial row
 
 
 # --------------------------------------------------------------------------- helpers
@@ -283,39 +288,58 @@ def _fwd_loop(
 # --------------------------------------------------------------------------- backward
 @triton.jit
 def _normalized(b_p, b_g, b_rstd, b_mean, mask, CENTER: tl.constexpr, GATE: tl.constexpr):
-    """r = (s - mean) * rstd, s = p * g(y) for a pre-gate, else p (any block shape)."""
+    """r = (s - mean) * rstd, s = p * g(z) for a pre-gate, else p (any block shape)."""
     b_s = b_p * b_g if GATE == GATE_PRE else b_p
     return tl.where(mask, b_s - b_mean, 0.0) * b_rstd if CENTER else b_s * b_rstd
 
 
 @triton.jit
-def _post_gate(b_do, b_r, b_z, b_g, b_w, b_b, DZ, o_dz, mask, scale,
-               HAS_W: tl.constexpr, HAS_B: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr):
-    """The gradient reaching o1. Post-gate: dgate = do * o1 * g'(y) (stored), do1 = do * g(y)."""
-    if GATE == GATE_POST:
+def _bwd_block(
+    P, Z, DO, DRO, DX, DR, DZ, row, col, mask,
+    s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz,
+    b_w, b_b, b_rstd, b_mean, b_c1, b_c2, DG, scale,
+    HAS_DRO: tl.constexpr, STORE_DR: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, WHOLE: tl.constexpr,
+):
+    """The backward of one block of rows (docs/math.md): stores dx (and a separate
+    dresidual, and dz), and returns the block's sums over its rows of dw's and db's terms.
+    The tile kernel's [BR, BG, BD] blocks hold whole groups (WHOLE), whose row constants
+    mean(r * dr) and mean(dq) it sums itself; the wide-row column pass's [BR, BD] blocks
+    hold a chunk of one group's columns, and get them from _bwd_dots as b_c1 and b_c2."""
+    b_p = tl.load(P + row * s_p + col, mask=mask, other=0.0).to(tl.float32)
+    b_z = tl.load(Z + row * s_z + col, mask=mask, other=0.0).to(tl.float32) if GATE != GATE_NONE else None
+    b_g = _act(b_z, ACT) if GATE != GATE_NONE else None
+    b_r = _normalized(b_p, b_g, b_rstd, b_mean, mask, CENTER, GATE)
+    b_do = tl.load(DO + row * s_do + col, mask=mask, other=0.0).to(tl.float32)
+    if GATE == GATE_POST:  # dz = do * o1 * g'(z); what reaches o1 is do1 = do * g(z)
         b_o1 = b_r * scale
         if HAS_W:
             b_o1 *= b_w
         if HAS_B:
             b_o1 += b_b
-        tl.store(DZ + o_dz, (b_do * b_o1 * _act_grad(b_z, ACT)).to(DZ.dtype.element_ty), mask=mask)
+        tl.store(DZ + row * s_dz + col, (b_do * b_o1 * _act_grad(b_z, ACT)).to(DZ.dtype.element_ty), mask=mask)
         b_do *= b_g
-    return b_do
-
-
-@triton.jit
-def _store_dx(b_dq, b_p, b_z, b_g, DZ, DRO, DX, DR, o_dz, o_dro, o_dx, o_dr, mask,
-              HAS_DRO: tl.constexpr, STORE_DR: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr):
-    """From dq to the stored input gradients. Pre-gate: dgate = dq * p * g'(y), dp = dq * g(y);
-    docs/math.md: dx = dp + dr, the gradient arriving at new_residual."""
-    if GATE == GATE_PRE:
-        tl.store(DZ + o_dz, (b_dq * b_p * _act_grad(b_z, ACT)).to(DZ.dtype.element_ty), mask=mask)
+    b_dr = b_do * scale
+    if HAS_W:
+        b_dr *= b_w
+    # dq = (dr - (r.dr/d) r) / sigma; layer: dp = dq - mean(dq)
+    if WHOLE:
+        b_c1 = _mean(tl.sum(b_r * b_dr, 2), DG)[:, :, None]
+    b_dq = (b_dr - b_r * b_c1) * b_rstd
+    if CENTER:
+        if WHOLE:
+            b_dq = tl.where(mask, b_dq - _mean(tl.sum(b_dq, 2), DG)[:, :, None], 0.0)
+        else:
+            b_dq -= b_c2
+    if GATE == GATE_PRE:  # dz = dq * p * g'(z), dp = dq * g(z)
+        tl.store(DZ + row * s_dz + col, (b_dq * b_p * _act_grad(b_z, ACT)).to(DZ.dtype.element_ty), mask=mask)
         b_dq *= b_g
-    if HAS_DRO:
-        b_dq += tl.load(DRO + o_dro, mask=mask, other=0.0).to(tl.float32)
-    tl.store(DX + o_dx, b_dq.to(DX.dtype.element_ty), mask=mask)
+    if HAS_DRO:  # dx = dp + the gradient arriving at new_residual
+        b_dq += tl.load(DRO + row * s_dro + col, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DX + row * s_dx + col, b_dq.to(DX.dtype.element_ty), mask=mask)
     if STORE_DR:
-        tl.store(DR + o_dr, b_dq.to(DR.dtype.element_ty), mask=mask)
+        tl.store(DR + row * s_dr + col, b_dq.to(DR.dtype.element_ty), mask=mask)
+    return tl.sum(b_do * b_r, 0) * scale, tl.sum(b_do, 0)
 
 
 @triton.jit(do_not_specialize=["M", "scale", "woff"])
@@ -325,7 +349,6 @@ def _bwd_tile(
     M, G, DG, scale, woff,
     BR: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
     HAS_DRO: tl.constexpr, STORE_DR: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr,
 ):
     _check_modes(GATE, ACT)
@@ -339,7 +362,6 @@ def _bwd_tile(
     o_d = tl.arange(0, BD)
     m_gd = (o_g[:, None] < G) & (o_d[None, :] < DG)
     o_gd = o_g[:, None] * DG + o_d[None, :]
-    col = o_gd[None, :, :]
     b_w = _weight(W, o_gd, m_gd, woff)[None, :, :] if HAS_W else None
     b_b = tl.load(B + o_gd, mask=m_gd, other=0.0).to(tl.float32)[None, :, :] if HAS_B else None
     b_dw = tl.zeros([BG, BD], dtype=tl.float32)
@@ -347,66 +369,21 @@ def _bwd_tile(
     for i_m in range(i_p, tl.cdiv(M, BR), n_p):
         o_m = (i_m * BR + tl.arange(0, BR)).to(tl.int64)
         m_m = o_m < M
-        mask = m_m[:, None, None] & m_gd[None, :, :]
-        row = o_m[:, None, None]
         o_stat = o_m[:, None] * G + o_g[None, :]
         m_stat = m_m[:, None] & (o_g[None, :] < G)
-
-        b_p = tl.load(P + row * s_p + col, mask=mask, other=0.0).to(tl.float32)
-        b_z = tl.load(Z + row * s_z + col, mask=mask, other=0.0).to(tl.float32) if GATE != GATE_NONE else None
-        b_g = _act(b_z, ACT) if GATE != GATE_NONE else None
         b_rstd = tl.load(RSTD + o_stat, mask=m_stat, other=0.0)[:, :, None]
         b_mean = tl.load(MEAN + o_stat, mask=m_stat, other=0.0)[:, :, None] if CENTER else None
-        b_r = _normalized(b_p, b_g, b_rstd, b_mean, mask, CENTER, GATE)
-        b_do = tl.load(DO + row * s_do + col, mask=mask, other=0.0).to(tl.float32)
-        b_do = _post_gate(b_do, b_r, b_z, b_g, b_w, b_b, DZ, row * s_dz + col, mask, scale, HAS_W, HAS_B, GATE, ACT)
-        if NEED_DW:
-            b_dw += tl.sum(b_do * b_r, 0) * scale
-        if NEED_DB:
-            b_db += tl.sum(b_do, 0)
-        b_dr = b_do * scale
-        if HAS_W:
-            b_dr *= b_w
-        # docs/math.md: dq = (dr - (r.dr/d) r) / sigma; layer: dp = dq - mean(dq)
-        b_c1 = _mean(tl.sum(b_r * b_dr, 2), DG)
-        b_dq = (b_dr - b_r * b_c1[:, :, None]) * b_rstd
-        if CENTER:
-            b_dq = tl.where(mask, b_dq - (_mean(tl.sum(b_dq, 2), DG))[:, :, None], 0.0)
-        _store_dx(b_dq, b_p, b_z, b_g, DZ, DRO, DX, DR, row * s_dz + col, row * s_dro + col, row * s_dx + col,
-                  row * s_dr + col, mask, HAS_DRO, STORE_DR, GATE, ACT)
+        b_sw, b_sb = _bwd_block(P, Z, DO, DRO, DX, DR, DZ, o_m[:, None, None], o_gd[None, :, :],
+                                m_m[:, None, None] & m_gd[None, :, :], s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz,
+                                b_w, b_b, b_rstd, b_mean, None, None, DG, scale,
+                                HAS_DRO, STORE_DR, HAS_W, HAS_B, CENTER, GATE, ACT, True)
+        b_dw += b_sw
+        b_db += b_sb
     o_part = i_p.to(tl.int64) * G * DG + o_gd
-    if NEED_DW:
+    if HAS_W:
         tl.store(DWP + o_part, b_dw.to(DWP.dtype.element_ty), mask=m_gd)
-    if NEED_DB:
+    if HAS_B:
         tl.store(DBP + o_part, b_db.to(DBP.dtype.element_ty), mask=m_gd)
-
-
-@triton.jit
-def _sum_rows(PART, OUT, n_rows, stride, o_col, m_col, BR: tl.constexpr, BD: tl.constexpr):
-    """OUT[o_col] = the sum of rows 0 .. n_rows - 1 of PART[:, o_col] (fp32), stored in
-    OUT's dtype: one rounding, as the parameter's gradient. BR rows at a time, added up
-    across them once at the end. The loads bypass L1 (.cg): the rows were written by
-    other programs, on other SMs (see _bwd_cols for when they are visible)."""
-    o_r = tl.arange(0, BR)
-    b_acc = tl.zeros([BR, BD], dtype=tl.float32)
-    for i_r in range(0, n_rows, BR):
-        o_row = (i_r + o_r).to(tl.int64)
-        mask = (o_row < n_rows)[:, None] & m_col[None, :]
-        b_acc += tl.load(PART + o_row[:, None] * stride + o_col[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-    tl.store(OUT + o_col, tl.sum(b_acc, 0).to(OUT.dtype.element_ty), mask=m_col)
-
-
-@triton.jit(do_not_specialize=["n_rows"])
-def _bwd_sum(DWP, DBP, DW, DB, n_rows, D, BR: tl.constexpr, BD: tl.constexpr,
-             NEED_DW: tl.constexpr, NEED_DB: tl.constexpr):
-    # The tile backward's second launch: dw and db, both in one, from the (n_rows, D)
-    # partial rows `_bwd_tile` wrote; program i_c sums columns i_c * BD ...
-    o_col = tl.program_id(0) * BD + tl.arange(0, BD)
-    m_col = o_col < D
-    if NEED_DW:
-        _sum_rows(DWP, DW, n_rows, D, o_col, m_col, BR, BD)
-    if NEED_DB:
-        _sum_rows(DBP, DB, n_rows, D, o_col, m_col, BR, BD)
 
 
 @triton.jit(do_not_specialize=["MG", "scale", "woff"])
@@ -465,7 +442,7 @@ def _bwd_cols(
     M, G, DG, scale, woff,
     BR: tl.constexpr, BD: tl.constexpr,
     HAS_DRO: tl.constexpr, STORE_DR: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, SUM_PARTS: tl.constexpr,
+    SUM_PARTS: tl.constexpr,
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr,
 ):
     _check_modes(GATE, ACT)
@@ -482,7 +459,6 @@ def _bwd_cols(
     o_in = (i_c % n_cg) * BD + tl.arange(0, BD)  # columns within the group
     m_d = o_in < DG
     o_col = i_g * DG + o_in
-    col = o_col[None, :]
     b_w = _weight(W, o_col, m_d, woff)[None, :] if HAS_W else None
     b_b = tl.load(B + o_col, mask=m_d, other=0.0).to(tl.float32)[None, :] if HAS_B else None
     b_dw = tl.zeros([BD], dtype=tl.float32)
@@ -490,34 +466,20 @@ def _bwd_cols(
     for i_m in range(i_p, tl.cdiv(M, BR), n_p):
         o_m = (i_m * BR + tl.arange(0, BR)).to(tl.int64)
         m_m = o_m < M
-        mask = m_m[:, None] & m_d[None, :]
-        row = o_m[:, None]
         o_mg = o_m * G + i_g
         b_rstd = tl.load(RSTD + o_mg, mask=m_m, other=0.0)[:, None]
-        b_c1 = tl.load(DOT + 2 * o_mg, mask=m_m, other=0.0)[:, None]
-        b_p = tl.load(P + row * s_p + col, mask=mask, other=0.0).to(tl.float32)
-        b_z = tl.load(Z + row * s_z + col, mask=mask, other=0.0).to(tl.float32) if GATE != GATE_NONE else None
-        b_g = _act(b_z, ACT) if GATE != GATE_NONE else None
         b_mean = tl.load(MEAN + o_mg, mask=m_m, other=0.0)[:, None] if CENTER else None
-        b_r = _normalized(b_p, b_g, b_rstd, b_mean, mask, CENTER, GATE)
-        b_do = tl.load(DO + row * s_do + col, mask=mask, other=0.0).to(tl.float32)
-        b_do = _post_gate(b_do, b_r, b_z, b_g, b_w, b_b, DZ, row * s_dz + col, mask, scale, HAS_W, HAS_B, GATE, ACT)
-        if NEED_DW:
-            b_dw += tl.sum(b_do * b_r, 0) * scale
-        if NEED_DB:
-            b_db += tl.sum(b_do, 0)
-        b_dr = b_do * scale
-        if HAS_W:
-            b_dr *= b_w
-        b_dq = (b_dr - b_r * b_c1) * b_rstd
-        if CENTER:
-            b_dq -= tl.load(DOT + 2 * o_mg + 1, mask=m_m, other=0.0)[:, None]
-        _store_dx(b_dq, b_p, b_z, b_g, DZ, DRO, DX, DR, row * s_dz + col, row * s_dro + col, row * s_dx + col,
-                  row * s_dr + col, mask, HAS_DRO, STORE_DR, GATE, ACT)
+        b_c1 = tl.load(DOT + 2 * o_mg, mask=m_m, other=0.0)[:, None]
+        b_c2 = tl.load(DOT + 2 * o_mg + 1, mask=m_m, other=0.0)[:, None] if CENTER else None
+        b_sw, b_sb = _bwd_block(P, Z, DO, DRO, DX, DR, DZ, o_m[:, None], o_col[None, :], m_m[:, None] & m_d[None, :],
+                                s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz, b_w, b_b, b_rstd, b_mean, b_c1, b_c2, DG,
+                                scale, HAS_DRO, STORE_DR, HAS_W, HAS_B, CENTER, GATE, ACT, False)
+        b_dw += b_sw
+        b_db += b_sb
     if not SUM_PARTS:  # one program per column chunk (n_p = 1): its sums are dw and db
-        if NEED_DW:
+        if HAS_W:
             tl.store(DW + o_col, b_dw.to(DW.dtype.element_ty), mask=m_d)
-        if NEED_DB:
+        if HAS_B:
             tl.store(DB + o_col, b_db.to(DB.dtype.element_ty), mask=m_d)
     else:
         # The n_p programs of a column chunk each write their partial row (fp32), then
@@ -529,126 +491,43 @@ def _bwd_cols(
         # atomic) then sees every earlier program's release, so all n_p rows are visible
         # to it; the result reaches the other threads through shared memory and a barrier
         # (how Triton hands out a scalar atomic's value), which orders their loads after
-        # that acquire (and _sum_rows loads through L2, past this SM's L1).
+        # that acquire (and sum_rows loads through L2, past this SM's L1).
         o_part = i_p.to(tl.int64) * G * DG + o_col
-        if NEED_DW:
+        if HAS_W:
             tl.store(DWP + o_part, b_dw, mask=m_d)
-        if NEED_DB:
+        if HAS_B:
             tl.store(DBP + o_part, b_db, mask=m_d)
         tl.debug_barrier()
         n_before = tl.atomic_add(CNT + i_c, 1, sem="acq_rel", scope="gpu")
         if n_before == n_p - 1:
-            if NEED_DW:
-                _sum_rows(DWP, DW, n_p, G * DG, o_col, m_d, BR, BD)
-            if NEED_DB:
-                _sum_rows(DBP, DB, n_p, G * DG, o_col, m_d, BR, BD)
+            if HAS_W:
+                sum_rows(DWP, DW, n_p, G * DG, o_col, m_d, BR, BD)
+            if HAS_B:
+                sum_rows(DBP, DB, n_p, G * DG, o_col, m_d, BR, BD)
 
 
 # --------------------------------------------------------------------------- launchers
-# Plain-integer helpers: triton.cdiv and triton.next_power_of_2 are constexpr functions
-# whose Python-side calls cost microseconds each, on every launch.
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def pow2(n: int) -> int:
-    """The smallest power of two >= n (n >= 1)."""
-    return 1 << (n - 1).bit_length()
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return H100_SMS
-
-
-class Layout(NamedTuple):
-    """How a launcher lays out rows of d columns in groups: the tile kernels' [BR, BG, BD]
-    block, or the wide-row kernels' BD-column chunks (tile False, BR = BG = 1)."""
-
-    tile: bool
-    bg: int
-    bd: int
-    br: int
-    warps: int
-    per_sm: int  # persistent programs per SM, before occupancy is learned
-
-    def variant(self, kernel: str, tensors: tuple, flags: dict) -> tuple:
-        """The key of one compiled kernel variant: its code (and registers) depend on the
-        block shape, the tensors' dtypes and the constexpr flags."""
-        dtypes = tuple(None if t is None else t.dtype for t in tensors)
-        return (kernel, dtypes, self.br, self.bg, self.bd, self.warps, *sorted(flags.items()))
-
-
-def layout(d: int, groups: int, max_tile: int) -> Layout:
-    """The layout for rows of d in `groups`, whole rows in registers up to max_tile elements.
-
-    Measured on an H100 in bf16 (docs/performance.md): narrow rows want small tiles and
-    fewer programs; rows of 4K and more want 16K-element tiles and 8 programs per SM.
-    """
-    dg = d // groups
-    bg, bd = pow2(groups), pow2(dg)
-    if bg * bd <= max_tile:
-        wide = bg * bd >= 4096
-        br = max(1, min(64, (16384 if wide else 4096) // (bg * bd)))
-        return Layout(True, bg, bd, br, min(16, max(4, br * bg * bd // 1024)), 8 if wide else 4)
-    return Layout(False, 1, min(LOOP_BLOCK, bd), 1, 8, LOOP_PROGRAMS_PER_SM)
-
-
-def fwd_layout(d: int, groups: int = 1) -> Layout:
-    """The forward's layout (MAX_TILE_FWD, read at call time)."""
-    return layout(d, groups, MAX_TILE_FWD)
-
-
-def bwd_layout(d: int, groups: int = 1) -> Layout:
-    """The backward's layout (MAX_TILE_BWD, read at call time)."""
-    return layout(d, groups, MAX_TILE_BWD)
-
-
-def rows(t: torch.Tensor | None, d: int) -> torch.Tensor | None:
-    """(M, d) view with unit column stride; copies only inputs that cannot be viewed."""
-    if t is None:
-        return None
-    t2 = t.reshape(-1, d)
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
-def _vec(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A (d,) weight or bias with unit stride, as the kernels index it (W + column): a
-    sliced view, a matrix column or an expanded stride-0 vector is copied, never assumed."""
-    return t if t is None or t.stride(0) == 1 else t.contiguous()
-
-
-def _stride(t: torch.Tensor | None) -> int:
-    return t.stride(0) if t is not None else 0
-
-
-def sum_partial_rows(dw_part, db_part, dw, db, n_rows: int, d: int) -> None:
-    """Launch `_bwd_sum`: dw and db (either may be None), in their own dtypes, become the
-    column sums of the (n_rows, d) fp32 partial rows dw_part and db_part."""
-    bd = max(SUM_MIN_COLS, min(pow2(d), pow2(cdiv(d, _num_sms((dw_part if dw is not None else db_part).device)))))
-    _bwd_sum[(cdiv(d, bd),)](dw_part, db_part, dw, db, n_rows, d, BR=max(1, SUM_TILE // bd), BD=bd,
-                             NEED_DW=dw is not None, NEED_DB=db is not None, num_warps=4)
-
-
 def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, need_stats):
     """Triton forward, same contract as `fuseblock.reference.norm_fwd`."""
     # The launchers' stride contract: activations may have any strides (rows are passed
     # by stride, columns must be unit-stride or are copied: `rows`); weight and bias are
-    # made unit-stride (`_vec`). Outputs and statistics are allocated here, contiguous.
+    # made unit-stride (`vec`). Outputs and statistics are allocated here, contiguous.
     d = x.shape[-1]
     x2, r2, z2 = rows(x, d), rows(residual, d), rows(gate, d)
-    weight, bias = _vec(weight), _vec(bias)
+    weight, bias = vec(weight), vec(bias)
     M, G = x2.shape[0], spec.groups
-    out = torch.empty((M, d), dtype=x.dtype, device=x.device)
-    new_res = torch.empty((M, d), dtype=residual_dtype, device=x.device) if residual_dtype is not None else None
+    # Outputs in x's shape, the kernel writing through (M, d) views of them: a returned
+    # view would be one autograd refuses to let users edit in place.
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    new_res = torch.empty(x.shape, dtype=residual_dtype, device=x.device) if residual_dtype is not None else None
+    o2, ro2 = out.view(M, d), None if new_res is None else new_res.view(M, d)
     rstd = torch.empty((M, G), dtype=torch.float32, device=x.device) if need_stats else None
     mean = torch.empty((M, G), dtype=torch.float32, device=x.device) if need_stats and spec.center else None
     if M > 0:
         lay = fwd_layout(d, G)
         args = (
-            x2, r2, z2, weight, bias, out, new_res, rstd, mean,
-            x2.stride(0), _stride(r2), _stride(z2), out.stride(0), _stride(new_res),
+            x2, r2, z2, weight, bias, o2, ro2, rstd, mean,
+            x2.stride(0), stride(r2), stride(z2), o2.stride(0), stride(ro2),
         )
         flags = dict(
             HAS_R=r2 is not None, STORE_R=new_res is not None, HAS_W=weight is not None,
@@ -659,13 +538,13 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
             _fwd_tile[(cdiv(M, lay.br),)](*args, M, G, d // G, spec.eps, spec.scale, spec.weight_offset,
                                           BR=lay.br, BG=lay.bg, BD=lay.bd, **flags)
         else:
-            variant = lay.variant("_fwd_loop", (x2, r2, z2, weight, bias, out, new_res), flags)
-            n_prog = min(M * G, _num_sms(x.device) * programs_per_sm(x.device, variant, lay.per_sm))
+            variant = lay.variant("_fwd_loop", (x2, r2, z2, weight, bias, o2, ro2), flags)
+            n_prog = min(M * G, num_sms(x.device) * programs_per_sm(x.device, variant, lay.per_sm))
             compiled = _fwd_loop[(n_prog,)](*args, M * G, G, d // G, spec.eps, spec.scale, spec.weight_offset,
                                             BD=lay.bd, **flags)
             learn(x.device, variant, compiled, lay.warps)
         LAUNCHES["fwd"] += 1
-    return out.view(x.shape), None if new_res is None else new_res.view(x.shape), rstd, mean
+    return out, new_res, rstd, mean
 
 
 def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dtype, residual_grad_dtype):
@@ -683,22 +562,23 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     # As in norm_fwd. A dout whose columns are not unit-stride (an expanded gradient) is
     # copied by `rows`, a torch op: the caller's layout, not this op's work.
     p2, do2, dro2, z2 = rows(p, d), rows(dout, d), rows(dres, d), rows(gate, d)
-    weight, bias = _vec(weight), _vec(bias)
+    weight, bias = vec(weight), vec(bias)
     M, G = p2.shape[0], spec.groups
     dg = d // G
     dev = p.device
-    dx = torch.empty((M, d), dtype=x_dtype, device=dev)
-    dr = torch.empty((M, d), dtype=residual_grad_dtype, device=dev) if residual_grad_dtype is not None else None
-    dz = torch.empty((M, d), dtype=gate.dtype, device=dev) if gate is not None else None
+    # The gradients in p's shape, as norm_fwd's outputs (the kernels write (M, d) views)
+    grads = (torch.empty(p.shape, dtype=x_dtype, device=dev),
+             torch.empty(p.shape, dtype=residual_grad_dtype, device=dev) if residual_grad_dtype is not None else None,
+             torch.empty(p.shape, dtype=gate.dtype, device=dev) if gate is not None else None)
+    dx, dr, dz = (None if t is None else t.view(M, d) for t in grads)
     need_dw, need_db = weight is not None, bias is not None
-    grads = (dx.view(p.shape), None if dr is None else dr.view(p.shape), None if dz is None else dz.view(p.shape))
     if M == 0:  # no rows, no launch: the sums over none are zero (a fill each, for this edge case)
         return (*grads, *(None if t is None else torch.zeros((d,), dtype=t.dtype, device=dev) for t in (weight, bias)))
     dw = torch.empty((d,), dtype=weight.dtype, device=dev) if need_dw else None
     db = torch.empty((d,), dtype=bias.dtype, device=dev) if need_db else None
     flags = dict(
         HAS_DRO=dro2 is not None, STORE_DR=dr is not None, HAS_W=need_dw, HAS_B=need_db,
-        NEED_DW=need_dw, NEED_DB=need_db, CENTER=spec.center, GATE=int(spec.gate), ACT=int(spec.act),
+        CENTER=spec.center, GATE=int(spec.gate), ACT=int(spec.act),
     )
     lay = bwd_layout(d, G)
     if lay.tile:
@@ -715,13 +595,13 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     # Programs per SM as many as fit at once (one wave), and at least
     # MIN_ROWS_PER_PROGRAM rows each, so the (n_prog, d) partial buffers stay small next
     # to the activations on small batches.
-    slots = _num_sms(dev) * programs_per_sm(dev, variant, lay.per_sm)
+    slots = num_sms(dev) * programs_per_sm(dev, variant, lay.per_sm)
     n_prog = max(1, min(slots // n_cols, n_items, cdiv(M, MIN_ROWS_PER_PROGRAM)))
     # With one program its sums are dw and db: it writes them, and nothing is left to add.
     sum_parts = n_prog > 1 and (need_dw or need_db)
     dw_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_dw and sum_parts else dw
     db_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_db and sum_parts else db
-    strides = (p2.stride(0), _stride(z2), do2.stride(0), _stride(dro2), dx.stride(0), _stride(dr), _stride(dz))
+    strides = (p2.stride(0), stride(z2), do2.stride(0), stride(dro2), dx.stride(0), stride(dr), stride(dz))
     outs = (do2, dro2, dx, dr, dz, dw_part, db_part)
     if lay.tile:
         compiled = _bwd_tile[(n_prog,)](p2, z2, weight, bias, rstd, mean, *outs, *strides, M, G, dg, spec.scale,
@@ -734,12 +614,12 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     else:
         dots = torch.empty((M * G, 2), dtype=torch.float32, device=dev)
         cnt = torch.empty((n_cols,), dtype=torch.int32, device=dev) if sum_parts else None  # zeroed by _bwd_dots
-        dots_lay = Layout(False, 1, min(LOOP_BLOCK, pow2(dg)), 1, 8, LOOP_PROGRAMS_PER_SM)
+        dots_lay = loop_layout(dg)
         dots_flags = dict(BD=dots_lay.bd, HAS_W=need_dw, CENTER=spec.center, GATE=int(spec.gate),
                           ACT=int(spec.act), ZERO_CNT=sum_parts)
         dots_variant = dots_lay.variant("_bwd_dots", (p2, z2, weight, do2), dots_flags)
-        n_dots = min(M * G, _num_sms(dev) * programs_per_sm(dev, dots_variant, dots_lay.per_sm))
-        dots_compiled = _bwd_dots[(n_dots,)](p2, z2, weight, rstd, mean, do2, dots, cnt, p2.stride(0), _stride(z2),
+        n_dots = min(M * G, num_sms(dev) * programs_per_sm(dev, dots_variant, dots_lay.per_sm))
+        dots_compiled = _bwd_dots[(n_dots,)](p2, z2, weight, rstd, mean, do2, dots, cnt, p2.stride(0), stride(z2),
                                              do2.stride(0), M * G, G, dg, spec.scale, spec.weight_offset, n_cols,
                                              num_warps=dots_lay.warps, **dots_flags)
         learn(dev, dots_variant, dots_compiled, dots_lay.warps)

@@ -66,9 +66,9 @@ def captured_launches(*modules, compiled=None):
     import triton
 
     if not modules:
-        from ..kernels import channel_norm, embed_norm, norm
+        from ..kernels import channel_norm, embed_norm, launch, norm
 
-        modules = (norm, embed_norm, channel_norm)
+        modules = (norm, embed_norm, channel_norm, launch)
     out: list[CapturedLaunch] = []
     saved = [(mod, name, obj) for mod in modules for name, obj in list(vars(mod).items())
              if isinstance(obj, triton.runtime.JITFunction)]
@@ -155,6 +155,7 @@ def norm_launches(x, residual=None, weight=None, bias=None, gate=None, *, kind="
                   gate_position="post", gate_act="silu", num_groups=1, compiled=None) -> list[CapturedLaunch]:
     """The kernel launches of one add_norm forward and backward on these inputs (CPU
     tensors are fine: nothing runs). compiled: as for `captured_launches`."""
+    from ..kernels import launch
     from ..kernels import norm as kernels
     from ..ops.checks import resolve
 
@@ -162,7 +163,7 @@ def norm_launches(x, residual=None, weight=None, bias=None, gate=None, *, kind="
                    gate_position=gate_position, num_groups=num_groups, residual_dtype=residual_dtype)
     rin = None if residual is None else residual.dtype
     rdtype = new_residual_dtype(x.dtype, rin, residual_dtype)  # what add_norm stores: None, or its dtype
-    with captured_launches(kernels, compiled=compiled) as out:
+    with captured_launches(kernels, launch, compiled=compiled) as out:  # launch: the partial-row sum
         _, new_res, rstd, mean = kernels.norm_fwd(x, residual, gate, weight, bias, spec, rdtype, True)
         p = x if new_res is None else new_res
         dres = None if new_res is None else torch.empty_like(p)

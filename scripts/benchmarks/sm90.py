@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import torch
 
 from fuseblock.kernels import occupancy
-from fuseblock.kernels.norm import H100_SMS
+from fuseblock.kernels.launch import H100_SMS
 from fuseblock.testing.sm90 import compile_sm90, norm_launches, resource_usage
 
 

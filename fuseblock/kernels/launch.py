@@ -1,0 +1,156 @@
+"""What the launchers of every kernel module share: the launch record, the layout rule,
+how activations and parameters are handed to a kernel, and the partial-row sums.
+
+- `LAUNCHES`: kernel launches per kind, for tests and benchmarks that check "one launch
+  per call";
+- `layout`: the tile kernels' [BR rows, BG groups, BD columns] block for rows that fit
+  in registers, else the wide-row kernels' column chunks (`fwd_layout`, `bwd_layout`);
+- `rows`, `vec`, `stride`: the stride contract (activations by row stride with unit
+  column stride, parameters unit-stride);
+- `sum_partial_rows` (`_bwd_sum`): the parameters' gradients, in their own dtypes, from
+  fp32 partial rows that programs wrote (the norm's tile backward, group norm's per-sample
+  shares); `sum_rows` is also the last step of the norm's wide-row backward.
+
+The constants are read at call time: tests shrink them to reach the wide-row kernels on
+small inputs (tests/conftest.py, `small_wide_rows`).
+"""
+# No `from __future__ import annotations`: Triton 3.1's interpreter reads the string
+# "tl.constexpr" as no annotation and passes BR, BD, ... as arrays (tests/test_floor.py).
+
+import collections
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+LAUNCHES: collections.Counter = collections.Counter()
+
+MAX_TILE_FWD = 32768  # widest row (elements) the forward tile kernel holds in registers
+MAX_TILE_BWD = 16384  # the backward keeps more blocks live: it spills beyond this
+LOOP_PROGRAMS_PER_SM = 2  # loop kernels: persistent programs per SM
+LOOP_BLOCK = 4096  # column chunk of the row-looping kernels
+H100_SMS = 132  # SM count assumed when there is no GPU (the interpreter)
+SUM_TILE = 2048  # _bwd_sum: elements per [partial rows, columns] block it loads
+SUM_MIN_COLS = 32  # and at least 32 columns per program: 128 bytes of each fp32 partial row
+
+
+# Plain-integer helpers: triton.cdiv and triton.next_power_of_2 are constexpr functions
+# whose Python-side calls cost microseconds each, on every launch.
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return H100_SMS
+
+
+class Layout(NamedTuple):
+    """How a launcher lays out rows of d columns in groups: the tile kernels' [BR, BG, BD]
+    block, or the wide-row kernels' BD-column chunks (tile False, BR = BG = 1)."""
+
+    tile: bool
+    bg: int
+    bd: int
+    br: int
+    warps: int
+    per_sm: int  # persistent programs per SM, before occupancy is learned
+
+    def variant(self, kernel: str, tensors: tuple, flags: dict) -> tuple:
+        """The key of one compiled kernel variant: its code (and registers) depend on the
+        block shape, the tensors' dtypes and the constexpr flags."""
+        dtypes = tuple(None if t is None else t.dtype for t in tensors)
+        return (kernel, dtypes, self.br, self.bg, self.bd, self.warps, *sorted(flags.items()))
+
+
+def loop_layout(dg: int) -> Layout:
+    """The row-looping kernels' layout for groups of dg columns: one group at a time, in
+    chunks of LOOP_BLOCK."""
+    return Layout(False, 1, min(LOOP_BLOCK, pow2(dg)), 1, 8, LOOP_PROGRAMS_PER_SM)
+
+
+def layout(d: int, groups: int, max_tile: int) -> Layout:
+    """The layout for rows of d in `groups`, whole rows in registers up to max_tile elements.
+
+    Measured on an H100 in bf16 (docs/performance.md): narrow rows want small tiles and
+    fewer programs; rows of 4K and more want 16K-element tiles and 8 programs per SM.
+    """
+    dg = d // groups
+    bg, bd = pow2(groups), pow2(dg)
+    if bg * bd <= max_tile:
+        wide = bg * bd >= 4096
+        br = max(1, min(64, (16384 if wide else 4096) // (bg * bd)))
+        return Layout(True, bg, bd, br, min(16, max(4, br * bg * bd // 1024)), 8 if wide else 4)
+    return loop_layout(dg)
+
+
+def fwd_layout(d: int, groups: int = 1) -> Layout:
+    """The forward's layout (MAX_TILE_FWD, read at call time)."""
+    return layout(d, groups, MAX_TILE_FWD)
+
+
+def bwd_layout(d: int, groups: int = 1) -> Layout:
+    """The backward's layout (MAX_TILE_BWD, read at call time)."""
+    return layout(d, groups, MAX_TILE_BWD)
+
+
+def rows(t: torch.Tensor | None, d: int) -> torch.Tensor | None:
+    """(M, d) view with unit column stride; copies only inputs that cannot be viewed."""
+    if t is None:
+        return None
+    t2 = t.reshape(-1, d)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def vec(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A (d,) weight or bias with unit stride, as the kernels index it (W + column): a
+    sliced view, a matrix column or an expanded stride-0 vector is copied, never assumed."""
+    return t if t is None or t.stride(0) == 1 else t.contiguous()
+
+
+def stride(t: torch.Tensor | None) -> int:
+    """The row stride of an optional tensor (0 when absent: the kernel never reads it)."""
+    return t.stride(0) if t is not None else 0
+
+
+@triton.jit
+def sum_rows(PART, OUT, n_rows, s_part, o_col, m_col, BR: tl.constexpr, BD: tl.constexpr):
+    """OUT[o_col] = the sum of rows 0 .. n_rows - 1 of PART[:, o_col] (fp32), stored in
+    OUT's dtype: one rounding, as the parameter's gradient. BR rows at a time, added up
+    across them once at the end. The loads bypass L1 (.cg): the rows were written by
+    other programs, on other SMs (see the norm's _bwd_cols for when they are visible)."""
+    o_r = tl.arange(0, BR)
+    b_acc = tl.zeros([BR, BD], dtype=tl.float32)
+    for i_r in range(0, n_rows, BR):
+        o_row = (i_r + o_r).to(tl.int64)
+        mask = (o_row < n_rows)[:, None] & m_col[None, :]
+        b_acc += tl.load(PART + o_row[:, None] * s_part + o_col[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+    tl.store(OUT + o_col, tl.sum(b_acc, 0).to(OUT.dtype.element_ty), mask=m_col)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _bwd_sum(DWP, DBP, DW, DB, n_rows, D, BR: tl.constexpr, BD: tl.constexpr,
+             HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    # A backward's second launch: dw and db, both in one, from the (n_rows, D) partial
+    # rows its first wrote; program i_c sums columns i_c * BD ...
+    o_col = tl.program_id(0) * BD + tl.arange(0, BD)
+    m_col = o_col < D
+    if HAS_W:
+        sum_rows(DWP, DW, n_rows, D, o_col, m_col, BR, BD)
+    if HAS_B:
+        sum_rows(DBP, DB, n_rows, D, o_col, m_col, BR, BD)
+
+
+def sum_partial_rows(dw_part, db_part, dw, db, n_rows: int, d: int) -> None:
+    """Launch `_bwd_sum`: dw and db (either may be None), in their own dtypes, become the
+    column sums of the (n_rows, d) fp32 partial rows dw_part and db_part."""
+    bd = max(SUM_MIN_COLS, min(pow2(d), pow2(cdiv(d, num_sms((dw_part if dw is not None else db_part).device)))))
+    _bwd_sum[(cdiv(d, bd),)](dw_part, db_part, dw, db, n_rows, d, BR=max(1, SUM_TILE // bd), BD=bd,
+                             HAS_W=dw is not None, HAS_B=db is not None, num_warps=4)
