@@ -11,7 +11,7 @@ loaded per channel:
 Launches per call, torch ops included: one forward; backward one for batch norm (a
 program owns its channel, so it writes dw[c], db[c] itself) and for group norm of one
 sample, two for group norm of several (fp32 partials of dw, db per sample, then the core
-op's `_bwd_sum`). Forward and backward are registered by `fuseblock.ops.registry.FusedOp`,
+op's `_bwd_sum` in `fuseblock.kernels.launch`). Forward and backward are registered by `fuseblock.ops.registry.FusedOp`,
 so torch.compile(fullgraph=True) traces them whole.
 
 Why a program per set rather than the core op's row kernels: batch norm on those took
