@@ -46,8 +46,8 @@ $(FLOOR_STAMP): pyproject.toml tools/floor_env.py
 	touch $(FLOOR_STAMP)
 
 test-floor: $(FLOOR_STAMP)
-	$(FLOOR_PY) -m pytest -q -p no:cacheprovider tests/test_floor.py
-	TRITON_INTERPRET=1 $(FLOOR_PY) -m pytest -q -p no:cacheprovider tests/test_floor.py
+	$(FLOOR_PY) -m pytest -q -p no:cacheprovider tests/tools/test_floor.py
+	TRITON_INTERPRET=1 $(FLOOR_PY) -m pytest -q -p no:cacheprovider tests/tools/test_floor.py
 
 # dist/fuseblock-<version>-py3-none-any.whl; build/ is cleared first so no stale file rides along
 wheel: $(STAMP)
@@ -70,9 +70,9 @@ bench: $(STAMP)
 # (GPU_CHECK_DEPS= skips it with the default PY).
 GPU_OUT        := out/gpu-check
 GPU_CHECK_DEPS := $(if $(filter command line,$(origin PY)),,$(STAMP))
-# tests/test_properties.py needs hypothesis, which a GPU image may lack: left out there, not an
+# tests/ops/test_properties.py needs hypothesis, which a GPU image may lack: left out there, not an
 # error for the whole run (the report says whether it ran). Expanded when the recipe runs.
-NO_HYPOTHESIS   = $(shell $(PY) -c "import hypothesis" 2>/dev/null || echo --ignore=tests/test_properties.py)
+NO_HYPOTHESIS   = $(shell $(PY) -c "import hypothesis" 2>/dev/null || echo --ignore=tests/ops/test_properties.py)
 
 gpu-check: $(GPU_CHECK_DEPS)
 	rm -rf $(GPU_OUT) && mkdir -p $(GPU_OUT)

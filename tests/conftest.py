@@ -20,7 +20,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests import helpers, ref64 and friends
 sys.path.insert(1, ROOT)  # and the GPT from the checkout's models/, which the wheel does not install
 
-# KERNEL_PATH stays importable from here only for tests/test_traffic.py, until it imports it from helpers.
 from helpers import DEVICE, KERNEL_PATH, Launches  # noqa: E402
 
 if DEVICE != "cpu":

@@ -26,7 +26,7 @@ statistics (fp32), RM and RV the running buffers, DY and DX gradients, DW and DB
 parameters' gradients (or their fp32 partials).
 """
 # No `from __future__ import annotations`: Triton 3.1's interpreter reads the string
-# "tl.constexpr" as no annotation and passes BR, BL, ... as arrays (tests/test_floor.py).
+# "tl.constexpr" as no annotation and passes BR, BL, ... as arrays (tests/tools/test_floor.py).
 
 import torch
 import triton

@@ -17,7 +17,7 @@ gradient shared by the k tied entries, as torch's amax and inf-norm do):
     dx = (g - a * (g.x / D) * dn/dx) / D          (for l2, dn/dx = x/D when a = 1)
 """
 # No `from __future__ import annotations`: Triton 3.1's interpreter reads the string
-# "tl.constexpr" as no annotation and passes BR, BD, ... as arrays (tests/test_floor.py).
+# "tl.constexpr" as no annotation and passes BR, BD, ... as arrays (tests/tools/test_floor.py).
 
 import torch
 import triton

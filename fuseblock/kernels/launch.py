@@ -15,7 +15,7 @@ The constants are read at call time: tests shrink them to reach the wide-row ker
 small inputs (tests/conftest.py, `small_wide_rows`).
 """
 # No `from __future__ import annotations`: Triton 3.1's interpreter reads the string
-# "tl.constexpr" as no annotation and passes BR, BD, ... as arrays (tests/test_floor.py).
+# "tl.constexpr" as no annotation and passes BR, BD, ... as arrays (tests/tools/test_floor.py).
 
 import collections
 from typing import NamedTuple

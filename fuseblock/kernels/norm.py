@@ -28,7 +28,7 @@ each column chunk to finish. A single program writes dw and db directly. Wide ro
 p (and dout, in the backward) twice: docs/performance.md counts it.
 """
 # No `from __future__ import annotations`: Triton 3.1's interpreter reads the string
-# "tl.constexpr" as no annotation and passes BR, BD, ... as arrays (tests/test_floor.py).
+# "tl.constexpr" as no annotation and passes BR, BD, ... as arrays (tests/tools/test_floor.py).
 
 import torch
 import triton

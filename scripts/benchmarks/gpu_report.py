@@ -110,7 +110,7 @@ def environment() -> dict:
 
         env["hypothesis"] = "installed"
     except ImportError:
-        env["hypothesis"] = "not installed: make gpu-check leaves tests/test_properties.py out"
+        env["hypothesis"] = "not installed: make gpu-check leaves tests/ops/test_properties.py out"
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
                                 timeout=10)

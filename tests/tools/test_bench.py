@@ -260,8 +260,8 @@ def test_gpu_report_writes_one_report_and_fails_on_any_part_or_target(monkeypatc
     monkeypatch.setattr(R, "environment", lambda: {"GPU": "NVIDIA H100 (fake)", "torch": "2.11.0"})
     (tmp_path / "gpu.json").write_text(json.dumps(_fake_bandwidth()))
     (tmp_path / "gpt_step.log").write_text("a warning on stderr\n" + "\n".join(map(json.dumps, _fake_steps())))
-    (tmp_path / "tests.log").write_text("tests/test_norm.py ....\n=== short test summary info ===\n"
-                                        "FAILED tests/test_norm.py::test_x - AssertionError\n"
+    (tmp_path / "tests.log").write_text("tests/ops/test_norm.py ....\n=== short test summary info ===\n"
+                                        "FAILED tests/ops/test_norm.py::test_x - AssertionError\n"
                                         "======= 1 failed, 599 passed, 3 skipped in 95.12s (0:01:35) =======\n")
     for part, rc in (("tests", 1), ("gpu", 0), ("gpt_step", 0)):
         (tmp_path / f"{part}.rc").write_text(f"{rc}\n")
@@ -273,7 +273,7 @@ def test_gpu_report_writes_one_report_and_fails_on_any_part_or_target(monkeypatc
     assert text in capsys.readouterr().out
     assert text.startswith("# make gpu-check\n\n**FAIL**: parts failed: tests; targets missed: 0 of 10.")
     assert "NVIDIA H100 (fake)" in text and "1 failed, 599 passed, 3 skipped in 95.12s (0:01:35)" in text
-    assert "FAILED tests/test_norm.py::test_x" in text and text.count("| PASS |") == 10
+    assert "FAILED tests/ops/test_norm.py::test_x" in text and text.count("| PASS |") == 10
     assert "| fused+compile | 80.0" in text.replace("80.000", "80.0")  # the GPT step table
 
     (tmp_path / "tests.rc").write_text("0\n")

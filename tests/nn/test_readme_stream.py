@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 HEADING = "Example: your own transformer"
 SOURCES = [ROOT / "README.md"]
 

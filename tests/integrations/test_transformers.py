@@ -7,7 +7,7 @@ factor); greedy generation with the KV cache and padding; hidden states; the nor
 count (2n + 1) and no separate residual add; state_dicts both ways; gradient
 checkpointing; torch.compile(fullgraph=True); the kernel path on two architectures.
 
-`python tests/test_transformers.py` prints the table of measured differences that
+`.venv/bin/python tests/integrations/test_transformers.py` prints the table of measured differences that
 docs/transformers.md shows.
 """
 import copy
@@ -29,7 +29,7 @@ import fuseblock.modules  # noqa: E402
 from fuseblock import Norm  # noqa: E402
 from fuseblock.integrations.transformers import fuse  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HIDDEN, LAYERS, VOCAB = 64, 2, 128
 COMMON = dict(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, initializer_range=0.2,
@@ -406,13 +406,13 @@ def test_from_pretrained_without_weights_equals_the_unfused_class(arch):
 
 
 def test_fsdp2_meta_init_on_two_cpu_ranks_equals_the_unfused_model(tmp_path):
-    """fully_shard between fuse and to_empty: tests/transformers_fsdp_worker.py on 2 gloo
+    """fully_shard between fuse and to_empty: tests/integrations/transformers_fsdp_worker.py on 2 gloo
     ranks, Llama and Gemma2 (weights with an offset); every parameter as the unfused
     sharded model's, no NaN left, the norms the identity's, the losses equal and finite."""
     out = tmp_path / "found.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CPU torch path
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        os.path.join(ROOT, "tests", "transformers_fsdp_worker.py"), str(out)],
+                        os.path.join(ROOT, "tests", "integrations", "transformers_fsdp_worker.py"), str(out)],
                        env={**env, "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, f"{p.stdout}\n{p.stderr}"
     found = json.loads(out.read_text())

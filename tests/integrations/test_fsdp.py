@@ -1,6 +1,6 @@
 """FSDP2 (fully_shard) with meta-device init. One process: the GPT built on the meta device,
 moved with to_empty and given init_weights() equals eager construction bit for bit. Two gloo
-ranks on CPU (tests/fsdp_worker.py under torchrun): fuseblock's ResidualStack and the GPT
+ranks on CPU (tests/integrations/fsdp_worker.py under torchrun): fuseblock's ResidualStack and the GPT
 shard, initialise with no garbage left, and their sharded gradients match one process's.
 train.py --fsdp: its checkpoints are the single-process format, and resume either way."""
 import json
@@ -17,7 +17,7 @@ from trainutil import ROOT, TINY, call, train
 
 from models.gpt import GPT, GPTConfig
 
-WORKER = str(ROOT / "tests" / "fsdp_worker.py")
+WORKER = str(ROOT / "tests" / "integrations" / "fsdp_worker.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 

@@ -1,7 +1,7 @@
 """The byte counters, and the kernels' traffic held at the compulsory minimum."""
 import pytest
 import torch
-from conftest import KERNEL_PATH
+from helpers import KERNEL_PATH
 
 from fuseblock.testing import cases, op_traffic
 from fuseblock.testing.traffic import EagerTraffic, KernelTraffic, charge, uncounted

@@ -6,7 +6,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "fuseblock"
 # rank of each module, by its dotted name under fuseblock (the longest prefix listed wins)
 RANKS = {"spec": 0, "triton_support": 0, "kernels": 1, "reference": 1, "ops": 2, "modules": 3, "norm_linear": 3,
@@ -83,3 +83,24 @@ def test_only_the_ops_name_the_registered_ops_by_string():
     naming = {str(p.relative_to(ROOT)) for p in sources if NAMES_THE_OPS.search(p.read_text())}
     assert "fuseblock/ops/registry.py" in naming  # the search finds what it looks for
     assert sorted(n for n in naming if not n.startswith("fuseblock/ops/")) == []
+
+
+def test_the_tests_are_grouped_by_area_and_import_no_test_module():
+    """Test modules live in a folder of their area and import shared code from the helper
+    modules at tests/ (helpers, ref64, trainutil, family_helpers), never from conftest or
+    from one another."""
+    tests = ROOT / "tests"
+    loose = sorted(p.name for p in tests.glob("test_*.py"))
+    assert loose == [], f"test modules outside an area folder: {loose}"
+    modules = {p.stem for p in tests.rglob("*.py")}
+    test_modules = {m for m in modules if m.startswith("test_")} | {"conftest"}
+    assert len(test_modules) > 30  # the search finds the suite
+    importing = {}
+    for path in tests.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            found = [n for n in names if n.split(".")[0] in test_modules]
+            if found:
+                importing[str(path.relative_to(ROOT))] = found
+    assert importing == {}

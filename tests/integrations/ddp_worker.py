@@ -6,7 +6,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import train  # noqa: E402
 
 dump = Path(sys.argv[1])

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from trainutil import ROOT, TINY
 
-WORKER = str(ROOT / "tests" / "ddp_worker.py")
+WORKER = str(ROOT / "tests" / "integrations" / "ddp_worker.py")
 
 
 def _env():

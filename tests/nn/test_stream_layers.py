@@ -16,7 +16,7 @@ from fuseblock.stream import layers_to_stack, stack_to_layers
 
 DIM, HEADS, LAYERS, BATCH, SEQ, EPS = 32, 4, 3, 2, 6, 1e-6
 HF_NAMES = dict(attn="self_attn", input_norm="input_layernorm", post_norm="post_attention_layernorm")
-# max |a - b| / max |b|: fp32 fused and naive forms measure below 1e-6 apart (tests/test_stream.py,
+# max |a - b| / max |b|: fp32 fused and naive forms measure below 1e-6 apart (tests/nn/test_stream.py,
 # whose bound for fused vs naive is 2 x 5e-6); the same here against torch's nn.RMSNorm.
 TOL = 1e-5
 

@@ -12,7 +12,7 @@ import torch
 
 from fuseblock.triton_support import interpreter_numpy_problem, missing_triton_error
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Run in a fresh interpreter: refuse `import triton` (and its submodules) before anything else.
 BLOCK_TRITON = textwrap.dedent("""
