@@ -63,7 +63,7 @@ def test_identity_gate_is_named_identity_and_none_is_its_alias(name, position):
     # g(z) = z: against torch's rms_norm with the gate multiplied in by hand, values and gradients
     x, r, z = (torch.randn(4, 24, dtype=torch.float32, requires_grad=True) for _ in range(3))
     w = torch.randn(24, requires_grad=True)
-    out, _ = fuseblock.add_norm(x, r, w, gate=z, gate_act=name, gate_position=position)
+    out, _ = fuseblock.add_norm(x, r, w, eps=1e-6, gate=z, gate_act=name, gate_position=position)
     rms = torch.nn.functional.rms_norm
     ref = rms((x + r) * z, (24,), w, eps=1e-6) if position == "pre" else rms(x + r, (24,), w, eps=1e-6) * z
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -74,7 +74,7 @@ def test_identity_gate_is_named_identity_and_none_is_its_alias(name, position):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
     module = fuseblock.Norm(24, eps=1e-6, gate_act=name, gate_position=position)
     assert f"gate_act={name!r}" in repr(module)
-    torch.testing.assert_close(module(x + r, gate=z), fuseblock.norm(x + r, gate=z, gate_act="identity",
+    torch.testing.assert_close(module(x + r, gate=z), fuseblock.norm(x + r, eps=1e-6, gate=z, gate_act="identity",
                                                                      gate_position=position), rtol=0, atol=0)
 
 
