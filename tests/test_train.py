@@ -69,9 +69,9 @@ def test_resume_takes_the_model_config_from_the_checkpoint(tmp_path):
 def test_a_fresh_run_replaces_an_earlier_runs_checkpoints(tmp_path):
     out = tmp_path / "run"
     train(out, 6, "--eval-interval", "6", "--ckpt-interval", "3")
-    p = train(out, 2, "--eval-interval", "2", "--ckpt-interval", "2")
-    assert "earlier run" in p.stdout and "--resume" in p.stdout
-    assert sorted(x.name for x in out.iterdir()) == [".lock", "ckpt-000002", "latest", "loss.png"]
+    p = train(out, 2, "--eval-interval", "2", "--ckpt-interval", "2", "--overwrite")
+    assert "another run's checkpoints" in p.stdout and "--overwrite" in p.stdout
+    assert sorted(x.name for x in out.iterdir()) == ["ckpt-000002", "latest", "loss.png"]
 
 
 @pytest.mark.parametrize("args,message", [
