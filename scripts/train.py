@@ -38,17 +38,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# Importing torch takes seconds. A Ctrl-C meanwhile is held until the imports are done
+# (raised inside them, a library may print a traceback or swallow it), then gets the one
+# line that one later in start-up gets.
 INTERRUPTED = "error: interrupted before training started; nothing to save"
-try:  # importing torch takes seconds: a Ctrl-C then gets the one line that one later in start-up gets
-    import torch
+_held: list[int] = []
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, lambda signum, frame: _held.append(signum))
 
-    from models import checkpoint, data, plot, settings, sharded
-    from models.gpt import GPT, GPTConfig
-    from models.lock import OutDirError, OutDirLock, claim
-    from models.settings import MODEL_DEFAULTS, TRAIN_DEFAULTS, SettingsError, arg_type
-except KeyboardInterrupt:
-    print(INTERRUPTED, file=sys.stderr)
-    sys.exit(130)
+import torch  # noqa: E402
+
+from models import checkpoint, data, plot, settings, sharded  # noqa: E402
+from models.gpt import GPT, GPTConfig  # noqa: E402
+from models.lock import OutDirError, OutDirLock, claim  # noqa: E402
+from models.settings import MODEL_DEFAULTS, TRAIN_DEFAULTS, SettingsError, arg_type  # noqa: E402
+
+if __name__ == "__main__":
+    if _held:
+        print(INTERRUPTED, file=sys.stderr)
+        sys.exit(130)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(

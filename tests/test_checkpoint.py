@@ -212,7 +212,8 @@ def test_full_disk_during_training_keeps_the_previous_checkpoint(tmp_path, monke
     monkeypatch.setattr(checkpoint, "save_file", _failing_save_file(fail_at))
     p = train(out, 6, "--eval-interval", "6", "--ckpt-interval", "2", check=False)
     assert p.returncode == code and "Traceback" not in p.stderr
-    assert f"warning: checkpoint at step {2 * fail_at[0]} not written (No space left on device)" in p.stderr
+    freed = "; ckpt-000002 removed to make room" if code else ""
+    assert f"warning: checkpoint at step {2 * fail_at[0]} not written (No space left on device{freed})" in p.stderr
     assert "step 6: train" in p.stdout  # it trained to the end
     last = 6 if code == 0 else 4
     ckpt = checkpoint.resolve(out)
@@ -228,3 +229,23 @@ def test_prune_orders_checkpoints_by_step_number(tmp_path):
         (tmp_path / f"ckpt-{step:06d}").mkdir()
     checkpoint._prune(tmp_path, keep="ckpt-1000000")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-1000000", "ckpt-999999"]
+
+
+@pytest.mark.parametrize("where", ["weights", "adam"])
+def test_save_writes_no_nan_state(tmp_path, where):
+    """What the loader would refuse is never written (before: a diverged run's NaN weights
+    became the newest checkpoint and pruned the good ones): NonFiniteError, nothing new on
+    disk, the earlier checkpoint still `latest`."""
+    model = GPT(GPTConfig(block_size=8, n_layer=1, n_head=2, n_embd=16))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))[1].backward()
+    opt.step()
+    rng = {"torch0": torch.get_rng_state()}
+    checkpoint.save(tmp_path, 1, model, opt, {"model": model.config.to_json()}, rng)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with torch.no_grad():
+        (model.wpe.weight if where == "weights" else opt.state[model.wpe.weight]["exp_avg"])[0, 0] = float("inf")
+    with pytest.raises(checkpoint.NonFiniteError):
+        checkpoint.save(tmp_path, 2, model, opt, {"model": model.config.to_json()}, rng)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert checkpoint.resolve(tmp_path).name == "ckpt-000001"
