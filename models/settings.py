@@ -171,11 +171,15 @@ def _train_problem(train, world) -> str | None:
 
 def meta_problem(meta: dict) -> str | None:
     """What is wrong with the run's record in a parsed meta.json (step, config, history,
-    curve), or None. The training settings and the curve are optional (a checkpoint that
-    only samples, format 1); `resume` requires them."""
+    curve), or None. The training settings and the curve are optional (checkpoint.save
+    records what it is given); `resume` requires them. Format 1 recorded the settings as
+    untyped strings: only its step and model config are checked, all that sample.py reads."""
     step = meta.get("step")
     if not is_int(step) or step < 1:
         return f"malformed (step must be an int >= 1, got {step!r})"
+    config = meta.get("config")
+    if meta["format"] < 2:
+        return _model_problem(config.get("model")) if isinstance(config, dict) else "malformed config"
     history = meta.get("history", [])
     if not isinstance(history, list) or not all(
         isinstance(h, dict) and set(h) == {"step", "train", "val"} and is_int(h["step"]) and 1 <= h["step"] <= step
@@ -186,7 +190,6 @@ def meta_problem(meta: dict) -> str | None:
     if "curve" in meta and (not isinstance(curve, list) or len(curve) != step
                             or not all(is_number(c) and math.isfinite(c) for c in curve)):
         return f"malformed curve (a list of {step} finite numbers, one loss per step)"
-    config = meta.get("config")
     if not isinstance(config, dict) or not set(config) <= {"model", "train", "world_size"}:
         return "malformed config (a dict of model, and train and world_size when recorded)"
     problem = _model_problem(config.get("model"))

@@ -104,7 +104,7 @@ def test_one_table_bounds_the_command_line_and_meta_json_alike(tmp_path, train, 
     p = call("train.py", "--out-dir", tmp_path / "x", *flags, check=False)
     assert p.returncode == 2 and "usage:" in p.stderr and str(flags[0]) in p.stderr, p.stderr
     recorded = dict(settings.TRAIN_DEFAULTS, lr_decay_iters=1000)
-    meta = {"step": 1, "config": {"model": GPTConfig().to_json(), "train": recorded, "world_size": 1}}
+    meta = {"format": 3, "step": 1, "config": {"model": GPTConfig().to_json(), "train": recorded, "world_size": 1}}
     assert settings.meta_problem(meta) is None
     recorded.update(train)
     problem, field = settings.meta_problem(meta), next(iter(train))

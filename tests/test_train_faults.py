@@ -446,10 +446,15 @@ def test_an_earlier_run_with_a_symlinked_checkpoint(trained, tmp_path, monkeypat
 
 
 def test_a_format_1_checkpoint_samples_but_does_not_resume(trained, tmp_path):
-    """Format 1 recorded no typed training settings: --resume cannot restore the run."""
+    """Format 1 recorded its training settings as strings and meta.json no sha256 of its
+    own: --resume cannot restore the run, sample.py reads it."""
     out = tmp_path / "run"
     shutil.copytree(trained, out)
-    _remeta(checkpoint.resolve(out), lambda m: m.update(format=1))
+    meta_path = checkpoint.resolve(out) / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta.update(format=1, config=dict(meta["config"], train={k: str(v) for k, v in meta["config"]["train"].items()}))
+    del meta["meta_sha256"], meta["config"]["world_size"]
+    meta_path.write_text(json.dumps(meta))
     p = call("train.py", "--out-dir", out, "--max-iters", 6, "--resume", "--no-progress", check=False)
     _one_line_error(p, "format 1 was written by an older train.py", "--resume needs format 2")
     assert call("sample.py", "--ckpt", out, "--max-new-tokens", 3).stdout
