@@ -1,6 +1,6 @@
 """Train the small GPT on byte-level Shakespeare: CPU, one GPU, or N ranks via torchrun.
 
-    python scripts/train.py --out-dir out/shakespeare            # the `make train` run
+    python scripts/train.py --out-dir out/shakespeare --overwrite  # the `make train` run
     python scripts/train.py --out-dir out/shakespeare --resume   # continue from `latest`
     torchrun --standalone --nproc_per_node=2 scripts/train.py ... # DDP (gloo on CPU, nccl on GPU)
     torchrun --standalone --nproc_per_node=2 scripts/train.py --fsdp ...  # FSDP2: sharded
