@@ -181,12 +181,16 @@ def meta_digest(meta: dict) -> str:
 
 
 def _all_finite(model, optimizer, whole: tuple[dict, dict] | None) -> bool:
-    """Whether every floating tensor to be written is finite (one device sync in all)."""
+    """Whether every floating tensor to be written is finite: one sync per device (AdamW
+    keeps its step counts on the CPU beside moments on the GPU)."""
     tensors, optimizer_state = whole or (model.state_dict(), optimizer.state_dict())
     floats = [t.detach() for t in tensors.values() if t.is_floating_point()]
     floats += [v.detach() for st in optimizer_state["state"].values() for v in st.values()
                if torch.is_tensor(v) and v.is_floating_point()]
-    return bool(torch.stack([torch.isfinite(t).all() for t in floats]).all()) if floats else True
+    by_device: dict[torch.device, list] = {}
+    for t in floats:
+        by_device.setdefault(t.device, []).append(torch.isfinite(t).all())
+    return all(bool(torch.stack(flags).all()) for flags in by_device.values())
 
 
 def _pointer_target(out_dir: Path) -> str | None:
