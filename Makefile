@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 train: $(STAMP)
-	$(PY) scripts/train.py --out-dir out/shakespeare
+	$(PY) scripts/train.py --out-dir out/shakespeare --overwrite
 
 sample: $(STAMP)
 	$(PY) scripts/sample.py --ckpt out/shakespeare --prompt "ROMEO:" --max-new-tokens 300 --top-k 40

@@ -2,23 +2,26 @@
 
 Layout of an output directory:
 
-    .lock                   held (flock) by the one run writing here; the OS drops it when
-                            the process dies
     latest                  JSON {"checkpoint": "ckpt-000100"}: the newest complete checkpoint
     ckpt-000100/
         model.safetensors       weights (shared tensors such as the tied head stored once)
         optimizer.safetensors   optimizer state tensors and RNG states
-        meta.json               config, step, optimizer hyperparameters, loss history, and
-                                the size and sha256 of both safetensors files
+        meta.json               config, step, optimizer hyperparameters, loss history, the
+                                size and sha256 of both safetensors files, and its own
+                                sha256 (meta_sha256, over its other fields)
 
 A checkpoint is written into a temporary directory, every file fsynced, then renamed
 into place, and only then does `latest` (itself written to a temp file, fsynced and
 renamed) move to it. A crash or a full disk at any moment leaves the previous checkpoint
-and pointer intact; an earlier run's checkpoints are removed only after that.
+and pointer intact; an earlier run's checkpoints are removed only after that. A write
+that fails for space frees the oldest checkpoint but the one `latest` names and tries
+once more. Weights or optimizer state holding NaN or inf are not written at all: the
+loader would refuse them.
 
-Everything loaded is checked before use: the files against their recorded size and
-sha256, meta.json's fields by type and range, and every tensor's name, dtype and shape
-against the model and optimizer it is loaded into.
+Everything loaded is checked before use: meta.json against its own sha256, the files
+against their recorded size and sha256, meta.json's fields by type and range
+(models/settings.py), every tensor's name, dtype and shape against the model and
+optimizer it is loaded into, and the RNG states by loading them into a generator.
 
 A model sharded by FSDP2 (DTensor parameters) is gathered whole to write, in the files a
 plain model makes; to load, each rank checks the whole tensors and keeps its part. So a
@@ -27,7 +30,6 @@ sharded run and a single process resume each other's checkpoints.
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
 import math
@@ -43,11 +45,14 @@ from safetensors.torch import load_file, save_file, save_model
 from . import sharded
 from .atomic import fsync_dir, fsync_file, write_json
 from .gpt import GPTConfig
+from .settings import is_int, is_number, meta_problem
 
-FORMAT = 2  # 2: meta.json records the training settings (typed), so --resume can restore them
-READABLE = (1, 2)  # sample.py reads format 1 too: its weights and model config are unchanged
+# 2: meta.json records the training settings (typed), so --resume can restore them;
+# 3: and its own sha256, so that an edit of a field no other check can judge (n_head) is seen
+FORMAT = 3
+READABLE = (1, 2, 3)  # sample.py reads format 1 too: its weights and model config are unchanged
 KEEP = 2  # complete checkpoints kept on disk; older ones are pruned
-LOCK = ".lock"
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # what freeing a checkpoint can cure (a file-size limit it cannot)
 _NAME = re.compile(r"ckpt-\d+")
 
 
@@ -56,16 +61,18 @@ class CheckpointError(RuntimeError):
 
 
 class CheckpointWriteError(RuntimeError):
-    """A checkpoint that could not be written (full disk, file too large, permissions).
-    The directory is as it was before the attempt; `reason` is the system's words."""
+    """A checkpoint that could not be written (full disk, file too large, permissions);
+    `reason` is the system's words. `latest` and what it names are as they were. `placed`:
+    the checkpoint directory, complete, when only the move of `latest` to it failed, else
+    None; `freed`: the older checkpoints removed to make room before the second try."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, placed: Path | None = None, freed: tuple[str, ...] = ()):
         super().__init__(reason)
-        self.reason = reason
+        self.reason, self.placed, self.freed = reason, placed, freed
 
 
-class OutDirError(RuntimeError):
-    """An output directory that cannot be used: not creatable, not writable, or held by another run."""
+class NonFiniteError(ValueError):
+    """Weights or optimizer state holding NaN or inf, which save() does not write."""
 
 
 # ----------------------------------------------------------------------------- writing
@@ -79,13 +86,14 @@ def _digest(path: Path) -> dict:
     return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
 
 
-def _write_reason(e: BaseException) -> str:
-    """The system's words for a failed write. The safetensors writer raises SafetensorError
-    ("Error while serializing: I/O error: File too large (os error 27)"), not OSError."""
+def _write_failure(e: BaseException) -> tuple[str, int | None]:
+    """The system's words and errno for a failed write. The safetensors writer raises
+    SafetensorError ("Error while serializing: I/O error: File too large (os error 27)"),
+    not OSError."""
     if isinstance(e, OSError):
-        return e.strerror or str(e)
-    m = re.search(r"I/O error: (.*?) \(os error \d+\)", str(e))
-    return m.group(1) if m else str(e)
+        return e.strerror or str(e), e.errno
+    m = re.search(r"I/O error: (.*?) \(os error (\d+)\)", str(e))
+    return (m.group(1), int(m.group(2))) if m else (str(e), None)
 
 
 def _optimizer_tensors(sd: dict) -> tuple[dict, dict]:
@@ -163,7 +171,26 @@ def _write_dir(tmp: Path, step: int, model, optimizer, config: dict, rng: dict, 
         fsync_file(tmp / f)
         files[f] = _digest(tmp / f)
     meta = {"format": FORMAT, "step": step, "config": config, "optimizer": opt_meta, "files": files, **(extra or {})}
-    write_json(tmp / "meta.json", meta, indent=1)
+    write_json(tmp / "meta.json", dict(meta, meta_sha256=meta_digest(meta)), indent=1)
+
+
+def meta_digest(meta: dict) -> str:
+    """sha256 of meta.json's fields but meta_sha256 itself, in a canonical JSON form."""
+    rest = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _all_finite(model, optimizer, whole: tuple[dict, dict] | None) -> bool:
+    """Whether every floating tensor to be written is finite: one sync per device (AdamW
+    keeps its step counts on the CPU beside moments on the GPU)."""
+    tensors, optimizer_state = whole or (model.state_dict(), optimizer.state_dict())
+    floats = [t.detach() for t in tensors.values() if t.is_floating_point()]
+    floats += [v.detach() for st in optimizer_state["state"].values() for v in st.values()
+               if torch.is_tensor(v) and v.is_floating_point()]
+    by_device: dict[torch.device, list] = {}
+    for t in floats:
+        by_device.setdefault(t.device, []).append(torch.isfinite(t).all())
+    return all(bool(torch.stack(flags).all()) for flags in by_device.values())
 
 
 def _pointer_target(out_dir: Path) -> str | None:
@@ -219,8 +246,11 @@ def save(
 ) -> Path | None:
     """Write checkpoint `ckpt-{step}` atomically, then point `latest` at it; only then
     remove the checkpoints named in `supersedes` (an earlier run's) and prune old ones.
-    Any failure to write raises CheckpointWriteError and leaves `latest` and what it
-    names as they were. The caller holds the directory's lock (one writer at a time).
+    A write that fails for space frees the oldest checkpoint but the one `latest` names
+    and tries once more (a disk that holds KEEP checkpoints but not one more keeps
+    going). Any failure to write raises CheckpointWriteError and leaves `latest` and
+    what it names as they were; NaN or inf anywhere in the state raises NonFiniteError
+    and writes nothing. The caller holds the directory's lock (one writer at a time).
 
     A model sharded by FSDP2 is gathered whole first and written as a plain one is, so
     one process loads it: every rank calls save then (the gathers are collectives), rank
@@ -230,17 +260,31 @@ def save(
         whole = _gather(model, optimizer)
         if whole is None:
             return None
+    if not _all_finite(model, optimizer, whole):
+        raise NonFiniteError(f"step {step}: the weights or the optimizer state hold NaN or inf")
     out_dir = Path(out_dir)
     name = f"ckpt-{step:06d}"
     final = out_dir / name
     tmp = out_dir / f".{name}.tmp{os.getpid()}"
+    placed, freed = False, ()
     try:
-        _remove(tmp)
-        _write_dir(tmp, step, model, optimizer, config, rng, extra, whole)
-        _put_in_place(out_dir, tmp, final)
-        write_json(out_dir / "latest", {"checkpoint": name}, indent=1)
-    except (OSError, SafetensorError) as e:
-        raise CheckpointWriteError(_write_reason(e)) from None
+        while True:
+            try:
+                if not placed:
+                    _remove(tmp)
+                    _write_dir(tmp, step, model, optimizer, config, rng, extra, whole)
+                    _put_in_place(out_dir, tmp, final)
+                    placed = True
+                write_json(out_dir / "latest", {"checkpoint": name}, indent=1)
+                break
+            except (OSError, SafetensorError) as e:
+                reason, code = _write_failure(e)
+                shutil.rmtree(tmp, ignore_errors=True)
+                if code in _NO_SPACE and not freed:
+                    freed = _free_oldest(out_dir, keep=name)
+                    if freed:
+                        continue
+                raise CheckpointWriteError(reason, final if placed else None, freed) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for old in supersedes:
@@ -263,6 +307,23 @@ def checkpoint_names(out_dir: Path) -> tuple[str, ...]:
     return tuple(p.name for p in _checkpoints(out_dir)) + tuple(old)
 
 
+def _step_of(name: str) -> int:
+    return int(name[5:].removesuffix(".old"))
+
+
+def _free_oldest(out_dir: Path, keep: str) -> tuple[str, ...]:
+    """Remove the oldest checkpoint but `keep` and the one `latest` names, to make room;
+    its name, or () when there is none to remove (or it could not be removed)."""
+    spare = sorted(set(checkpoint_names(out_dir)) - {keep, _pointer_target(out_dir)}, key=_step_of)
+    if not spare:
+        return ()
+    try:
+        _remove(out_dir / spare[0])
+    except OSError:
+        return ()
+    return (spare[0],)
+
+
 def _prune(out_dir: Path, keep: str) -> None:
     """Drop all but the newest KEEP checkpoints, second names, and temp files a killed
     writer left behind (one writer per output directory: its lock says so)."""
@@ -274,58 +335,6 @@ def _prune(out_dir: Path, keep: str) -> None:
             _remove(p)
         except OSError:
             pass  # a leftover we could not remove costs space, not correctness
-
-
-# ----------------------------------------------------------------------------- the output directory
-
-
-class OutDirLock:
-    """The flock on `out_dir/.lock`, held for the life of the run."""
-
-    def __init__(self, fd: int):
-        self._fd = fd
-
-    def release(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)  # closing the descriptor drops the flock
-            self._fd = -1
-
-
-def claim(out_dir: Path, create: bool = True) -> OutDirLock:
-    """Check that `out_dir` is a directory this process can write (creating it when asked),
-    and take its lock, before any training: a second run into it, or an unusable one, is
-    an OutDirError at once instead of a lost run at its end."""
-    out_dir = Path(out_dir)
-    if create:
-        try:
-            out_dir.mkdir(parents=True, exist_ok=True)
-        except FileExistsError:
-            raise OutDirError(f"--out-dir {out_dir}: exists and is not a directory") from None
-        except OSError as e:
-            raise OutDirError(f"--out-dir {out_dir}: cannot create it ({e.strerror or e})") from None
-    if not out_dir.is_dir():
-        raise OutDirError(f"--out-dir {out_dir}: not a directory")
-    try:
-        fd = os.open(out_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        raise OutDirError(f"--out-dir {out_dir}: not writable ({e.strerror or e})") from None
-    lock = OutDirLock(fd)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        lock.release()
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise OutDirError(f"--out-dir {out_dir}: another run is writing to it (it holds {out_dir / LOCK}); "
-                              "wait for it to end or choose another --out-dir") from None
-        raise OutDirError(f"--out-dir {out_dir}: cannot lock {out_dir / LOCK} ({e.strerror or e})") from None
-    try:  # the lock file may predate a chmod: prove that new files can be made here
-        probe = out_dir / f".probe.tmp{os.getpid()}"
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-        probe.unlink()
-    except OSError as e:
-        lock.release()
-        raise OutDirError(f"--out-dir {out_dir}: not writable ({e.strerror or e})") from None
-    return lock
 
 
 # ----------------------------------------------------------------------------- reading
@@ -348,42 +357,30 @@ def resolve(path: Path) -> Path:
     return path / name
 
 
-def is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+_FIELDS = {"format", "step", "config", "optimizer", "files", "history", "curve", "meta_sha256"}
 
 
-def is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _meta_problem(meta: dict) -> str | None:
-    """What is wrong with a parsed meta.json's bookkeeping fields, or None."""
+def _integrity_problem(meta: dict) -> str | None:
+    """What is wrong with meta.json's own checksum and its record of the files, or None."""
+    if set(meta) - _FIELDS:
+        return f"malformed (unknown fields {sorted(set(meta) - _FIELDS)})"
+    if meta["format"] >= 3 or "meta_sha256" in meta:  # older formats recorded none
+        if meta.get("meta_sha256") != meta_digest(meta):
+            return "corrupt or edited (sha256 mismatch)"
     files = meta.get("files")
     if not (isinstance(files, dict) and set(files) == {"model.safetensors", "optimizer.safetensors"}
             and all(isinstance(w, dict) and is_int(w.get("bytes")) and w["bytes"] >= 0
                     and isinstance(w.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", w["sha256"])
                     for w in files.values())):
         return "malformed (no size and sha256 for each file)"
-    step = meta.get("step")
-    if not is_int(step) or step < 1:
-        return f"malformed (step must be an int >= 1, got {step!r})"
-    history = meta.get("history", [])
-    if not isinstance(history, list) or not all(
-        isinstance(h, dict) and set(h) == {"step", "train", "val"} and is_int(h["step"]) and 1 <= h["step"] <= step
-        and is_number(h["train"]) and is_number(h["val"]) for h in history
-    ) or [h["step"] for h in history] != sorted({h["step"] for h in history}):
-        return "malformed history (a list of {step, train, val} with increasing steps up to the checkpoint's)"
-    curve = meta.get("curve", [])
-    if not isinstance(curve, list) or not all(is_number(c) for c in curve) or len(curve) not in (0, step):
-        return f"malformed curve (a list of {step} numbers, one loss per step)"
-    if not isinstance(meta.get("config"), dict) or not isinstance(meta.get("optimizer"), dict):
-        return "malformed (no config or optimizer section)"
+    if not isinstance(meta.get("optimizer"), dict):
+        return "malformed (no optimizer section)"
     return None
 
 
 def read_meta(ckpt: Path) -> dict:
-    """meta.json of a checkpoint, its fields checked by type and range, and its files
-    checked against their recorded size and hash."""
+    """meta.json of a checkpoint, checked against its own sha256 and its fields by type and
+    range, and its files checked against their recorded size and hash."""
     meta_path = ckpt / "meta.json"
     try:
         meta = json.loads(meta_path.read_text())
@@ -393,26 +390,22 @@ def read_meta(ckpt: Path) -> dict:
         raise CheckpointError(f"{meta_path}: corrupt JSON ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") not in READABLE:
         raise CheckpointError(f"{meta_path}: not a fuseblock checkpoint of format {' or '.join(map(str, READABLE))}")
-    problem = _meta_problem(meta)
+    problem = _integrity_problem(meta) or meta_problem(meta)
     if problem:
         raise CheckpointError(f"{meta_path}: {problem}")
     for f, want in meta["files"].items():
         p = ckpt / f
-        if not p.exists():
-            raise CheckpointError(f"{p}: missing")
-        got = _digest(p)
+        if not p.is_file():
+            raise CheckpointError(f"{p}: {'not a file' if p.exists() else 'missing'}")
+        try:
+            got = _digest(p)
+        except OSError as e:
+            raise CheckpointError(f"{p}: unreadable ({e.strerror or e})") from None
         if got["bytes"] != want["bytes"]:
             raise CheckpointError(f"{p}: truncated or resized ({got['bytes']} bytes, expected {want['bytes']})")
         if got["sha256"] != want["sha256"]:
             raise CheckpointError(f"{p}: corrupt (sha256 mismatch)")
     return meta
-
-
-# GPTConfig fields as meta.json records them: the type each must have
-_CONFIG_TYPES = {"vocab_size": is_int, "block_size": is_int, "n_layer": is_int, "n_head": is_int, "n_embd": is_int,
-                 "dropout": is_number, "bias": lambda v: isinstance(v, bool), "norm": lambda v: isinstance(v, str),
-                 "norm_eps": lambda v: is_number(v) and math.isfinite(v), "fused": lambda v: isinstance(v, bool),
-                 "residual_dtype": lambda v: v is None or v in ("float32", "float16", "bfloat16", "float64")}
 
 
 def _header(path: Path) -> dict[str, tuple]:
@@ -425,23 +418,10 @@ def _header(path: Path) -> dict[str, tuple]:
 
 
 def read_config(ckpt: Path, meta: dict) -> GPTConfig:
-    """The GPTConfig recorded in a checkpoint's meta.json, checked field by field and
-    against the weights' header (so that a wrong size fails here, before a model of that
-    size is built)."""
-    where = ckpt / "meta.json"
-    model = meta["config"].get("model")
-    if not isinstance(model, dict) or set(model) != set(_CONFIG_TYPES):
-        found = sorted(model) if isinstance(model, dict) else repr(model)
-        raise CheckpointError(f"{where}: bad model config (fields {found})")
-    for k, ok in _CONFIG_TYPES.items():
-        if not ok(model[k]):
-            raise CheckpointError(f"{where}: bad model config ({k}={model[k]!r})")
-    if model["vocab_size"] != 256:
-        raise CheckpointError(f"{where}: bad model config (vocab_size {model['vocab_size']}; bytes need 256)")
-    try:
-        cfg = GPTConfig.from_json(model)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{where}: bad model config ({e})") from None
+    """The GPTConfig recorded in a checkpoint's meta.json (read_meta checked its fields),
+    checked against the weights' header, so that a wrong size fails here, before a model
+    of that size is built."""
+    cfg = GPTConfig.from_json(meta["config"]["model"])
     weights = ckpt / "model.safetensors"
     shapes = _header(weights)
     layers = {int(k.split(".")[2]) for k in shapes if re.match(r"stack\.blocks\.\d+\.", k)}
@@ -549,6 +529,11 @@ def load_training_state(ckpt: Path, meta: dict, optimizer: torch.optim.Optimizer
             f"{path}: does not fit the optimizer (missing {missing[:3]}, unexpected {unexpected[:3]})")
     for k, t in tensors.items():
         _check_tensor(path, k, t, expected[k], "optimizer")
+        if k.startswith("rng."):
+            try:  # a generator checks its state in full (the mt19937 words and their position)
+                torch.Generator().set_state(t)
+            except RuntimeError:
+                raise CheckpointError(f"{path}: {k} is not a random generator state") from None
         if k.endswith(".step") and t.item() != meta["step"]:
             raise CheckpointError(
                 f"{path}: does not fit the optimizer ({k} is {t.item()}, the checkpoint's step {meta['step']})")

@@ -1,6 +1,6 @@
 """Train the small GPT on byte-level Shakespeare: CPU, one GPU, or N ranks via torchrun.
 
-    python scripts/train.py --out-dir out/shakespeare            # the `make train` run
+    python scripts/train.py --out-dir out/shakespeare --overwrite  # the `make train` run
     python scripts/train.py --out-dir out/shakespeare --resume   # continue from `latest`
     torchrun --standalone --nproc_per_node=2 scripts/train.py ... # DDP (gloo on CPU, nccl on GPU)
     torchrun --standalone --nproc_per_node=2 scripts/train.py --fsdp ...  # FSDP2: sharded
@@ -11,11 +11,14 @@ the gradient accumulation. DDP replicates the model on every rank; --fsdp shards
 parameters, gradients and optimizer state (FSDP2's fully_shard, built on the meta device),
 and its checkpoints are gathered whole, so either mode, or one process, resumes them.
 
-One run writes to an --out-dir at a time (rank 0 holds its lock). Ctrl-C or SIGTERM
-finishes the current step, writes a checkpoint and exits with 130 or 143; --resume then
-continues bit-exactly with the settings the run was started with. Exit status 2: a usage
-error, a bad checkpoint, an unusable --out-dir, or a last checkpoint that could not be
-written.
+One run writes to an --out-dir at a time (rank 0 holds its lock), and a fresh run into
+one that holds another run's checkpoints needs --overwrite. Ctrl-C or SIGTERM finishes
+the current step, writes a checkpoint and exits with 130 or 143; --resume then continues
+bit-exactly with the settings the run was started with. A NaN or inf loss or gradient
+norm stops the run before that step lands anywhere: exit 3, and --resume continues from
+the last checkpoint. Exit status 2: a usage error, a bad checkpoint, an unusable
+--out-dir, or a last checkpoint that could not be written. The settings, their bounds
+and the check of a checkpoint's record are in models/settings.py.
 """
 from __future__ import annotations
 
@@ -35,76 +38,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
+# Importing torch takes seconds. A Ctrl-C meanwhile is held until the imports are done
+# (raised inside them, a library may print a traceback or swallow it), then gets the one
+# line that one later in start-up gets.
+INTERRUPTED = "error: interrupted before training started; nothing to save"
+_held: list[int] = []
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, lambda signum, frame: _held.append(signum))
 
-from models import checkpoint, data
-from models.gpt import GPT, GPTConfig
+import torch  # noqa: E402
 
-# Flags default to None so that --resume can tell explicit values from unset ones; these
-# are the fresh-run defaults. Model flags must match the checkpoint on --resume.
-MODEL_FLAGS = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "norm": "rms"}
+from models import checkpoint, data, plot, settings, sharded  # noqa: E402
+from models.gpt import GPT, GPTConfig  # noqa: E402
+from models.lock import OutDirError, OutDirLock, claim  # noqa: E402
+from models.settings import MODEL_DEFAULTS, TRAIN_DEFAULTS, SettingsError, arg_type  # noqa: E402
 
-# Training settings: recorded in every checkpoint and restored by --resume. A flag given
-# on --resume replaces the recorded value and the run prints the change. BOOKKEEPING
-# ones only move the end and the reports; the others change the optimisation itself, so
-# the resumed run is then no longer the run that was started. --seed cannot change (the
-# checkpoint holds the RNG states that the seed started).
-TRAIN_DEFAULTS = {
-    "max_iters": 1000, "batch_size": 32, "grad_accum": 1, "lr": 2e-3, "min_lr": 2e-4, "warmup_iters": 50,
-    "lr_decay_iters": None, "weight_decay": 0.1, "grad_clip": 1.0, "dropout": 0.0, "impl": "fused",
-    "seed": 1337, "eval_interval": 250, "eval_iters": 25, "ckpt_interval": 250,
-}
-BOOKKEEPING = ("max_iters", "eval_interval", "eval_iters", "ckpt_interval")
-FIXED_ON_RESUME = ("seed",)
-
-# What each setting must be, for the command line and for a checkpoint's meta.json alike.
-KINDS = {"max_iters": "count", "batch_size": "count", "grad_accum": "count", "lr": "positive", "min_lr": "nonneg",
-         "warmup_iters": "nonneg_int", "lr_decay_iters": "count", "weight_decay": "nonneg", "grad_clip": "nonneg",
-         "dropout": "probability", "impl": "impl", "seed": "seed", "eval_interval": "count", "eval_iters": "count",
-         "ckpt_interval": "count"}
-_KIND_TEXT = {"count": "an int >= 1", "nonneg_int": "an int >= 0", "seed": "an int in [-2**63, 2**64)",
-              "positive": "a positive number", "nonneg": "a number >= 0", "probability": "a number in [0, 1)",
-              "impl": "fused or naive"}
-_INT_KINDS = ("count", "nonneg_int", "seed")
-
-
-def kind_ok(kind: str, v) -> bool:
-    """Whether `v` (already an int, float or str) is a valid value of this kind."""
-    if kind in _INT_KINDS:
-        lo = {"count": 1, "nonneg_int": 0, "seed": -(2**63)}[kind]
-        return checkpoint.is_int(v) and lo <= v < 2**64
-    if kind == "impl":
-        return v in ("fused", "naive")
-    if not checkpoint.is_number(v) or not math.isfinite(v):
-        return False
-    return {"positive": v > 0, "nonneg": v >= 0, "probability": 0 <= v < 1}[kind]
-
-
-def arg_type(kind: str):
-    """An argparse type for one kind: parses, then checks the range."""
-    def parse(s: str):
-        try:
-            v = int(s) if kind in _INT_KINDS else float(s)
-        except ValueError:
-            what = "an integer" if kind in _INT_KINDS else "a number"
-            raise argparse.ArgumentTypeError(f"{s!r} is not {what}") from None
-        if not kind_ok(kind, v):
-            raise argparse.ArgumentTypeError(f"must be {_KIND_TEXT[kind]}, got {s}")
-        return v
-
-    parse.__name__ = kind
-    return parse
-
-
-def settings_problem(s) -> str | None:
-    """A conflict between settings that are each valid alone, or None."""
-    if s.min_lr > s.lr:
-        return f"--min-lr {s.min_lr} is above --lr {s.lr}"
-    return None
+if __name__ == "__main__":
+    if _held:
+        print(INTERRUPTED, file=sys.stderr)
+        sys.exit(130)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d, t = MODEL_FLAGS, TRAIN_DEFAULTS
     ap = argparse.ArgumentParser(
         description="Train the fuseblock GPT on Shakespeare.",
         epilog="On --resume every model and training setting comes from the checkpoint. A training flag given "
@@ -112,14 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
                "change; changing any but --max-iters, --eval-interval, --eval-iters and --ckpt-interval makes a "
                "different run). A longer --max-iters keeps the recorded learning-rate schedule unless "
                "--lr-decay-iters is given. Ctrl-C or SIGTERM: the current step finishes, a checkpoint is "
-               "written, exit 130 / 143. Exit 2: a usage error, a bad checkpoint, an unusable or busy "
-               "--out-dir, or a last checkpoint that could not be written.")
+               "written, exit 130 / 143. A NaN or inf loss or gradient norm stops the run unsaved, exit 3. "
+               "Exit 2: a usage error, a bad checkpoint, an unusable or busy --out-dir, or a last checkpoint "
+               "that could not be written.")
     run = ap.add_argument_group("this invocation (not recorded)")
     run.add_argument("--out-dir", type=Path, default=Path("out/shakespeare"),
                      help="checkpoints, `latest` and loss.png go here; one run at a time (default: out/shakespeare)")
-    run.add_argument("--resume", action="store_true",
-                     help="continue from the latest checkpoint in --out-dir (default: off, a fresh run, which "
-                          "replaces an earlier run's checkpoints once its own first one is written)")
+    fresh = run.add_mutually_exclusive_group()
+    fresh.add_argument("--resume", action="store_true",
+                       help="continue from the latest checkpoint in --out-dir (default: off, a fresh run)")
+    fresh.add_argument("--overwrite", action="store_true",
+                       help="let a fresh run replace the checkpoints of another run in --out-dir, once its own first "
+                            "one is written (default: off, such a run is refused)")
     run.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     run.add_argument("--threads", type=arg_type("count"), default=None, help="CPU threads (default: torch's choice)")
     run.add_argument("--compile", action="store_true", help="torch.compile the model (default: off)")
@@ -128,59 +88,19 @@ def build_parser() -> argparse.ArgumentParser:
                           "instead of replicating the model (DDP); same results, same checkpoints (default: off)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar (default: off, a tqdm bar)")
 
-    model = ap.add_argument_group("model (recorded; on --resume they must match the checkpoint)")
-    model.add_argument("--n-layer", type=arg_type("count"), default=None,
-                       help=f"transformer layers (default: {d['n_layer']})")
-    model.add_argument("--n-head", type=arg_type("count"), default=None,
-                       help=f"attention heads (default: {d['n_head']})")
-    model.add_argument("--n-embd", type=arg_type("count"), default=None,
-                       help=f"width, divisible by --n-head (default: {d['n_embd']})")
-    model.add_argument("--block-size", type=arg_type("count"), default=None,
-                       help=f"context length in bytes (default: {d['block_size']})")
-    model.add_argument("--norm", choices=["rms", "layer"], default=None,
-                       help=f"RMSNorm or LayerNorm (default: {d['norm']})")
-
-    train = ap.add_argument_group("training (recorded; --resume restores them, and a value given with it "
-                                  "replaces the recorded one with a printed note)")
-    train.add_argument("--max-iters", type=arg_type("count"), default=None,
-                       help=f"optimizer steps in all, counted from step 0 (default: {t['max_iters']})")
-    train.add_argument("--batch-size", type=arg_type("count"), default=None,
-                       help=f"sequences per micro-batch and rank (default: {t['batch_size']})")
-    train.add_argument("--grad-accum", type=arg_type("count"), default=None,
-                       help=f"micro-batches per step and rank (default: {t['grad_accum']})")
-    train.add_argument("--lr", type=arg_type("positive"), default=None,
-                       help=f"peak learning rate, after warmup (default: {t['lr']})")
-    train.add_argument("--min-lr", type=arg_type("nonneg"), default=None,
-                       help=f"the cosine's floor, at most --lr (default: {t['min_lr']})")
-    train.add_argument("--warmup-iters", type=arg_type("nonneg_int"), default=None,
-                       help=f"steps of linear warmup (default: {t['warmup_iters']})")
-    train.add_argument("--lr-decay-iters", type=arg_type("count"), default=None,
-                       help="step at which the cosine reaches --min-lr (default: --max-iters of a fresh run)")
-    train.add_argument("--weight-decay", type=arg_type("nonneg"), default=None,
-                       help=f"AdamW decay of matrices and embeddings (default: {t['weight_decay']})")
-    train.add_argument("--grad-clip", type=arg_type("nonneg"), default=None,
-                       help=f"max gradient norm, 0 for none (default: {t['grad_clip']})")
-    train.add_argument("--dropout", type=arg_type("probability"), default=None,
-                       help=f"dropout probability (default: {t['dropout']})")
-    train.add_argument("--impl", choices=["fused", "naive"], default=None,
-                       help=f"fused residual stream, or its naive twin (same weights) (default: {t['impl']})")
-    train.add_argument("--seed", type=arg_type("seed"), default=None,
-                       help=f"seeds weights, batches and dropout; fixed on --resume (default: {t['seed']})")
-    train.add_argument("--eval-interval", type=arg_type("count"), default=None,
-                       help=f"steps between train/val evaluations, and at the end (default: {t['eval_interval']})")
-    train.add_argument("--eval-iters", type=arg_type("count"), default=None,
-                       help=f"batches per split and evaluation (default: {t['eval_iters']})")
-    train.add_argument("--ckpt-interval", type=arg_type("count"), default=None,
-                       help=f"steps between checkpoints, and at the end (default: {t['ckpt_interval']})")
+    settings.add_flags(ap.add_argument_group("model (recorded; on --resume they must match the checkpoint)"),
+                       MODEL_DEFAULTS)
+    settings.add_flags(ap.add_argument_group("training (recorded; --resume restores them, and a value given with "
+                                             "it replaces the recorded one with a printed note)"), TRAIN_DEFAULTS)
     return ap
 
 
 def parse_args(argv=None):
     """Flags, checked before any work. A fresh run's settings are filled in here; a
-    resumed run's come from its checkpoint (resume_settings)."""
+    resumed run's come from its checkpoint (settings.resume)."""
     ap = build_parser()
     args = ap.parse_args(argv)
-    args.explicit = {k for k in (*MODEL_FLAGS, *TRAIN_DEFAULTS) if getattr(args, k) is not None}
+    args.explicit = {k for k in (*MODEL_DEFAULTS, *TRAIN_DEFAULTS) if getattr(args, k) is not None}
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -194,7 +114,7 @@ def parse_args(argv=None):
     if args.fsdp and not launched_by_torchrun():
         ap.error("argument --fsdp: shards over torchrun's ranks; run it as "
                  "torchrun --standalone --nproc_per_node=N scripts/train.py --fsdp ...")
-    for k, v in MODEL_FLAGS.items():  # on --resume, replaced by the checkpoint's
+    for k, v in MODEL_DEFAULTS.items():  # on --resume, replaced by the checkpoint's
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.n_embd % args.n_head:
@@ -204,7 +124,7 @@ def parse_args(argv=None):
             if getattr(args, k) is None:
                 setattr(args, k, v)
         args.lr_decay_iters = args.lr_decay_iters or args.max_iters
-        problem = settings_problem(args)
+        problem = settings.conflict(args)
         if problem:
             ap.error(f"argument {problem.split()[0]}: {problem}")
     try:
@@ -248,38 +168,7 @@ def evaluate(model, splits, args, device, seed: int) -> dict[str, float]:
     return out
 
 
-def plot(curve: list, history: list, path: Path) -> None:
-    """Per-iteration training loss, and the evaluated train/val losses, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(range(1, len(curve) + 1), curve, lw=0.6, alpha=0.5, color="tab:blue", label="train (batch)")
-    for key, color in (("train", "tab:blue"), ("val", "tab:orange")):
-        pts = [(h["step"], h[key]) for h in history]
-        if pts:
-            ax.plot(*zip(*pts, strict=True), marker="o", color=color, label=f"{key} (eval)")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("loss (nats/byte)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.png")
-    try:
-        fig.savefig(tmp)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        tmp.unlink(missing_ok=True)
-
-
 # ----------------------------------------------------------------------------- setup steps
-
-
-class SettingsError(RuntimeError):
-    """Flags that cannot apply to the checkpoint being resumed."""
 
 
 @dataclass
@@ -315,94 +204,30 @@ def init_distributed(args) -> Dist:
     return Dist(distributed, rank, world, device, fsdp=args.fsdp)
 
 
-def claim_out_dir(args, dist: Dist) -> checkpoint.OutDirLock | None:
-    """Rank 0 checks --out-dir and locks it before any training; under torchrun the other
+def claim_out_dir(args, dist: Dist) -> OutDirLock | None:
+    """Rank 0 checks --out-dir and locks it before any training, and refuses a fresh run
+    into another run's checkpoints unless --overwrite says so; under torchrun the other
     ranks learn the outcome from it, so that all stop together instead of waiting on rank 0."""
     lock, error = None, None
     if dist.master:
         try:
             if args.resume and not args.out_dir.is_dir():
                 raise checkpoint.CheckpointError(f"{args.out_dir}: no checkpoint here (no such directory)")
-            lock = checkpoint.claim(args.out_dir, create=not args.resume)
-        except (checkpoint.OutDirError, checkpoint.CheckpointError) as e:
-            error = e
+            lock = claim(args.out_dir, create=not args.resume)
+            if not (args.resume or args.overwrite) and checkpoint.checkpoint_names(args.out_dir):
+                lock.release()
+                raise OutDirError(f"--out-dir {args.out_dir} holds another run's checkpoints: pass --resume to "
+                                  "continue that run, or --overwrite to replace it with this one")
+        except (OutDirError, checkpoint.CheckpointError) as e:
+            lock, error = None, e
     if dist.distributed:
         ok = torch.tensor([0.0 if error else 1.0], device=dist.device)
         torch.distributed.broadcast(ok, src=0)
         if not dist.master and ok.item() == 0:
-            raise checkpoint.OutDirError(f"rank {dist.rank}: rank 0 could not use --out-dir {args.out_dir}")
+            raise OutDirError(f"rank {dist.rank}: rank 0 could not use --out-dir {args.out_dir}")
     if error:
         raise error
     return lock
-
-
-def read_train_settings(ckpt: Path, meta: dict) -> dict:
-    """The training settings a checkpoint recorded, checked by type and range."""
-    where = ckpt / "meta.json"
-    if meta["format"] < 2:
-        raise checkpoint.CheckpointError(f"{where}: format {meta['format']} was written by an older train.py that did "
-                                         "not record its training settings; --resume needs format 2")
-    saved = meta["config"].get("train")
-    if not isinstance(saved, dict) or set(saved) != set(TRAIN_DEFAULTS):
-        raise checkpoint.CheckpointError(
-            f"{where}: bad training settings (expected the fields {sorted(TRAIN_DEFAULTS)})")
-    for k, v in saved.items():
-        if not kind_ok(KINDS[k], v):
-            raise checkpoint.CheckpointError(
-                f"{where}: bad training setting {k}={v!r} (must be {_KIND_TEXT[KINDS[k]]})")
-    world = meta["config"].get("world_size")
-    if not kind_ok("count", world):
-        raise checkpoint.CheckpointError(f"{where}: bad world_size {world!r}")
-    return dict(saved, world_size=world)
-
-
-def resume_settings(args, ckpt: Path, meta: dict, world: int) -> tuple[GPTConfig, list, list]:
-    """Fill `args` from the checkpoint: model config (explicit model flags must agree) and
-    training settings (explicit flags win). Returns the config and the changes, as
-    (name, recorded, now) for bookkeeping and for the training itself."""
-    saved_cfg = checkpoint.read_config(ckpt, meta)
-    for k in sorted(args.explicit & set(MODEL_FLAGS)):
-        if getattr(saved_cfg, k) != getattr(args, k):
-            raise checkpoint.CheckpointError(
-                f"{ckpt / 'meta.json'}: config mismatch: checkpoint has {k}={getattr(saved_cfg, k)}, "
-                f"--{k.replace('_', '-')} asks for {getattr(args, k)}")
-    for k in MODEL_FLAGS:
-        setattr(args, k, getattr(saved_cfg, k))
-    saved = read_train_settings(ckpt, meta)
-    for k in FIXED_ON_RESUME:
-        if k in args.explicit and getattr(args, k) != saved[k]:
-            raise SettingsError(f"--{k.replace('_', '-')} {getattr(args, k)} cannot change on --resume: the checkpoint "
-                                f"holds the random states that {k} {saved[k]} started")
-    bookkeeping, training = [], []
-    for k in TRAIN_DEFAULTS:
-        if k in args.explicit and getattr(args, k) != saved[k]:
-            (bookkeeping if k in BOOKKEEPING else training).append((k, saved[k], getattr(args, k)))
-        else:
-            setattr(args, k, saved[k])
-    if world != saved["world_size"]:
-        training.append(("world_size", saved["world_size"], world))
-    problem = settings_problem(args)
-    if problem:
-        raise SettingsError(f"{problem} (on --resume, unset flags take the checkpoint's values)")
-    if meta["step"] >= args.max_iters:
-        raise checkpoint.CheckpointError(
-            f"{ckpt}: already at step {meta['step']}; pass a --max-iters above it to go on")
-    cfg = GPTConfig(**{**saved_cfg.__dict__, "fused": args.impl == "fused", "dropout": args.dropout,
-                       "residual_dtype": torch.float32})
-    return cfg, bookkeeping, training
-
-
-def describe_changes(bookkeeping: list, training: list) -> list[str]:
-    """The lines that tell a resumed run which recorded settings the flags replaced."""
-    def fmt(changes):
-        return ", ".join(f"{k} {old} -> {new}" for k, old, new in changes)
-
-    lines = []
-    if bookkeeping:
-        lines.append(f"resume: flags replace the checkpoint's {fmt(bookkeeping)}")
-    if training:
-        lines.append(f"resume: flags change the training itself (no longer the run as started): {fmt(training)}")
-    return lines
 
 
 @dataclass
@@ -475,16 +300,16 @@ def build_model(cfg: GPTConfig, dist: Dist) -> GPT:
 
 def build_run(args, dist: Dist) -> tuple[Run, list[str]]:
     """Model, optimizer and RNGs: fresh from the seed, or restored from the checkpoint."""
-    notes, ckpt, meta = [], None, None
+    notes, ckpt, meta, recorded = [], None, None, {}
     if args.resume:
         ckpt = checkpoint.resolve(args.out_dir)
         meta = checkpoint.read_meta(ckpt)
-        cfg, bookkeeping, training = resume_settings(args, ckpt, meta, dist.world)
-        notes = describe_changes(bookkeeping, training)
-    else:
-        # the stream stays fp32 under bf16 autocast (a no-op in fp32)
-        cfg = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                        dropout=args.dropout, norm=args.norm, fused=args.impl == "fused", residual_dtype=torch.float32)
+        saved = checkpoint.read_config(ckpt, meta)
+        notes = settings.describe_changes(*settings.resume(args, meta, saved, dist.world, ckpt))
+        recorded = saved.__dict__  # its norm_eps and bias too, which no flag sets
+    # the stream stays fp32 under bf16 autocast (a no-op in fp32)
+    cfg = GPTConfig(**{**recorded, **{k: getattr(args, k) for k in MODEL_DEFAULTS}, "dropout": args.dropout,
+                       "fused": args.impl == "fused", "residual_dtype": torch.float32})
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = build_model(cfg, dist)
     if dist.rank:
@@ -497,16 +322,16 @@ def build_run(args, dist: Dist) -> tuple[Run, list[str]]:
         rng = checkpoint.load_training_state(ckpt, meta, optimizer)
         optimizer.param_groups[0]["weight_decay"] = args.weight_decay  # the decay group; the checkpoint's otherwise
         batch_gen.set_state(rng["batches"])
-        start, history, curve = meta["step"], meta.get("history", []), meta.get("curve", [])
+        start, history, curve = meta["step"], meta["history"], meta["curve"]
         if dist.master:
             torch.set_rng_state(rng["torch0"])
         else:  # only rank 0's dropout RNG is saved; the others restart theirs from the step
             torch.manual_seed(args.seed + dist.rank + 1_000_003 * start)
     elif dist.master:
         supersedes = checkpoint.checkpoint_names(args.out_dir)
-        if supersedes:
-            notes.append(f"note: {args.out_dir} holds an earlier run's checkpoints; they stay until this fresh run's "
-                         "first checkpoint is written, then go (pass --resume to continue them instead)")
+        if supersedes:  # --overwrite said so (claim_out_dir)
+            notes.append(f"note: --overwrite: {args.out_dir} holds another run's checkpoints; they stay until this "
+                         "fresh run's first checkpoint is written, then go")
     train_model = model
     if dist.distributed and not dist.fsdp:
         from torch.nn.parallel import DistributedDataParallel
@@ -562,10 +387,15 @@ def gradient_sync(run: Run, last: bool):
     return nullcontext()
 
 
+class Diverged(RuntimeError):
+    """A NaN or inf loss or gradient norm: the run stops before the step lands anywhere."""
+
+
 def train_step(run: Run, it: int, stop: StopSignals) -> tuple[float, int]:
     """One optimizer step; returns its loss, averaged over ranks, and the signal that
     stops the run after it (0 for none), agreed by all ranks in the loss's all-reduce so
-    that every rank stops at the same step."""
+    that every rank stops at the same step. A NaN or inf loss or gradient norm raises
+    Diverged before the optimizer steps (every rank sees the same reduced values)."""
     args, dist = run.args, run.dist
     for g in run.optimizer.param_groups:
         g["lr"] = lr_at(it, args)
@@ -588,11 +418,15 @@ def train_step(run: Run, it: int, stop: StopSignals) -> tuple[float, int]:
         torch.distributed.all_reduce(stats)
         total = stats[0] / dist.world
         signum = signal.SIGINT if stats[1] > 0 else signal.SIGTERM if stats[2] > 0 else 0  # Ctrl-C wins
-    if args.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(run.model.parameters(), args.grad_clip)
+    # the global norm (of the shards, under --fsdp); clipping at inf scales by 1.0, bit-exact
+    norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), args.grad_clip or math.inf)
+    norm = norm.full_tensor() if sharded.is_shard(norm) else norm
+    loss, norm = torch.stack([total, norm.to(total)]).tolist()  # one device sync
+    if not (math.isfinite(loss) and math.isfinite(norm)):
+        raise Diverged(f"step {it + 1} (loss {loss}, gradient norm {norm})")
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
-    return total.item(), int(signum)
+    return loss, int(signum)
 
 
 def save(run: Run, step: int) -> None:
@@ -607,11 +441,16 @@ def save(run: Run, step: int) -> None:
     try:
         checkpoint.save(args.out_dir, step, run.model, run.optimizer, config, rng,
                         extra={"history": run.history, "curve": run.curve}, supersedes=run.supersedes)
+    except checkpoint.NonFiniteError:
+        raise Diverged(f"step {step} (NaN or inf weights or optimizer state)") from None
     except checkpoint.CheckpointWriteError as e:
         kept = (f"{args.out_dir}/latest still holds step {run.last_saved}" if run.last_saved
-                else "the earlier run's checkpoints in it are intact" if run.supersedes
-                else "this run has no checkpoint yet")
-        run.unsaved = f"checkpoint at step {step} not written ({e.reason}); {kept}"
+                else "the earlier run's latest checkpoint is intact" if run.supersedes
+                else f"{args.out_dir} has no latest yet")
+        head = (f"checkpoint at step {step} written to {e.placed} but latest not moved to it" if e.placed
+                else f"checkpoint at step {step} not written")
+        freed = f"; {', '.join(e.freed)} removed to make room" if e.freed else ""
+        run.unsaved = f"{head} ({e.reason}{freed}); {kept}"
         run.say(f"warning: {run.unsaved}", err=True)
         return
     if not run.dist.master:  # under --fsdp the other ranks only joined the gathering
@@ -619,7 +458,7 @@ def save(run: Run, step: int) -> None:
     run.unsaved, run.last_saved, run.supersedes = None, step, ()
     if len(run.history) != run.plotted or step == args.max_iters:
         try:
-            plot(run.curve, run.history, args.out_dir / "loss.png")
+            plot.loss_plot(run.curve, run.history, args.out_dir / "loss.png")
             run.plotted = len(run.history)
         except OSError as e:
             run.say(f"warning: loss plot not written ({e.strerror or e})", err=True)
@@ -653,6 +492,8 @@ def train_loop(run: Run, stop: StopSignals) -> tuple[float, int, int]:
         if step % args.eval_interval == 0 or step == args.max_iters:
             with timed(run, "eval"):
                 losses = evaluate(run.model, run.splits, args, run.dist.device, seed=args.seed + 1)
+            if not all(map(math.isfinite, losses.values())):
+                raise Diverged(f"step {step} (evaluated losses {losses})")
             run.history.append({"step": step, **losses})
             run.say(f"step {step}: train {losses['train']:.4f}, val {losses['val']:.4f}")
         if (run.dist.master or run.dist.fsdp) and (step % args.ckpt_interval == 0 or step == args.max_iters or signum):
@@ -710,6 +551,11 @@ def _train(args, dist: Dist, stop: StopSignals, t_start: float) -> dict:
         run.bar = tqdm(total=args.max_iters, initial=run.start, dynamic_ncols=True, mininterval=1.0, unit="it")
     try:
         loss, step, signum = train_loop(run, stop)
+    except Diverged as e:
+        redo = (f"{args.out_dir}/latest holds step {run.last_saved}: --resume continues from there"
+                if run.last_saved else "this run has no checkpoint: start it again")
+        raise Diverged(f"{args.out_dir}: training diverged at {e}; nothing of it was saved; {redo}, with a lower "
+                       f"--lr than {args.lr:g} to try") from None
     finally:
         if run.bar is not None:
             run.bar.close()
@@ -731,14 +577,18 @@ def _train(args, dist: Dist, stop: StopSignals, t_start: float) -> dict:
 
 def cli(argv=None) -> None:
     """The command line: bad checkpoints, data, settings and output directories are one-line
-    errors with exit status 2; a run stopped by SIGINT or SIGTERM exits 130 or 143."""
+    errors with exit status 2, a diverged run one with 3; a run stopped by SIGINT or
+    SIGTERM exits 130 or 143."""
     try:
         result = main(argv)
-    except (checkpoint.CheckpointError, checkpoint.OutDirError, SettingsError, data.DataError) as e:
+    except (checkpoint.CheckpointError, OutDirError, SettingsError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Diverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(3)
     except KeyboardInterrupt:  # a Ctrl-C before the handlers are in place: nothing trained yet
-        print("error: interrupted before training started; nothing to save", file=sys.stderr)
+        print(INTERRUPTED, file=sys.stderr)
         sys.exit(130)
     if result["signal"]:
         sys.exit(128 + result["signal"])

@@ -54,7 +54,7 @@ def test_planted_pickle_files_are_never_executed(trained, tmp_path):
     meta = json.loads((ckpt / "meta.json").read_text())
     for f in meta["files"].values():  # make the recorded sizes/hashes agree, so loading gets as far as parsing
         f.update(bytes=len(payload), sha256=__import__("hashlib").sha256(payload).hexdigest())
-    (ckpt / "meta.json").write_text(json.dumps(meta))
+    (ckpt / "meta.json").write_text(json.dumps(dict(meta, meta_sha256=checkpoint.meta_digest(meta))))
     for script in ("sample.py", "train.py"):
         resume = ["--out-dir", out, "--max-iters", "6", "--resume", *TINY]
         extra = ["--max-new-tokens", "5"] if script == "sample.py" else resume
@@ -97,16 +97,16 @@ def test_damaged_checkpoints_get_one_line_errors(trained, tmp_path, damage, need
         (ckpt / "meta.json").write_text("{not json")
     elif damage == "missing_meta":
         (ckpt / "meta.json").unlink()
-    elif damage == "malformed_meta":  # valid JSON, but no record of the files to check
+    elif damage == "malformed_meta":  # valid JSON, its own sha256 re-recorded, but no record of the files
         meta = json.loads((ckpt / "meta.json").read_text())
         del meta["files"]
-        (ckpt / "meta.json").write_text(json.dumps(meta))
+        (ckpt / "meta.json").write_text(json.dumps(dict(meta, meta_sha256=checkpoint.meta_digest(meta))))
     elif damage == "bad_pointer":
         (out / "latest").write_text("garbage")
-    elif damage == "mismatch":  # a checkpoint of another model under the same config
+    elif damage == "mismatch":  # a checkpoint of another model under the same config (sha256 re-recorded)
         meta = json.loads((ckpt / "meta.json").read_text())
         meta["config"]["model"]["n_embd"] = 32
-        (ckpt / "meta.json").write_text(json.dumps(meta))
+        (ckpt / "meta.json").write_text(json.dumps(dict(meta, meta_sha256=checkpoint.meta_digest(meta))))
     for script, args in (("sample.py", ["--ckpt", out, "--max-new-tokens", "3"]),
                          ("train.py", ["--out-dir", out, "--max-iters", "6", "--resume", *TINY[6:]])):
         p = call(script, *args, check=False)
@@ -202,15 +202,18 @@ def _failing_save_file(fail_at):
     return save_file
 
 
-@pytest.mark.parametrize("fail_at,code", [((2,), 0), ((3,), 2)])
+@pytest.mark.parametrize("fail_at,code", [((2,), 0), ((3, 4), 2)])
 def test_full_disk_during_training_keeps_the_previous_checkpoint(tmp_path, monkeypatch, fail_at, code):
-    """Saves at steps 2, 4, 6; one fails. Training goes on; a failed last save is a one-line
-    error with exit status 2, and `latest` is then the step-4 checkpoint, intact."""
+    """Saves at steps 2, 4, 6; one fails (at step 4 there is no older checkpoint to free;
+    at step 6 the second try, after ckpt-000002 is freed, fails too). Training goes on; a
+    failed last save is a one-line error with exit status 2, and `latest` is then the
+    step-4 checkpoint, intact."""
     out = tmp_path / "run"
     monkeypatch.setattr(checkpoint, "save_file", _failing_save_file(fail_at))
     p = train(out, 6, "--eval-interval", "6", "--ckpt-interval", "2", check=False)
     assert p.returncode == code and "Traceback" not in p.stderr
-    assert f"warning: checkpoint at step {2 * fail_at[0]} not written (No space left on device)" in p.stderr
+    freed = "; ckpt-000002 removed to make room" if code else ""
+    assert f"warning: checkpoint at step {2 * fail_at[0]} not written (No space left on device{freed})" in p.stderr
     assert "step 6: train" in p.stdout  # it trained to the end
     last = 6 if code == 0 else 4
     ckpt = checkpoint.resolve(out)
@@ -226,3 +229,23 @@ def test_prune_orders_checkpoints_by_step_number(tmp_path):
         (tmp_path / f"ckpt-{step:06d}").mkdir()
     checkpoint._prune(tmp_path, keep="ckpt-1000000")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-1000000", "ckpt-999999"]
+
+
+@pytest.mark.parametrize("where", ["weights", "adam"])
+def test_save_writes_no_nan_state(tmp_path, where):
+    """What the loader would refuse is never written (before: a diverged run's NaN weights
+    became the newest checkpoint and pruned the good ones): NonFiniteError, nothing new on
+    disk, the earlier checkpoint still `latest`."""
+    model = GPT(GPTConfig(block_size=8, n_layer=1, n_head=2, n_embd=16))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))[1].backward()
+    opt.step()
+    rng = {"torch0": torch.get_rng_state()}
+    checkpoint.save(tmp_path, 1, model, opt, {"model": model.config.to_json()}, rng)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with torch.no_grad():
+        (model.wpe.weight if where == "weights" else opt.state[model.wpe.weight]["exp_avg"])[0, 0] = float("inf")
+    with pytest.raises(checkpoint.NonFiniteError):
+        checkpoint.save(tmp_path, 2, model, opt, {"model": model.config.to_json()}, rng)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert checkpoint.resolve(tmp_path).name == "ckpt-000001"

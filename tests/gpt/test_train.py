@@ -13,7 +13,8 @@ import pytest
 from safetensors.torch import load_file
 from trainutil import ROOT, TINY, call, env, run, train
 
-from models import data
+from models import data, settings
+from models.gpt import GPTConfig
 
 
 def test_train_resume_sample_end_to_end(tmp_path):
@@ -69,9 +70,9 @@ def test_resume_takes_the_model_config_from_the_checkpoint(tmp_path):
 def test_a_fresh_run_replaces_an_earlier_runs_checkpoints(tmp_path):
     out = tmp_path / "run"
     train(out, 6, "--eval-interval", "6", "--ckpt-interval", "3")
-    p = train(out, 2, "--eval-interval", "2", "--ckpt-interval", "2")
-    assert "earlier run" in p.stdout and "--resume" in p.stdout
-    assert sorted(x.name for x in out.iterdir()) == [".lock", "ckpt-000002", "latest", "loss.png"]
+    p = train(out, 2, "--eval-interval", "2", "--ckpt-interval", "2", "--overwrite")
+    assert "another run's checkpoints" in p.stdout and "--overwrite" in p.stdout
+    assert sorted(x.name for x in out.iterdir()) == ["ckpt-000002", "latest", "loss.png"]
 
 
 @pytest.mark.parametrize("args,message", [
@@ -87,6 +88,28 @@ def test_bad_cli_values_fail_like_argparse(tmp_path, args, message):
     p = call("train.py", "--out-dir", tmp_path / "x", *args, check=False)
     assert p.returncode == 2 and "usage:" in p.stderr and message in p.stderr
     assert "Traceback" not in p.stderr and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("train,flags", [
+    ({"batch_size": 2**20 + 1}, ["--batch-size", 2**20 + 1]),
+    ({"grad_accum": 2**20 + 1}, ["--grad-accum", 2**20 + 1]),
+    ({"batch_size": 2**10, "grad_accum": 2**11}, ["--batch-size", 2**10, "--grad-accum", 2**11]),
+    ({"min_lr": 0.5}, ["--min-lr", 0.5]),
+    ({"dropout": 1.0}, ["--dropout", 1.0]),
+])
+def test_one_table_bounds_the_command_line_and_meta_json_alike(tmp_path, train, flags):
+    """models/settings.py holds each setting's kind and bounds once: a value the command line
+    refuses, meta.json's check refuses too (before: --batch-size had no upper bound, and a
+    recorded 10**12 reached the allocator)."""
+    p = call("train.py", "--out-dir", tmp_path / "x", *flags, check=False)
+    assert p.returncode == 2 and "usage:" in p.stderr and str(flags[0]) in p.stderr, p.stderr
+    recorded = dict(settings.TRAIN_DEFAULTS, lr_decay_iters=1000)
+    meta = {"format": 3, "step": 1, "config": {"model": GPTConfig().to_json(), "train": recorded, "world_size": 1}}
+    assert settings.meta_problem(meta) is None
+    recorded.update(train)
+    problem, field = settings.meta_problem(meta), next(iter(train))
+    assert problem is not None and problem.startswith("bad training setting"), problem
+    assert f"{field}=" in problem or f"--{field.replace('_', '-')} " in problem, problem
 
 
 def test_sample_rejects_bad_values(tmp_path):

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -36,8 +37,8 @@ from models.gpt import GPT, GPTConfig
 
 
 def _snapshot(out: Path) -> dict:
-    """Every file under `out` (through symlinks) and its bytes, the lock file aside."""
-    files = (p for p in sorted(out.rglob("*")) if p.is_file() and p.name != ".lock")
+    """Every file under `out` (through symlinks) and its bytes."""
+    files = (p for p in sorted(out.rglob("*")) if p.is_file())
     return {str(p.relative_to(out)): p.read_bytes() for p in files}
 
 
@@ -104,15 +105,19 @@ def test_a_real_full_disk_warns_trains_on_and_keeps_the_previous_checkpoint(tmp_
 
 @pytest.mark.parametrize("earlier", [4, 2], ids=["other-names", "same-name-as-latest"])
 def test_a_fresh_run_whose_checkpoints_all_fail_leaves_the_earlier_run_intact(tmp_path, monkeypatch, earlier):
+    """Every write fails for space: the earlier run's ckpt-000002, when it is not the one
+    `latest` names, is freed for the second try; `latest` and what it names stay."""
     out = tmp_path / "run"
     train(out, earlier, "--eval-interval", "2", "--ckpt-interval", "2")
     before = _snapshot(out)
     monkeypatch.setattr(checkpoint, "save_file", _full_disk)
-    p = train(out, 2, "--eval-interval", "2", "--ckpt-interval", "1", "--seed", "7", check=False)
+    p = train(out, 2, "--eval-interval", "2", "--ckpt-interval", "1", "--seed", "7", "--overwrite", check=False)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert p.stderr.splitlines()[-1] == (f"error: {out}: checkpoint at step 2 not written (No space left on device); "
-                                         "the earlier run's checkpoints in it are intact")
-    assert _snapshot(out) == before and _loads(out)["step"] == earlier
+                                         "the earlier run's latest checkpoint is intact")
+    freed = "ckpt-000002/" if earlier == 4 else "nothing"
+    assert _snapshot(out) == {k: v for k, v in before.items() if not k.startswith(freed)}
+    assert _loads(out)["step"] == earlier
 
 
 def test_a_fresh_run_replaces_an_earlier_run_that_ended_on_the_same_step(tmp_path):
@@ -120,8 +125,8 @@ def test_a_fresh_run_replaces_an_earlier_run_that_ended_on_the_same_step(tmp_pat
     last of them the one `latest` names."""
     out = tmp_path / "run"
     train(out, 2, "--eval-interval", "2", "--ckpt-interval", "2")
-    train(out, 2, "--eval-interval", "2", "--ckpt-interval", "2", "--seed", "7")
-    assert sorted(p.name for p in out.iterdir()) == [".lock", "ckpt-000002", "latest", "loss.png"]
+    train(out, 2, "--eval-interval", "2", "--ckpt-interval", "2", "--seed", "7", "--overwrite")
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt-000002", "latest", "loss.png"]
     assert _loads(out)["config"]["train"]["seed"] == 7
 
 
@@ -156,11 +161,14 @@ def test_replacing_the_checkpoint_latest_names_is_safe_at_every_rename(tmp_path,
 
 
 def test_a_second_run_into_a_busy_out_dir_stops_at_once_and_the_first_goes_on(tmp_path):
+    """Also when the file an older train.py locked, `.lock`, is deleted: the lock is on the
+    directory itself."""
     out = tmp_path / "run"
     first = start("train.py", "--out-dir", out, "--max-iters", 100000, "--eval-interval", 100000,
                   "--ckpt-interval", 1, *TINY, log=tmp_path / "first.log")
     try:
         wait_for(lambda: _latest_step(out) >= 1, what="the first run's first checkpoint")
+        (out / ".lock").unlink(missing_ok=True)  # before: the lock was this file's, and deleting it let a run in
         for extra in ([], ["--resume"]):
             p = call("train.py", "--out-dir", out, "--max-iters", 3, *TINY, *extra, check=False)
             _one_line_error(p, f"--out-dir {out}: another run is writing to it")
@@ -358,8 +366,11 @@ def _retensor(ckpt: Path, name: str, key: str, change) -> None:
 
 
 def _remeta(ckpt: Path, change) -> None:
+    """Change meta.json and re-record its own sha256, so that loading gets past the
+    checksum to the fields themselves."""
     meta = json.loads((ckpt / "meta.json").read_text())
     change(meta)
+    meta["meta_sha256"] = checkpoint.meta_digest(meta)
     (ckpt / "meta.json").write_text(json.dumps(meta))
 
 
@@ -383,7 +394,21 @@ TAMPER = {
     "huge-model": (lambda c: _remeta(c, lambda m: m["config"]["model"].update(n_layer=10**6)),
                    "does not fit the model"),
     "eps-negative": (lambda c: _remeta(c, lambda m: m["optimizer"]["param_groups"][0].update(eps=-1)), "bad eps -1"),
+    # issue 22 item 6: these four got through (tracebacks, or a curve the next checkpoint failed on)
+    "rng-random-bytes": (lambda c: _retensor(c, "optimizer.safetensors", "rng.batches", lambda t: torch.randint(
+        0, 256, t.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0))),
+        "rng.batches is not a random generator state"),
+    "curve-empty": (lambda c: _remeta(c, lambda m: m.update(curve=[])), "malformed curve"),
+    "batch-huge": (lambda c: _remeta(c, lambda m: m["config"]["train"].update(batch_size=10**12)),
+                   "bad training setting batch_size=1000000000000"),
+    "model-a-directory": (lambda c: ((c / "model.safetensors").unlink(), (c / "model.safetensors").mkdir()),
+                          "model.safetensors: not a file"),
+    # meta.json's own sha256: an edit that every other check passes (n_embd 16 is divisible by 1 head)
+    "n-head-edited": (lambda c: (c / "meta.json").write_text((c / "meta.json").read_text().replace(
+        '"n_head": 2', '"n_head": 1')), "meta.json: corrupt or edited (sha256 mismatch)"),
 }
+SAMPLE_TOO = ("weight-as-int32", "weight-nan", "step-negative", "history-string", "bias-string", "huge-model",
+              "curve-empty", "batch-huge", "model-a-directory", "n-head-edited")
 
 
 @pytest.mark.parametrize("damage", list(TAMPER))
@@ -397,7 +422,7 @@ def test_tampered_checkpoints_are_one_line_errors(trained, tmp_path, damage):
     tamper(checkpoint.resolve(out))
     p = call("train.py", "--out-dir", out, "--max-iters", 6, "--resume", "--no-progress", check=False)
     _one_line_error(p, needle)
-    if damage in ("weight-as-int32", "weight-nan", "step-negative", "history-string", "bias-string", "huge-model"):
+    if damage in SAMPLE_TOO:
         _one_line_error(call("sample.py", "--ckpt", out, "--max-new-tokens", 3, check=False), needle)
 
 
@@ -414,17 +439,22 @@ def test_an_earlier_run_with_a_symlinked_checkpoint(trained, tmp_path, monkeypat
     kept = _snapshot(moved)
     if fails:
         monkeypatch.setattr(checkpoint, "save_file", _full_disk)
-    p = train(out, 2, "--eval-interval", "2", "--ckpt-interval", "1", check=False)
+    p = train(out, 2, "--eval-interval", "2", "--ckpt-interval", "1", "--overwrite", check=False)
     assert p.returncode == (2 if fails else 0) and "Traceback" not in p.stderr, p.stderr
     assert _loads(out)["step"] == (4 if fails else 2)
     assert (out / "ckpt-000004").is_symlink() == fails and _snapshot(moved) == kept
 
 
 def test_a_format_1_checkpoint_samples_but_does_not_resume(trained, tmp_path):
-    """Format 1 recorded no typed training settings: --resume cannot restore the run."""
+    """Format 1 recorded its training settings as strings and meta.json no sha256 of its
+    own: --resume cannot restore the run, sample.py reads it."""
     out = tmp_path / "run"
     shutil.copytree(trained, out)
-    _remeta(checkpoint.resolve(out), lambda m: m.update(format=1))
+    meta_path = checkpoint.resolve(out) / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta.update(format=1, config=dict(meta["config"], train={k: str(v) for k, v in meta["config"]["train"].items()}))
+    del meta["meta_sha256"], meta["config"]["world_size"]
+    meta_path.write_text(json.dumps(meta))
     p = call("train.py", "--out-dir", out, "--max-iters", 6, "--resume", "--no-progress", check=False)
     _one_line_error(p, "format 1 was written by an older train.py", "--resume needs format 2")
     assert call("sample.py", "--ckpt", out, "--max-new-tokens", 3).stdout
@@ -490,3 +520,138 @@ def test_the_closing_tokens_per_second_count_training_time_only(monkeypatch, tmp
     rate = int(re.search(r"\(([\d,]+) tokens/s\)", done).group(1).replace(",", ""))
     assert rate > 3 * 4 * 16 / 60, done  # 3 steps of 64 tokens took less than a minute, not 6000 s
     assert re.search(r"evaluation 300\d\.\ds, checkpoints 300\d\.\ds", done), done
+
+
+# ----------------------------------------------------------------------------- issue 22: divergence, disk, restarts
+
+
+def test_a_diverged_run_stops_unsaved_and_resume_continues_from_the_last_good_step(tmp_path):
+    """--resume with a learning rate of 1e4 gives a NaN gradient norm at step 6. The run
+    stops there with one line naming the step and what to try, exit 3, and writes nothing
+    (before: it saved NaN weights at steps 6 and 8, pruned the good checkpoints and exited
+    0). A plain --resume then goes on from step 4 with the recorded settings."""
+    out = tmp_path / "run"
+    train(out, 4, "--eval-interval", "2", "--ckpt-interval", "2")
+    before = _snapshot(out)
+    p = call("train.py", "--out-dir", out, "--resume", "--max-iters", 8, "--lr", 1e4, "--lr-decay-iters", 8,
+             "--no-progress", check=False)
+    assert p.returncode == 3 and "Traceback" not in p.stderr, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {out}: training diverged at step 6 (loss "), lines
+    assert f"{out}/latest holds step 4: --resume continues from there, with a lower --lr than 10000" in lines[0]
+    assert _snapshot(out) == before
+    p = call("train.py", "--out-dir", out, "--resume", "--max-iters", 8, "--no-progress")
+    assert "iters 4..8" in p.stdout and _loads(out)["step"] == 8
+
+
+def _disk_for_two(out: Path, what: str):
+    """A disk with room for two checkpoints and not three, full when a third is being
+    written: `what` is the write that finds it full, the optimizer tensors (the safetensors
+    writer's own error) or `latest` (the atomic writer's OSError)."""
+    def full() -> bool:
+        return len(list(out.rglob("optimizer.safetensors"))) > 2
+
+    real_save_file, real_write_json = checkpoint.save_file, checkpoint.write_json
+
+    def save_file(tensors, filename, *a, **k):
+        real_save_file(tensors, filename, *a, **k)
+        if what == "tensors" and full():
+            _full_disk(tensors, filename)
+
+    def write_json(path, obj, **k):
+        if what == "latest" and Path(path).name == "latest" and full():
+            raise OSError(28, "No space left on device")
+        real_write_json(path, obj, **k)
+
+    return save_file, write_json
+
+
+@pytest.mark.parametrize("what", ["tensors", "latest"])
+def test_a_disk_that_holds_two_checkpoints_but_not_three_keeps_every_step(tmp_path, monkeypatch, what):
+    """A checkpoint every step on a disk with room for two: each write after the second
+    finds it full, frees the oldest checkpoint (never the one `latest` names) and succeeds
+    on the second try (before: every step after the second was lost, exit 2)."""
+    out = tmp_path / "run"
+    save_file, write_json = _disk_for_two(out, what)
+    monkeypatch.setattr(checkpoint, "save_file", save_file)
+    monkeypatch.setattr(checkpoint, "write_json", write_json)
+    p = train(out, 5, "--eval-interval", "5", "--ckpt-interval", "1", check=False)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert sorted(x.name for x in out.glob("ckpt-*")) == ["ckpt-000004", "ckpt-000005"]
+    monkeypatch.undo()
+    assert _loads(out)["step"] == 5
+
+
+def test_when_only_latest_cannot_be_written_the_error_says_so(tmp_path, monkeypatch):
+    """The checkpoint directory is written and renamed into place, and only `latest` fails
+    (before: "checkpoint at step 2 not written", which was false): the line says where the
+    checkpoint is and that `latest` did not move."""
+    out = tmp_path / "run"
+    real = checkpoint.write_json
+
+    def write_json(path, obj, **k):
+        if Path(path).name == "latest":
+            raise OSError(28, "No space left on device")
+        real(path, obj, **k)
+
+    monkeypatch.setattr(checkpoint, "write_json", write_json)
+    p = train(out, 2, "--eval-interval", "2", "--ckpt-interval", "2", check=False)
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"error: {out}: checkpoint at step 2 written to {out}/ckpt-000002 but latest not moved to it "
+        f"(No space left on device); {out} has no latest yet")
+    monkeypatch.undo()
+    assert not (out / "latest").exists() and _loads(out / "ckpt-000002")["step"] == 2
+
+
+def test_a_fresh_run_into_another_runs_checkpoints_needs_overwrite(tmp_path):
+    """Refused in one line naming --resume and --overwrite, before any training, and the
+    earlier run untouched (before: its checkpoints went once the new run's first was
+    written, with only a note)."""
+    out = tmp_path / "run"
+    train(out, 2, "--eval-interval", "2", "--ckpt-interval", "2")
+    before = _snapshot(out)
+    p = train(out, 2, "--seed", "7", check=False)
+    _one_line_error(p, f"--out-dir {out} holds another run's checkpoints", "--resume", "--overwrite")
+    assert "GPT" not in p.stdout and _snapshot(out) == before
+    p = call("train.py", "--out-dir", out, "--resume", "--overwrite", check=False)
+    assert p.returncode == 2 and "not allowed with argument" in p.stderr
+
+
+def test_make_train_twice_works(tmp_path):
+    """The Makefile's train command, run twice into one directory (tiny and short here):
+    the second run starts over, as the README says."""
+    recipe = next(line for line in (ROOT / "Makefile").read_text().splitlines()
+                  if line.startswith("\t$(PY) scripts/train.py"))
+    flags = recipe.split("scripts/train.py")[1].split()
+    out = tmp_path / "run"
+    flags[flags.index("--out-dir") + 1] = str(out)
+    for seed in (1, 2):
+        call("train.py", *flags, "--max-iters", 2, "--eval-interval", 2, "--ckpt-interval", 2, "--seed", seed,
+             *TINY)
+    assert _loads(out)["config"]["train"]["seed"] == 2
+
+
+def _importing_torch(pid: int) -> bool:
+    """Whether the process has begun loading torch's libraries (so it runs train.py)."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/<pid>/maps")
+def test_ctrl_c_during_start_up_is_one_line(tmp_path):
+    """SIGINT while train.py imports torch (seconds), and at moments after it up to the
+    first steps: one line and exit 130, never a traceback (before: a KeyboardInterrupt
+    traceback from inside the imports)."""
+    for n, delay in enumerate((0.0, 0.5, 1.0, 2.0)):
+        log = tmp_path / f"{n}.log"
+        proc = start("train.py", "--out-dir", tmp_path / f"run{n}", "--max-iters", 100000, *TINY, log=log,
+                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        wait_for(lambda p=proc: _importing_torch(p.pid) or p.poll() is not None, what="the import of torch")
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
+        text = log.read_text()
+        lines = [s for s in text.splitlines() if s.startswith(("error", "stopped"))]
+        assert code == 130 and "Traceback" not in text and len(lines) == 1, (delay, text)
