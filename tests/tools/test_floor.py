@@ -173,7 +173,7 @@ def test_gpt_training_step_fused_equals_naive():
 def test_train_extra_at_its_floor(tmp_path):
     """What the GPT's checkout code uses from the `train` extra: safetensors round trips
     of a model with tied weights (models/checkpoint.py), a progress bar and a loss plot
-    (scripts/train.py)."""
+    (models/plot.py)."""
     st = pytest.importorskip("safetensors.torch")
     tqdm = pytest.importorskip("tqdm").tqdm
     matplotlib = pytest.importorskip("matplotlib")
