@@ -92,3 +92,35 @@ def call(script, *args, check=True):
 
 def train(out_dir, iters, *extra, check=True):
     return call("train.py", "--out-dir", out_dir, "--max-iters", iters, *TINY, *extra, check=check)
+
+
+def full_disk_at(monkeypatch, n: int) -> SimpleNamespace:
+    """From now on os.replace fails for space on its n-th call (1: the next one), as a disk
+    that fills during a write would; the other calls replace as usual. Returns the count
+    of calls so far, as `.calls`."""
+    real, seen = os.replace, SimpleNamespace(calls=0)
+
+    def replace(a, b):
+        seen.calls += 1
+        if seen.calls == n:
+            raise OSError(28, "No space left on device")
+        return real(a, b)
+
+    monkeypatch.setattr(os, "replace", replace)
+    return seen
+
+
+def saved_tiny_gpt(directory, step: int, *, trained: bool = True):
+    """A one-layer GPT and its AdamW (after one step when `trained`) saved as checkpoint
+    `step` into `directory`: (model, optimizer, rng), for saving again."""
+    from models import checkpoint
+    from models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(block_size=8, n_layer=1, n_head=2, n_embd=16))
+    opt = torch.optim.AdamW(model.parameters())
+    if trained:
+        model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))[1].backward()
+        opt.step()
+    rng = {"torch0": torch.get_rng_state()}
+    checkpoint.save(directory, step, model, opt, {"model": model.config.to_json()}, rng)
+    return model, opt, rng

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainutil import ROOT, TINY, call, train
+from trainutil import ROOT, TINY, call, saved_tiny_gpt, train
 
 from models import checkpoint
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT
 
 
 @pytest.fixture(scope="module")
@@ -123,12 +123,7 @@ def test_resume_with_a_conflicting_model_flag_is_refused(trained, tmp_path):
 
 
 def test_full_disk_during_a_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
-    model = GPT(GPTConfig(block_size=8, n_layer=1, n_head=2, n_embd=16))
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))[1].backward()
-    opt.step()
-    rng = {"torch0": torch.get_rng_state()}
-    checkpoint.save(tmp_path, 1, model, opt, {"model": model.config.to_json()}, rng)
+    model, opt, rng = saved_tiny_gpt(tmp_path, 1)
     before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
 
     def full_disk(tensors, filename, *a, **k):
@@ -236,12 +231,7 @@ def test_save_writes_no_nan_state(tmp_path, where):
     """What the loader would refuse is never written (before: a diverged run's NaN weights
     became the newest checkpoint and pruned the good ones): NonFiniteError, nothing new on
     disk, the earlier checkpoint still `latest`."""
-    model = GPT(GPTConfig(block_size=8, n_layer=1, n_head=2, n_embd=16))
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))[1].backward()
-    opt.step()
-    rng = {"torch0": torch.get_rng_state()}
-    checkpoint.save(tmp_path, 1, model, opt, {"model": model.config.to_json()}, rng)
+    model, opt, rng = saved_tiny_gpt(tmp_path, 1)
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     with torch.no_grad():
         (model.wpe.weight if where == "weights" else opt.state[model.wpe.weight]["exp_avg"])[0, 0] = float("inf")

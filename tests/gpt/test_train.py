@@ -3,7 +3,6 @@ before any work."""
 import hashlib
 import json
 import lzma
-import os
 import subprocess
 import sys
 import textwrap
@@ -11,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 from safetensors.torch import load_file
-from trainutil import ROOT, TINY, call, env, run, train
+from trainutil import ROOT, TINY, call, env, full_disk_at, run, train
 
 from models import data, settings
 from models.gpt import GPTConfig
@@ -201,20 +200,11 @@ def test_a_failed_data_cache_write_leaves_no_partial_file(tmp_path, monkeypatch,
         src.write_bytes(old_xz)
         data.prepare(src, cache)
     src.write_bytes(new_xz)
-    real, calls = os.replace, 0
-
-    def replace(a, b):
-        nonlocal calls
-        calls += 1
-        if calls == fail_at:
-            raise OSError(28, "No space left on device")
-        return real(a, b)
-
-    monkeypatch.setattr(os, "replace", replace)
+    seen = full_disk_at(monkeypatch, fail_at)
     with pytest.raises(data.DataError, match=r"cannot write the data cache .*\(No space left on device\)"):
         data.prepare(src, cache)
     monkeypatch.undo()
-    assert calls == fail_at
+    assert seen.calls == fail_at
     _assert_no_partial_file(cache, new_xz, (OLD, old_xz) if earlier else None)
     _assert_next_build_completes(src, cache)
 

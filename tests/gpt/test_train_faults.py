@@ -26,14 +26,16 @@ from trainutil import (
     call,
     command,
     env,
+    full_disk_at,
     run,
+    saved_tiny_gpt,
     start,
     train,
     wait_for,
 )
 
 from models import checkpoint, data
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT
 
 
 def _snapshot(out: Path) -> dict:
@@ -135,20 +137,8 @@ def test_replacing_the_checkpoint_latest_names_is_safe_at_every_rename(tmp_path,
     """Checkpoint ckpt-000002 is `latest`; writing a new ckpt-000002 fails at its 1st to
     4th rename. Whatever the moment, `latest` names a complete checkpoint."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=8, n_layer=1, n_head=2, n_embd=16))
-    opt = torch.optim.AdamW(model.parameters())
-    rng = {"torch0": torch.get_rng_state()}
-    checkpoint.save(tmp_path, 2, model, opt, {"model": model.config.to_json()}, rng)
-    real, calls = os.replace, 0
-
-    def replace(a, b):
-        nonlocal calls
-        calls += 1
-        if calls == fail_at:
-            raise OSError(28, "No space left on device")
-        return real(a, b)
-
-    monkeypatch.setattr(os, "replace", replace)
+    model, opt, rng = saved_tiny_gpt(tmp_path, 2, trained=False)
+    full_disk_at(monkeypatch, fail_at)
     with contextlib.suppress(checkpoint.CheckpointWriteError):
         checkpoint.save(tmp_path, 2, model, opt, {"model": model.config.to_json()}, rng)
     monkeypatch.undo()
