@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ..spec import NormSpec
 from . import launch
-from .launch import LAUNCHES, bwd_layout, cdiv, num_sms, pow2, sum_rows, vec
+from .launch import LAUNCHES, bwd_layout, cdiv, num_sms, pow2, stride, sum_rows, vec
 from .launch import rows as as_rows
 from .norm import _mean, _prod, _rstd, _weight
 from .occupancy import learn, programs_per_sm
@@ -234,7 +234,7 @@ def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_s
         lay = bwd_layout(d)
         _fwd_tile[(cdiv(M, lay.br),)](
             x2, r2, branch_weight, branch_bias, weight, bias, ro2, o2, rstd_b, mean_b, rstd, mean,
-            x2.stride(0), r2.stride(0), ro2.stride(0), o2.stride(0) if second else 0,
+            x2.stride(0), r2.stride(0), ro2.stride(0), stride(o2),
             M, d, branch_spec.eps, spec.eps, spec.scale, branch_spec.weight_offset, spec.weight_offset, alpha,
             BR=lay.br, BD=lay.bd, HAS_BW=branch_weight is not None, HAS_BB=branch_bias is not None,
             HAS_W=weight is not None, HAS_B=bias is not None, SECOND=second, CENTER=spec.center,
@@ -272,10 +272,10 @@ def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rst
     parts = [None if g is None else (torch.empty((n_prog, d), dtype=torch.float32, device=dev) if sum_parts else g)
              for g in grads]
     dx2, dr2 = dx.view(M, d), dr.view(M, d)
-    p_arg = p2 if second else x2  # never read without the second norm
+    p_arg = p2 if second else None  # the second norm's input
     compiled = _bwd_tile[(n_prog,)](
         x2, p_arg, branch_weight, weight, rstd_b, mean_b, rstd, mean, do2, dro2, dx2, dr2, *parts,
-        x2.stride(0), p_arg.stride(0), 0 if do2 is None else do2.stride(0), 0 if dro2 is None else dro2.stride(0),
+        x2.stride(0), stride(p_arg), stride(do2), stride(dro2),
         dx2.stride(0), dr2.stride(0),
         M, d, spec.scale, branch_spec.weight_offset, spec.weight_offset, alpha,
         BR=lay.br, BD=lay.bd, num_warps=lay.warps, **flags,

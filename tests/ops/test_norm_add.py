@@ -254,14 +254,15 @@ def test_one_launch_forward_at_most_two_backward(op):
 @pytest.mark.parametrize("op", ["norm_add", "norm_add_norm"])
 def test_fused_op_moves_the_compulsory_bytes(op):
     """Activation bytes within 5% of the minimum, forward and backward; the unfused form
-    moves more (fuseblock.testing.op_traffic.measure_residual_traffic)."""
+    moves more, even with each torch norm charged as one kernel (as on CUDA)
+    (fuseblock.testing.op_traffic.measure_residual_traffic)."""
     from fuseblock.testing.op_traffic import measure_residual_traffic
 
     rows = {r["pas"]: r for r in measure_residual_traffic(op, 256, 128, torch.bfloat16)}
     for pas in ("fwd", "bwd"):
         assert rows[pas]["act_over_min"] == pytest.approx(1.0, abs=0.05), rows[pas]
     assert rows["fwd"]["launches"] == 1 and rows["bwd"]["launches"] <= 2
-    assert rows["fwd+bwd"]["naive_over_kernel"] > 1.3, rows["fwd+bwd"]
+    assert rows["fwd+bwd"]["naive1_over_kernel"] > 1.5, rows["fwd+bwd"]  # measured 1.70 and 1.97
 
 
 # ------------------------------------------------------------------------ bad input
