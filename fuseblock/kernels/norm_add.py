@@ -5,12 +5,16 @@
 
 One kernel each way serves both (SECOND: the second norm N is applied). Rows are held
 whole in registers, [BR rows, BD columns] per block (the tile layout of
-`fuseblock.kernels.launch`, up to MAX_TILE_BWD columns: `fits`). Wider rows are not
-launched here: `fuseblock.ops.norm_add` composes them from the norm kernels instead.
+`fuseblock.kernels.launch`, up to MAX_TILE_BWD columns: `fits`).
 
 Launches: one forward; a backward of one (`_bwd_tile`) plus, when more than one program
 ran and a weight or bias needs a gradient, `_bwd_sum4` adding up the per-program fp32
 partial rows of the four parameter gradients in one launch.
+
+Wider rows are not fused: the launchers compose them from the norm's own launchers
+(`fuseblock.kernels.norm`), with torch ops between: forward N_b(x) (rounded to x's
+dtype), the scaled add, N(p); backward N's backward, the scaling, N_b's backward. Two
+norm launches forward, up to four backward (the wide-row backward takes two each).
 
 Traffic: forward reads x and residual once and writes new_residual (and out) once, plus
 the row statistics (rstd, and mean for a layer norm) of each norm. Backward reads x, the
@@ -30,6 +34,7 @@ import triton.language as tl
 
 from ..spec import NormSpec
 from . import launch
+from . import norm as norm_kernels
 from .launch import LAUNCHES, bwd_layout, cdiv, num_sms, pow2, stride, sum_rows, vec
 from .launch import rows as as_rows
 from .norm import _mean, _prod, _rstd, _weight
@@ -214,8 +219,11 @@ def _flag_eps(spec: NormSpec) -> bool:
 def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_spec: NormSpec, spec: NormSpec,
                  alpha: float, residual_dtype, second: bool, need_stats: bool):
     """(new_residual, out or None, rstd_b, mean_b, rstd, mean), the statistics (M,) fp32 or
-    None; same contract as `fuseblock.reference.norm_add_fwd`. Rows must `fit`."""
+    None; same contract as `fuseblock.reference.norm_add_fwd`."""
     d = x.shape[-1]
+    if not fits(d):
+        return _wide_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_spec, spec, alpha,
+                         residual_dtype, second, need_stats)
     x2, r2 = as_rows(x, d), as_rows(residual, d)
     branch_weight, branch_bias, weight, bias = map(vec, (branch_weight, branch_bias, weight, bias))
     M = x2.shape[0]
@@ -250,6 +258,9 @@ def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rst
     dout (the gradient at out) and dres (at new_residual) may each be None. At most two
     launches: `_bwd_tile`, then `_bwd_sum4` when several programs wrote partial rows."""
     d = x.shape[-1]
+    if not fits(d):
+        return _wide_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b, mean_b, rstd, mean,
+                         branch_spec, spec, alpha, residual_grad_dtype, second)
     x2, p2, do2, dro2 = as_rows(x, d), as_rows(p, d), as_rows(dout, d), as_rows(dres, d)
     branch_weight, weight = vec(branch_weight), vec(weight)
     M = x2.shape[0]
@@ -289,3 +300,41 @@ def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rst
                                   HAS_W=grads[2] is not None, HAS_B=grads[3] is not None, num_warps=4)
         LAUNCHES["bwd"] += 1
     return (dx, dr, *grads)
+
+
+# --------------------------------------------------------------------------- wide rows
+def _flat(t):
+    return None if t is None else t.view(-1)  # the norm's (M, 1) statistics as these kernels' (M,)
+
+
+def _col(t):
+    return None if t is None else t.view(-1, 1)
+
+
+def _wide_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_spec, spec, alpha, residual_dtype,
+              second, need_stats):
+    """norm_add_fwd for rows wider than the tile: the norm's launchers, composed."""
+    y, _, rstd_b, mean_b = norm_kernels.norm_fwd(x, None, None, branch_weight, branch_bias, branch_spec, None,
+                                                 need_stats)
+    new_res = (residual.to(torch.promote_types(residual.dtype, residual_dtype)) + alpha * y).to(residual_dtype)
+    out = rstd = mean = None
+    if second:
+        out, _, rstd, mean = norm_kernels.norm_fwd(new_res, None, None, weight, bias, spec, None, need_stats)
+        out = out.to(x.dtype)
+    return new_res, out, _flat(rstd_b), _flat(mean_b), _flat(rstd), _flat(mean)
+
+
+def _wide_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b, mean_b, rstd, mean,
+              branch_spec, spec, alpha, residual_grad_dtype, second):
+    """norm_add_bwd for rows wider than the tile: the norm's backward launchers, composed."""
+    dw = db = None
+    if second and dout is not None:
+        dp, _, _, dw, db = norm_kernels.norm_bwd(dout, dres, p, None, weight, bias, _col(rstd), _col(mean), spec,
+                                                 torch.float32, None)  # dres added in: dp = dN(do; p) + dres
+    else:
+        dp = dres.float() if dres is not None else torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if second and dout is None:
+        dw, db = (None if t is None else torch.zeros_like(t) for t in (weight, bias))
+    dx, _, _, dbw, dbb = norm_kernels.norm_bwd(alpha * dp, None, x, None, branch_weight, branch_bias, _col(rstd_b),
+                                               _col(mean_b), branch_spec, x.dtype, None)
+    return dx, dp.to(residual_grad_dtype), dbw, dbb, (dw if second else None), (db if second else None)

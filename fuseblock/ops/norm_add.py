@@ -7,10 +7,10 @@
 Dispatch as `fuseblock.ops.norm`'s: the Triton kernels (`fuseblock.kernels.norm_add`,
 one forward launch that holds both norms, a backward of at most two) registered through
 `FusedOp`; the torch path (`fuseblock.reference.norm_add_fwd`) as plain differentiable
-torch ops. Rows wider than the kernels' tile (`fuseblock.kernels.norm_add.fits`: more
-than MAX_TILE_BWD columns) take a composition of the norm kernels instead: `norm` then
-the add (norm_add), `norm` then `add_norm` (norm_add_norm): two launches forward, and
-N_b(x) rounded to x's dtype before the add, as the unfused form does.
+torch ops. Rows wider than the kernels' tile (more than MAX_TILE_BWD columns) are
+composed from the norm's launchers inside the same custom op (see
+`fuseblock.kernels.norm_add`): not one launch, and N_b(x) rounded to x's dtype before the
+add, as the unfused form does.
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from .. import reference
 from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, acc_dtype, stored_dtype
 from .checks import _check_vector, check_number, check_tensor, default_eps, resolve
 from .dispatch import func_transforms_active, kernels, uses_triton
-from .norm import add_norm, norm
 from .registry import FusedOp
 
 
@@ -156,19 +155,11 @@ def _spec(x, residual, weight, bias, kind, eps, weight_offset, residual_dtype) -
                    weight_offset=weight_offset)
 
 
-def _apply(x, residual, branch_weight, branch_bias, weight, bias, kind, bspec, spec, alpha, rdtype, second):
+def _apply(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha, rdtype, second):
     """(new_residual, out or None) on validated arguments, by the path that serves x."""
     if not uses_triton(x) or func_transforms_active():
         return reference.norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha,
                                       rdtype, second)
-    if not kernels("norm_add", x).fits(x.shape[-1]):  # wide rows: the norm kernels, composed (module docstring)
-        y = norm(x, branch_weight, branch_bias, kind=kind, eps=bspec.eps, weight_offset=bspec.weight_offset)
-        y = y * alpha if alpha != 1.0 else y
-        if not second:
-            return reference.residual_sum(y, residual, rdtype), None
-        out, new_res = add_norm(y, residual, weight, bias, kind=kind, eps=spec.eps, residual_dtype=rdtype,
-                                weight_offset=spec.weight_offset)
-        return new_res, out
     need_stats = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, residual, branch_weight, branch_bias, weight, bias))
     new_res, out, *_ = norm_add_op(x, residual, branch_weight, branch_bias, weight, bias,
@@ -203,7 +194,7 @@ def norm_add(
     spec = _spec(x, residual, weight, bias, kind, default_eps(x.dtype, kind) if eps is None else eps, weight_offset,
                  residual_dtype)
     rdtype = stored_dtype(x.dtype, residual.dtype, residual_dtype)
-    return _apply(x, residual, weight, bias, None, None, kind, spec, spec, alpha, rdtype, False)[0]
+    return _apply(x, residual, weight, bias, None, None, spec, spec, alpha, rdtype, False)[0]
 
 
 def norm_add_norm(
@@ -259,5 +250,5 @@ def norm_add_norm(
             raise ValueError(f"branch_weight_offset={branch_weight_offset} needs a branch_weight: it is added to it")
     bspec = _spec(x, residual, branch_weight, branch_bias, kind, branch_eps, branch_weight_offset, residual_dtype)
     rdtype = stored_dtype(x.dtype, residual.dtype, residual_dtype)
-    new_res, out = _apply(x, residual, branch_weight, branch_bias, weight, bias, kind, bspec, spec, alpha, rdtype, True)
+    new_res, out = _apply(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha, rdtype, True)
     return out, new_res
