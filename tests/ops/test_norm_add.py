@@ -1,6 +1,8 @@
 """norm_add (post-norm) and norm_add_norm (sandwich): values and every gradient against an
 fp64 reference composed from ref64.add_norm64, both paths; strides, wide rows, double
 backward, torch.compile, launch counts, and named errors for bad input."""
+import os
+
 import pytest
 import torch
 from helpers import KERNEL_PATH, assert_close
@@ -312,6 +314,34 @@ def test_fused_op_moves_the_compulsory_bytes(op):
         assert rows[pas]["act_over_min"] == pytest.approx(1.0, abs=0.05), rows[pas]
     assert rows["fwd"]["launches"] == 1 and rows["bwd"]["launches"] <= 2
     assert rows["fwd+bwd"]["naive1_over_kernel"] > 1.5, rows["fwd+bwd"]  # measured 1.70 and 1.97
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton's compiler")
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_kernels_compile_for_h100_without_spills_up_to_4096(kind):
+    """Triton's compiler (no GPU needed) builds every launch for sm_90; the backward's
+    layout (bwd_tile_layout) keeps its blocks in registers up to rows of 4096."""
+    pytest.importorskip("triton")
+    import fuseblock.kernels.launch as L
+    import fuseblock.kernels.norm_add as K
+    from fuseblock.ops.dispatch import kernels_on_cpu
+    from fuseblock.spec import NormSpec
+    from fuseblock.testing.sm90 import captured_launches, compile_sm90, resource_usage
+
+    for d in (1000, 4096):
+        spec = NormSpec.of(d, kind=kind, c=None, eps=1e-6, num_groups=1, gate_act=None, gate_position=None)
+        x, w = torch.empty(512, d, dtype=torch.bfloat16), torch.empty(d, dtype=torch.bfloat16)
+        b = w if kind == "layer" else None
+        stat = torch.empty(512)
+        mean = stat if kind == "layer" else None
+        with kernels_on_cpu(), captured_launches(K, L) as got:
+            K.norm_add_fwd(x, x, w, b, w, b, spec, spec, 0.5, torch.bfloat16, True, True)
+            K.norm_add_bwd(x, x, x, x, w, b, w, b, stat, mean, stat, mean, spec, spec, 0.5, torch.bfloat16, True)
+        assert [ln.name for ln in got] == ["_fwd_tile", "_bwd_tile", "_bwd_sum4"]
+        for ln in got:
+            usage = resource_usage(compile_sm90(ln))
+            # a word or two outside the loops at most, as tests/kernels/test_sm90.py allows
+            assert 0 < usage["registers"] <= 255 and usage["stack"] <= 16, (d, ln.name, usage)
 
 
 # ------------------------------------------------------------------------ bad input
