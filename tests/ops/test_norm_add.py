@@ -300,6 +300,34 @@ def test_one_launch_forward_at_most_two_backward(op):
 
 
 @pytest.mark.kernel
+@pytest.mark.kernel_only("what the kernels' backward keeps")
+@pytest.mark.parametrize("op", ["norm_add", "norm_add_norm"])
+def test_saved_for_backward_only_x_the_stored_sum_and_row_statistics(op):
+    x, residual = torch.randn(10, 32, requires_grad=True), torch.randn(10, 32, requires_grad=True)
+    bw, bb = (t.requires_grad_() for t in _params(32, torch.float32))
+    w, b = (t.requires_grad_() for t in _params(32, torch.float32))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        if op == "norm_add":
+            new_res = fuseblock.norm_add(x, residual, bw, bb, kind="layer")
+        else:
+            _, new_res = fuseblock.norm_add_norm(x, residual, bw, w, bb, b, kind="layer")
+    rows = [t for t in saved if t.shape == x.shape]
+    assert len(rows) == (1 if op == "norm_add" else 2)  # x, and new_residual for the second norm
+    assert rows[0] is x and (op == "norm_add" or rows[1] is new_res)
+    stats = [t for t in saved if t.shape == (10,)]
+    assert len(stats) == (2 if op == "norm_add" else 4) and all(t.dtype == torch.float32 for t in stats)
+
+
+@pytest.mark.torch_only("the torch path's plain ops")
+def test_no_custom_op_on_the_torch_path():
+    x = torch.randn(3, 16, requires_grad=True)
+    for out in (fuseblock.norm_add(x, x, kind="l2"), fuseblock.norm_add_norm(x, x, x[0], x[1])[0]):
+        name = type(out.grad_fn).__name__
+        assert "fuseblock" not in name and "Eager" not in name, name
+
+
+@pytest.mark.kernel
 @pytest.mark.kernel_only("counts the interpreter's loads and stores")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts the interpreter's loads and stores")
 @pytest.mark.parametrize("op", ["norm_add", "norm_add_norm"])
