@@ -3,21 +3,21 @@
     norm_add:       new_residual = residual + alpha * N_b(x)
     norm_add_norm:  new_residual = residual + alpha * N_b(x),  out = N(new_residual)
 
-One kernel each way serves both (SECOND: the second norm N is applied). Rows are held
-whole in registers, [BR rows, BD columns] per block (the tile layout of
-`fuseblock.kernels.launch`, up to MAX_TILE_BWD columns: `fits`).
+One kernel each way serves both (SECOND: the second norm N is applied). The tile
+kernels hold whole rows in registers, [BR rows, BD columns] per block, up to
+MAX_TILE_BWD columns (`fits`); `_fwd_loop` serves wider rows in column chunks.
 
-Launches: one forward; a backward of one (`_bwd_tile`) plus, when more than one program
-ran and a weight or bias needs a gradient, `_bwd_sum4` adding up the per-program fp32
-partial rows of the four parameter gradients in one launch.
+Launches: one forward at any width; a backward of one (`_bwd_tile`) plus, when more
+than one program ran and a weight or bias needs a gradient, `_bwd_sum4` adding up the
+per-program fp32 partial rows of the four parameter gradients in one launch.
 
-Wider rows are not fused: the launchers compose them from the norm's own launchers
-(`fuseblock.kernels.norm`), with torch ops between: forward N_b(x) (rounded to x's
-dtype), the scaled add, N(p); backward N's backward, the scaling, N_b's backward. Two
-norm launches forward, up to four backward (the wide-row backward takes two each).
+The backward of rows wider than MAX_TILE_BWD is not fused: the launcher composes it from
+the norm's own backward (`fuseblock.kernels.norm.norm_bwd`, two launches each for such
+rows) with torch ops between: N's backward, the scaling by alpha, N_b's backward.
 
 Traffic: forward reads x and residual once and writes new_residual (and out) once, plus
-the row statistics (rstd, and mean for a layer norm) of each norm. Backward reads x, the
+the row statistics (rstd, and mean for a layer norm) of each norm (`_fwd_loop`: x and
+new_residual read twice). Backward reads x, the
 saved new_residual (only with the second norm), the gradients arriving at out and at
 new_residual, and writes dx and dresidual once.
 
@@ -35,7 +35,7 @@ import triton.language as tl
 from ..spec import NormSpec
 from . import launch
 from . import norm as norm_kernels
-from .launch import LAUNCHES, Layout, bwd_layout, cdiv, num_sms, pow2, stride, sum_rows, vec
+from .launch import LAUNCHES, Layout, cdiv, fwd_layout, loop_layout, num_sms, pow2, stride, sum_rows, vec
 from .launch import rows as as_rows
 from .norm import _mean, _prod, _rstd, _weight
 from .occupancy import learn, programs_per_sm
@@ -128,6 +128,93 @@ def _fwd_tile(
             tl.store(RSTD + o_m, b_rstd, mask=m_m)
             if CENTER:
                 tl.store(MEAN + o_m, b_mean, mask=m_m)
+
+
+@triton.jit
+def _row_stats(PTR, base, D, eps, BD: tl.constexpr, CENTER: tl.constexpr, EXACT_SQ: tl.constexpr):
+    """(rstd, mean) of the row of D elements at PTR + base, one sweep over BD-column chunks:
+    as the norm's _fwd_loop, the sum of squares (RMS), or per lane a count, a running mean
+    and the squared deviations from it (Welford), merged relative to lane 0's mean."""
+    o_d = tl.arange(0, BD)
+    b_n = tl.zeros([BD], dtype=tl.float32)
+    b_mu = tl.zeros([BD], dtype=tl.float32)
+    if EXACT_SQ:
+        b_sq = tl.zeros([BD], dtype=tl.float64)
+    else:
+        b_sq = tl.zeros([BD], dtype=tl.float32)
+    for i_d in range(0, D, BD):
+        m_d = i_d + o_d < D
+        b_s = tl.load(PTR + base + i_d + o_d, mask=m_d, other=0.0).to(tl.float32)
+        if CENTER:
+            b_n += tl.where(m_d, 1.0, 0.0)
+            b_delta = tl.where(m_d, b_s - b_mu, 0.0)
+            b_mu += b_delta / tl.maximum(b_n, 1.0)
+            b_sq += _prod(b_delta, b_s - b_mu, EXACT_SQ)
+        else:
+            b_sq += _prod(b_s, b_s, EXACT_SQ)
+    if CENTER:
+        b_mu0 = tl.sum(tl.where(o_d == 0, b_mu, 0.0), 0)
+        b_mean = b_mu0 + _mean(tl.sum(b_n * (b_mu - b_mu0), 0), D)
+        b_dev = b_mu - b_mean
+        b_rstd = _rstd(tl.sum(b_sq, 0) + tl.sum(_prod(b_n * b_dev, b_dev, EXACT_SQ), 0), D, eps, EXACT_SQ)
+    else:
+        b_mean = 0.0
+        b_rstd = _rstd(tl.sum(b_sq, 0), D, eps, EXACT_SQ)
+    return b_rstd, b_mean
+
+
+@triton.jit(do_not_specialize=["M", "eps_b", "eps", "scale", "woff_b", "woff", "alpha"])
+def _fwd_loop(
+    X, R, BW, BB, W, B, RO, O, RSTDB, MEANB, RSTD, MEAN,
+    s_x, s_r, s_ro, s_o,
+    M, D, eps_b, eps, scale, woff_b, woff, alpha,
+    BD: tl.constexpr,
+    HAS_BW: tl.constexpr, HAS_BB: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    SECOND: tl.constexpr, CENTER: tl.constexpr, STORE_STATS: tl.constexpr,
+    EXACT_B: tl.constexpr, EXACT: tl.constexpr,
+):
+    # Rows too wide for registers, persistent over rows: x's statistics (a sweep over x),
+    # new_residual written (x and residual read), then N's statistics and out (two sweeps
+    # over the stored new_residual). Reads x twice and new_residual twice.
+    i_p = tl.program_id(0)
+    n_p = tl.num_programs(0)
+    o_d = tl.arange(0, BD)
+    for i_it in range(i_p, M, n_p):
+        i_m = tl.cast(i_it, tl.int64)
+        b_rstdb, b_meanb = _row_stats(X, i_m * s_x, D, eps_b, BD, CENTER, EXACT_B)
+        for i_d in range(0, D, BD):
+            o_col = i_d + o_d
+            m_d = o_col < D
+            b_x = tl.load(X + i_m * s_x + o_col, mask=m_d, other=0.0).to(tl.float32)
+            b_q = b_x - b_meanb if CENTER else b_x
+            b_y = b_q * (b_rstdb * scale)
+            if HAS_BW:
+                b_y *= _weight(BW, o_col, m_d, woff_b)
+            if HAS_BB:
+                b_y += tl.load(BB + o_col, mask=m_d, other=0.0).to(tl.float32)
+            b_p = tl.load(R + i_m * s_r + o_col, mask=m_d, other=0.0).to(tl.float32) + alpha * b_y
+            tl.store(RO + i_m * s_ro + o_col, b_p.to(RO.dtype.element_ty), mask=m_d)
+        if SECOND:
+            b_rstd, b_mean = _row_stats(RO, i_m * s_ro, D, eps, BD, CENTER, EXACT)
+            for i_d in range(0, D, BD):
+                o_col = i_d + o_d
+                m_d = o_col < D
+                b_p = tl.load(RO + i_m * s_ro + o_col, mask=m_d, other=0.0).to(tl.float32)
+                b_q = b_p - b_mean if CENTER else b_p
+                b_o = b_q * (b_rstd * scale)
+                if HAS_W:
+                    b_o *= _weight(W, o_col, m_d, woff)
+                if HAS_B:
+                    b_o += tl.load(B + o_col, mask=m_d, other=0.0).to(tl.float32)
+                tl.store(O + i_m * s_o + o_col, b_o.to(O.dtype.element_ty), mask=m_d)
+        if STORE_STATS:
+            tl.store(RSTDB + i_m, b_rstdb)
+            if CENTER:
+                tl.store(MEANB + i_m, b_meanb)
+            if SECOND:
+                tl.store(RSTD + i_m, b_rstd)
+                if CENTER:
+                    tl.store(MEAN + i_m, b_mean)
 
 
 @triton.jit
@@ -234,9 +321,6 @@ def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_s
     """(new_residual, out or None, rstd_b, mean_b, rstd, mean), the statistics (M,) fp32 or
     None; same contract as `fuseblock.reference.norm_add_fwd`."""
     d = x.shape[-1]
-    if not fits(d):
-        return _wide_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_spec, spec, alpha,
-                         residual_dtype, second, need_stats)
     x2, r2 = as_rows(x, d), as_rows(residual, d)
     branch_weight, branch_bias, weight, bias = map(vec, (branch_weight, branch_bias, weight, bias))
     M = x2.shape[0]
@@ -252,15 +336,22 @@ def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_s
     rstd_b, mean_b = stat(True), stat(spec.center)
     rstd, mean = stat(second), stat(second and spec.center)
     if M > 0:
-        lay = bwd_layout(d)
-        _fwd_tile[(cdiv(M, lay.br),)](
-            x2, r2, branch_weight, branch_bias, weight, bias, ro2, o2, rstd_b, mean_b, rstd, mean,
-            x2.stride(0), r2.stride(0), ro2.stride(0), stride(o2),
-            M, d, branch_spec.eps, spec.eps, spec.scale, branch_spec.weight_offset, spec.weight_offset, alpha,
-            BR=lay.br, BD=lay.bd, HAS_BW=branch_weight is not None, HAS_BB=branch_bias is not None,
-            HAS_W=weight is not None, HAS_B=bias is not None, SECOND=second, CENTER=spec.center,
-            STORE_STATS=need_stats, EXACT_B=_flag_eps(branch_spec), EXACT=_flag_eps(spec), num_warps=lay.warps,
-        )
+        # the tile up to MAX_TILE_BWD only: compiled for sm_90 at d = 32768 it spills (16 to
+        # 240 bytes a thread, bf16 rms/layer), where 16384 keeps all in 76 to 116 registers
+        lay = fwd_layout(d) if fits(d) else loop_layout(d)
+        args = (x2, r2, branch_weight, branch_bias, weight, bias, ro2, o2, rstd_b, mean_b, rstd, mean,
+                x2.stride(0), r2.stride(0), ro2.stride(0), stride(o2),
+                M, d, branch_spec.eps, spec.eps, spec.scale, branch_spec.weight_offset, spec.weight_offset, alpha)
+        flags = dict(HAS_BW=branch_weight is not None, HAS_BB=branch_bias is not None, HAS_W=weight is not None,
+                     HAS_B=bias is not None, SECOND=second, CENTER=spec.center, STORE_STATS=need_stats,
+                     EXACT_B=_flag_eps(branch_spec), EXACT=_flag_eps(spec), num_warps=lay.warps)
+        if lay.tile:
+            _fwd_tile[(cdiv(M, lay.br),)](*args, BR=lay.br, BD=lay.bd, **flags)
+        else:
+            variant = lay.variant("norm_add._fwd_loop", (x2, r2, branch_weight, weight, ro2, o2), flags)
+            n_prog = min(M, num_sms(dev) * programs_per_sm(dev, variant, lay.per_sm))
+            compiled = _fwd_loop[(n_prog,)](*args, BD=lay.bd, **flags)
+            learn(dev, variant, compiled, lay.warps)
         LAUNCHES["fwd"] += 1
     return new_res, out, rstd_b, mean_b, rstd, mean
 
@@ -316,25 +407,8 @@ def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rst
 
 
 # --------------------------------------------------------------------------- wide rows
-def _flat(t):
-    return None if t is None else t.view(-1)  # the norm's (M, 1) statistics as these kernels' (M,)
-
-
 def _col(t):
-    return None if t is None else t.view(-1, 1)
-
-
-def _wide_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_spec, spec, alpha, residual_dtype,
-              second, need_stats):
-    """norm_add_fwd for rows wider than the tile: the norm's launchers, composed."""
-    y, _, rstd_b, mean_b = norm_kernels.norm_fwd(x, None, None, branch_weight, branch_bias, branch_spec, None,
-                                                 need_stats)
-    new_res = (residual.to(torch.promote_types(residual.dtype, residual_dtype)) + alpha * y).to(residual_dtype)
-    out = rstd = mean = None
-    if second:
-        out, _, rstd, mean = norm_kernels.norm_fwd(new_res, None, None, weight, bias, spec, None, need_stats)
-        out = out.to(x.dtype)
-    return new_res, out, _flat(rstd_b), _flat(mean_b), _flat(rstd), _flat(mean)
+    return None if t is None else t.view(-1, 1)  # these kernels' (M,) statistics as the norm's (M, 1)
 
 
 def _wide_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b, mean_b, rstd, mean,

@@ -186,13 +186,15 @@ def test_strided_inputs(op):
 
 @pytest.mark.kernel
 @pytest.mark.parametrize("op", ["norm_add", "norm_add_norm"])
-def test_wide_rows_take_the_composed_form(op, small_wide_rows):
-    """Rows wider than the tile (shrunk by the fixture): the norm kernels composed, still
-    right; forward two launches (norm_add_norm) or one and an add (norm_add)."""
-    x, residual = torch.randn(12, 40), torch.randn(12, 40)
-    bw, bb = _params(40, torch.float32)
-    w, b = _params(40, torch.float32)
+def test_wide_rows(op, small_wide_rows):
+    """Rows wider than the tile (shrunk by the fixture): the forward's loop kernel, one
+    launch, and the backward composed from the norm's wide-row backward; still right."""
+    x, residual = torch.randn(12, 43), torch.randn(12, 43)  # ragged chunks
+    bw, bb = _params(43, torch.float32)
+    w, b = _params(43, torch.float32)
     _check(op, x, residual, bw, bb, w, b, kind="rms", alpha=0.9)
+    _check(op, x.bfloat16(), residual, bw.bfloat16(), bb.bfloat16(), w, b, kind="layer", alpha=0.9)
+    _check(op, x * 1e-20, residual, bw, None, w, None, kind="l2", eps=0.0)
     if op == "norm_add_norm":  # a gradient at one output only
         _check(op, x, residual, bw, bb, w, b, kind="layer", alpha=0.9, graded=(0,))
         _check(op, x, residual, bw, bb, w, b, kind="layer", alpha=0.9, graded=(1,))
@@ -205,7 +207,7 @@ def test_wide_rows_take_the_composed_form(op, small_wide_rows):
                 fuseblock.norm_add(x, residual, bw, bb)
             else:
                 fuseblock.norm_add_norm(x, residual, bw, w, bb, b)
-        assert launches["fwd"] == (1 if op == "norm_add" else 2)
+        assert launches["fwd"] == 1
 
 
 @pytest.mark.kernel
@@ -346,9 +348,10 @@ def test_fused_op_moves_the_compulsory_bytes(op):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton's compiler")
 @pytest.mark.parametrize("kind", ["rms", "layer"])
-def test_kernels_compile_for_h100_without_spills_up_to_4096(kind):
+def test_kernels_compile_for_h100_without_spills(kind):
     """Triton's compiler (no GPU needed) builds every launch for sm_90; the backward's
-    layout (bwd_tile_layout) keeps its blocks in registers up to rows of 4096."""
+    layout (bwd_tile_layout) keeps its blocks in registers up to rows of 4096, and the
+    forward's loop kernel (rows of 20000) has nothing to spill."""
     pytest.importorskip("triton")
     import fuseblock.kernels.launch as L
     import fuseblock.kernels.norm_add as K
@@ -356,6 +359,7 @@ def test_kernels_compile_for_h100_without_spills_up_to_4096(kind):
     from fuseblock.spec import NormSpec
     from fuseblock.testing.sm90 import captured_launches, compile_sm90, resource_usage
 
+    launches = []
     for d in (1000, 4096):
         spec = NormSpec.of(d, kind=kind, c=None, eps=1e-6, num_groups=1, gate_act=None, gate_position=None)
         x, w = torch.empty(512, d, dtype=torch.bfloat16), torch.empty(d, dtype=torch.bfloat16)
@@ -366,10 +370,17 @@ def test_kernels_compile_for_h100_without_spills_up_to_4096(kind):
             K.norm_add_fwd(x, x, w, b, w, b, spec, spec, 0.5, torch.bfloat16, True, True)
             K.norm_add_bwd(x, x, x, x, w, b, w, b, stat, mean, stat, mean, spec, spec, 0.5, torch.bfloat16, True)
         assert [ln.name for ln in got] == ["_fwd_tile", "_bwd_tile", "_bwd_sum4"]
-        for ln in got:
-            usage = resource_usage(compile_sm90(ln))
-            # a word or two outside the loops at most, as tests/kernels/test_sm90.py allows
-            assert 0 < usage["registers"] <= 255 and usage["stack"] <= 16, (d, ln.name, usage)
+        launches += got
+    d = 20000  # the forward's loop kernel
+    spec = NormSpec.of(d, kind=kind, c=None, eps=1e-6, num_groups=1, gate_act=None, gate_position=None)
+    x, w = torch.empty(512, d, dtype=torch.bfloat16), torch.empty(d, dtype=torch.bfloat16)
+    with kernels_on_cpu(), captured_launches(K, L) as got:
+        K.norm_add_fwd(x, x, w, w, w, w, spec, spec, 0.5, torch.bfloat16, True, True)
+    assert [ln.name for ln in got] == ["_fwd_loop"]
+    for ln in launches + got:
+        usage = resource_usage(compile_sm90(ln))
+        # a word or two outside the loops at most, as tests/kernels/test_sm90.py allows
+        assert 0 < usage["registers"] <= 255 and usage["stack"] <= 16, (ln.name, usage)
 
 
 # ------------------------------------------------------------------------ bad input
