@@ -17,9 +17,9 @@ rows) with torch ops between: N's backward, the scaling by alpha, N_b's backward
 
 Traffic: forward reads x and residual once and writes new_residual (and out) once, plus
 the row statistics (rstd, and mean for a layer norm) of each norm (`_fwd_loop`: x and
-new_residual read twice). Backward reads x, the
-saved new_residual (only with the second norm), the gradients arriving at out and at
-new_residual, and writes dx and dresidual once.
+new_residual read twice). Backward reads x, the saved new_residual (only with the second
+norm), the gradients arriving at out and at new_residual, and writes dx and dresidual
+once.
 
 Names as in `fuseblock.kernels.norm`: X input, R residual, RO new_residual, O out, BW/BB
 the branch norm's weight and bias, W/B the second norm's; RSTDB/MEANB and RSTD/MEAN their
@@ -44,7 +44,8 @@ MIN_ROWS_PER_PROGRAM = 64  # as the norm's backward: keeps the partial rows smal
 
 
 def fits(d: int) -> bool:
-    """Whether rows of d columns take these kernels (read at call time: tests shrink it)."""
+    """Whether rows of d columns take the tile kernels, else `_fwd_loop` and the composed
+    backward (read at call time: tests shrink it)."""
     return pow2(d) <= launch.MAX_TILE_BWD
 
 
@@ -419,7 +420,8 @@ def _wide_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b
         dp, _, _, dw, db = norm_kernels.norm_bwd(dout, dres, p, None, weight, bias, _col(rstd), _col(mean), spec,
                                                  torch.float32, None)  # dres added in: dp = dN(do; p) + dres
     else:
-        dp = dres.float() if dres is not None else torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        # a copy: dresidual may be dp itself, and a custom op's output must not alias an input
+        dp = dres.to(torch.float32, copy=True) if dres is not None else x.new_zeros(x.shape, dtype=torch.float32)
     if second and dout is None:
         dw, db = (None if t is None else torch.zeros_like(t) for t in (weight, bias))
     dx, _, _, dbw, dbb = norm_kernels.norm_bwd(alpha * dp, None, x, None, branch_weight, branch_bias, _col(rstd_b),

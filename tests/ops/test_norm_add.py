@@ -211,6 +211,26 @@ def test_wide_rows(op, small_wide_rows):
 
 
 @pytest.mark.kernel
+def test_wide_rows_compile_and_return_no_alias(small_wide_rows):
+    """norm_add's wide-row backward, traced whole: its dresidual (the incoming gradient,
+    for norm_add) is a fresh tensor, as a custom op's output must be (it was the input
+    itself: torch.library's aliasing check refused it)."""
+    x, residual, w = torch.randn(6, 43, requires_grad=True), torch.randn(6, 43, requires_grad=True), torch.ones(43)
+
+    def fn(x, residual):
+        return fuseblock.norm_add(x, residual, w, alpha=0.5)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    got = []
+    for f in (fn, compiled):
+        new_res = f(x, residual)
+        got.append(torch.autograd.grad(new_res, (x, residual), torch.ones_like(new_res)))
+        torch.testing.assert_close(got[-1][1], torch.ones_like(residual))
+    torch.testing.assert_close(got[0][0], got[1][0])
+
+
+@pytest.mark.kernel
 @pytest.mark.parametrize("kind", KINDS)
 def test_gradgradcheck_torch_path(kind):
     """fp64 takes the torch path on both runs: its second derivatives are autograd's."""
