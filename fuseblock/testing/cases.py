@@ -99,11 +99,9 @@ RESIDUAL_OPS = ["norm_add", "norm_add_norm"]
 
 def residual_inputs(rows: int, d: int, dtype):
     """(x, residual, branch_weight, weight) for RESIDUAL_OPS; every tensor requires grad."""
-    def weight():
-        return (1 + 0.1 * torch.randn(d)).to(dtype).requires_grad_()
-
-    return torch.randn(rows, d).to(dtype).requires_grad_(), torch.randn(rows, d).to(dtype).requires_grad_(), \
-        weight(), weight()
+    x, residual = (torch.randn(rows, d).to(dtype).requires_grad_() for _ in range(2))
+    bw, w = ((1 + 0.1 * torch.randn(d)).to(dtype).requires_grad_() for _ in range(2))
+    return x, residual, bw, w
 
 
 def residual_fused(op, x, residual, bw, w):
