@@ -13,7 +13,7 @@ per-program fp32 partial rows of the four parameter gradients in one launch.
 
 The backward of rows wider than MAX_TILE_BWD is not fused: the launcher composes it from
 the norm's own backward (`fuseblock.kernels.norm.norm_bwd`, two launches each for such
-rows) with torch ops between: N's backward, the scaling by alpha, N_b's backward.
+rows): N's backward (norm_add_norm), then N_b's (`_wide_bwd`).
 
 Traffic: forward reads x and residual once and writes new_residual (and out) once, plus
 the row statistics (rstd, and mean for a layer norm) of each norm (`_fwd_loop`: x and
@@ -27,6 +27,8 @@ row statistics (fp32); a D prefix is a gradient, a P suffix a partial-row buffer
 """
 # No `from __future__ import annotations`: Triton 3.1's interpreter reads the string
 # "tl.constexpr" as no annotation (see fuseblock.kernels.norm).
+
+import dataclasses
 
 import torch
 import triton
@@ -414,16 +416,21 @@ def _col(t):
 
 def _wide_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b, mean_b, rstd, mean,
               branch_spec, spec, alpha, residual_grad_dtype, second):
-    """norm_add_bwd for rows wider than the tile: the norm's backward launchers, composed."""
-    dw = db = None
+    """norm_add_bwd for rows wider than the tile: the norm's backward launchers, composed.
+    dp = dN(do; p) + dres comes out of N's backward in the residual's dtype, being
+    dresidual (as in the unfused form, N_b's backward then reads that rounded value); alpha
+    rides in N_b's scale (dq and dw are linear in scale * dp), so only db_b needs it apart."""
     if second and dout is not None:
         dp, _, _, dw, db = norm_kernels.norm_bwd(dout, dres, p, None, weight, bias, _col(rstd), _col(mean), spec,
-                                                 torch.float32, None)  # dres added in: dp = dN(do; p) + dres
+                                                 residual_grad_dtype, None)
     else:
-        # a copy: dresidual may be dp itself, and a custom op's output must not alias an input
-        dp = dres.to(torch.float32, copy=True) if dres is not None else x.new_zeros(x.shape, dtype=torch.float32)
-    if second and dout is None:
-        dw, db = (None if t is None else torch.zeros_like(t) for t in (weight, bias))
-    dx, _, _, dbw, dbb = norm_kernels.norm_bwd(alpha * dp, None, x, None, branch_weight, branch_bias, _col(rstd_b),
-                                               _col(mean_b), branch_spec, x.dtype, None)
-    return dx, dp.to(residual_grad_dtype), dbw, dbb, (dw if second else None), (db if second else None)
+        # a copy: dresidual is dp, and a custom op's output must not alias an input
+        dp = dres.to(residual_grad_dtype, copy=True) if dres is not None else \
+            x.new_zeros(x.shape, dtype=residual_grad_dtype)
+        dw, db = (None if t is None or not second else torch.zeros_like(t) for t in (weight, bias))
+    scaled = dataclasses.replace(branch_spec, scale=branch_spec.scale * alpha)
+    dx, _, _, dbw, dbb = norm_kernels.norm_bwd(dp, None, x, None, branch_weight, branch_bias, _col(rstd_b),
+                                               _col(mean_b), scaled, x.dtype, None)
+    if dbb is not None and alpha != 1.0:
+        dbb = dbb * alpha
+    return dx, dp, dbw, dbb, (dw if second else None), (db if second else None)

@@ -194,6 +194,7 @@ def test_wide_rows(op, small_wide_rows):
     w, b = _params(43, torch.float32)
     _check(op, x, residual, bw, bb, w, b, kind="rms", alpha=0.9)
     _check(op, x.bfloat16(), residual, bw.bfloat16(), bb.bfloat16(), w, b, kind="layer", alpha=0.9)
+    _check(op, *(t.bfloat16() for t in (x, residual, bw, bb, w, b)), kind="layer", alpha=-1.5)
     _check(op, x * 1e-20, residual, bw, None, w, None, kind="l2", eps=0.0)
     if op == "norm_add_norm":  # a gradient at one output only
         _check(op, x, residual, bw, bb, w, b, kind="layer", alpha=0.9, graded=(0,))
