@@ -89,3 +89,35 @@ def naive(op, x, residual, w, kw, one_kernel_norm: bool = False):
     if kw.get("gate_position") == "post":
         out = out * g
     return out, (p if residual is not None else None)
+
+
+# The post-norm and sandwich residual updates (fuseblock.norm_add, norm_add_norm), RMS
+# norms with weights, alpha 0.5: their unfused form is the branch norm, the scaled add
+# and (sandwich) the second norm.
+RESIDUAL_OPS = ["norm_add", "norm_add_norm"]
+
+
+def residual_inputs(rows: int, d: int, dtype):
+    """(x, residual, branch_weight, weight) for RESIDUAL_OPS; every tensor requires grad."""
+    x, residual = (torch.randn(rows, d).to(dtype).requires_grad_() for _ in range(2))
+    bw, w = ((1 + 0.1 * torch.randn(d)).to(dtype).requires_grad_() for _ in range(2))
+    return x, residual, bw, w
+
+
+def residual_fused(op, x, residual, bw, w):
+    """(out or None, new_residual) from fuseblock."""
+    if op == "norm_add":
+        return None, fuseblock.norm_add(x, residual, bw, alpha=0.5)
+    return fuseblock.norm_add_norm(x, residual, bw, w, alpha=0.5)
+
+
+def residual_naive(op, x, residual, bw, w, one_kernel_norm: bool = False):
+    """The same as eager torch: rms_norm(x), the scaled add, and (norm_add_norm) rms_norm
+    of the sum. one_kernel_norm: each rms_norm charged as one kernel, as CUDA runs it."""
+    def rms(t, weight):
+        if one_kernel_norm:
+            return OneKernelRMSNorm.apply(t, weight)
+        return F.rms_norm(t, (t.shape[-1],), weight, 1e-6)
+
+    new_res = residual + 0.5 * rms(x, bw)
+    return (rms(new_res, w) if op == "norm_add_norm" else None), new_res

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..spec import residual_grad_dtype
-from .cases import fused, leaves, naive, op_inputs
+from .cases import fused, leaves, naive, op_inputs, residual_fused, residual_inputs, residual_naive
 from .traffic import EagerTraffic, KernelTraffic
 
 # Kernel argument names by role (the launchers' parameter names).
@@ -24,6 +24,8 @@ ACTIVATION_ARGS = {"X", "R", "Z", "O", "RO", "P", "DO", "DRO", "DX", "DR", "DZ"}
 # all but the weights, which stay cached: DWP, DBP are the dw/db partial rows, CNT the
 # wide-row backward's arrival counters
 UNCACHED_ARGS = ACTIVATION_ARGS | {"RSTD", "MEAN", "DOT", "DWP", "DBP", "DW", "DB", "CNT", "?"}
+# norm_add's kernels add the branch norm's statistics, partial rows and gradients
+UNCACHED_ARGS |= {"RSTDB", "MEANB", "DBWP", "DBBP", "DBW", "DBB"}
 
 
 def minimum_bytes(x, residual, kw, out, new_res) -> tuple[int, int]:
@@ -81,3 +83,55 @@ def measure_traffic(op: str, rows: int, d: int, dtype) -> list[dict]:
             naive_ops=sum(len(n.ops) for n in nts),
         ))
     return out_rows
+
+
+def _row(op, dtype, rows, d, pas, kts, nts, n1s, mn) -> dict:
+    """One row of measure_residual_traffic, in measure_traffic's columns: the kernels'
+    counts kts, the naive eager ones nts (n1s: one kernel per torch norm) and the
+    minimum mn, for one pass."""
+    a = sum(map(_activation_bytes, kts))
+    kernel = sum(k.bytes + k.glue_bytes for k in kts)
+    uncached = sum(k.accessed(UNCACHED_ARGS) + k.glue_bytes for k in kts)
+    naive_b, naive1 = sum(n.bytes for n in nts), sum(n.bytes for n in n1s)
+    return dict(
+        op=op, dtype=str(dtype).removeprefix("torch."), rows=rows, d=d, pas=pas,
+        kernel_MB=kernel / 1e6, naive_MB=naive_b / 1e6, min_MB=mn / 1e6, other_MB=(kernel - a) / 1e6,
+        kernel_over_min=kernel / mn, act_over_min=a / mn, uncached_over_min=uncached / mn,
+        naive_over_kernel=naive_b / kernel, naive1_over_kernel=naive1 / kernel,
+        launches=sum(len(k.launches) for k in kts), glue_ops=sum(len(k.glue.ops) for k in kts),
+        naive_ops=sum(len(n.ops) for n in nts),
+    )
+
+
+def residual_minimum_bytes(op: str, x) -> tuple[int, int]:
+    """Compulsory (forward, backward) bytes of norm_add / norm_add_norm, every activation
+    of x's size: forward reads x and residual and writes new_residual (and out); backward
+    reads x (and the saved new_residual) and the gradient at each output, and writes dx
+    and dresidual."""
+    if op == "norm_add":
+        return 3 * x.nbytes, 4 * x.nbytes
+    return 4 * x.nbytes, 6 * x.nbytes
+
+
+def measure_residual_traffic(op: str, rows: int, d: int, dtype) -> list[dict]:
+    """measure_traffic's rows for an op of cases.RESIDUAL_OPS: fused against unfused."""
+    torch.manual_seed(0)
+    x, residual, bw, w = residual_inputs(rows, d, dtype)
+    grad_leaves = [x, residual, bw] + ([w] if op == "norm_add_norm" else [])
+    with KernelTraffic(glue=True) as kf:
+        outs = [t for t in residual_fused(op, x, residual, bw, w) if t is not None]
+    grads = [torch.randn_like(t) for t in outs]
+    with KernelTraffic(glue=True) as kb:
+        torch.autograd.grad(outs, grad_leaves, grads)
+    counted = []
+    for one_kernel in (False, True):
+        with EagerTraffic() as nf:
+            nouts = [t for t in residual_naive(op, x, residual, bw, w, one_kernel) if t is not None]
+        with EagerTraffic() as nb:
+            torch.autograd.grad(nouts, grad_leaves, grads)
+        counted.append((nf, nb))
+    (nf, nb), (n1f, n1b) = counted
+    min_f, min_b = residual_minimum_bytes(op, x)
+    parts = {"fwd": ([kf], [nf], [n1f], min_f), "bwd": ([kb], [nb], [n1b], min_b),
+             "fwd+bwd": ([kf, kb], [nf, nb], [n1f, n1b], min_f + min_b)}
+    return [_row(op, dtype, rows, d, pas, *counts) for pas, counts in parts.items()]
