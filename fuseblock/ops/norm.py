@@ -304,8 +304,8 @@ def add_norm(
     The backward returns dx = alpha * keep_x/(1 - dropout_p) * dp, dx1 likewise, and
     dresidual = dp (dp: the gradient at new_residual).
     """
-    if (x1 is None and type(alpha) is float and alpha == 1.0 and type(dropout_p) is float and dropout_p == 0.0
-            and gate is None and c is None and residual_dtype is None and num_groups is _ONE_GROUP
+    no_branch = x1 is None and type(alpha) is float and alpha == 1.0 and type(dropout_p) is float and dropout_p == 0.0
+    if (no_branch and gate is None and c is None and residual_dtype is None and num_groups is _ONE_GROUP
             and type(weight_offset) is float and weight_offset == 0.0 and gate_act is DEFAULT_GATE_ACT
             and gate_position is DEFAULT_GATE_POSITION and not is_compiling()):
         try:
@@ -325,7 +325,7 @@ def add_norm(
         weight_offset=weight_offset,
     )
     rdtype = new_residual_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
-    if x1 is not None or alpha != 1.0 or dropout_p != 0.0:
+    if not no_branch:
         check_branch(x, x1, alpha, dropout_p)
         spec = spec.with_branch(alpha, dropout_p)
         if spec.alpha != 1.0 or spec.dropout_p > 0 or x1 is not None:  # new_residual is not x: always stored
