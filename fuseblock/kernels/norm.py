@@ -14,14 +14,16 @@ the stride contract and the partial-row sums are `fuseblock.kernels.launch`'s, s
 with the other kernel modules.
 
 Names: i_ program ids, o_ offsets, m_ masks, b_ blocks (fp32 in registers). Tensors:
-X input, R residual, Z gate, W weight, B bias, O output, RO new_residual, P the saved
-p; a D prefix is a gradient. GATE and ACT take the named modes of `fuseblock.spec`.
+X input, X1 add_norm's second branch, SEED its dropout masks' key, R residual, Z gate,
+W weight, B bias, O output, RO new_residual, P the saved p; a D prefix is a gradient.
+GATE and ACT take the named modes of `fuseblock.spec`.
 Statistics (rstd, mean) are fp32 whatever the storage dtype.
 
-Traffic (tile kernels): forward reads x, residual, gate once and writes out,
+Traffic (tile kernels): forward reads x, x1, residual, gate once and writes out,
 new_residual once. Backward reads the saved p (new_residual or x), gate, dout and the
 gradient arriving at new_residual once, and writes dx (which is also the residual's
-gradient), dgate once. dw and db are reduced per program in registers and written as
+gradient unless alpha != 1 or dropout), dx1 (with dropout), dgate once. Dropout masks
+are regenerated from SEED, never stored (`_keep`). dw and db are reduced per program in registers and written as
 one fp32 partial row per program, which a second launch (`_bwd_sum`) adds up and
 stores in the parameters' dtypes; `_bwd_cols` sums them itself, in the last program of
 each column chunk to finish. A single program writes dw and db directly. Wide rows read
