@@ -107,6 +107,16 @@ def test_dropout_matches_fp64_reference_on_its_masks(kind, dtype, has_x1):
         assert not torch.equal(kx, kx1)  # independent masks
 
 
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_dropout_on_an_fp32_stream(kind):
+    """bf16 branches on an fp32 residual stream (dresidual fp32, apart from dx), and a bf16
+    x with no residual stored as fp32 (residual_dtype)."""
+    x, x1, r = torch.randn(8, 40).bfloat16(), torch.randn(8, 40).bfloat16(), torch.randn(8, 40)
+    w = torch.randn(40).bfloat16()
+    _check(x, x1, r, w, None, kind=kind, alpha=0.8, p=0.3, seed=3)
+    _check(x, None, None, w, None, kind=kind, alpha=1.0, p=0.3, seed=4, residual_dtype=torch.float32)
+
+
 def test_dropout_statistics_scale_and_seed():
     p, shape = 0.3, (128, 256)  # 32768 elements per mask
     n = shape[0] * shape[1]
