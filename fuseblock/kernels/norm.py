@@ -340,6 +340,8 @@ def _bwd_block(
     The tile kernel's [BR, BG, BD] blocks hold whole groups (WHOLE), whose row constants
     mean(r * dr) and mean(dq) it sums itself; the wide-row column pass's [BR, BD] blocks
     hold a chunk of one group's columns, and get them from _bwd_dots as b_c1 and b_c2."""
+    if DROPOUT:  # the forward's masks, regenerated first: Philox's temporaries live while little else does
+        b_kx, b_kx1 = _keep(SEED, row * D + col, drop_p)
     b_p = tl.load(P + row * s_p + col, mask=mask, other=0.0).to(tl.float32)
     b_z = tl.load(Z + row * s_z + col, mask=mask, other=0.0).to(tl.float32) if GATE != GATE_NONE else None
     b_g = _act(b_z, ACT) if GATE != GATE_NONE else None
@@ -377,7 +379,6 @@ def _bwd_block(
     # is, contiguous: the same row stride.
     b_dx = b_dq * alpha
     if DROPOUT:
-        b_kx, b_kx1 = _keep(SEED, row * D + col, drop_p)  # the forward's masks, regenerated
         b_dx *= drop_scale
         if HAS_X1:
             tl.store(DX1 + row * s_dx + col, tl.where(b_kx1, b_dx, 0.0).to(DX1.dtype.element_ty), mask=mask)
