@@ -49,10 +49,12 @@ class Norm(nn.Module):
     fuseblock.norm). It is keyword-only, so flash-attention's habit `norm(x, residual)`
     is a TypeError rather than a gate. out = N(x) * (weight_offset + weight) + bias.
     bias=None means a bias for kind="layer" only, so nn.LayerNorm(d) and nn.RMSNorm(d)
-    state_dicts load with no other flags. weight_offset (Gemma's 1 + w) makes the
-    weight's initial value zeros. eps=None (the default) is torch's, resolved at each
-    call: nn.LayerNorm's 1e-5 for kind="layer", else nn.RMSNorm's machine epsilon of the
-    input's computation dtype.
+    state_dicts load with no other flags; `weight=False` / `bias=False` drop one parameter,
+    and `elementwise_affine=False` both, whatever `weight` and `bias` say, as in
+    nn.LayerNorm(d, elementwise_affine=False) (and nn.RMSNorm's, which has no bias).
+    weight_offset (Gemma's 1 + w) makes the weight's initial value zeros. eps=None (the
+    default) is torch's, resolved at each call: nn.LayerNorm's 1e-5 for kind="layer", else
+    nn.RMSNorm's machine epsilon of the input's computation dtype.
     """
 
     # the dtype `add` keeps new_residual in when its call names none; AddNorm's is settable
@@ -67,6 +69,7 @@ class Norm(nn.Module):
         c: float | None = None,
         weight: bool = True,
         bias: bool | None = None,
+        elementwise_affine: bool = True,
         num_groups: int = 1,
         gate_act: str = DEFAULT_GATE_ACT,
         gate_position: str = DEFAULT_GATE_POSITION,
@@ -79,6 +82,9 @@ class Norm(nn.Module):
         check_flag("weight", weight)  # whether the parameter exists; a tensor here is a mistaken initial value
         if bias is not None:
             check_flag("bias", bias)
+        check_flag("elementwise_affine", elementwise_affine)
+        if not elementwise_affine:  # torch's norms then have neither parameter, whatever bias says
+            weight, bias = False, False
         check_float_dtype("dtype", dtype)
         # eps=None passes through to the op, which resolves it for each input's dtype
         check_options(dim, kind=kind, c=c, eps=0.0 if eps is None else eps, num_groups=num_groups, gate_act=gate_act,
@@ -88,6 +94,7 @@ class Norm(nn.Module):
         self.kind, self.c, self.eps = kind, c, None if eps is None else float(eps)
         self.num_groups, self.gate_act, self.gate_position = int(num_groups), gate_act, gate_position
         self.weight_offset = float(weight_offset)
+        self.elementwise_affine = bool(elementwise_affine)
         factory = dict(device=device, dtype=dtype)
         self.weight = nn.Parameter(torch.empty(dim, **factory)) if weight else None
         self.bias = nn.Parameter(torch.empty(dim, **factory)) if (kind == "layer" if bias is None else bias) else None
@@ -160,9 +167,11 @@ class Norm(nn.Module):
         parts = [f"{self.normalized_shape}", f"kind={self.kind!r}", f"eps={self.eps}"]
         if self.c is not None:
             parts.append(f"c={self.c}")
-        if self.weight is None:
+        if not self.elementwise_affine:
+            parts.append("elementwise_affine=False")
+        elif self.weight is None:
             parts.append("weight=False")
-        if (self.bias is not None) != (self.kind == "layer"):
+        if self.elementwise_affine and (self.bias is not None) != (self.kind == "layer"):
             parts.append(f"bias={self.bias is not None}")
         if self.num_groups > 1:
             parts.append(f"num_groups={self.num_groups}")
