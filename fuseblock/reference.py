@@ -166,6 +166,27 @@ def residual_sum(x: Tensor, residual: Tensor | None, residual_dtype: torch.dtype
     return _as(_as(x, wide) + _as(residual, wide), residual_dtype)  # add in the widest of the three dtypes
 
 
+def branch_sum(x: Tensor, x1: Tensor | None, residual: Tensor | None, residual_dtype: torch.dtype,
+               spec: NormSpec) -> Tensor:
+    """add_norm's branch: new_residual = residual + alpha * (drop(x) + drop(x1)) in
+    residual_dtype, rounded once: the sum in fp32 (or the widest of the dtypes), torch's
+    own dropout (independent masks for x and x1, from torch's generator)."""
+    wide = torch.promote_types(acc_dtype(x.dtype), residual_dtype)
+    if residual is not None:
+        wide = torch.promote_types(wide, residual.dtype)
+    b = _as(x, wide)
+    if spec.dropout_p > 0:
+        b = torch.nn.functional.dropout(b, spec.dropout_p)
+    if x1 is not None:
+        b1 = _as(x1, wide)
+        b = b + (torch.nn.functional.dropout(b1, spec.dropout_p) if spec.dropout_p > 0 else b1)
+    if spec.alpha != 1.0:
+        b = b * spec.alpha
+    if residual is not None:
+        b = b + _as(residual, wide)
+    return _as(b, residual_dtype)
+
+
 def norm_fwd(
     x: Tensor,
     residual: Tensor | None,
@@ -175,6 +196,7 @@ def norm_fwd(
     spec: NormSpec,
     residual_dtype: torch.dtype | None,
     need_stats: bool,
+    x1: Tensor | None = None,
 ):
     """The torch path: plain differentiable torch ops, so autograd (double backward
     included), torch.func and torch.compile see the math itself. Returns (out,
@@ -183,9 +205,13 @@ def norm_fwd(
 
     new_residual is formed only when residual_dtype is given (the caller passes it
     whenever there is a residual or a dtype change), rounded once from the exact sum; the
-    norm then reads that stored value, as the naive stack's next layer would.
+    norm then reads that stored value, as the naive stack's next layer would. x1 and
+    spec.alpha, spec.dropout_p: add_norm's branch (`branch_sum`; residual_dtype given).
     """
-    new_residual = residual_sum(x, residual, residual_dtype)
+    if x1 is not None or spec.alpha != 1.0 or spec.dropout_p > 0:
+        new_residual = branch_sum(x, x1, residual, residual_dtype, spec)
+    else:
+        new_residual = residual_sum(x, residual, residual_dtype)
     p = x if new_residual is None else new_residual
     if not need_stats and plain_ok(p, spec):  # exactly the naive form's ops (see _plain)
         return _as(_plain(p, weight, bias, spec), x.dtype), new_residual, None, None

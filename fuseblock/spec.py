@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from enum import IntEnum
 from typing import get_type_hints
 
@@ -100,10 +100,18 @@ class NormSpec:
     act: Act
     groups: int
     weight_offset: float = 0.0  # Gemma's (1 + w): the stored weight is the offset from weight_offset
+    # add_norm's branch, p = residual + alpha * (drop(x) + drop(x1)): its scale and the
+    # dropout probability (the seed is drawn per call, not part of the spec)
+    alpha: float = 1.0
+    dropout_p: float = 0.0
 
     def pack(self) -> list[float]:
         # .value: torch.compile traces this, and float() of an IntEnum member recurses in Dynamo
         return [float(v.value if isinstance(v, IntEnum) else v) for v in (getattr(self, name) for name in _NAMES)]
+
+    def with_branch(self, alpha: float, dropout_p: float) -> NormSpec:
+        """This spec with add_norm's validated branch options."""
+        return replace(self, alpha=float(alpha), dropout_p=float(dropout_p))
 
     @classmethod
     def unpack(cls, values: list[float]) -> NormSpec:

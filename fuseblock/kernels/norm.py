@@ -136,10 +136,34 @@ def _prod(b_a, b_b, EXACT_SQ: tl.constexpr):
 
 
 @triton.jit
-def _load_p(X, R, RO, o_x, o_r, o_ro, mask, HAS_R: tl.constexpr, STORE_R: tl.constexpr):
-    """p = x (+ residual) in fp32; stores new_residual and returns its rounded value, so
-    the norm sees exactly what was stored (and what the naive stack would add)."""
+def _keep(SEED, o_e, drop_p):
+    """The dropout masks (True: kept) of x and of x1 at the elements o_e = row * d + column:
+    two of the four independent streams of one Philox draw keyed by the call's seed. Keyed
+    by the element, not by its address or program, so the backward (any layout) regenerates
+    exactly the forward's masks and nothing is stored."""
+    b_u0, b_u1, _, _ = tl.rand4x(tl.load(SEED), o_e)
+    return b_u0 >= drop_p, b_u1 >= drop_p
+
+
+@triton.jit
+def _load_p(X, X1, R, RO, SEED, o_x, o_x1, o_r, o_ro, o_e, mask, alpha, drop_p, drop_scale,
+            HAS_X1: tl.constexpr, DROPOUT: tl.constexpr,
+    HAS_R: tl.constexpr, STORE_R: tl.constexpr):
+    """p = residual + alpha * (drop(x) + drop(x1)) in fp32 (the plain op: x + residual, alpha
+    = 1 being exact); stores new_residual and returns its rounded value, so the norm sees
+    exactly what was stored (and what the naive stack would add). o_e keys the dropout
+    masks (`_keep`); drop_scale = 1 / (1 - drop_p)."""
     b_p = tl.load(X + o_x, mask=mask, other=0.0).to(tl.float32)
+    if HAS_X1:
+        b_x1 = tl.load(X1 + o_x1, mask=mask, other=0.0).to(tl.float32)
+    if DROPOUT:
+        b_kx, b_kx1 = _keep(SEED, o_e, drop_p)
+        b_p = tl.where(b_kx, b_p * drop_scale, 0.0)
+        if HAS_X1:
+            b_x1 = tl.where(b_kx1, b_x1 * drop_scale, 0.0)
+    if HAS_X1:
+        b_p += b_x1
+    b_p *= alpha
     if HAS_R:
         b_p += tl.load(R + o_r, mask=mask, other=0.0).to(tl.float32)
     if STORE_R:
@@ -150,12 +174,13 @@ def _load_p(X, R, RO, o_x, o_r, o_ro, mask, HAS_R: tl.constexpr, STORE_R: tl.con
 
 
 # --------------------------------------------------------------------------- forward
-@triton.jit(do_not_specialize=["M", "eps", "scale", "woff"])
+@triton.jit(do_not_specialize=["M", "eps", "scale", "woff", "alpha", "drop_p", "drop_scale"])
 def _fwd_tile(
-    X, R, Z, W, B, O, RO, RSTD, MEAN,
-    s_x, s_r, s_z, s_o, s_ro,
-    M, G, DG, eps, scale, woff,
+    X, X1, R, Z, W, B, O, RO, RSTD, MEAN, SEED,
+    s_x, s_x1, s_r, s_z, s_o, s_ro,
+    M, G, DG, eps, scale, woff, alpha, drop_p, drop_scale,
     BR: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
+    HAS_X1: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_R: tl.constexpr, STORE_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, STORE_STATS: tl.constexpr,
     EXACT_SQ: tl.constexpr,
@@ -172,7 +197,8 @@ def _fwd_tile(
     row = o_m[:, None, None]
     col = o_gd[None, :, :]
 
-    b_p = _load_p(X, R, RO, row * s_x + col, row * s_r + col, row * s_ro + col, mask, HAS_R, STORE_R)
+    b_p = _load_p(X, X1, R, RO, SEED, row * s_x + col, row * s_x1 + col, row * s_r + col, row * s_ro + col,
+                  row * (G * DG) + col, mask, alpha, drop_p, drop_scale, HAS_X1, DROPOUT, HAS_R, STORE_R)
     if GATE != GATE_NONE:
         b_g = _act(tl.load(Z + row * s_z + col, mask=mask, other=0.0).to(tl.float32), ACT)
     b_s = b_p * b_g if GATE == GATE_PRE else b_p
@@ -204,12 +230,13 @@ def _fwd_tile(
             tl.store(MEAN + o_stat, b_mean, mask=m_stat)
 
 
-@triton.jit(do_not_specialize=["MG", "eps", "scale", "woff"])
+@triton.jit(do_not_specialize=["MG", "eps", "scale", "woff", "alpha", "drop_p", "drop_scale"])
 def _fwd_loop(
-    X, R, Z, W, B, O, RO, RSTD, MEAN,
-    s_x, s_r, s_z, s_o, s_ro,
-    MG, G, DG, eps, scale, woff,
+    X, X1, R, Z, W, B, O, RO, RSTD, MEAN, SEED,
+    s_x, s_x1, s_r, s_z, s_o, s_ro,
+    MG, G, DG, eps, scale, woff, alpha, drop_p, drop_scale,
     BD: tl.constexpr,
+    HAS_X1: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_R: tl.constexpr, STORE_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, STORE_STATS: tl.constexpr,
     EXACT_SQ: tl.constexpr,
@@ -218,8 +245,8 @@ def _fwd_loop(
     # Persistent: program i_p handles (row, group) pairs i_p, i_p + n_p, ... A row this
     # wide does not fit on chip, so it is read twice, never three times: pass 1 reads the
     # inputs, writes new_residual and gathers the statistics in one sweep; pass 2 reads
-    # p back and writes out. With a residual, pass 2 reads new_residual (one tensor, just
-    # written) rather than x and residual again (two).
+    # p back and writes out. With a residual or x1, pass 2 reads new_residual (one tensor,
+    # just written) rather than x and residual or x1 again (two).
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
     o_d = tl.arange(0, BD)
@@ -238,7 +265,9 @@ def _fwd_loop(
         for i_d in range(0, DG, BD):
             o_col = o_base + i_d + o_d
             m_d = i_d + o_d < DG
-            b_s = _load_p(X, R, RO, i_m * s_x + o_col, i_m * s_r + o_col, i_m * s_ro + o_col, m_d, HAS_R, STORE_R)
+            b_s = _load_p(X, X1, R, RO, SEED, i_m * s_x + o_col, i_m * s_x1 + o_col, i_m * s_r + o_col,
+                          i_m * s_ro + o_col, i_m * (G * DG) + o_col, m_d, alpha, drop_p, drop_scale,
+                          HAS_X1, DROPOUT, HAS_R, STORE_R)
             if GATE == GATE_PRE:
                 b_s *= _act(tl.load(Z + i_m * s_z + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
             if CENTER:
@@ -260,11 +289,13 @@ def _fwd_loop(
         for i_d in range(0, DG, BD):
             o_col = o_base + i_d + o_d
             m_d = i_d + o_d < DG
-            if HAS_R and STORE_R:
+            if STORE_R and (HAS_R or HAS_X1):
                 b_s = tl.load(RO + i_m * s_ro + o_col, mask=m_d, other=0.0).to(tl.float32)
-            else:
-                b_s = _load_p(X, R, RO, i_m * s_x + o_col, i_m * s_r + o_col, i_m * s_ro + o_col, m_d, HAS_R, False)
-                if STORE_R:  # new_residual is x in another dtype: the norm sees the rounded value
+            else:  # x alone (its dropout mask regenerated): read x again, the same bytes as new_residual
+                b_s = _load_p(X, X1, R, RO, SEED, i_m * s_x + o_col, i_m * s_x1 + o_col, i_m * s_r + o_col,
+                              i_m * s_ro + o_col, i_m * (G * DG) + o_col, m_d, alpha, drop_p, drop_scale,
+                              HAS_X1, DROPOUT, HAS_R, False)
+                if STORE_R:  # new_residual is (alpha times) x in another dtype: the norm sees the rounded value
                     b_s = b_s.to(RO.dtype.element_ty).to(tl.float32)
             if GATE != GATE_NONE:
                 b_g = _act(tl.load(Z + i_m * s_z + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
@@ -295,14 +326,15 @@ def _normalized(b_p, b_g, b_rstd, b_mean, mask, CENTER: tl.constexpr, GATE: tl.c
 
 @triton.jit
 def _bwd_block(
-    P, Z, DO, DRO, DX, DR, DZ, row, col, mask,
+    P, Z, DO, DRO, DX, DR, DZ, DX1, SEED, row, col, mask,
     s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz,
-    b_w, b_b, b_rstd, b_mean, b_c1, b_c2, DG, scale,
+    b_w, b_b, b_rstd, b_mean, b_c1, b_c2, D, DG, scale, alpha, drop_p, drop_scale,
+    HAS_X1: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_DRO: tl.constexpr, STORE_DR: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, WHOLE: tl.constexpr,
 ):
     """The backward of one block of rows (docs/math.md): stores dx (and a separate
-    dresidual, and dz), and returns the block's sums over its rows of dw's and db's terms.
+    dresidual, dx1 and dz), and returns the block's sums over its rows of dw's and db's terms.
     The tile kernel's [BR, BG, BD] blocks hold whole groups (WHOLE), whose row constants
     mean(r * dr) and mean(dq) it sums itself; the wide-row column pass's [BR, BD] blocks
     hold a chunk of one group's columns, and get them from _bwd_dots as b_c1 and b_c2."""
@@ -334,20 +366,32 @@ def _bwd_block(
     if GATE == GATE_PRE:  # dz = dq * p * g'(z), dp = dq * g(z)
         tl.store(DZ + row * s_dz + col, (b_dq * b_p * _act_grad(b_z, ACT)).to(DZ.dtype.element_ty), mask=mask)
         b_dq *= b_g
-    if HAS_DRO:  # dx = dp + the gradient arriving at new_residual
+    if HAS_DRO:  # dp: the norm's part + the gradient arriving at new_residual
         b_dq += tl.load(DRO + row * s_dro + col, mask=mask, other=0.0).to(tl.float32)
-    tl.store(DX + row * s_dx + col, b_dq.to(DX.dtype.element_ty), mask=mask)
-    if STORE_DR:
+    if STORE_DR:  # dresidual = dp, apart from dx: in another dtype, or dx is not dp
         tl.store(DR + row * s_dr + col, b_dq.to(DR.dtype.element_ty), mask=mask)
+    # dx = alpha * keep_x / (1 - drop_p) * dp, dx1 with its own mask; the plain op: dx = dp.
+    # DX1 is allocated as DX is, contiguous: the same row stride.
+    b_dx = b_dq * alpha
+    if DROPOUT:
+        b_kx, b_kx1 = _keep(SEED, row * D + col, drop_p)  # the forward's masks, regenerated
+        b_dx *= drop_scale
+        if HAS_X1:
+            tl.store(DX1 + row * s_dx + col, tl.where(b_kx1, b_dx, 0.0).to(DX1.dtype.element_ty), mask=mask)
+        b_dx = tl.where(b_kx, b_dx, 0.0)
+    elif HAS_X1:
+        tl.store(DX1 + row * s_dx + col, b_dx.to(DX1.dtype.element_ty), mask=mask)
+    tl.store(DX + row * s_dx + col, b_dx.to(DX.dtype.element_ty), mask=mask)
     return tl.sum(b_do * b_r, 0) * scale, tl.sum(b_do, 0)
 
 
-@triton.jit(do_not_specialize=["M", "scale", "woff"])
+@triton.jit(do_not_specialize=["M", "scale", "woff", "alpha", "drop_p", "drop_scale"])
 def _bwd_tile(
-    P, Z, W, B, RSTD, MEAN, DO, DRO, DX, DR, DZ, DWP, DBP,
+    P, Z, W, B, RSTD, MEAN, DO, DRO, DX, DR, DZ, DWP, DBP, DX1, SEED,
     s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz,
-    M, G, DG, scale, woff,
+    M, G, DG, scale, woff, alpha, drop_p, drop_scale,
     BR: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
+    HAS_X1: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_DRO: tl.constexpr, STORE_DR: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr,
 ):
@@ -373,10 +417,10 @@ def _bwd_tile(
         m_stat = m_m[:, None] & (o_g[None, :] < G)
         b_rstd = tl.load(RSTD + o_stat, mask=m_stat, other=0.0)[:, :, None]
         b_mean = tl.load(MEAN + o_stat, mask=m_stat, other=0.0)[:, :, None] if CENTER else None
-        b_sw, b_sb = _bwd_block(P, Z, DO, DRO, DX, DR, DZ, o_m[:, None, None], o_gd[None, :, :],
+        b_sw, b_sb = _bwd_block(P, Z, DO, DRO, DX, DR, DZ, DX1, SEED, o_m[:, None, None], o_gd[None, :, :],
                                 m_m[:, None, None] & m_gd[None, :, :], s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz,
-                                b_w, b_b, b_rstd, b_mean, None, None, DG, scale,
-                                HAS_DRO, STORE_DR, HAS_W, HAS_B, CENTER, GATE, ACT, True)
+                                b_w, b_b, b_rstd, b_mean, None, None, G * DG, DG, scale, alpha, drop_p, drop_scale,
+                                HAS_X1, DROPOUT, HAS_DRO, STORE_DR, HAS_W, HAS_B, CENTER, GATE, ACT, True)
         b_dw += b_sw
         b_db += b_sb
     o_part = i_p.to(tl.int64) * G * DG + o_gd
@@ -435,12 +479,13 @@ def _bwd_dots(
             tl.store(DOT + 2 * i_mg + 1, (_mean(tl.sum(b_c2, 0), DG) - c1 * _mean(tl.sum(b_c3, 0), DG)) * b_rstd)
 
 
-@triton.jit(do_not_specialize=["M", "scale", "woff"])
+@triton.jit(do_not_specialize=["M", "scale", "woff", "alpha", "drop_p", "drop_scale"])
 def _bwd_cols(
-    P, Z, W, B, RSTD, MEAN, DOT, DO, DRO, DX, DR, DZ, DWP, DBP, DW, DB, CNT,
+    P, Z, W, B, RSTD, MEAN, DOT, DO, DRO, DX, DR, DZ, DWP, DBP, DX1, SEED, DW, DB, CNT,
     s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz,
-    M, G, DG, scale, woff,
+    M, G, DG, scale, woff, alpha, drop_p, drop_scale,
     BR: tl.constexpr, BD: tl.constexpr,
+    HAS_X1: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_DRO: tl.constexpr, STORE_DR: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     SUM_PARTS: tl.constexpr,
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr,
@@ -471,9 +516,10 @@ def _bwd_cols(
         b_mean = tl.load(MEAN + o_mg, mask=m_m, other=0.0)[:, None] if CENTER else None
         b_c1 = tl.load(DOT + 2 * o_mg, mask=m_m, other=0.0)[:, None]
         b_c2 = tl.load(DOT + 2 * o_mg + 1, mask=m_m, other=0.0)[:, None] if CENTER else None
-        b_sw, b_sb = _bwd_block(P, Z, DO, DRO, DX, DR, DZ, o_m[:, None], o_col[None, :], m_m[:, None] & m_d[None, :],
-                                s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz, b_w, b_b, b_rstd, b_mean, b_c1, b_c2, DG,
-                                scale, HAS_DRO, STORE_DR, HAS_W, HAS_B, CENTER, GATE, ACT, False)
+        b_sw, b_sb = _bwd_block(P, Z, DO, DRO, DX, DR, DZ, DX1, SEED, o_m[:, None], o_col[None, :],
+                                m_m[:, None] & m_d[None, :], s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz, b_w, b_b,
+                                b_rstd, b_mean, b_c1, b_c2, G * DG, DG, scale, alpha, drop_p, drop_scale,
+                                HAS_X1, DROPOUT, HAS_DRO, STORE_DR, HAS_W, HAS_B, CENTER, GATE, ACT, False)
         b_dw += b_sw
         b_db += b_sb
     if not SUM_PARTS:  # one program per column chunk (n_p = 1): its sums are dw and db
@@ -507,13 +553,21 @@ def _bwd_cols(
 
 
 # --------------------------------------------------------------------------- launchers
-def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, need_stats):
-    """Triton forward, same contract as `fuseblock.reference.norm_fwd`."""
+def _branch(spec: NormSpec) -> tuple[float, float, float]:
+    """(alpha, drop_p, drop_scale) of add_norm's branch, as the kernels take them."""
+    p = spec.dropout_p
+    return spec.alpha, p, (1.0 / (1.0 - p) if p > 0 else 1.0)
+
+
+def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, need_stats, x1=None, seed=None):
+    """Triton forward, same contract as `fuseblock.reference.norm_fwd`. x1 and seed (one
+    int64, the dropout masks' key: drawn by the caller when spec.dropout_p > 0) are
+    add_norm's branch: p = residual + alpha * (drop(x) + drop(x1))."""
     # The launchers' stride contract: activations may have any strides (rows are passed
     # by stride, columns must be unit-stride or are copied: `rows`); weight and bias are
     # made unit-stride (`vec`). Outputs and statistics are allocated here, contiguous.
     d = x.shape[-1]
-    x2, r2, z2 = rows(x, d), rows(residual, d), rows(gate, d)
+    x2, x12, r2, z2 = rows(x, d), rows(x1, d), rows(residual, d), rows(gate, d)
     weight, bias = vec(weight), vec(bias)
     M, G = x2.shape[0], spec.groups
     # Outputs in x's shape, the kernel writing through (M, d) views of them: a returned
@@ -526,33 +580,38 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
     if M > 0:
         lay = fwd_layout(d, G)
         args = (
-            x2, r2, z2, weight, bias, o2, ro2, rstd, mean,
-            x2.stride(0), stride(r2), stride(z2), o2.stride(0), stride(ro2),
+            x2, x12, r2, z2, weight, bias, o2, ro2, rstd, mean, seed,
+            x2.stride(0), stride(x12), stride(r2), stride(z2), o2.stride(0), stride(ro2),
         )
         flags = dict(
+            HAS_X1=x12 is not None, DROPOUT=spec.dropout_p > 0,
             HAS_R=r2 is not None, STORE_R=new_res is not None, HAS_W=weight is not None,
             HAS_B=bias is not None, CENTER=spec.center, GATE=int(spec.gate), ACT=int(spec.act),
             STORE_STATS=need_stats, EXACT_SQ=spec.eps == 0, num_warps=lay.warps,
         )
         if lay.tile:
             _fwd_tile[(cdiv(M, lay.br),)](*args, M, G, d // G, spec.eps, spec.scale, spec.weight_offset,
-                                          BR=lay.br, BG=lay.bg, BD=lay.bd, **flags)
+                                          *_branch(spec), BR=lay.br, BG=lay.bg, BD=lay.bd, **flags)
         else:
-            variant = lay.variant("_fwd_loop", (x2, r2, z2, weight, bias, o2, ro2), flags)
+            variant = lay.variant("_fwd_loop", (x2, x12, r2, z2, weight, bias, o2, ro2), flags)
             n_prog = min(M * G, num_sms(x.device) * programs_per_sm(x.device, variant, lay.per_sm))
             compiled = _fwd_loop[(n_prog,)](*args, M * G, G, d // G, spec.eps, spec.scale, spec.weight_offset,
-                                            BD=lay.bd, **flags)
+                                            *_branch(spec), BD=lay.bd, **flags)
             learn(x.device, variant, compiled, lay.warps)
         LAUNCHES["fwd"] += 1
     return out, new_res, rstd, mean
 
 
-def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dtype, residual_grad_dtype):
-    """Triton backward. Returns (dx, dresidual or None, dgate, dw, db).
+def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dtype, residual_grad_dtype,
+             seed=None, has_x1=False):
+    """Triton backward. Returns (dx, dresidual or None, dgate, dw, db, dx1 or None).
 
-    dx is in x_dtype; a separate dresidual is written only when the residual's dtype
-    differs (an fp32 residual stream under bf16 activations): otherwise dx serves both.
-    dw and db come in the weight's and the bias's dtype.
+    dx is in x_dtype; a separate dresidual is written only when residual_grad_dtype is
+    given: the residual's dtype differs (an fp32 residual stream under bf16 activations),
+    or add_norm's branch (alpha, x1, dropout) makes dx another tensor than dresidual = dp.
+    Otherwise dx serves both. dx1 (has_x1) is in x_dtype; the dropout masks are
+    regenerated from the forward's seed. dw and db come in the weight's and the bias's
+    dtype.
 
     At most two launches, torch ops included: `_bwd_tile`, then `_bwd_sum` adding up its
     dw/db partial rows (none when one program ran, or with no weight and no bias); wide
@@ -570,13 +629,16 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     grads = (torch.empty(p.shape, dtype=x_dtype, device=dev),
              torch.empty(p.shape, dtype=residual_grad_dtype, device=dev) if residual_grad_dtype is not None else None,
              torch.empty(p.shape, dtype=gate.dtype, device=dev) if gate is not None else None)
+    dx1 = torch.empty(p.shape, dtype=x_dtype, device=dev) if has_x1 else None
     dx, dr, dz = (None if t is None else t.view(M, d) for t in grads)
     need_dw, need_db = weight is not None, bias is not None
     if M == 0:  # no rows, no launch: the sums over none are zero (a fill each, for this edge case)
-        return (*grads, *(None if t is None else torch.zeros((d,), dtype=t.dtype, device=dev) for t in (weight, bias)))
+        return (*grads, *(None if t is None else torch.zeros((d,), dtype=t.dtype, device=dev) for t in (weight, bias)),
+                dx1)
     dw = torch.empty((d,), dtype=weight.dtype, device=dev) if need_dw else None
     db = torch.empty((d,), dtype=bias.dtype, device=dev) if need_db else None
     flags = dict(
+        HAS_X1=has_x1, DROPOUT=spec.dropout_p > 0,
         HAS_DRO=dro2 is not None, STORE_DR=dr is not None, HAS_W=need_dw, HAS_B=need_db,
         CENTER=spec.center, GATE=int(spec.gate), ACT=int(spec.act),
     )
@@ -602,11 +664,11 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     dw_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_dw and sum_parts else dw
     db_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_db and sum_parts else db
     strides = (p2.stride(0), stride(z2), do2.stride(0), stride(dro2), dx.stride(0), stride(dr), stride(dz))
-    outs = (do2, dro2, dx, dr, dz, dw_part, db_part)
+    outs = (do2, dro2, dx, dr, dz, dw_part, db_part, None if dx1 is None else dx1.view(M, d), seed)
     if lay.tile:
         compiled = _bwd_tile[(n_prog,)](p2, z2, weight, bias, rstd, mean, *outs, *strides, M, G, dg, spec.scale,
-                                        spec.weight_offset, BR=lay.br, BG=lay.bg, BD=lay.bd, num_warps=lay.warps,
-                                        **flags)
+                                        spec.weight_offset, *_branch(spec), BR=lay.br, BG=lay.bg, BD=lay.bd,
+                                        num_warps=lay.warps, **flags)
         LAUNCHES["bwd"] += 1
         if sum_parts:
             sum_partial_rows(dw_part, db_part, dw, db, n_prog, d)
@@ -624,8 +686,9 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
                                              num_warps=dots_lay.warps, **dots_flags)
         learn(dev, dots_variant, dots_compiled, dots_lay.warps)
         compiled = _bwd_cols[(n_cols, n_prog)](p2, z2, weight, bias, rstd, mean, dots, *outs, dw, db, cnt, *strides,
-                                               M, G, dg, spec.scale, spec.weight_offset, BR=lay.br, BD=lay.bd,
+                                               M, G, dg, spec.scale, spec.weight_offset, *_branch(spec),
+                                               BR=lay.br, BD=lay.bd,
                                                SUM_PARTS=sum_parts, num_warps=lay.warps, **flags)
         LAUNCHES["bwd"] += 2
     learn(dev, variant, compiled, lay.warps)
-    return (*grads, dw, db)
+    return (*grads, dw, db, dx1)

@@ -162,6 +162,19 @@ def resolve(
     return spec
 
 
+def check_branch(x: torch.Tensor, x1, alpha, dropout_p) -> None:
+    """add_norm's branch, p = residual + alpha * (drop(x) + drop(x1)): alpha a finite
+    number, dropout_p in [0, 1), x1 a tensor of x's shape and dtype. After resolve (x checked)."""
+    check_number("alpha", alpha)
+    check_number("dropout_p", dropout_p)
+    if not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if x1 is not None:
+        _check_like_x("x1", x1, x)
+        if x1.dtype != x.dtype:
+            raise TypeError(f"x1 must have x's dtype {x.dtype}, got {x1.dtype}")
+
+
 def _check_vector(name: str, t, x: torch.Tensor, d: int) -> None:
     check_tensor(name, t, x)
     if t.dim() != 1 or t.shape[0] != d:

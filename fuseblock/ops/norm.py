@@ -18,8 +18,16 @@ from torch.compiler import is_compiling
 from torch.utils.checkpoint import CheckpointError
 
 from .. import reference
-from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, acc_dtype, new_residual_dtype, residual_grad_dtype
-from .checks import default_eps, resolve
+from ..spec import (
+    DEFAULT_GATE_ACT,
+    DEFAULT_GATE_POSITION,
+    NormSpec,
+    acc_dtype,
+    new_residual_dtype,
+    residual_grad_dtype,
+    stored_dtype,
+)
+from .checks import check_branch, default_eps, resolve
 from .dispatch import func_transforms_active, kernels, kernels_take_cpu, uses_triton
 from .registry import FusedOp
 
@@ -31,16 +39,19 @@ def _empty(x: Tensor) -> Tensor:
 
 # The spec crosses the custom-op boundary packed (NormSpec.pack: a list of floats). typing.List,
 # not list: torch 2.5's schema inference knows only the typing forms, spelled out.
+# x1 and seed (add_norm's branch, `fuseblock.kernels.norm.norm_fwd`) come last, with
+# defaults: the plain op's callers pass neither.
 def _fwd(
     x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
     spec: List[float], residual_dtype: Optional[torch.dtype], need_stats: bool,  # noqa: UP006
+    x1: Optional[Tensor] = None, seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     launch = kernels("norm", x).norm_fwd
-    out = launch(x, residual, gate, weight, bias, NormSpec.unpack(spec), residual_dtype, need_stats)
+    out = launch(x, residual, gate, weight, bias, NormSpec.unpack(spec), residual_dtype, need_stats, x1, seed)
     return tuple(t if t is not None else _empty(x) for t in out)
 
 
-def _fwd_fake(x, residual, gate, weight, bias, spec, residual_dtype, need_stats):
+def _fwd_fake(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1=None, seed=None):
     s = NormSpec.unpack(spec)
     rows = x.numel() // x.shape[-1]
     stat = acc_dtype(x.dtype)
@@ -55,14 +66,16 @@ def _fwd_fake(x, residual, gate, weight, bias, spec, residual_dtype, need_stats)
 def _bwd(
     dout: Tensor, dres: Optional[Tensor], p: Tensor, gate: Optional[Tensor], weight: Optional[Tensor],
     bias: Optional[Tensor], rstd: Tensor, mean: Optional[Tensor], spec: List[float],  # noqa: UP006
-    x_dtype: torch.dtype, residual_grad_dtype: Optional[torch.dtype],
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    x_dtype: torch.dtype, residual_grad_dtype: Optional[torch.dtype], seed: Optional[Tensor] = None,
+    has_x1: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     grads = kernels("norm", p).norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, NormSpec.unpack(spec), x_dtype,
-                                 residual_grad_dtype)
+                                        residual_grad_dtype, seed, has_x1)
     return tuple(t if t is not None else _empty(p) for t in grads)
 
 
-def _bwd_fake(dout, dres, p, gate, weight, bias, rstd, mean, spec, x_dtype, residual_grad_dtype):
+def _bwd_fake(dout, dres, p, gate, weight, bias, rstd, mean, spec, x_dtype, residual_grad_dtype, seed=None,
+              has_x1=False):
     d = p.shape[-1]
     return (
         p.new_empty(p.shape, dtype=x_dtype),
@@ -70,37 +83,56 @@ def _bwd_fake(dout, dres, p, gate, weight, bias, rstd, mean, spec, x_dtype, resi
         p.new_empty(p.shape, dtype=gate.dtype) if gate is not None else _empty(p),
         p.new_empty((d,), dtype=weight.dtype) if weight is not None else _empty(p),
         p.new_empty((d,), dtype=bias.dtype) if bias is not None else _empty(p),
+        p.new_empty(p.shape, dtype=x_dtype) if has_x1 else _empty(p),
     )
 
 
+def _has_branch(spec: NormSpec, x1) -> bool:
+    """Whether add_norm's branch (alpha, x1, dropout) sits between x and p: then dx is
+    not dresidual, and new_residual is always stored."""
+    return x1 is not None or spec.alpha != 1.0 or spec.dropout_p > 0
+
+
 def _setup(ctx, inputs, output):
-    x, residual, gate, weight, bias, spec, residual_dtype, _ = inputs
+    x, residual, gate, weight, bias, spec, residual_dtype, _, x1, seed = inputs
     _, new_res, rstd, mean = output
     ctx.spec = NormSpec.unpack(spec)
     # Backward re-derives everything from p and the row statistics, so the normalized
     # output is never kept: p is the stored new_residual, or x itself when none is stored.
+    # Of the branch only the seed is kept (one int64): the dropout masks are regenerated.
     p = new_res if residual_dtype is not None else x
-    ctx.save_for_backward(p, gate, weight, bias, rstd, mean if ctx.spec.center else None)
+    ctx.save_for_backward(p, gate, weight, bias, rstd, mean if ctx.spec.center else None, seed)
     ctx.x_dtype = x.dtype
     ctx.residual_dtype = None if residual is None else residual.dtype
     ctx.stored = residual_dtype is not None
-    if ctx.stored and not (x.requires_grad or (residual is not None and residual.requires_grad)):
+    ctx.has_x1 = x1 is not None
+    ctx.branch = _has_branch(ctx.spec, x1)
+    if ctx.stored and not any(t is not None and t.requires_grad for t in (x, residual, x1)):
         return (1,)  # new_residual = x + residual needs no gradient when neither does, as in torch
     return ()
 
 
+def _residual_grad_dtype(ctx) -> Optional[torch.dtype]:
+    """The dtype of a dresidual written apart from dx: with a branch, whenever there is a
+    residual (dx = alpha * mask * dp is another tensor than dresidual = dp)."""
+    if ctx.branch:
+        return ctx.residual_dtype
+    return residual_grad_dtype(ctx.x_dtype, ctx.residual_dtype)
+
+
 def _grads(ctx, grad_outputs, norm_bwd):
-    """(dx, dresidual, dgate, dweight, dbias) from the saved context."""
+    """(dx, dresidual, dgate, dweight, dbias, None x 3, dx1) from the saved context: the
+    gradients of the op's inputs, the options' None between them."""
     dout, dnew_res = grad_outputs[:2]
-    p, gate, weight, bias, rstd, mean = ctx.saved_tensors
+    p, gate, weight, bias, rstd, mean, seed = ctx.saved_tensors
     if rstd.numel() == 0 and p.numel() > 0:
         raise RuntimeError("fuseblock: backward through a norm whose forward ran without grad enabled")
     if dout is None:
         dout = torch.zeros(p.shape, dtype=ctx.x_dtype, device=p.device)
     dres = dnew_res if ctx.stored else None  # else new_residual is x: autograd routes it
-    rgrad_dtype = residual_grad_dtype(ctx.x_dtype, ctx.residual_dtype)
-    dx, dres_sep, dgate, dw, db = norm_bwd(
-        dout, dres, p, gate, weight, bias, rstd, mean, ctx.spec.pack(), ctx.x_dtype, rgrad_dtype,
+    rgrad_dtype = _residual_grad_dtype(ctx)
+    dx, dres_sep, dgate, dw, db, dx1 = norm_bwd(
+        dout, dres, p, gate, weight, bias, rstd, mean, ctx.spec.pack(), ctx.x_dtype, rgrad_dtype, seed, ctx.has_x1,
     )
     return (
         dx,
@@ -108,7 +140,21 @@ def _grads(ctx, grad_outputs, norm_bwd):
         dgate if gate is not None else None,
         dw if weight is not None else None,  # in the weight's and bias's dtypes already: no cast launched
         db if bias is not None else None,
+        None, None, None,
+        dx1 if ctx.has_x1 else None,
     )
+
+
+def _dropout_scales(ctx, p: Tensor, seed: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+    """keep / (1 - dropout_p) of x and of x1, as fp32 tensors of p's shape, regenerated
+    from the forward's seed by the forward kernel itself (new_residual of x = 1, x1 = 0,
+    and of x = 0, x1 = 1): for the double backward only, which needs them as tensors."""
+    spec = ctx.spec.with_branch(1.0, ctx.spec.dropout_p)
+    one, zero = torch.ones(p.shape, device=p.device), torch.zeros(p.shape, device=p.device)
+    launch = kernels("norm", p).norm_fwd
+    sx = launch(one, None, None, None, None, spec, torch.float32, False, zero if ctx.has_x1 else None, seed)[1]
+    sx1 = launch(zero, None, None, None, None, spec, torch.float32, False, one, seed)[1] if ctx.has_x1 else None
+    return sx, sx1
 
 
 def _graph_grads(ctx, grad_outputs):
@@ -118,7 +164,7 @@ def _graph_grads(ctx, grad_outputs):
     gradient with a graph, so second derivatives are right. A stored p is this node's own
     output: the second derivative reaches x and residual through it."""
     dout, dnew_res = grad_outputs[:2]
-    p, gate, weight, bias, _, _ = ctx.saved_tensors
+    p, gate, weight, bias, _, _, seed = ctx.saved_tensors
     leaves = [t for t in (p, gate, weight, bias) if t is not None and t.requires_grad]
     found = {}
     if leaves and dout is not None:
@@ -131,28 +177,39 @@ def _graph_grads(ctx, grad_outputs):
         dp = dres if dp is None else dp + dres
     if dp is None and p.requires_grad:
         dp = torch.zeros(p.shape, dtype=ctx.x_dtype, device=p.device)
-    dx = None if dp is None else dp.to(ctx.x_dtype)
+    dx = dx1 = None if dp is None else dp.to(ctx.x_dtype)
+    if dp is not None and ctx.branch:  # dx = alpha * keep_x / (1 - dropout_p) * dp, and dx1 likewise
+        dx = dx1 = dp * ctx.spec.alpha
+        if ctx.spec.dropout_p > 0:
+            sx, sx1 = _dropout_scales(ctx, p, seed)
+            dx, dx1 = dx * sx, (dx1 * sx1 if ctx.has_x1 else None)
+        dx, dx1 = dx.to(ctx.x_dtype), (dx1.to(ctx.x_dtype) if ctx.has_x1 else None)
     dresidual = None if ctx.residual_dtype is None or dp is None else dp.to(ctx.residual_dtype)
-    return dx, dresidual, found.get(id(gate)), found.get(id(weight)), found.get(id(bias))
+    return (dx, dresidual, found.get(id(gate)), found.get(id(weight)), found.get(id(bias)), None, None, None,
+            dx1 if ctx.has_x1 else None)
 
 
 norm_op = FusedOp("norm", _fwd, _fwd_fake, _bwd, _bwd_fake, _setup, _grads, stats=(2, 3), graph_grads=_graph_grads)
 
 
 def apply_norm(x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], weight: Optional[Tensor],
-               bias: Optional[Tensor], spec: NormSpec, residual_dtype: Optional[torch.dtype], need_stats: bool = False):
+               bias: Optional[Tensor], spec: NormSpec, residual_dtype: Optional[torch.dtype], need_stats: bool = False,
+               x1: Optional[Tensor] = None):
     """The op on validated arguments, for add_norm and the family ops: (out, new_residual,
     rstd, mean), absent ones None or empty; need_stats: the caller wants rstd and mean.
+    x1 and spec.alpha, spec.dropout_p: add_norm's branch (residual_dtype then given).
 
     The registered op where the Triton kernels run (it also keeps the statistics for its
     backward when a gradient is needed), else the torch path's plain differentiable ops;
     under a torch.func transform (vmap, grad, jvp) those always, as they are all such a
     transform can see through."""
     if not uses_triton(x) or func_transforms_active():
-        return reference.norm_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats)
+        return reference.norm_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1)
     need_stats = need_stats or (torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, residual, gate, weight, bias)))
-    return norm_op(x, residual, gate, weight, bias, spec.pack(), residual_dtype, need_stats)
+        t is not None and t.requires_grad for t in (x, residual, gate, weight, bias, x1)))
+    # the dropout masks' key, from torch's generator of x's device: manual_seed reproduces a call
+    seed = torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64) if spec.dropout_p > 0 else None
+    return norm_op(x, residual, gate, weight, bias, spec.pack(), residual_dtype, need_stats, x1, seed)
 
 
 _F32, _F64 = torch.float32, torch.float64
@@ -216,6 +273,9 @@ def add_norm(
     gate_position: str = DEFAULT_GATE_POSITION,
     num_groups: int = 1,
     weight_offset: float = 0.0,
+    alpha: float = 1.0,
+    x1: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """Fused residual add + normalize over the last dim: returns (out, new_residual).
 
@@ -235,8 +295,17 @@ def add_norm(
 
     A gate gives out = N(p * g(gate)) (gate_position="pre") or N(p) * g(gate) ("post"),
     g one of "silu" (alias "swish"), "sigmoid", "identity" (alias "none"). out has x's dtype.
+
+    The branch: new_residual = residual + alpha * (drop(x) + drop(x1)) (Granite's
+    residual_multiplier, parallel attention and MLP branches, branch dropout). alpha a
+    finite float; x1 of x's shape and dtype; dropout_p in [0, 1): independent masks for x
+    and x1, kept elements scaled by 1/(1 - dropout_p), drawn from torch's default
+    generator of x's device (torch.manual_seed reproduces a call). Set dropout_p=0 in eval.
+    The backward returns dx = alpha * keep_x/(1 - dropout_p) * dp, dx1 likewise, and
+    dresidual = dp (dp: the gradient at new_residual).
     """
-    if (gate is None and c is None and residual_dtype is None and num_groups is _ONE_GROUP
+    if (x1 is None and type(alpha) is float and alpha == 1.0 and type(dropout_p) is float and dropout_p == 0.0
+            and gate is None and c is None and residual_dtype is None and num_groups is _ONE_GROUP
             and type(weight_offset) is float and weight_offset == 0.0 and gate_act is DEFAULT_GATE_ACT
             and gate_position is DEFAULT_GATE_POSITION and not is_compiling()):
         try:
@@ -256,7 +325,12 @@ def add_norm(
         weight_offset=weight_offset,
     )
     rdtype = new_residual_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
-    out, new_res, _, _ = apply_norm(x, residual, gate, weight, bias, spec, rdtype)
+    if x1 is not None or alpha != 1.0 or dropout_p != 0.0:
+        check_branch(x, x1, alpha, dropout_p)
+        spec = spec.with_branch(alpha, dropout_p)
+        if spec.alpha != 1.0 or spec.dropout_p > 0 or x1 is not None:  # new_residual is not x: always stored
+            rdtype = stored_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
+    out, new_res, _, _ = apply_norm(x, residual, gate, weight, bias, spec, rdtype, x1=x1)
     return out, (x if rdtype is None else new_res)
 
 
