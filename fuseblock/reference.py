@@ -283,3 +283,30 @@ def affine_(r: Tensor, spec: NormSpec, weight: Tensor | None, bias: Tensor | Non
     if w is not None:
         r.mul_(w)
     return r if bias is None else r.add_(bias.to(r.dtype))
+
+
+# ---------------------------------------------------------------- post-norm and sandwich
+# norm_add: new_residual = residual + alpha * N_b(x); norm_add_norm adds out = N(new_residual).
+# The branch N_b(x) stays in the accumulation dtype until it is added: new_residual is
+# rounded once, from the exact sum, as the kernels do (docs/math.md).
+def _norm_acc(p: Tensor, weight: Tensor | None, bias: Tensor | None, spec: NormSpec) -> Tensor:
+    """N(p) in p's accumulation dtype: torch's own norm where it is a plain one (see _plain)."""
+    if plain_ok(p, spec):
+        return _plain(p, weight, bias, spec)
+    return norm_out(p.to(acc_dtype(p.dtype)), None, weight, bias, spec)[0]
+
+
+def norm_add_fwd(x: Tensor, residual: Tensor, branch_weight: Tensor | None, branch_bias: Tensor | None,
+                 weight: Tensor | None, bias: Tensor | None, branch_spec: NormSpec, spec: NormSpec, alpha: float,
+                 residual_dtype: torch.dtype, second: bool) -> tuple[Tensor, Tensor | None]:
+    """(new_residual, out or None): new_residual = residual + alpha * N_b(x) in
+    residual_dtype, and with `second` out = N(new_residual) in x's dtype, N reading the
+    stored new_residual. Plain differentiable torch ops."""
+    y = _norm_acc(x, branch_weight, branch_bias, branch_spec)
+    if alpha != 1.0:
+        y = y * alpha
+    wide = torch.promote_types(torch.promote_types(y.dtype, residual.dtype), residual_dtype)
+    new_residual = _as(_as(residual, wide) + _as(y, wide), residual_dtype)
+    if not second:
+        return new_residual, None
+    return new_residual, _as(_norm_acc(new_residual, weight, bias, spec), x.dtype)

@@ -1,0 +1,291 @@
+"""Triton kernels for the post-norm and sandwich residual updates, forward and backward:
+
+    norm_add:       new_residual = residual + alpha * N_b(x)
+    norm_add_norm:  new_residual = residual + alpha * N_b(x),  out = N(new_residual)
+
+One kernel each way serves both (SECOND: the second norm N is applied). Rows are held
+whole in registers, [BR rows, BD columns] per block (the tile layout of
+`fuseblock.kernels.launch`, up to MAX_TILE_BWD columns: `fits`). Wider rows are not
+launched here: `fuseblock.ops.norm_add` composes them from the norm kernels instead.
+
+Launches: one forward; a backward of one (`_bwd_tile`) plus, when more than one program
+ran and a weight or bias needs a gradient, `_bwd_sum4` adding up the per-program fp32
+partial rows of the four parameter gradients in one launch.
+
+Traffic: forward reads x and residual once and writes new_residual (and out) once, plus
+the row statistics (rstd, and mean for a layer norm) of each norm. Backward reads x, the
+saved new_residual (only with the second norm), the gradients arriving at out and at
+new_residual, and writes dx and dresidual once.
+
+Names as in `fuseblock.kernels.norm`: X input, R residual, RO new_residual, O out, BW/BB
+the branch norm's weight and bias, W/B the second norm's; RSTDB/MEANB and RSTD/MEAN their
+row statistics (fp32); a D prefix is a gradient, a P suffix a partial-row buffer.
+"""
+# No `from __future__ import annotations`: Triton 3.1's interpreter reads the string
+# "tl.constexpr" as no annotation (see fuseblock.kernels.norm).
+
+import torch
+import triton
+import triton.language as tl
+
+from ..spec import NormSpec
+from . import launch
+from .launch import LAUNCHES, bwd_layout, cdiv, num_sms, pow2, sum_rows, vec
+from .launch import rows as as_rows
+from .norm import _mean, _prod, _rstd, _weight
+from .occupancy import learn, programs_per_sm
+
+MIN_ROWS_PER_PROGRAM = 64  # as the norm's backward: keeps the partial rows small next to the activations
+
+
+def fits(d: int) -> bool:
+    """Whether rows of d columns take these kernels (read at call time: tests shrink it)."""
+    return pow2(d) <= launch.MAX_TILE_BWD
+
+
+@triton.jit
+def _stats(b_s, mask, D, eps, BR: tl.constexpr, BD: tl.constexpr, CENTER: tl.constexpr, EXACT_SQ: tl.constexpr):
+    """(q, rstd, mean) of the [BR, BD] block b_s per row, as the norm's tile kernel: a
+    layer norm centres on each row's first element before summing (a constant row is
+    then exactly q = 0)."""
+    if CENTER:
+        o_d = tl.arange(0, BD)
+        b_shift = tl.sum(tl.where(o_d[None, :] == 0, b_s, 0.0), 1)
+        b_c = tl.where(mask, b_s - b_shift[:, None], 0.0)
+        b_dmean = _mean(tl.sum(b_c, 1), D)
+        b_mean = b_shift + b_dmean
+        b_q = tl.where(mask, b_c - b_dmean[:, None], 0.0)
+    else:
+        b_mean = tl.zeros([BR], dtype=tl.float32)  # unused: no mean
+        b_q = b_s
+    b_rstd = _rstd(tl.sum(_prod(b_q, b_q, EXACT_SQ), 1), D, eps, EXACT_SQ)
+    return b_q, b_rstd, b_mean
+
+
+@triton.jit
+def _affine(b_r, W, B, o_d, m_d, scale, woff, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    """scale * r * (woff + w) + b on a [BR, BD] block of normalized rows."""
+    b_o = b_r * scale
+    if HAS_W:
+        b_o *= _weight(W, o_d, m_d, woff)[None, :]
+    if HAS_B:
+        b_o += tl.load(B + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
+    return b_o
+
+
+@triton.jit(do_not_specialize=["M", "eps_b", "eps", "scale", "woff_b", "woff", "alpha"])
+def _fwd_tile(
+    X, R, BW, BB, W, B, RO, O, RSTDB, MEANB, RSTD, MEAN,
+    s_x, s_r, s_ro, s_o,
+    M, D, eps_b, eps, scale, woff_b, woff, alpha,
+    BR: tl.constexpr, BD: tl.constexpr,
+    HAS_BW: tl.constexpr, HAS_BB: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    SECOND: tl.constexpr, CENTER: tl.constexpr, STORE_STATS: tl.constexpr,
+    EXACT_B: tl.constexpr, EXACT: tl.constexpr,
+):
+    i_m = tl.program_id(0)
+    o_m = (i_m * BR + tl.arange(0, BR)).to(tl.int64)  # int64: M * stride may pass 2**31
+    o_d = tl.arange(0, BD)
+    m_m = o_m < M
+    m_d = o_d < D
+    mask = m_m[:, None] & m_d[None, :]
+    row = o_m[:, None]
+    col = o_d[None, :]
+    b_x = tl.load(X + row * s_x + col, mask=mask, other=0.0).to(tl.float32)
+    b_q, b_rstdb, b_meanb = _stats(b_x, mask, D, eps_b, BR, BD, CENTER, EXACT_B)
+    b_y = _affine(b_q * b_rstdb[:, None], BW, BB, o_d, m_d, scale, woff_b, HAS_BW, HAS_BB)
+    # new_residual from the fp32 branch, rounded once; the second norm reads the stored value
+    b_p = tl.load(R + row * s_r + col, mask=mask, other=0.0).to(tl.float32) + alpha * b_y
+    b_pr = b_p.to(RO.dtype.element_ty)
+    tl.store(RO + row * s_ro + col, b_pr, mask=mask)
+    if SECOND:
+        b_q2, b_rstd, b_mean = _stats(tl.where(mask, b_pr.to(tl.float32), 0.0), mask, D, eps, BR, BD, CENTER, EXACT)
+        b_o = _affine(b_q2 * b_rstd[:, None], W, B, o_d, m_d, scale, woff, HAS_W, HAS_B)
+        tl.store(O + row * s_o + col, b_o.to(O.dtype.element_ty), mask=mask)
+    if STORE_STATS:
+        tl.store(RSTDB + o_m, b_rstdb, mask=m_m)
+        if CENTER:
+            tl.store(MEANB + o_m, b_meanb, mask=m_m)
+        if SECOND:
+            tl.store(RSTD + o_m, b_rstd, mask=m_m)
+            if CENTER:
+                tl.store(MEAN + o_m, b_mean, mask=m_m)
+
+
+@triton.jit
+def _norm_bwd(b_s, b_do, RSTD, MEAN, W, o_m, m_m, o_d, m_d, mask, D, scale, woff,
+              HAS_W: tl.constexpr, CENTER: tl.constexpr):
+    """The norm's backward on a [BR, BD] block (docs/math.md): (ds, the block's column sums
+    of dw's terms). r = q * rstd, dr = do * scale * (woff + w),
+    dq = (dr - mean(r * dr) r) * rstd, less its mean for a layer norm."""
+    b_rstd = tl.load(RSTD + o_m, mask=m_m, other=0.0)[:, None]
+    if CENTER:
+        b_r = tl.where(mask, b_s - tl.load(MEAN + o_m, mask=m_m, other=0.0)[:, None], 0.0) * b_rstd
+    else:
+        b_r = b_s * b_rstd
+    b_dr = b_do * scale
+    if HAS_W:
+        b_dr *= _weight(W, o_d, m_d, woff)[None, :]
+    b_ds = (b_dr - b_r * _mean(tl.sum(b_r * b_dr, 1), D)[:, None]) * b_rstd
+    if CENTER:
+        b_ds = tl.where(mask, b_ds - _mean(tl.sum(b_ds, 1), D)[:, None], 0.0)
+    return b_ds, tl.sum(b_do * b_r, 0) * scale
+
+
+@triton.jit(do_not_specialize=["M", "scale", "woff_b", "woff", "alpha"])
+def _bwd_tile(
+    X, P, BW, W, RSTDB, MEANB, RSTD, MEAN, DO, DRO, DX, DR, DBWP, DBBP, DWP, DBP,
+    s_x, s_p, s_do, s_dro, s_dx, s_dr,
+    M, D, scale, woff_b, woff, alpha,
+    BR: tl.constexpr, BD: tl.constexpr,
+    HAS_DO: tl.constexpr, HAS_DRO: tl.constexpr, HAS_BW: tl.constexpr, HAS_BB: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, SECOND: tl.constexpr, CENTER: tl.constexpr,
+):
+    # A persistent grid, as the norm's _bwd_tile: program i_p handles row blocks i_p,
+    # i_p + n_p, ... and writes its four parameter-gradient sums once, as row i_p of the
+    # partial buffers (the gradients themselves when it is the only program).
+    i_p = tl.program_id(0)
+    n_p = tl.num_programs(0)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    b_dbw = tl.zeros([BD], dtype=tl.float32)
+    b_dbb = tl.zeros([BD], dtype=tl.float32)
+    b_dw = tl.zeros([BD], dtype=tl.float32)
+    b_db = tl.zeros([BD], dtype=tl.float32)
+    for i_m in range(i_p, tl.cdiv(M, BR), n_p):
+        o_m = (i_m * BR + tl.arange(0, BR)).to(tl.int64)
+        m_m = o_m < M
+        mask = m_m[:, None] & m_d[None, :]
+        row = o_m[:, None]
+        col = o_d[None, :]
+        # dp: the gradient at new_residual, through the second norm and directly
+        b_dp = tl.zeros([BR, BD], dtype=tl.float32)
+        if SECOND and HAS_DO:
+            b_p = tl.load(P + row * s_p + col, mask=mask, other=0.0).to(tl.float32)
+            b_do = tl.load(DO + row * s_do + col, mask=mask, other=0.0).to(tl.float32)
+            b_dp, b_sw = _norm_bwd(b_p, b_do, RSTD, MEAN, W, o_m, m_m, o_d, m_d, mask, D, scale, woff,
+                                   HAS_W, CENTER)
+            b_dw += b_sw
+            b_db += tl.sum(b_do, 0)
+        if HAS_DRO:
+            b_dp += tl.load(DRO + row * s_dro + col, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DR + row * s_dr + col, b_dp.to(DR.dtype.element_ty), mask=mask)
+        # the branch: dy = alpha * dp, then the branch norm's backward to x
+        b_dy = alpha * b_dp
+        b_x = tl.load(X + row * s_x + col, mask=mask, other=0.0).to(tl.float32)
+        b_dx, b_sbw = _norm_bwd(b_x, b_dy, RSTDB, MEANB, BW, o_m, m_m, o_d, m_d, mask, D, scale, woff_b,
+                                HAS_BW, CENTER)
+        tl.store(DX + row * s_dx + col, b_dx.to(DX.dtype.element_ty), mask=mask)
+        b_dbw += b_sbw
+        b_dbb += tl.sum(b_dy, 0)
+    o_part = i_p.to(tl.int64) * D + o_d
+    if HAS_BW:
+        tl.store(DBWP + o_part, b_dbw.to(DBWP.dtype.element_ty), mask=m_d)
+    if HAS_BB:
+        tl.store(DBBP + o_part, b_dbb.to(DBBP.dtype.element_ty), mask=m_d)
+    if HAS_W:
+        tl.store(DWP + o_part, b_dw.to(DWP.dtype.element_ty), mask=m_d)
+    if HAS_B:
+        tl.store(DBP + o_part, b_db.to(DBP.dtype.element_ty), mask=m_d)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _bwd_sum4(DBWP, DBBP, DWP, DBP, DBW, DBB, DW, DB, n_rows, D, BR: tl.constexpr, BD: tl.constexpr,
+              HAS_BW: tl.constexpr, HAS_BB: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    # The backward's second launch: the four parameters' gradients, each in its own dtype,
+    # from the (n_rows, D) fp32 partial rows of _bwd_tile (launch._bwd_sum, for four).
+    o_col = tl.program_id(0) * BD + tl.arange(0, BD)
+    m_col = o_col < D
+    if HAS_BW:
+        sum_rows(DBWP, DBW, n_rows, D, o_col, m_col, BR, BD)
+    if HAS_BB:
+        sum_rows(DBBP, DBB, n_rows, D, o_col, m_col, BR, BD)
+    if HAS_W:
+        sum_rows(DWP, DW, n_rows, D, o_col, m_col, BR, BD)
+    if HAS_B:
+        sum_rows(DBP, DB, n_rows, D, o_col, m_col, BR, BD)
+
+
+# --------------------------------------------------------------------------- launchers
+def _flag_eps(spec: NormSpec) -> bool:
+    return spec.eps == 0  # EXACT_SQ: see fuseblock.kernels.norm._rstd
+
+
+def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_spec: NormSpec, spec: NormSpec,
+                 alpha: float, residual_dtype, second: bool, need_stats: bool):
+    """(new_residual, out or None, rstd_b, mean_b, rstd, mean), the statistics (M,) fp32 or
+    None; same contract as `fuseblock.reference.norm_add_fwd`. Rows must `fit`."""
+    d = x.shape[-1]
+    x2, r2 = as_rows(x, d), as_rows(residual, d)
+    branch_weight, branch_bias, weight, bias = map(vec, (branch_weight, branch_bias, weight, bias))
+    M = x2.shape[0]
+    dev = x.device
+    new_res = torch.empty(x.shape, dtype=residual_dtype, device=dev)
+    out = torch.empty(x.shape, dtype=x.dtype, device=dev) if second else None
+    ro2 = new_res.view(M, d)
+    o2 = out.view(M, d) if second else None
+
+    def stat(on):
+        return torch.empty((M,), dtype=torch.float32, device=dev) if need_stats and on else None
+
+    rstd_b, mean_b = stat(True), stat(spec.center)
+    rstd, mean = stat(second), stat(second and spec.center)
+    if M > 0:
+        lay = bwd_layout(d)
+        _fwd_tile[(cdiv(M, lay.br),)](
+            x2, r2, branch_weight, branch_bias, weight, bias, ro2, o2, rstd_b, mean_b, rstd, mean,
+            x2.stride(0), r2.stride(0), ro2.stride(0), o2.stride(0) if second else 0,
+            M, d, branch_spec.eps, spec.eps, spec.scale, branch_spec.weight_offset, spec.weight_offset, alpha,
+            BR=lay.br, BD=lay.bd, HAS_BW=branch_weight is not None, HAS_BB=branch_bias is not None,
+            HAS_W=weight is not None, HAS_B=bias is not None, SECOND=second, CENTER=spec.center,
+            STORE_STATS=need_stats, EXACT_B=_flag_eps(branch_spec), EXACT=_flag_eps(spec), num_warps=lay.warps,
+        )
+        LAUNCHES["fwd"] += 1
+    return new_res, out, rstd_b, mean_b, rstd, mean
+
+
+def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b, mean_b, rstd, mean,
+                 branch_spec: NormSpec, spec: NormSpec, alpha: float, residual_grad_dtype, second: bool):
+    """(dx, dresidual, dbranch_weight, dbranch_bias, dweight, dbias), the absent ones None.
+    dout (the gradient at out) and dres (at new_residual) may each be None. At most two
+    launches: `_bwd_tile`, then `_bwd_sum4` when several programs wrote partial rows."""
+    d = x.shape[-1]
+    x2, p2, do2, dro2 = as_rows(x, d), as_rows(p, d), as_rows(dout, d), as_rows(dres, d)
+    branch_weight, weight = vec(branch_weight), vec(weight)
+    M = x2.shape[0]
+    dev = x.device
+    dx = torch.empty(x.shape, dtype=x.dtype, device=dev)
+    dr = torch.empty(x.shape, dtype=residual_grad_dtype, device=dev)
+    params = (branch_weight, branch_bias, weight if second else None, bias if second else None)
+    if M == 0:
+        return (dx, dr, *(None if t is None else torch.zeros((d,), dtype=t.dtype, device=dev) for t in params))
+    grads = [None if t is None else torch.empty((d,), dtype=t.dtype, device=dev) for t in params]
+    lay = bwd_layout(d)
+    n_items = cdiv(M, lay.br)
+    flags = dict(HAS_DO=do2 is not None, HAS_DRO=dro2 is not None, HAS_BW=params[0] is not None,
+                 HAS_BB=params[1] is not None, HAS_W=params[2] is not None, HAS_B=params[3] is not None,
+                 SECOND=second, CENTER=spec.center)
+    variant = lay.variant("norm_add._bwd_tile", (x2, p2, branch_weight, weight, do2, dro2), flags)
+    slots = num_sms(dev) * programs_per_sm(dev, variant, lay.per_sm)
+    n_prog = max(1, min(slots, n_items, cdiv(M, MIN_ROWS_PER_PROGRAM)))
+    sum_parts = n_prog > 1 and any(g is not None for g in grads)
+    parts = [None if g is None else (torch.empty((n_prog, d), dtype=torch.float32, device=dev) if sum_parts else g)
+             for g in grads]
+    dx2, dr2 = dx.view(M, d), dr.view(M, d)
+    p_arg = p2 if second else x2  # never read without the second norm
+    compiled = _bwd_tile[(n_prog,)](
+        x2, p_arg, branch_weight, weight, rstd_b, mean_b, rstd, mean, do2, dro2, dx2, dr2, *parts,
+        x2.stride(0), p_arg.stride(0), 0 if do2 is None else do2.stride(0), 0 if dro2 is None else dro2.stride(0),
+        dx2.stride(0), dr2.stride(0),
+        M, d, spec.scale, branch_spec.weight_offset, spec.weight_offset, alpha,
+        BR=lay.br, BD=lay.bd, num_warps=lay.warps, **flags,
+    )
+    learn(dev, variant, compiled, lay.warps)
+    LAUNCHES["bwd"] += 1
+    if sum_parts:
+        bd = max(launch.SUM_MIN_COLS, min(pow2(d), pow2(cdiv(d, num_sms(dev)))))
+        _bwd_sum4[(cdiv(d, bd),)](*parts, *grads, n_prog, d, BR=max(1, launch.SUM_TILE // bd), BD=bd,
+                                  HAS_BW=grads[0] is not None, HAS_BB=grads[1] is not None,
+                                  HAS_W=grads[2] is not None, HAS_B=grads[3] is not None, num_warps=4)
+        LAUNCHES["bwd"] += 1
+    return (dx, dr, *grads)

@@ -1,0 +1,263 @@
+"""`norm_add` and `norm_add_norm`: the post-norm and sandwich (Peri-LN) residual updates.
+
+    norm_add:       new_residual = residual + alpha * N_b(x)                (OLMo2's post-norm)
+    norm_add_norm:  new_residual = residual + alpha * N_b(x),  out = N(new_residual)
+                                                       (Gemma2/3's and GLM4's sandwich norms)
+
+Dispatch as `fuseblock.ops.norm`'s: the Triton kernels (`fuseblock.kernels.norm_add`,
+one forward launch that holds both norms, a backward of at most two) registered through
+`FusedOp`; the torch path (`fuseblock.reference.norm_add_fwd`) as plain differentiable
+torch ops. Rows wider than the kernels' tile (`fuseblock.kernels.norm_add.fits`: more
+than MAX_TILE_BWD columns) take a composition of the norm kernels instead: `norm` then
+the add (norm_add), `norm` then `add_norm` (norm_add_norm): two launches forward, and
+N_b(x) rounded to x's dtype before the add, as the unfused form does.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+from .. import reference
+from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, acc_dtype, stored_dtype
+from .checks import _check_vector, check_number, check_tensor, default_eps, resolve
+from .dispatch import func_transforms_active, kernels, uses_triton
+from .norm import add_norm, norm
+from .registry import FusedOp
+
+
+def _empty(x: Tensor) -> Tensor:
+    return x.new_empty(0, dtype=torch.float32)  # custom ops cannot return None
+
+
+def _unpack(spec: List[float]) -> tuple[NormSpec, NormSpec, float]:  # noqa: UP006
+    """(branch spec, spec, alpha) from what crosses the custom-op boundary."""
+    n = len(spec) // 2
+    return NormSpec.unpack(spec[:n]), NormSpec.unpack(spec[n:-1]), spec[-1]
+
+
+# typing.List, not list: torch 2.5's schema inference knows only the typing forms (as ops.norm)
+def _fwd(
+    x: Tensor, residual: Tensor, branch_weight: Optional[Tensor], branch_bias: Optional[Tensor],
+    weight: Optional[Tensor], bias: Optional[Tensor], spec: List[float], residual_dtype: torch.dtype,  # noqa: UP006
+    second: bool, need_stats: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    bspec, nspec, alpha = _unpack(spec)
+    out = kernels("norm_add", x).norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, bspec, nspec,
+                                              alpha, residual_dtype, second, need_stats)
+    return tuple(t if t is not None else _empty(x) for t in out)
+
+
+def _fwd_fake(x, residual, branch_weight, branch_bias, weight, bias, spec, residual_dtype, second, need_stats):
+    center = _unpack(spec)[1].center
+    rows = x.numel() // x.shape[-1]
+
+    def stat(on):
+        return x.new_empty((rows,), dtype=torch.float32) if need_stats and on else _empty(x)
+
+    return (x.new_empty(x.shape, dtype=residual_dtype), x.new_empty(x.shape) if second else _empty(x),
+            stat(True), stat(center), stat(second), stat(second and center))
+
+
+def _bwd(
+    dout: Optional[Tensor], dres: Optional[Tensor], x: Tensor, p: Optional[Tensor], branch_weight: Optional[Tensor],
+    branch_bias: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor], rstd_b: Tensor,
+    mean_b: Optional[Tensor], rstd: Optional[Tensor], mean: Optional[Tensor], spec: List[float],  # noqa: UP006
+    residual_grad_dtype: torch.dtype, second: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    bspec, nspec, alpha = _unpack(spec)
+    grads = kernels("norm_add", x).norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b,
+                                                mean_b, rstd, mean, bspec, nspec, alpha, residual_grad_dtype, second)
+    return tuple(t if t is not None else _empty(x) for t in grads)
+
+
+def _bwd_fake(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b, mean_b, rstd, mean, spec,
+              residual_grad_dtype, second):
+    d = x.shape[-1]
+
+    def param(t, on=True):
+        return x.new_empty((d,), dtype=t.dtype) if t is not None and on else _empty(x)
+
+    return (x.new_empty(x.shape), x.new_empty(x.shape, dtype=residual_grad_dtype), param(branch_weight),
+            param(branch_bias), param(weight, second), param(bias, second))
+
+
+def _setup(ctx, inputs, output):
+    x, residual, branch_weight, branch_bias, weight, bias, spec, _, second, _ = inputs
+    new_res, _, rstd_b, mean_b, rstd, mean = output
+    ctx.bspec, ctx.spec, ctx.alpha = _unpack(spec)
+    ctx.second = second
+    ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
+    # Backward needs x, the stored new_residual (only for the second norm) and each norm's
+    # row statistics; never the normalized outputs. The biases only say their dtypes.
+    center = ctx.spec.center
+    ctx.save_for_backward(x, new_res if second else None, branch_weight, branch_bias, weight, bias, rstd_b,
+                          mean_b if center else None, rstd if second else None, mean if second and center else None)
+    return () if second else (1,)  # without the second norm, out is an empty placeholder
+
+
+def _grads(ctx, grad_outputs, bwd):
+    """(dx, dresidual, dbranch_weight, dbranch_bias, dweight, dbias) from the saved context."""
+    dres, dout = grad_outputs[:2]
+    x, p, bw, bb, w, b, rstd_b, mean_b, rstd, mean = ctx.saved_tensors
+    if rstd_b.numel() == 0 and x.numel() > 0:
+        raise RuntimeError("fuseblock: backward through a norm_add whose forward ran without grad enabled")
+    found = bwd(dout if ctx.second else None, dres, x, p, bw, bb, w, b, rstd_b, mean_b, rstd, mean,
+                [*ctx.bspec.pack(), *ctx.spec.pack(), ctx.alpha], ctx.residual_dtype, ctx.second)
+    return tuple(g if t is not None else None for g, t in zip(found, (x, x, bw, bb, w, b), strict=True))
+
+
+def _graph_grads(ctx, grad_outputs):
+    """The same gradients as differentiable torch ops, for create_graph=True: each norm is
+    rebuilt by the reference's composition from what was saved (x, and the stored
+    new_residual, this node's own output, through which a second derivative reaches x and
+    residual) and autograd differentiates it with a graph."""
+    dres, dout = grad_outputs[:2]
+    x, p, bw, bb, w, b = ctx.saved_tensors[:6]
+    found = {}
+
+    def grad_of(out, leaves, dgrad):
+        leaves = [t for t in leaves if t is not None and t.requires_grad]
+        if leaves and dgrad is not None:
+            found.update(zip(map(id, leaves), torch.autograd.grad(out, leaves, dgrad, create_graph=True,
+                                                                  allow_unused=True), strict=True))
+
+    dp = dres
+    if ctx.second and dout is not None:
+        pp = p if p.requires_grad else p.detach().requires_grad_()
+        out = reference.norm_out(pp.to(acc_dtype(p.dtype)), None, w, b, ctx.spec)[0].to(ctx.x_dtype)
+        grad_of(out, (pp, w, b), dout)
+        dpn = found.get(id(pp))
+        if dpn is not None:
+            dp = dpn if dp is None else dp + dpn
+    if dp is not None:
+        xx = x if x.requires_grad else x.detach().requires_grad_()
+        y = reference.norm_out(xx.to(acc_dtype(x.dtype)), None, bw, bb, ctx.bspec)[0] * ctx.alpha
+        grad_of(y, (xx, bw, bb), dp)
+    dx = found.get(id(x))
+    return (None if dx is None else dx.to(ctx.x_dtype), None if dp is None else dp.to(ctx.residual_dtype),
+            found.get(id(bw)), found.get(id(bb)), found.get(id(w)), found.get(id(b)))
+
+
+norm_add_op = FusedOp("norm_add_norm", _fwd, _fwd_fake, _bwd, _bwd_fake, _setup, _grads, stats=(2, 3, 4, 5),
+                      graph_grads=_graph_grads)
+
+
+def _check_alpha(alpha) -> float:
+    check_number("alpha", alpha)
+    return float(alpha)
+
+
+def _spec(x, residual, weight, bias, kind, eps, weight_offset, residual_dtype) -> NormSpec:
+    """One norm's spec, every argument checked (resolve names weight and bias so)."""
+    return resolve(x, residual, weight, bias, None, kind=kind, c=None, eps=eps, gate_act=DEFAULT_GATE_ACT,
+                   gate_position=DEFAULT_GATE_POSITION, num_groups=1, residual_dtype=residual_dtype,
+                   weight_offset=weight_offset)
+
+
+def _apply(x, residual, branch_weight, branch_bias, weight, bias, kind, bspec, spec, alpha, rdtype, second):
+    """(new_residual, out or None) on validated arguments, by the path that serves x."""
+    if not uses_triton(x) or func_transforms_active():
+        return reference.norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha,
+                                      rdtype, second)
+    if not kernels("norm_add", x).fits(x.shape[-1]):  # wide rows: the norm kernels, composed (module docstring)
+        y = norm(x, branch_weight, branch_bias, kind=kind, eps=bspec.eps, weight_offset=bspec.weight_offset)
+        y = y * alpha if alpha != 1.0 else y
+        if not second:
+            return reference.residual_sum(y, residual, rdtype), None
+        out, new_res = add_norm(y, residual, weight, bias, kind=kind, eps=spec.eps, residual_dtype=rdtype,
+                                weight_offset=spec.weight_offset)
+        return new_res, out
+    need_stats = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, residual, branch_weight, branch_bias, weight, bias))
+    new_res, out, *_ = norm_add_op(x, residual, branch_weight, branch_bias, weight, bias,
+                                   [*bspec.pack(), *spec.pack(), alpha], rdtype, second, need_stats)
+    return new_res, (out if second else None)
+
+
+def norm_add(
+    x: Tensor,
+    residual: Tensor,
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    *,
+    kind: str = "rms",
+    eps: Optional[float] = None,
+    weight_offset: float = 0.0,
+    alpha: float = 1.0,
+    residual_dtype: Optional[torch.dtype] = None,
+) -> Tensor:
+    """Post-norm residual update: new_residual = residual + alpha * N(x), returned.
+
+    N normalizes x over its last dim as `fuseblock.norm` does (kind "rms", "layer" or
+    "l2"; weight and bias optional; weight_offset added to the weight in fp32);
+    eps=None is torch's default for x's dtype (`fuseblock.ops.checks.default_eps`).
+    alpha is a finite real number. N(x) is kept in fp32 and the sum rounded once, into
+    residual_dtype: by default the dtype torch's `residual + N(x)` has (the residual's,
+    or the wider of it and x's). One kernel launch forward on the kernel path.
+    """
+    check_tensor("x", x)
+    check_tensor("residual", residual)
+    alpha = _check_alpha(alpha)
+    spec = _spec(x, residual, weight, bias, kind, default_eps(x.dtype, kind) if eps is None else eps, weight_offset,
+                 residual_dtype)
+    rdtype = stored_dtype(x.dtype, residual.dtype, residual_dtype)
+    return _apply(x, residual, weight, bias, None, None, kind, spec, spec, alpha, rdtype, False)[0]
+
+
+def norm_add_norm(
+    x: Tensor,
+    residual: Tensor,
+    branch_weight: Optional[Tensor],
+    weight: Optional[Tensor],
+    branch_bias: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    *,
+    kind: str = "rms",
+    eps: Optional[float] = None,
+    branch_eps: Optional[float] = None,
+    weight_offset: float = 0.0,
+    branch_weight_offset: Optional[float] = None,
+    alpha: float = 1.0,
+    residual_dtype: Optional[torch.dtype] = None,
+) -> tuple[Tensor, Tensor]:
+    """Sandwich (Peri-LN) residual update, both norms in one kernel: returns (out, new_residual),
+
+        new_residual = residual + alpha * N_b(x)      N_b: branch_weight, branch_bias, branch_eps
+        out = N(new_residual)                         N: weight, bias, eps
+
+    both of `kind`. branch_weight and weight are required tensors (None is refused) unless
+    kind="l2", where None means no weight. branch_eps=None and branch_weight_offset=None
+    mean the same as eps and weight_offset; eps=None is torch's default for the dtype each
+    norm reads (x's for N_b, new_residual's for N). new_residual's dtype as in `norm_add`
+    (N reads the stored value); out has x's dtype.
+    """
+    check_tensor("x", x)
+    check_tensor("residual", residual)
+    alpha = _check_alpha(alpha)
+    spec = _spec(x, residual, weight, bias, kind, eps, weight_offset, residual_dtype)  # checks x, kind, weight, bias
+    if kind != "l2":
+        for name, t in (("branch_weight", branch_weight), ("weight", weight)):
+            if t is None:
+                raise ValueError(f"norm_add_norm needs {name} for kind={kind!r} (None is accepted only for "
+                                 "kind='l2')")
+    for name, t in (("branch_weight", branch_weight), ("branch_bias", branch_bias)):
+        if t is not None:
+            _check_vector(name, t, x, x.shape[-1])
+    if branch_eps is None:
+        branch_eps = default_eps(x.dtype, kind) if eps is None else eps
+    else:
+        check_number("branch_eps", branch_eps)
+        if branch_eps < 0:
+            raise ValueError(f"branch_eps must be >= 0, got {branch_eps}")
+    if branch_weight_offset is None:
+        branch_weight_offset = weight_offset
+    else:
+        check_number("branch_weight_offset", branch_weight_offset)
+        if branch_weight_offset != 0 and branch_weight is None:
+            raise ValueError(f"branch_weight_offset={branch_weight_offset} needs a branch_weight: it is added to it")
+    bspec = _spec(x, residual, branch_weight, branch_bias, kind, branch_eps, branch_weight_offset, residual_dtype)
+    rdtype = stored_dtype(x.dtype, residual.dtype, residual_dtype)
+    new_res, out = _apply(x, residual, branch_weight, branch_bias, weight, bias, kind, bspec, spec, alpha, rdtype, True)
+    return out, new_res
