@@ -23,9 +23,11 @@ from .ops.checks import (
     check_last_dim,
     check_options,
     check_weight_offset,
+    default_eps,
     resolve,
 )
 from .ops.norm import add_norm
+from .ops.norm_add import norm_add, norm_add_norm
 from .ops.norm_linear import norm_linear
 from .spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION
 
@@ -113,10 +115,12 @@ class Norm(nn.Module):
         return self.add(x, None, gate=gate)[0]
 
     def add(self, x: Tensor, residual: Tensor | None = None, *, residual_dtype: torch.dtype | None = None,
-            gate: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """fuseblock.add_norm with this module's parameters and settings: (N(x + residual),
-        x + residual). residual_dtype=None keeps new_residual in the module's residual_dtype
-        (an AddNorm's), else in the dtype torch's `x + residual` has."""
+            gate: Tensor | None = None, alpha: float = 1.0, x1: Tensor | None = None,
+            dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+        """fuseblock.add_norm with this module's parameters and settings: (N(r'), r') with
+        r' = residual + alpha * (drop(x) + drop(x1)). residual_dtype=None keeps new_residual
+        in the module's residual_dtype (an AddNorm's), else in the dtype torch's
+        `x + residual` has. dropout_p is the caller's to zero in eval."""
         # Written for host time, which is the eager torch path's cost: keywords written out
         # (no dict built per call), and x's width checked up front only where no parameter
         # would catch it; otherwise after the op refuses, to name x rather than the weight.
@@ -131,7 +135,7 @@ class Norm(nn.Module):
                 x, residual, weight, bias, kind=self.kind, c=self.c, eps=self.eps, residual_dtype=residual_dtype,
                 gate=gate, gate_act=self.gate_act if gated else DEFAULT_GATE_ACT,
                 gate_position=self.gate_position if gated else DEFAULT_GATE_POSITION, num_groups=self.num_groups,
-                weight_offset=self.weight_offset,
+                weight_offset=self.weight_offset, alpha=alpha, x1=x1, dropout_p=dropout_p,
             )
         except ValueError:
             check_last_dim(x, self.dim)
@@ -151,6 +155,44 @@ class Norm(nn.Module):
         return norm_linear(x, residual, self.weight, self.bias, linear.weight, linear.bias, kind=self.kind,
                            eps=self.eps, weight_offset=self.weight_offset,
                            residual_dtype=self.residual_dtype if residual_dtype is None else residual_dtype)
+
+    def norm_add(self, x: Tensor, residual: Tensor, *, alpha: float = 1.0,
+                 residual_dtype: torch.dtype | None = None) -> Tensor:
+        """fuseblock.norm_add with this module as the branch norm: residual + alpha * N(x),
+        the post-norm step (OLMo2). residual_dtype as in `add`."""
+        self._check_plain("norm_add")
+        return norm_add(x, residual, self.weight, self.bias, kind=self.kind, eps=self.eps,
+                        weight_offset=self.weight_offset, alpha=alpha,
+                        residual_dtype=self.residual_dtype if residual_dtype is None else residual_dtype)
+
+    def norm_add_norm(self, x: Tensor, residual: Tensor, norm: Norm, *, alpha: float = 1.0,
+                      residual_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+        """fuseblock.norm_add_norm with this module as the branch norm and `norm` the one after
+        (Gemma2's sandwich): (norm(r'), r') with r' = residual + alpha * self(x), both norms
+        in one launch. They share the kind; each keeps its eps, weight_offset and
+        parameters. residual_dtype as in `add`, None taking `norm`'s."""
+        if not isinstance(norm, Norm):
+            raise TypeError(f"norm must be a fuseblock Norm, got {type(norm).__name__}")
+        self._check_plain("norm_add_norm")
+        norm._check_plain("norm_add_norm")
+        if norm.kind != self.kind:
+            raise ValueError(f"norm_add_norm: both norms take one kind, got {self.kind!r} (branch) and "
+                             f"{norm.kind!r} (norm)")
+        if norm.dim != self.dim:
+            raise ValueError(f"norm_add_norm: both norms normalize one width, got {self.dim} (branch) and "
+                             f"{norm.dim} (norm)")
+        return norm_add_norm(x, residual, self.weight, norm.weight, self.bias, norm.bias, kind=self.kind,
+                             # the branch's eps=None is torch's for x, not norm's eps
+                             eps=norm.eps, branch_eps=default_eps(x.dtype, self.kind) if self.eps is None else self.eps,
+                             weight_offset=norm.weight_offset,
+                             branch_weight_offset=self.weight_offset, alpha=alpha,
+                             residual_dtype=norm.residual_dtype if residual_dtype is None else residual_dtype)
+
+    def _check_plain(self, op: str) -> None:
+        # the norm_add ops take no c, groups or gate: a norm with them calls norm, then adds
+        if self.c is not None or self.num_groups != 1:
+            raise ValueError(f"{op}: takes no c or num_groups (this norm has c={self.c}, "
+                             f"num_groups={self.num_groups}); call the norm, then add")
 
     def naive(self, x: Tensor) -> Tensor:
         """The same function (without a gate) on the torch path's plain ops, never the fused
