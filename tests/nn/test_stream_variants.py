@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close
+from helpers import AllLaunches, assert_close
 from torch import nn
 
 import fuseblock
@@ -301,3 +301,25 @@ def test_misuse_at_call_time():
         fuseblock.ResidualStack([nn.Identity()], D, parallel=[nn.Linear(D, 4)])(x)
     with pytest.raises(ValueError, match="mixer \\(Linear\\) maps shape"):
         fuseblock.ResidualStack([nn.Linear(D, 4)], D, post_norm=True)(x)
+
+
+# ----------------------------------------------------------------- launches
+@pytest.mark.kernel
+@pytest.mark.kernel_only("counts Triton launches")
+@pytest.mark.parametrize("shape", ["scaled", "parallel", "post_norm", "sandwich", "dropout-train"])
+def test_one_launch_per_sublayer_and_one_for_the_final_norm(shape):
+    """3 sublayers of Identity mixers (they launch nothing) and a final norm: 4 Triton
+    launches forward and 4 backward (6 rows: no partial-row reduction), and forward no
+    other op but dropout's seed draws."""
+    n = 3
+    kw = dict(dropout=0.1) if shape == "dropout-train" else dict(SHAPES[shape])
+    if kw.pop("parallel", False):
+        kw["parallel"] = [nn.Identity() for _ in range(n)]
+    stack = fuseblock.ResidualStack([nn.Identity() for _ in range(n)], D, **kw).train()
+    x = torch.randn(SHAPE, requires_grad=True)
+    with AllLaunches() as fwd:
+        out = stack(x)
+    with AllLaunches() as bwd:
+        out.sum().backward()
+    assert fwd.kernels == n + 1 and bwd.kernels == n + 1
+    assert [op for op in fwd.ops if op != "randint"] == []
