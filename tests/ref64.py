@@ -2,7 +2,7 @@
 
 It uses plain autograd for gradients, so it shares nothing with fuseblock's own
 forward/backward code:
-p = x + y; s = p * g(gate) (pre) or p; q = s or s - mean(s); sigma = sqrt(q.q/d + eps);
+p = y + alpha * (x + x1); s = p * g(gate) (pre) or p; q = s or s - mean(s); sigma = sqrt(q.q/d + eps);
 o1 = (c/sqrt(d)) * (q/sigma) * w + b; o = o1 * g(gate) (post) or o1.
 """
 import math
@@ -18,8 +18,12 @@ ACTS = {
 
 
 def add_norm64(x, residual=None, weight=None, bias=None, *, kind="rms", c=None, eps=None,
-               gate=None, gate_act="silu", gate_position="post", num_groups=1, residual_dtype=None):
+               gate=None, gate_act="silu", gate_position="post", num_groups=1, residual_dtype=None, alpha=1.0,
+               x1=None):
     """Returns (out, p) in float64; differentiable w.r.t. every float64 leaf passed in.
+
+    p = residual + alpha * (x + x1) (add_norm's branch; dropout: pass x and x1 times their
+    masks over 1 - dropout_p).
 
     residual_dtype rounds p to the stored residual's precision (our adopted reading:
     the norm reads the stored new_residual); the rounding passes gradients straight through.
@@ -29,7 +33,11 @@ def add_norm64(x, residual=None, weight=None, bias=None, *, kind="rms", c=None, 
     if eps is None:
         stored = residual_dtype or (x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype))
         eps = 1e-5 if kind == "layer" else torch.finfo(torch.float64 if stored == torch.float64 else torch.float32).eps
-    p = x.double() if residual is None else x.double() + residual.double()
+    p = x.double() if x1 is None else x.double() + x1.double()
+    if alpha != 1.0:
+        p = alpha * p
+    if residual is not None:
+        p = p + residual.double()
     if residual_dtype is not None:
         p = p + (p.to(residual_dtype).double() - p).detach()
     g = ACTS[gate_act](gate.double()) if gate is not None else None

@@ -14,14 +14,16 @@ the stride contract and the partial-row sums are `fuseblock.kernels.launch`'s, s
 with the other kernel modules.
 
 Names: i_ program ids, o_ offsets, m_ masks, b_ blocks (fp32 in registers). Tensors:
-X input, R residual, Z gate, W weight, B bias, O output, RO new_residual, P the saved
-p; a D prefix is a gradient. GATE and ACT take the named modes of `fuseblock.spec`.
+X input, X1 add_norm's second branch, SEED its dropout masks' key, R residual, Z gate,
+W weight, B bias, O output, RO new_residual, P the saved p; a D prefix is a gradient.
+GATE and ACT take the named modes of `fuseblock.spec`.
 Statistics (rstd, mean) are fp32 whatever the storage dtype.
 
-Traffic (tile kernels): forward reads x, residual, gate once and writes out,
+Traffic (tile kernels): forward reads x, x1, residual, gate once and writes out,
 new_residual once. Backward reads the saved p (new_residual or x), gate, dout and the
 gradient arriving at new_residual once, and writes dx (which is also the residual's
-gradient), dgate once. dw and db are reduced per program in registers and written as
+gradient unless alpha != 1 or dropout), dx1 (with dropout), dgate once. Dropout masks
+are regenerated from SEED, never stored (`_keep`). dw and db are reduced per program in registers and written as
 one fp32 partial row per program, which a second launch (`_bwd_sum`) adds up and
 stores in the parameters' dtypes; `_bwd_cols` sums them itself, in the last program of
 each column chunk to finish. A single program writes dw and db directly. Wide rows read
@@ -370,8 +372,9 @@ def _bwd_block(
         b_dq += tl.load(DRO + row * s_dro + col, mask=mask, other=0.0).to(tl.float32)
     if STORE_DR:  # dresidual = dp, apart from dx: in another dtype, or dx is not dp
         tl.store(DR + row * s_dr + col, b_dq.to(DR.dtype.element_ty), mask=mask)
-    # dx = alpha * keep_x / (1 - drop_p) * dp, dx1 with its own mask; the plain op: dx = dp.
-    # DX1 is allocated as DX is, contiguous: the same row stride.
+    # dx = alpha * keep_x / (1 - drop_p) * dp, dx1 with its own mask (with no dropout dx1
+    # is dx: the caller uses dx for both); the plain op: dx = dp. DX1 is allocated as DX
+    # is, contiguous: the same row stride.
     b_dx = b_dq * alpha
     if DROPOUT:
         b_kx, b_kx1 = _keep(SEED, row * D + col, drop_p)  # the forward's masks, regenerated
@@ -379,8 +382,6 @@ def _bwd_block(
         if HAS_X1:
             tl.store(DX1 + row * s_dx + col, tl.where(b_kx1, b_dx, 0.0).to(DX1.dtype.element_ty), mask=mask)
         b_dx = tl.where(b_kx, b_dx, 0.0)
-    elif HAS_X1:
-        tl.store(DX1 + row * s_dx + col, b_dx.to(DX1.dtype.element_ty), mask=mask)
     tl.store(DX + row * s_dx + col, b_dx.to(DX.dtype.element_ty), mask=mask)
     return tl.sum(b_do * b_r, 0) * scale, tl.sum(b_do, 0)
 
@@ -609,9 +610,9 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     dx is in x_dtype; a separate dresidual is written only when residual_grad_dtype is
     given: the residual's dtype differs (an fp32 residual stream under bf16 activations),
     or add_norm's branch (alpha, x1, dropout) makes dx another tensor than dresidual = dp.
-    Otherwise dx serves both. dx1 (has_x1) is in x_dtype; the dropout masks are
-    regenerated from the forward's seed. dw and db come in the weight's and the bias's
-    dtype.
+    Otherwise dx serves both. dx1 (has_x1, with dropout: else dx1 is dx) is in x_dtype;
+    the dropout masks are regenerated from the forward's seed. dw and db come in the
+    weight's and the bias's dtype.
 
     At most two launches, torch ops included: `_bwd_tile`, then `_bwd_sum` adding up its
     dw/db partial rows (none when one program ran, or with no weight and no bias); wide
@@ -629,7 +630,7 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     grads = (torch.empty(p.shape, dtype=x_dtype, device=dev),
              torch.empty(p.shape, dtype=residual_grad_dtype, device=dev) if residual_grad_dtype is not None else None,
              torch.empty(p.shape, dtype=gate.dtype, device=dev) if gate is not None else None)
-    dx1 = torch.empty(p.shape, dtype=x_dtype, device=dev) if has_x1 else None
+    dx1 = torch.empty(p.shape, dtype=x_dtype, device=dev) if has_x1 and spec.dropout_p > 0 else None
     dx, dr, dz = (None if t is None else t.view(M, d) for t in grads)
     need_dw, need_db = weight is not None, bias is not None
     if M == 0:  # no rows, no launch: the sums over none are zero (a fill each, for this edge case)
@@ -638,7 +639,7 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     dw = torch.empty((d,), dtype=weight.dtype, device=dev) if need_dw else None
     db = torch.empty((d,), dtype=bias.dtype, device=dev) if need_db else None
     flags = dict(
-        HAS_X1=has_x1, DROPOUT=spec.dropout_p > 0,
+        HAS_X1=dx1 is not None, DROPOUT=spec.dropout_p > 0,
         HAS_DRO=dro2 is not None, STORE_DR=dr is not None, HAS_W=need_dw, HAS_B=need_db,
         CENTER=spec.center, GATE=int(spec.gate), ACT=int(spec.act),
     )

@@ -83,14 +83,10 @@ def _bwd_fake(dout, dres, p, gate, weight, bias, rstd, mean, spec, x_dtype, resi
         p.new_empty(p.shape, dtype=gate.dtype) if gate is not None else _empty(p),
         p.new_empty((d,), dtype=weight.dtype) if weight is not None else _empty(p),
         p.new_empty((d,), dtype=bias.dtype) if bias is not None else _empty(p),
-        p.new_empty(p.shape, dtype=x_dtype) if has_x1 else _empty(p),
+        p.new_empty(p.shape, dtype=x_dtype) if has_x1 and NormSpec.unpack(spec).dropout_p > 0 else _empty(p),
     )
 
 
-def _has_branch(spec: NormSpec, x1) -> bool:
-    """Whether add_norm's branch (alpha, x1, dropout) sits between x and p: then dx is
-    not dresidual, and new_residual is always stored."""
-    return x1 is not None or spec.alpha != 1.0 or spec.dropout_p > 0
 
 
 def _setup(ctx, inputs, output):
@@ -106,16 +102,17 @@ def _setup(ctx, inputs, output):
     ctx.residual_dtype = None if residual is None else residual.dtype
     ctx.stored = residual_dtype is not None
     ctx.has_x1 = x1 is not None
-    ctx.branch = _has_branch(ctx.spec, x1)
+    # dx = alpha * keep_x / (1 - dropout_p) * dp is not dresidual = dp (x1 alone changes nothing there)
+    ctx.scaled = ctx.spec.alpha != 1.0 or ctx.spec.dropout_p > 0
     if ctx.stored and not any(t is not None and t.requires_grad for t in (x, residual, x1)):
         return (1,)  # new_residual = x + residual needs no gradient when neither does, as in torch
     return ()
 
 
 def _residual_grad_dtype(ctx) -> Optional[torch.dtype]:
-    """The dtype of a dresidual written apart from dx: with a branch, whenever there is a
-    residual (dx = alpha * mask * dp is another tensor than dresidual = dp)."""
-    if ctx.branch:
+    """The dtype of a dresidual written apart from dx: with alpha != 1 or dropout, whenever
+    there is a residual (dx = alpha * keep / (1 - p) * dp is another tensor than dp)."""
+    if ctx.scaled:
         return ctx.residual_dtype
     return residual_grad_dtype(ctx.x_dtype, ctx.residual_dtype)
 
@@ -141,7 +138,7 @@ def _grads(ctx, grad_outputs, norm_bwd):
         dw if weight is not None else None,  # in the weight's and bias's dtypes already: no cast launched
         db if bias is not None else None,
         None, None, None,
-        dx1 if ctx.has_x1 else None,
+        (dx1 if ctx.spec.dropout_p > 0 else dx) if ctx.has_x1 else None,  # no dropout: dx1 = dx
     )
 
 
@@ -178,7 +175,7 @@ def _graph_grads(ctx, grad_outputs):
     if dp is None and p.requires_grad:
         dp = torch.zeros(p.shape, dtype=ctx.x_dtype, device=p.device)
     dx = dx1 = None if dp is None else dp.to(ctx.x_dtype)
-    if dp is not None and ctx.branch:  # dx = alpha * keep_x / (1 - dropout_p) * dp, and dx1 likewise
+    if dp is not None and ctx.scaled:  # dx = alpha * keep_x / (1 - dropout_p) * dp, and dx1 likewise
         dx = dx1 = dp * ctx.spec.alpha
         if ctx.spec.dropout_p > 0:
             sx, sx1 = _dropout_scales(ctx, p, seed)
@@ -304,8 +301,8 @@ def add_norm(
     The backward returns dx = alpha * keep_x/(1 - dropout_p) * dp, dx1 likewise, and
     dresidual = dp (dp: the gradient at new_residual).
     """
-    if (x1 is None and type(alpha) is float and alpha == 1.0 and type(dropout_p) is float and dropout_p == 0.0
-            and gate is None and c is None and residual_dtype is None and num_groups is _ONE_GROUP
+    no_branch = x1 is None and type(alpha) is float and alpha == 1.0 and type(dropout_p) is float and dropout_p == 0.0
+    if (no_branch and gate is None and c is None and residual_dtype is None and num_groups is _ONE_GROUP
             and type(weight_offset) is float and weight_offset == 0.0 and gate_act is DEFAULT_GATE_ACT
             and gate_position is DEFAULT_GATE_POSITION and not is_compiling()):
         try:
@@ -325,7 +322,7 @@ def add_norm(
         weight_offset=weight_offset,
     )
     rdtype = new_residual_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
-    if x1 is not None or alpha != 1.0 or dropout_p != 0.0:
+    if not no_branch:
         check_branch(x, x1, alpha, dropout_p)
         spec = spec.with_branch(alpha, dropout_p)
         if spec.alpha != 1.0 or spec.dropout_p > 0 or x1 is not None:  # new_residual is not x: always stored

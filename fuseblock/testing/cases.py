@@ -15,7 +15,10 @@ from .. import reference
 from ..spec import NormSpec
 from .traffic import charge, uncounted
 
-OPS = ["norm", "add_norm", "add_norm_layer", "add_norm_fp32_residual", "pre_gate", "post_gate", "post_gate_residual"]
+OPS = ["norm", "add_norm", "add_norm_layer", "add_norm_fp32_residual", "pre_gate", "post_gate", "post_gate_residual",
+       "add_norm_scaled", "add_norm_parallel", "add_norm_dropout"]
+# add_norm's branch, new_residual = residual + alpha * (drop(x) + drop(x1)), one keyword each
+BRANCH = {"add_norm_scaled": dict(alpha=0.5), "add_norm_dropout": dict(dropout_p=0.1)}
 
 
 def op_inputs(op: str, rows: int, d: int, dtype):
@@ -32,12 +35,15 @@ def op_inputs(op: str, rows: int, d: int, dtype):
         kw["residual_dtype"] = torch.float32
     if op == "add_norm_layer":
         kw.update(kind="layer", bias=(0.1 * torch.randn(d)).to(dtype).requires_grad_())
+    kw.update(BRANCH.get(op, {}))
+    if op == "add_norm_parallel":
+        kw["x1"] = torch.randn(rows, d).to(dtype).requires_grad_()
     return x, residual, w, kw
 
 
 def leaves(x, residual, w, kw) -> list[torch.Tensor]:
     """The tensors of `op_inputs` that gradients flow to."""
-    return [t for t in (x, residual, w, kw.get("bias"), kw.get("gate")) if t is not None]
+    return [t for t in (x, residual, w, kw.get("bias"), kw.get("gate"), kw.get("x1")) if t is not None]
 
 
 def fused(op, x, residual, w, kw):
@@ -75,7 +81,14 @@ class OneKernelRMSNorm(torch.autograd.Function):
 
 def naive(op, x, residual, w, kw, one_kernel_norm: bool = False):
     """The same function as eager torch: x + residual, then torch's own norm (and gate).
-    one_kernel_norm: charge rms_norm as one kernel (CUDA) instead of the CPU's composite."""
+    one_kernel_norm: charge rms_norm as one kernel (CUDA) instead of the CPU's composite.
+    The branch as its torch ops: x * alpha, x + x1, F.dropout(x), before the add."""
+    if "dropout_p" in kw:
+        x = F.dropout(x, kw["dropout_p"])
+    if "x1" in kw:
+        x = x + kw["x1"]
+    if "alpha" in kw:
+        x = x * kw["alpha"]
     p = x if residual is None else (x.to(residual.dtype) + residual if "residual_dtype" in kw else x + residual)
     g = F.silu(kw["gate"]) if "gate" in kw else None
     s = p * g if kw.get("gate_position") == "pre" else p

@@ -1,9 +1,11 @@
 """One op's bytes moved, forward and backward: Triton kernels, naive eager, and the minimum.
 
 Byte model: the compulsory minimum reads each external activation input once and writes
-each activation output once (forward: x, residual, gate in; out, new_residual out.
+each activation output once (forward: x, x1, residual, gate in; out, new_residual out.
 Backward: the saved p, gate, grad_out, grad_new_residual in; dx, a separate dresidual
-when its dtype differs, dgate out). Weights, biases, row statistics, the per-program
+when its dtype differs or dx is not dp (alpha != 1, dropout), a dx1 apart from dx with
+dropout (its own mask), dgate out). The dropout masks are no bytes: the kernels
+regenerate them from a seed (an int64: "other"). Weights, biases, row statistics, the per-program
 dw/db partial rows (written by one launch, summed by the next or by the last program of
 the same launch: kernel bytes either way) and dw/db themselves are reported apart, as
 "other".
@@ -20,21 +22,25 @@ from .cases import fused, leaves, naive, op_inputs
 from .traffic import EagerTraffic, KernelTraffic
 
 # Kernel argument names by role (the launchers' parameter names).
-ACTIVATION_ARGS = {"X", "R", "Z", "O", "RO", "P", "DO", "DRO", "DX", "DR", "DZ"}  # the launchers' tensor names
+ACTIVATION_ARGS = {"X", "X1", "R", "Z", "O", "RO", "P", "DO", "DRO", "DX", "DX1", "DR", "DZ"}  # the launchers' names
 # all but the weights, which stay cached: DWP, DBP are the dw/db partial rows, CNT the
-# wide-row backward's arrival counters
-UNCACHED_ARGS = ACTIVATION_ARGS | {"RSTD", "MEAN", "DOT", "DWP", "DBP", "DW", "DB", "CNT", "?"}
+# wide-row backward's arrival counters, SEED the dropout masks' key
+UNCACHED_ARGS = ACTIVATION_ARGS | {"RSTD", "MEAN", "DOT", "DWP", "DBP", "DW", "DB", "CNT", "SEED", "?"}
 
 
 def minimum_bytes(x, residual, kw, out, new_res) -> tuple[int, int]:
     """Compulsory (forward, backward) bytes: each activation in once, each out once."""
     gate = kw["gate"].nbytes if "gate" in kw else 0
-    fwd_in = x.nbytes + (residual.nbytes if residual is not None else 0) + gate
+    x1 = kw["x1"].nbytes if "x1" in kw else 0
+    fwd_in = x.nbytes + x1 + (residual.nbytes if residual is not None else 0) + gate
     fwd_out = out.nbytes + (new_res.nbytes if new_res is not None else 0)
     p_bytes = new_res.nbytes if new_res is not None else x.nbytes
     bwd_in = p_bytes + out.nbytes + (new_res.nbytes if new_res is not None else 0) + gate
-    separate = residual is not None and residual_grad_dtype(x.dtype, residual.dtype) is not None
+    dropout = kw.get("dropout_p", 0) > 0
+    scaled = kw.get("alpha", 1.0) != 1.0 or dropout
+    separate = residual is not None and (scaled or residual_grad_dtype(x.dtype, residual.dtype) is not None)
     bwd_out = x.nbytes + (residual.nbytes if separate else 0) + gate  # else dx is also dresidual
+    bwd_out += x1 if dropout else 0  # else dx1 is dx
     return fwd_in + fwd_out, bwd_in + bwd_out
 
 

@@ -247,3 +247,27 @@ def test_small_batches_stay_near_the_minimum(d):
     # forward, backward and the backward's partial-row sum; everything counted, glue ops too
     assert (both["launches"], both["glue_ops"]) == (3, 0) and both["kernel_over_min"] <= 1.25
     assert both["naive_over_kernel"] >= 1.5
+
+
+@pytest.mark.kernel
+@kernel_only
+@pytest.mark.parametrize("op", ["add_norm_scaled", "add_norm_parallel", "add_norm_dropout"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_branch_variants_move_the_compulsory_bytes(op, dtype):
+    """add_norm's branch (issue 24.1): forward x (and x1) and residual in, out and
+    new_residual out; backward p, grad_out, grad_new_residual in, dx, dresidual (apart
+    from dx when alpha != 1 or with dropout) and, with dropout, dx1 out. No mask is
+    stored or read: the only extra is the seed (8 bytes) and, with dropout, its draw
+    (one torch.randint, the forward's one glue op)."""
+    from fuseblock.kernels.norm import MIN_ROWS_PER_PROGRAM
+
+    rows, d = 96, 160
+    fwd, bwd, _ = op_traffic.measure_traffic(op, rows, d, dtype)
+    seed_draw = 1 if op == "add_norm_dropout" else 0
+    assert (fwd["launches"], bwd["launches"], fwd["glue_ops"], bwd["glue_ops"]) == (1, 2, seed_draw, 0)
+    for r in (fwd, bwd):
+        assert r["act_over_min"] == 1.0
+        assert r["naive_over_kernel"] > 1.2
+    assert fwd["kernel_over_min"] <= 1.05
+    partials = 2 * 4 * d * -(-rows // MIN_ROWS_PER_PROGRAM)
+    assert bwd["kernel_MB"] <= 1.05 * bwd["min_MB"] + partials / 1e6
