@@ -8,7 +8,9 @@ for deferred (meta-device) initialization.
 
 `Norm.add` is the fused call with the module's own parameters and settings: the stream,
 the Hugging Face integration and the GPT call it rather than copying settings into
-`add_norm`, so a new Norm option stops in this file.
+`add_norm`, so a new Norm option stops in this file. `Norm.norm_add` and
+`Norm.norm_add_norm` are the same for the post-norm and sandwich ops, the module being
+the branch norm.
 """
 from __future__ import annotations
 

@@ -238,6 +238,13 @@ class PreNormBlock(nn.Module):
             branch = _dropped(out, p)
         return h + _scaled(self.alpha, branch), rest
 
+    def extra_repr(self) -> str:
+        """The shape's settings that differ from the default (the modules show their own)."""
+        parts = [f"alpha={self.alpha}"] if self.alpha != 1.0 else []
+        parts += [f"dropout={self.dropout}"] if self.dropout > 0.0 else []
+        parts += [f"{name}=True" for name in ("sandwich", "post_norm") if getattr(self, name)]
+        return ", ".join(parts)
+
     def _kwargs_for(self, which: int, kwargs: dict) -> dict:
         """A parallel block's two modules each get the keywords their forward accepts; a
         single mixer gets what the block was given."""

@@ -170,6 +170,13 @@ def test_state_dict_keys_name_the_branch_norm_and_the_parallel_mixer():
     assert keys(alpha=0.5, dropout=0.1) == keys()  # the scale and the dropout hold no state
 
 
+def test_the_repr_shows_the_shape():
+    text = repr(fuseblock.ResidualStack([nn.Identity()], D, sandwich=True, alpha=0.5))
+    assert "PreNormBlock(\n      alpha=0.5, sandwich=True" in text and "(branch_norm): Norm(" in text
+    assert "dropout=0.1" in repr(fuseblock.PreNormBlock(nn.Identity(), D, dropout=0.1))
+    assert "post_norm=True" in repr(fuseblock.PreNormBlock(nn.Identity(), D, post_norm=True))
+
+
 # ----------------------------------------------------------------- PreNormBlock on its own
 @pytest.mark.kernel
 @pytest.mark.parametrize("shape", list(SHAPES))
