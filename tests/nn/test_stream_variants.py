@@ -330,3 +330,47 @@ def test_one_launch_per_sublayer_and_one_for_the_final_norm(shape):
         out.sum().backward()
     assert fwd.kernels == n + 1 and bwd.kernels == n + 1
     assert [op for op in fwd.ops if op != "randint"] == []
+
+
+# ----------------------------------------------------------------- Norm's branch methods
+@pytest.mark.kernel
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_norm_methods_take_each_norms_own_settings(kind):
+    """Norm.norm_add_norm: the branch norm keeps its eps (None: torch's for x, not the
+    other norm's eps) and weight_offset, the other its own; values and gradients vs fp64."""
+    branch = fuseblock.Norm(D, kind=kind, eps=None, weight_offset=1.0)
+    after = fuseblock.Norm(D, kind=kind, eps=1e-2)
+    with torch.no_grad():
+        for p in [*branch.parameters(), *after.parameters()]:
+            p.normal_()
+    x = (torch.randn(5, D) * 1e-2).requires_grad_(True)  # small rows: eps=1e-2 and fp32's eps differ a lot
+    r = torch.randn(5, D).requires_grad_(True)
+    leaves = [x, r, *branch.parameters(), *after.parameters()]
+
+    def n64(h, norm, eps):
+        q = h - h.mean(-1, keepdim=True) if kind == "layer" else h
+        y = q / torch.sqrt((q * q).mean(-1, keepdim=True) + eps) * (norm.weight_offset + norm.weight.double())
+        return y if norm.bias is None else y + norm.bias.double()
+
+    beps = 1e-5 if kind == "layer" else torch.finfo(torch.float32).eps
+    r64 = r.double() + 0.5 * n64(x.double(), branch, beps)
+    out64 = n64(r64, after, 1e-2)
+    out, new_r = branch.norm_add_norm(x, r, after, alpha=0.5)
+    assert_close(new_r, r64, torch.float32, "new_residual")
+    assert_close(out, out64, torch.float32, "out")
+    cot = torch.randn(5, D)
+    for g, w in zip(grads(out, cot, leaves), grads(out64, cot.double(), leaves), strict=True):
+        assert_close(g, w, torch.float32, "grad")
+    assert_close(branch.norm_add(x, r, alpha=0.5), r64, torch.float32, "norm_add")
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda: fuseblock.Norm(D).norm_add_norm(torch.randn(2, D), torch.randn(2, D), fuseblock.Norm(D, kind="layer")),
+     "one kind"),
+    (lambda: fuseblock.Norm(D, c=2.0).norm_add(torch.randn(2, D), torch.randn(2, D)), "c or num_groups"),
+    (lambda: fuseblock.Norm(D).norm_add_norm(torch.randn(2, D), torch.randn(2, D), fuseblock.Norm(D, num_groups=2)),
+     "c or num_groups"),
+])
+def test_norm_methods_refuse_what_the_ops_do_not_take(make, needle):
+    with pytest.raises(ValueError, match=needle):
+        make()
