@@ -374,3 +374,23 @@ def test_norm_methods_take_each_norms_own_settings(kind):
 def test_norm_methods_refuse_what_the_ops_do_not_take(make, needle):
     with pytest.raises(ValueError, match=needle):
         make()
+
+
+# ----------------------------------------------------------------- torch.compile
+def _compiles_whole(shape):
+    torch._dynamo.reset()
+    stack = make_stack(shape, n=2)
+    x = torch.randn(SHAPE)
+    assert_close(torch.compile(stack, fullgraph=True)(x), stack(x).double(), torch.float32, "compiled")
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("shape", ["scaled", "parallel-scaled", "dropout-eval"])
+def test_compiles_with_no_graph_break(shape):
+    _compiles_whole(shape)
+
+
+@pytest.mark.torch_only("norm_add's and norm_add_norm's kernel path under compile: tests/ops/test_norm_add.py")
+@pytest.mark.parametrize("shape", ["sandwich", "post_norm"])
+def test_compiles_with_no_graph_break_norm_add_shapes(shape):
+    _compiles_whole(shape)
