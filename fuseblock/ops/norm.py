@@ -213,6 +213,9 @@ _F32, _F64 = torch.float32, torch.float64
 _DEFAULT_EPS = {(kind, dt): default_eps(dt, kind) for kind in ("rms", "layer") for dt in (_F32, _F64)}
 _ONE_GROUP = 1  # compared by identity: CPython has one int 1, and True is another object
 _INF = math.inf
+# add_norm's branch defaults, compared by identity: the plain fast lane pays two `is`
+_NO_SCALE = 1.0
+_NO_DROPOUT = 0.0
 
 
 def _plain_call(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor], kind: str,
@@ -270,9 +273,9 @@ def add_norm(
     gate_position: str = DEFAULT_GATE_POSITION,
     num_groups: int = 1,
     weight_offset: float = 0.0,
-    alpha: float = 1.0,
+    alpha: float = _NO_SCALE,
     x1: Optional[Tensor] = None,
-    dropout_p: float = 0.0,
+    dropout_p: float = _NO_DROPOUT,
 ) -> tuple[Tensor, Tensor]:
     """Fused residual add + normalize over the last dim: returns (out, new_residual).
 
@@ -301,7 +304,7 @@ def add_norm(
     The backward returns dx = alpha * keep_x/(1 - dropout_p) * dp, dx1 likewise, and
     dresidual = dp (dp: the gradient at new_residual).
     """
-    no_branch = x1 is None and type(alpha) is float and alpha == 1.0 and type(dropout_p) is float and dropout_p == 0.0
+    no_branch = x1 is None and alpha is _NO_SCALE and dropout_p is _NO_DROPOUT  # else checked below
     if (no_branch and gate is None and c is None and residual_dtype is None and num_groups is _ONE_GROUP
             and type(weight_offset) is float and weight_offset == 0.0 and gate_act is DEFAULT_GATE_ACT
             and gate_position is DEFAULT_GATE_POSITION and not is_compiling()):
@@ -324,8 +327,8 @@ def add_norm(
     rdtype = new_residual_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
     if not no_branch:
         check_branch(x, x1, alpha, dropout_p)
-        spec = spec.with_branch(alpha, dropout_p)
-        if spec.alpha != 1.0 or spec.dropout_p > 0 or x1 is not None:  # new_residual is not x: always stored
+        if x1 is not None or alpha != 1.0 or dropout_p != 0.0:  # new_residual is not x: always stored
+            spec = spec.with_branch(alpha, dropout_p)
             rdtype = stored_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
     out, new_res, _, _ = apply_norm(x, residual, gate, weight, bias, spec, rdtype, x1=x1)
     return out, (x if rdtype is None else new_res)

@@ -284,3 +284,39 @@ def test_x1_not_like_x(x1, error):
     with pytest.raises(error, match="x1"):
         fuseblock.add_norm(torch.randn(2, 8), torch.randn(2, 8), x1=x1)
 
+
+
+@pytest.mark.kernel_only("the custom ops serve the Triton path")
+def test_custom_ops_schema_and_fakes_with_the_branch():
+    """The registered ops with x1, a seed and dx1: their fakes give what the kernels return."""
+    from fuseblock.ops.norm import norm_op
+    from fuseblock.spec import Act, Gate, NormSpec
+
+    x, x1, r, w = torch.randn(3, 16), torch.randn(3, 16), torch.randn(3, 16), torch.randn(16)
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    spec = NormSpec(True, 1.0, 1e-6, Gate.NONE, Act.UNUSED, 1, alpha=0.5, dropout_p=0.2).pack()
+    fwd_args = (x, r, None, w, None, spec, torch.float32, True, x1, seed)
+    torch.library.opcheck(norm_op.fwd_op, fwd_args, test_utils=("test_schema", "test_faketensor"))
+    _, new_res, rstd, mean = norm_op.fwd_op(*fwd_args)
+    bwd_args = (torch.randn_like(x), torch.randn_like(x), new_res, None, w, None, rstd, mean, spec, x.dtype,
+                torch.float32, seed, True)
+    torch.library.opcheck(norm_op.bwd_op, bwd_args, test_utils=("test_schema", "test_faketensor"))
+    dx, dr, _, _, _, dx1 = norm_op.bwd_op(*bwd_args)
+    assert dx.shape == dr.shape == dx1.shape == x.shape
+
+
+@pytest.mark.kernel_only("what the Triton path's backward keeps")
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_saved_for_backward_is_p_statistics_and_the_seed(kind):
+    """With dropout on x and x1 the backward keeps p, the weight, the row statistics and
+    one int64 seed: no mask, and neither x nor x1."""
+    x, x1, r = _leaves(*(torch.randn(8, 32) for _ in range(3)))
+    w = _leaves(torch.randn(32))[0]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        _, new_res = fuseblock.add_norm(x, r, w, kind=kind, alpha=0.9, x1=x1, dropout_p=0.5)
+    full = [t for t in saved if t.shape == x.shape]
+    assert len(full) == 1 and full[0].data_ptr() == new_res.data_ptr()  # p is new_residual, nothing else row-sized
+    (seed,) = [t for t in saved if t.dtype == torch.int64]
+    assert seed.numel() == 1
+    assert sum(t.numel() for t in saved) == x.numel() + 32 + 8 * (2 if kind == "layer" else 1) + 1
