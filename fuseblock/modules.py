@@ -28,7 +28,7 @@ from .ops.checks import (
     default_eps,
     resolve,
 )
-from .ops.norm import add_norm
+from .ops.norm import _NO_DROPOUT, _NO_SCALE, add_norm
 from .ops.norm_add import norm_add, norm_add_norm
 from .ops.norm_linear import norm_linear
 from .spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION
@@ -117,12 +117,14 @@ class Norm(nn.Module):
         return self.add(x, None, gate=gate)[0]
 
     def add(self, x: Tensor, residual: Tensor | None = None, *, residual_dtype: torch.dtype | None = None,
-            gate: Tensor | None = None, alpha: float = 1.0, x1: Tensor | None = None,
-            dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+            gate: Tensor | None = None, alpha: float = _NO_SCALE, x1: Tensor | None = None,
+            dropout_p: float = _NO_DROPOUT) -> tuple[Tensor, Tensor]:
         """fuseblock.add_norm with this module's parameters and settings: (N(r'), r') with
         r' = residual + alpha * (drop(x) + drop(x1)). residual_dtype=None keeps new_residual
         in the module's residual_dtype (an AddNorm's), else in the dtype torch's
-        `x + residual` has. dropout_p is the caller's to zero in eval."""
+        `x + residual` has. dropout_p is the caller's to zero in eval. The defaults are
+        add_norm's own objects, which its plain lane tests by identity: pass none of the
+        three for a plain add."""
         # Written for host time, which is the eager torch path's cost: keywords written out
         # (no dict built per call), and x's width checked up front only where no parameter
         # would catch it; otherwise after the op refuses, to name x rather than the weight.

@@ -209,8 +209,10 @@ class PreNormBlock(nn.Module):
             raise ValueError("a sandwich block's hidden is the previous block's output before its branch norm: "
                              "pass branch_norm=previous_block.branch_norm")
         h, h1 = hidden if pair else (hidden, None)
-        return self.norm.add(h, residual, alpha=self.alpha, x1=h1,
-                             dropout_p=self.dropout if self.training else 0.0)
+        p = self.dropout if self.training else 0.0
+        if h1 is None and self.alpha == 1.0 and p == 0.0:  # add_norm's plain lane, keywords left out
+            return self.norm.add(h, residual)
+        return self.norm.add(h, residual, alpha=self.alpha, x1=h1, dropout_p=p)
 
     def naive(self, x: Tensor, *args, **kwargs):
         """The unfused step (x + alpha * drop(mixer(norm(x), *args, **kwargs)), or the form
@@ -399,11 +401,13 @@ class ResidualStack(nn.Module):
         else:  # o = norm_f(r + alpha * (drop(p) + drop(p1))), one more launch
             h, h1 = hidden if isinstance(hidden, tuple) else (hidden, None)
             p = self.dropout if self.training else 0.0
-            if self.norm_f is not None:
-                out = self.norm_f.add(h, residual, alpha=self.alpha, x1=h1, dropout_p=p)[0]
-            else:
+            if self.norm_f is None:
                 branch = _dropped(h, p) if h1 is None else _dropped(h, p) + _dropped(h1, p)
                 out = residual + _scaled(self.alpha, branch)
+            elif h1 is None and self.alpha == 1.0 and p == 0.0:  # add_norm's plain lane
+                out = self.norm_f.add(h, residual)[0]
+            else:
+                out = self.norm_f.add(h, residual, alpha=self.alpha, x1=h1, dropout_p=p)[0]
         return out.to(x.dtype), tuple(extras)
 
     def _naive(self, x: Tensor, routed: list[dict]) -> tuple[Tensor, tuple]:

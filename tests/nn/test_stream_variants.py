@@ -394,3 +394,18 @@ def test_compiles_with_no_graph_break(shape):
 @pytest.mark.parametrize("shape", ["sandwich", "post_norm"])
 def test_compiles_with_no_graph_break_norm_add_shapes(shape):
     _compiles_whole(shape)
+
+
+@pytest.mark.torch_only("add_norm's plain lane is the CPU torch path's")
+def test_a_plain_stack_keeps_add_norms_plain_lane(monkeypatch):
+    """The shapes' keywords are left out of a plain call, so add_norm's host-time fast lane
+    (which tests the branch defaults by identity) still serves the plain stack and block."""
+    import fuseblock.ops.norm as ops_norm
+
+    calls = []
+    real = ops_norm._plain_call
+    monkeypatch.setattr(ops_norm, "_plain_call", lambda *a: calls.append(1) or real(*a))
+    fuseblock.ResidualStack([nn.Identity() for _ in range(3)], D)(torch.randn(SHAPE))
+    assert len(calls) == 4
+    fuseblock.ResidualStack([nn.Identity() for _ in range(3)], D, dropout=0.1).eval()(torch.randn(SHAPE))
+    assert len(calls) == 8  # dropout in eval is the plain call too
