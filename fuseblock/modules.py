@@ -8,7 +8,9 @@ for deferred (meta-device) initialization.
 
 `Norm.add` is the fused call with the module's own parameters and settings: the stream,
 the Hugging Face integration and the GPT call it rather than copying settings into
-`add_norm`, so a new Norm option stops in this file.
+`add_norm`, so a new Norm option stops in this file. `Norm.norm_add` and
+`Norm.norm_add_norm` are the same for the post-norm and sandwich ops, the module being
+the branch norm.
 """
 from __future__ import annotations
 
@@ -23,9 +25,11 @@ from .ops.checks import (
     check_last_dim,
     check_options,
     check_weight_offset,
+    default_eps,
     resolve,
 )
-from .ops.norm import add_norm
+from .ops.norm import _NO_DROPOUT, _NO_SCALE, add_norm
+from .ops.norm_add import norm_add, norm_add_norm
 from .ops.norm_linear import norm_linear
 from .spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION
 
@@ -49,10 +53,12 @@ class Norm(nn.Module):
     fuseblock.norm). It is keyword-only, so flash-attention's habit `norm(x, residual)`
     is a TypeError rather than a gate. out = N(x) * (weight_offset + weight) + bias.
     bias=None means a bias for kind="layer" only, so nn.LayerNorm(d) and nn.RMSNorm(d)
-    state_dicts load with no other flags. weight_offset (Gemma's 1 + w) makes the
-    weight's initial value zeros. eps=None (the default) is torch's, resolved at each
-    call: nn.LayerNorm's 1e-5 for kind="layer", else nn.RMSNorm's machine epsilon of the
-    input's computation dtype.
+    state_dicts load with no other flags; `weight=False` / `bias=False` drop one parameter,
+    and `elementwise_affine=False` both, whatever `weight` and `bias` say, as in
+    nn.LayerNorm(d, elementwise_affine=False) (and nn.RMSNorm's, which has no bias).
+    weight_offset (Gemma's 1 + w) makes the weight's initial value zeros. eps=None (the
+    default) is torch's, resolved at each call: nn.LayerNorm's 1e-5 for kind="layer", else
+    nn.RMSNorm's machine epsilon of the input's computation dtype.
     """
 
     # the dtype `add` keeps new_residual in when its call names none; AddNorm's is settable
@@ -67,6 +73,7 @@ class Norm(nn.Module):
         c: float | None = None,
         weight: bool = True,
         bias: bool | None = None,
+        elementwise_affine: bool = True,
         num_groups: int = 1,
         gate_act: str = DEFAULT_GATE_ACT,
         gate_position: str = DEFAULT_GATE_POSITION,
@@ -79,6 +86,9 @@ class Norm(nn.Module):
         check_flag("weight", weight)  # whether the parameter exists; a tensor here is a mistaken initial value
         if bias is not None:
             check_flag("bias", bias)
+        check_flag("elementwise_affine", elementwise_affine)
+        if not elementwise_affine:  # torch's norms then have neither parameter, whatever bias says
+            weight, bias = False, False
         check_float_dtype("dtype", dtype)
         # eps=None passes through to the op, which resolves it for each input's dtype
         check_options(dim, kind=kind, c=c, eps=0.0 if eps is None else eps, num_groups=num_groups, gate_act=gate_act,
@@ -88,6 +98,7 @@ class Norm(nn.Module):
         self.kind, self.c, self.eps = kind, c, None if eps is None else float(eps)
         self.num_groups, self.gate_act, self.gate_position = int(num_groups), gate_act, gate_position
         self.weight_offset = float(weight_offset)
+        self.elementwise_affine = bool(elementwise_affine)
         factory = dict(device=device, dtype=dtype)
         self.weight = nn.Parameter(torch.empty(dim, **factory)) if weight else None
         self.bias = nn.Parameter(torch.empty(dim, **factory)) if (kind == "layer" if bias is None else bias) else None
@@ -106,10 +117,14 @@ class Norm(nn.Module):
         return self.add(x, None, gate=gate)[0]
 
     def add(self, x: Tensor, residual: Tensor | None = None, *, residual_dtype: torch.dtype | None = None,
-            gate: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """fuseblock.add_norm with this module's parameters and settings: (N(x + residual),
-        x + residual). residual_dtype=None keeps new_residual in the module's residual_dtype
-        (an AddNorm's), else in the dtype torch's `x + residual` has."""
+            gate: Tensor | None = None, alpha: float = _NO_SCALE, x1: Tensor | None = None,
+            dropout_p: float = _NO_DROPOUT) -> tuple[Tensor, Tensor]:
+        """fuseblock.add_norm with this module's parameters and settings: (N(r'), r') with
+        r' = residual + alpha * (drop(x) + drop(x1)). residual_dtype=None keeps new_residual
+        in the module's residual_dtype (an AddNorm's), else in the dtype torch's
+        `x + residual` has. dropout_p is the caller's to zero in eval. The defaults are
+        add_norm's own objects, which its plain lane tests by identity: pass none of the
+        three for a plain add."""
         # Written for host time, which is the eager torch path's cost: keywords written out
         # (no dict built per call), and x's width checked up front only where no parameter
         # would catch it; otherwise after the op refuses, to name x rather than the weight.
@@ -124,7 +139,7 @@ class Norm(nn.Module):
                 x, residual, weight, bias, kind=self.kind, c=self.c, eps=self.eps, residual_dtype=residual_dtype,
                 gate=gate, gate_act=self.gate_act if gated else DEFAULT_GATE_ACT,
                 gate_position=self.gate_position if gated else DEFAULT_GATE_POSITION, num_groups=self.num_groups,
-                weight_offset=self.weight_offset,
+                weight_offset=self.weight_offset, alpha=alpha, x1=x1, dropout_p=dropout_p,
             )
         except ValueError:
             check_last_dim(x, self.dim)
@@ -145,6 +160,44 @@ class Norm(nn.Module):
                            eps=self.eps, weight_offset=self.weight_offset,
                            residual_dtype=self.residual_dtype if residual_dtype is None else residual_dtype)
 
+    def norm_add(self, x: Tensor, residual: Tensor, *, alpha: float = 1.0,
+                 residual_dtype: torch.dtype | None = None) -> Tensor:
+        """fuseblock.norm_add with this module as the branch norm: residual + alpha * N(x),
+        the post-norm step (OLMo2). residual_dtype as in `add`."""
+        self._check_plain("norm_add")
+        return norm_add(x, residual, self.weight, self.bias, kind=self.kind, eps=self.eps,
+                        weight_offset=self.weight_offset, alpha=alpha,
+                        residual_dtype=self.residual_dtype if residual_dtype is None else residual_dtype)
+
+    def norm_add_norm(self, x: Tensor, residual: Tensor, norm: Norm, *, alpha: float = 1.0,
+                      residual_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+        """fuseblock.norm_add_norm with this module as the branch norm and `norm` the one after
+        (Gemma2's sandwich): (norm(r'), r') with r' = residual + alpha * self(x), both norms
+        in one launch. They share the kind; each keeps its eps, weight_offset and
+        parameters. residual_dtype as in `add`, None taking `norm`'s."""
+        if not isinstance(norm, Norm):
+            raise TypeError(f"norm must be a fuseblock Norm, got {type(norm).__name__}")
+        self._check_plain("norm_add_norm")
+        norm._check_plain("norm_add_norm")
+        if norm.kind != self.kind:
+            raise ValueError(f"norm_add_norm: both norms take one kind, got {self.kind!r} (branch) and "
+                             f"{norm.kind!r} (norm)")
+        if norm.dim != self.dim:
+            raise ValueError(f"norm_add_norm: both norms normalize one width, got {self.dim} (branch) and "
+                             f"{norm.dim} (norm)")
+        return norm_add_norm(x, residual, self.weight, norm.weight, self.bias, norm.bias, kind=self.kind,
+                             # the branch's eps=None is torch's for x, not norm's eps
+                             eps=norm.eps, branch_eps=default_eps(x.dtype, self.kind) if self.eps is None else self.eps,
+                             weight_offset=norm.weight_offset,
+                             branch_weight_offset=self.weight_offset, alpha=alpha,
+                             residual_dtype=norm.residual_dtype if residual_dtype is None else residual_dtype)
+
+    def _check_plain(self, op: str) -> None:
+        # the norm_add ops take no c, groups or gate: a norm with them calls norm, then adds
+        if self.c is not None or self.num_groups != 1:
+            raise ValueError(f"{op}: takes no c or num_groups (this norm has c={self.c}, "
+                             f"num_groups={self.num_groups}); call the norm, then add")
+
     def naive(self, x: Tensor) -> Tensor:
         """The same function (without a gate) on the torch path's plain ops, never the fused
         kernels: the naive stream's norm."""
@@ -160,9 +213,11 @@ class Norm(nn.Module):
         parts = [f"{self.normalized_shape}", f"kind={self.kind!r}", f"eps={self.eps}"]
         if self.c is not None:
             parts.append(f"c={self.c}")
-        if self.weight is None:
+        if not self.elementwise_affine:
+            parts.append("elementwise_affine=False")
+        elif self.weight is None:
             parts.append("weight=False")
-        if (self.bias is not None) != (self.kind == "layer"):
+        if self.elementwise_affine and (self.bias is not None) != (self.kind == "layer"):
             parts.append(f"bias={self.bias is not None}")
         if self.num_groups > 1:
             parts.append(f"num_groups={self.num_groups}")

@@ -19,14 +19,16 @@ docs/stream.md has the long form.
 from __future__ import annotations
 
 import inspect
+import numbers
 import re
 from collections.abc import Iterable, Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .modules import AddNorm
-from .ops.checks import check_float_dtype, check_int
+from .modules import AddNorm, Norm
+from .ops.checks import check_flag, check_float_dtype, check_int, check_number
 
 
 def _split(out) -> tuple:
@@ -51,11 +53,37 @@ def _keywords_accepted(mixer: nn.Module, bound: int, reserved: tuple[str, ...] =
                      if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in taken)
 
 
+def _check_variant(alpha, dropout, parallel, sandwich: bool, post_norm: bool) -> None:
+    """The block options, and the combinations the fused ops take (docs/stream.md)."""
+    check_number("alpha", alpha)
+    if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
+    check_flag("sandwich", sandwich)
+    check_flag("post_norm", post_norm)
+    if parallel is not None and not isinstance(parallel, nn.Module):
+        raise TypeError(f"parallel must be an nn.Module (the second mixer) or None, got {type(parallel).__name__}")
+    # norm_add and norm_add_norm take no second branch and no dropout
+    unsupported = [name for name, on in (("sandwich", sandwich), ("post_norm", post_norm),
+                                         ("parallel", parallel is not None), ("dropout", dropout > 0)) if on]
+    if (sandwich or post_norm) and len(unsupported) > 1:
+        raise ValueError(f"{' with '.join(unsupported)} is not supported: sandwich and post_norm fuse one branch "
+                         f"without dropout (norm_add_norm, norm_add); use one of them alone (alpha goes with any)")
+
+
+def _dropped(t: Tensor, p: float) -> Tensor:
+    return F.dropout(t, p, training=True) if p > 0.0 else t
+
+
+def _scaled(alpha: float, t: Tensor) -> Tensor:
+    return t if alpha == 1.0 else alpha * t
+
+
 class PreNormBlock(nn.Module):
     """One pre-norm sublayer: `forward(hidden, residual=None, *args, **kwargs) -> (hidden, residual)`.
 
-    residual' = hidden + residual, hidden' = mixer(norm(residual'), *args, **kwargs), the
-    add and the norm in one launch. `mixer` is any module mapping (..., dim) to (..., dim);
+    residual' = residual + alpha * drop(hidden), hidden' = mixer(norm(residual'), *args,
+    **kwargs), the add and the norm in one launch (with no residual, the stream's input:
+    residual' = hidden as it is). `mixer` is any module mapping (..., dim) to (..., dim);
     the extra arguments (rotary embeddings, masks, caches, position ids) go to it
     unchanged. A mixer that returns a tuple `(out, *rest)` (Hugging Face attention returns
     (out, weights)) makes the block return `(out, residual, *rest)`: the first element is
@@ -65,12 +93,30 @@ class PreNormBlock(nn.Module):
     dtype of torch's `hidden + residual`. kind, eps, bias and weight_offset are Norm's
     (bias=None: a bias for kind="layer" only; eps=None: torch's default for the kind and the residual's dtype).
 
+    The shapes of docs/stream.md, each the naive twin's `naive(x)` step:
+    - `alpha` (a float) scales the branch and `dropout` (a probability, applied in training
+      only) drops from it: x + alpha * drop(mixer(N(x))). The block applies them to the
+      branch it adds, `hidden`, so in a chain they are the previous block's output's.
+    - `parallel=module`: one norm feeds two mixers whose outputs add (GPT-NeoX, Phi):
+      x + alpha * (drop(mixer(h)) + drop(parallel(h))), h = N(x). forward returns the pair
+      `(out, out1)` as the hidden state, which the next block (or the stack's final norm)
+      adds with add_norm's x1; each module gets the keywords its forward accepts.
+    - `sandwich=True` (Gemma2's Peri-LN): a branch norm `branch_norm` on the mixer's
+      output, x + alpha * N_b(mixer(N(x))). forward returns the output before N_b; the next
+      block takes `branch_norm=` this block's branch_norm and applies N_b, the add and its
+      own norm in one launch (norm_add_norm), as ResidualStack does.
+    - `post_norm=True` (OLMo2): no pre-norm, x + alpha * N_b(mixer(x)); `norm` is None and
+      forward takes the whole stream as `hidden` (residual None) and returns
+      `(new stream, None, *rest)`, one norm_add launch.
+    sandwich and post_norm take no dropout or parallel, and not each other (ValueError).
+
     A mixer with `fuses_prenorm = True` is called as `mixer(hidden, residual, *args,
     prenorm=norm, **kwargs) -> (hidden', residual')` instead: it applies `norm` itself,
     fused into its first Linear (fuseblock.norm_linear), so the normed activations are not
     kept for backward. The call goes through the mixer's __call__, so its hooks (FSDP2's
     gathering of its parameters among them) run as for any call. The naive form still
-    calls `mixer(norm(x))`.
+    calls `mixer(norm(x))`. norm_linear takes none of the options above: such a mixer in a
+    block with one is a ValueError.
     """
 
     def __init__(
@@ -83,38 +129,131 @@ class PreNormBlock(nn.Module):
         residual_dtype: torch.dtype | None = None,
         bias: bool | None = None,
         weight_offset: float = 0.0,
+        alpha: float = 1.0,
+        dropout: float = 0.0,
+        parallel: nn.Module | None = None,
+        sandwich: bool = False,
+        post_norm: bool = False,
     ):
         super().__init__()
         if not isinstance(mixer, nn.Module):
             raise TypeError(f"mixer must be an nn.Module, got {type(mixer).__name__}")
         check_int("dim", dim)
+        _check_variant(alpha, dropout, parallel, sandwich, post_norm)
+        if post_norm and residual_dtype is not None:
+            raise ValueError("post_norm with residual_dtype is not supported: each mixer reads the stream itself, "
+                             "so the stream keeps the activations' dtype")
         self.mixer = mixer
-        self.norm = AddNorm(dim, kind=kind, eps=eps, bias=bias, residual_dtype=residual_dtype,
-                            weight_offset=weight_offset)
-        self._keywords_cache = (mixer, self._read_keywords(mixer))
+        norm_kw = dict(kind=kind, eps=eps, bias=bias, weight_offset=weight_offset)
+        self.norm = None if post_norm else AddNorm(dim, residual_dtype=residual_dtype, **norm_kw)
+        self.parallel = parallel
+        self.branch_norm = Norm(dim, **norm_kw) if sandwich or post_norm else None
+        self.alpha, self.dropout = float(alpha), float(dropout)
+        self.sandwich, self.post_norm = sandwich, post_norm
+        self._keywords_cache = [(None, None), (None, None)]  # (module, its keywords) of the mixer, the parallel
+        self._keywords(None)
 
     @property
     def residual_dtype(self) -> torch.dtype | None:
-        return self.norm.residual_dtype
+        return None if self.norm is None else self.norm.residual_dtype
 
-    def forward(self, hidden: Tensor, residual: Tensor | None = None, *args, **kwargs) -> tuple:
+    def _has_options(self) -> bool:
+        return (self.alpha != 1.0 or self.dropout > 0.0 or self.parallel is not None or self.sandwich
+                or self.post_norm)
+
+    def forward(self, hidden, residual: Tensor | None = None, *args, branch_norm: Norm | None = None,
+                **kwargs) -> tuple:
         # A mixer whose first op is a Linear on the normed input may take the norm in
         # with it (fuseblock.norm_linear, docs/stream.md): it is handed the un-normed sum.
         if getattr(self.mixer, "fuses_prenorm", False):
+            if self._has_options() or branch_norm is not None:
+                raise ValueError(f"a fuses_prenorm mixer ({type(self.mixer).__name__}) fuses the norm into its "
+                                 f"Linear, which takes no alpha, dropout, parallel, sandwich or post_norm")
             return self.mixer(hidden, residual, *args, prenorm=self.norm, **kwargs)
-        normed, residual = self.norm(hidden, residual)
-        out = self.mixer(normed, *args, **kwargs)
-        if isinstance(out, tuple):
-            return (out[0], residual, *out[1:])
-        return out, residual
+        hidden, residual, rest = self._step(hidden, residual, branch_norm, args, kwargs)
+        return (hidden, residual, *rest)
+
+    def _step(self, hidden, residual, branch_norm, args, kwargs) -> tuple:
+        """(hidden', residual', rest): the fused step."""
+        if self.post_norm:
+            if residual is not None or branch_norm is not None or isinstance(hidden, tuple):
+                raise ValueError("a post_norm block takes the whole stream as hidden: residual and branch_norm "
+                                 "must be None")
+            out, rest = _split(self.mixer(hidden, *args, **kwargs))
+            # checked here, before norm_add would refuse it as its x
+            if isinstance(out, Tensor) and out.shape != hidden.shape:
+                raise ValueError(f"mixer ({type(self.mixer).__name__}) maps shape {tuple(hidden.shape)} to "
+                                 f"{tuple(out.shape)}: a mixer must keep its input's shape")
+            return self.branch_norm.norm_add(out, hidden, alpha=self.alpha), None, rest
+        normed, residual = self._enter(hidden, residual, branch_norm)
+        out, rest = _split(self.mixer(normed, *args, **self._kwargs_for(0, kwargs)))
+        if self.parallel is None:
+            return out, residual, rest
+        out1, rest1 = _split(self.parallel(normed, *args, **self._kwargs_for(1, kwargs)))
+        return (out, out1), residual, rest + rest1
+
+    def _enter(self, hidden, residual, branch_norm):
+        """(N(r'), r'): r' = hidden with no residual (the stream's input), else residual plus
+        the branch `hidden` (a pair after a parallel block; normed by branch_norm after a
+        sandwich block), in one launch."""
+        pair = isinstance(hidden, tuple)
+        if residual is None:
+            if pair or branch_norm is not None:
+                raise ValueError("a branch (a pair of outputs, or one for branch_norm) needs the residual it adds to")
+            return self.norm.add(hidden, None)
+        if branch_norm is not None:
+            if pair:
+                raise ValueError("branch_norm takes one branch, got a pair (a parallel block's outputs)")
+            return branch_norm.norm_add_norm(hidden, residual, self.norm, alpha=self.alpha)
+        if self.sandwich:
+            raise ValueError("a sandwich block's hidden is the previous block's output before its branch norm: "
+                             "pass branch_norm=previous_block.branch_norm")
+        h, h1 = hidden if pair else (hidden, None)
+        p = self.dropout if self.training else 0.0
+        if h1 is None and self.alpha == 1.0 and p == 0.0:  # add_norm's plain lane, keywords left out
+            return self.norm.add(h, residual)
+        return self.norm.add(h, residual, alpha=self.alpha, x1=h1, dropout_p=p)
 
     def naive(self, x: Tensor, *args, **kwargs):
-        """The unfused step x + mixer(norm(x), *args, **kwargs) with the same parameters:
-        x's new value, or `(new x, *rest)` for a mixer that returns `(out, *rest)`."""
-        out = self.mixer(self.norm.naive(x), *args, **kwargs)
-        if isinstance(out, tuple):
-            return (x + out[0], *out[1:])
-        return x + out
+        """The unfused step (x + alpha * drop(mixer(norm(x), *args, **kwargs)), or the form
+        its options give) with the same parameters: x's new value, or `(new x, *rest)` for a
+        mixer that returns `(out, *rest)`."""
+        new, rest = self._naive_step(x, x.dtype, args, kwargs)
+        return (new, *rest) if rest else new
+
+    def _naive_step(self, h: Tensor, dtype: torch.dtype, args, kwargs, check=None) -> tuple[Tensor, tuple]:
+        """(h + alpha * branch, rest) in plain torch ops; the mixers see `dtype`. check(out,
+        what) sees each mixer's output first (the stack's error names its index)."""
+        p = self.dropout if self.training else 0.0
+        normed = (h if self.post_norm else self.norm.naive(h)).to(dtype)
+        out, rest = _split(self.mixer(normed, *args, **self._kwargs_for(0, kwargs)))
+        if check is not None:
+            check(out, "mixers")
+        if self.branch_norm is not None:
+            branch = self.branch_norm.naive(out)
+        elif self.parallel is not None:
+            out1, rest1 = _split(self.parallel(normed, *args, **self._kwargs_for(1, kwargs)))
+            if check is not None:
+                check(out1, "parallel")
+            branch, rest = _dropped(out, p) + _dropped(out1, p), rest + rest1
+        else:
+            branch = _dropped(out, p)
+        return h + _scaled(self.alpha, branch), rest
+
+    def extra_repr(self) -> str:
+        """The shape's settings that differ from the default (the modules show their own)."""
+        parts = [f"alpha={self.alpha}"] if self.alpha != 1.0 else []
+        parts += [f"dropout={self.dropout}"] if self.dropout > 0.0 else []
+        parts += [f"{name}=True" for name in ("sandwich", "post_norm") if getattr(self, name)]
+        return ", ".join(parts)
+
+    def _kwargs_for(self, which: int, kwargs: dict) -> dict:
+        """A parallel block's two modules each get the keywords their forward accepts; a
+        single mixer gets what the block was given."""
+        if self.parallel is None or not kwargs:
+            return kwargs
+        accepted = self._keywords(which)
+        return kwargs if accepted is None else {k: v for k, v in kwargs.items() if k in accepted}
 
     @staticmethod
     def _read_keywords(mixer: nn.Module) -> frozenset[str] | None:
@@ -124,13 +263,21 @@ class PreNormBlock(nn.Module):
             return _keywords_accepted(mixer, 2, ("prenorm",))
         return _keywords_accepted(mixer, 1)
 
-    def _keywords(self) -> frozenset[str] | None:
-        """The keywords a ResidualStack may pass this block's mixer (None: all of them), read
-        from its forward's signature once per mixer: again only after `.mixer` is replaced."""
-        mixer, accepted = self._keywords_cache
-        if mixer is not self.mixer:
-            self._keywords_cache = (self.mixer, self._read_keywords(self.mixer))
-            accepted = self._keywords_cache[1]
+    def _keywords(self, which: int | None = None) -> frozenset[str] | None:
+        """The keywords a ResidualStack may pass this block's mixer (which=0), its parallel
+        module (1), or either (None: the union); None for all of them. Read from each
+        forward's signature once per module: again only after `.mixer` or `.parallel` is
+        replaced."""
+        if which is None:
+            if self.parallel is None:
+                return self._keywords(0)
+            first, second = self._keywords(0), self._keywords(1)
+            return None if first is None or second is None else first | second
+        module = self.mixer if which == 0 else self.parallel
+        cached, accepted = self._keywords_cache[which]
+        if cached is not module:
+            accepted = self._read_keywords(module)
+            self._keywords_cache[which] = (module, accepted)
         return accepted
 
 
@@ -140,13 +287,16 @@ class ResidualStack(nn.Module):
     `forward(x, **kwargs) -> Tensor` with x's dtype, or with `return_extras=True`
     `(Tensor, extras)`: extras[k] is the tuple of what mixers[k] returned after its first
     element (attention weights, a new key/value cache), () for a mixer that returns a
-    tensor. Each mixer gets the keyword arguments (masks, rotary embeddings, position ids)
-    its forward accepts, all of them if it takes **kwargs; a keyword no mixer accepts is a
-    TypeError. `fused=False` runs the naive form with the same parameters and state_dict
-    keys, so one checkpoint serves both; `fused` and `return_extras` may be flipped on a
-    built stack. kind, eps, bias, weight_offset and residual_dtype go to every norm (see
-    PreNormBlock). `stack_to_layers` / `layers_to_stack` map its state_dict keys to and
-    from the `layers.{i}.{attn,mlp,input_norm,post_norm}` layout.
+    tensor (then what parallel[k] returned after its first). Each mixer gets the keyword
+    arguments (masks, rotary embeddings, position ids) its forward accepts, all of them if
+    it takes **kwargs; a keyword no mixer accepts is a TypeError. `fused=False` runs the
+    naive form with the same parameters and state_dict keys, so one checkpoint serves both;
+    `fused` and `return_extras` may be flipped on a built stack. kind, eps, bias,
+    weight_offset and residual_dtype go to every norm (see PreNormBlock), and so do the
+    shapes: `alpha`, `dropout`, `sandwich`, `post_norm` to every block, `parallel` an
+    iterable of modules, parallel[k] the second mixer of block k. `stack_to_layers` /
+    `layers_to_stack` map its state_dict keys to and from the
+    `layers.{i}.{attn,mlp,input_norm,post_norm}` layout (the plain shape's keys only).
     """
 
     def __init__(
@@ -162,31 +312,52 @@ class ResidualStack(nn.Module):
         bias: bool | None = None,
         weight_offset: float = 0.0,
         return_extras: bool = False,
+        alpha: float = 1.0,
+        dropout: float = 0.0,
+        parallel: Iterable[nn.Module] | None = None,
+        sandwich: bool = False,
+        post_norm: bool = False,
     ):
         super().__init__()
-        # nn.ModuleList and nn.Sequential iterate over their sublayers; any other single
-        # module is a mistake (it would silently become a stack of its children).
-        if isinstance(mixers, nn.Module) and not isinstance(mixers, (nn.ModuleList, nn.Sequential)):
-            raise TypeError(f"mixers must be an iterable of nn.Module (one per sublayer), got {type(mixers).__name__}")
-        try:
-            mixers = list(mixers)
-        except TypeError:
-            raise TypeError(f"mixers must be an iterable of nn.Module, got {type(mixers).__name__}") from None
+        mixers = self._modules_of("mixers", mixers)
         if not mixers:
             raise ValueError("mixers must hold at least one nn.Module (one per sublayer), got none")
-        for i, m in enumerate(mixers):
-            if not isinstance(m, nn.Module):
-                raise TypeError(f"mixers[{i}] must be an nn.Module, got {type(m).__name__}")
+        seconds = [None] * len(mixers)
+        if parallel is not None:
+            seconds = self._modules_of("parallel", parallel)
+            if len(seconds) != len(mixers):
+                raise ValueError(f"parallel must hold one nn.Module per mixer ({len(mixers)}), got {len(seconds)}")
         for name, flag in (("final_norm", final_norm), ("fused", fused), ("return_extras", return_extras)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         check_int("dim", dim)
         check_float_dtype("residual_dtype", residual_dtype)
         norm_kw = dict(kind=kind, eps=eps, bias=bias, residual_dtype=residual_dtype, weight_offset=weight_offset)
-        self.blocks = nn.ModuleList(PreNormBlock(m, dim, **norm_kw) for m in mixers)
+        self.blocks = nn.ModuleList(
+            PreNormBlock(m, dim, alpha=alpha, dropout=dropout, parallel=m1, sandwich=sandwich, post_norm=post_norm,
+                         **norm_kw)
+            for m, m1 in zip(mixers, seconds, strict=True))
         self.norm_f = AddNorm(dim, **norm_kw) if final_norm else None
         self.fused, self.return_extras = fused, return_extras
         self.residual_dtype = residual_dtype
+        self.alpha, self.dropout = float(alpha), float(dropout)
+        self.sandwich, self.post_norm = sandwich, post_norm
+
+    @staticmethod
+    def _modules_of(name: str, modules) -> list[nn.Module]:
+        # nn.ModuleList and nn.Sequential iterate over their sublayers; any other single
+        # module is a mistake (it would silently become a stack of its children).
+        if isinstance(modules, nn.Module) and not isinstance(modules, (nn.ModuleList, nn.Sequential)):
+            raise TypeError(f"{name} must be an iterable of nn.Module (one per sublayer), got "
+                            f"{type(modules).__name__}")
+        try:
+            modules = list(modules)
+        except TypeError:
+            raise TypeError(f"{name} must be an iterable of nn.Module, got {type(modules).__name__}") from None
+        for i, m in enumerate(modules):
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"{name}[{i}] must be an nn.Module, got {type(m).__name__}")
+        return modules
 
     def forward(self, x: Tensor, **kwargs):
         routed = self._route(kwargs)
@@ -210,16 +381,33 @@ class ResidualStack(nn.Module):
         return routed
 
     def _fused(self, x: Tensor, routed: list[dict]) -> tuple[Tensor, tuple]:
-        hidden, residual, extras = x, None, []
+        hidden, residual, branch_norm, extras = x, None, None, []
         for i, (block, kwargs) in enumerate(zip(self.blocks, routed, strict=True)):
-            out = block(hidden, residual, **kwargs)  # (hidden, residual, *rest)
+            # through the block's __call__, so its hooks run (FSDP2's gathering among them);
+            # after a sandwich block the next one takes its branch norm into its launch
+            out = (block(hidden, residual, **kwargs) if branch_norm is None
+                   else block(hidden, residual, branch_norm=branch_norm, **kwargs))  # (hidden, residual, *rest)
             hidden, residual = out[0], out[1]
-            self._check_mixer_output(i, hidden, x)
+            parts = hidden if isinstance(hidden, tuple) else (hidden,)  # a parallel block's pair
+            for part, what in zip(parts, ("mixers", "parallel")[:len(parts)], strict=True):
+                self._check_mixer_output(i, part, x, what)
+            branch_norm = block.branch_norm if self.sandwich else None
             extras.append(tuple(out[2:]))
-        if self.norm_f is not None:  # o = norm_f(p_n + r_n), one more launch
-            out = self.norm_f(hidden, residual)[0]
-        else:
-            out = hidden + residual
+        if self.post_norm:  # the whole stream is `hidden`
+            out = hidden if self.norm_f is None else self.norm_f.add(hidden)[0]
+        elif self.sandwich:  # o = N_f(r + alpha * N_b(p)), one norm_add_norm (or norm_add)
+            out = (branch_norm.norm_add(hidden, residual, alpha=self.alpha) if self.norm_f is None
+                   else branch_norm.norm_add_norm(hidden, residual, self.norm_f, alpha=self.alpha)[0])
+        else:  # o = norm_f(r + alpha * (drop(p) + drop(p1))), one more launch
+            h, h1 = hidden if isinstance(hidden, tuple) else (hidden, None)
+            p = self.dropout if self.training else 0.0
+            if self.norm_f is None:
+                branch = _dropped(h, p) if h1 is None else _dropped(h, p) + _dropped(h1, p)
+                out = residual + _scaled(self.alpha, branch)
+            elif h1 is None and self.alpha == 1.0 and p == 0.0:  # add_norm's plain lane
+                out = self.norm_f.add(h, residual)[0]
+            else:
+                out = self.norm_f.add(h, residual, alpha=self.alpha, x1=h1, dropout_p=p)[0]
         return out.to(x.dtype), tuple(extras)
 
     def _naive(self, x: Tensor, routed: list[dict]) -> tuple[Tensor, tuple]:
@@ -227,21 +415,22 @@ class ResidualStack(nn.Module):
         # x's dtype, as it does in the fused form.
         h, extras = (x if self.residual_dtype is None else x.to(self.residual_dtype)), []
         for i, (block, kwargs) in enumerate(zip(self.blocks, routed, strict=True)):
-            out, rest = _split(block.mixer(block.norm.naive(h).to(x.dtype), **kwargs))
-            self._check_mixer_output(i, out, x)
-            h = h + out
+            def check(out, what, i=i):
+                self._check_mixer_output(i, out, x, what)
+            h, rest = block._naive_step(h, x.dtype, (), kwargs, check)
             extras.append(rest)
         if self.norm_f is not None:
             h = self.norm_f.naive(h)
         return h.to(x.dtype), tuple(extras)
 
-    def _check_mixer_output(self, i: int, out, x: Tensor) -> None:
+    def _check_mixer_output(self, i: int, out, x: Tensor, what: str = "mixers") -> None:
         # Unchecked, a wrong width reaches the next norm, which refuses it as x's last dim.
+        module = self.blocks[i].mixer if what == "mixers" else self.blocks[i].parallel
         if not isinstance(out, Tensor):
-            raise TypeError(f"mixers[{i}] ({type(self.blocks[i].mixer).__name__}) returned "
+            raise TypeError(f"{what}[{i}] ({type(module).__name__}) returned "
                             f"{type(out).__name__}, not a tensor (or a tuple whose first element is one)")
         if out.shape != x.shape:
-            raise ValueError(f"mixers[{i}] ({type(self.blocks[i].mixer).__name__}) maps last dim {x.shape[-1]} "
+            raise ValueError(f"{what}[{i}] ({type(module).__name__}) maps last dim {x.shape[-1]} "
                              f"to {out.shape[-1]} (shape {tuple(x.shape)} to {tuple(out.shape)}): every mixer "
                              f"must map (..., {x.shape[-1]}) to the same shape")
 

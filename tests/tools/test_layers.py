@@ -1,6 +1,6 @@
 """The package's layers, read from its source: imports point one way
-(spec -> kernels and reference -> ops -> modules -> stream -> integrations, the tools
-above them all) with no cycle, and only `fuseblock/ops/` names the registered custom ops
+(spec -> kernels and reference -> ops -> modules -> stream -> integrations and compat, the
+tools above them all) with no cycle, and only `fuseblock/ops/` names the registered custom ops
 by string (everything else takes them from the ops' `FusedOp.fwd_op` / `bwd_op`)."""
 import ast
 import re
@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "fuseblock"
 # rank of each module, by its dotted name under fuseblock (the longest prefix listed wins)
 RANKS = {"spec": 0, "triton_support": 0, "kernels": 1, "reference": 1, "ops": 2, "modules": 3, "norm_linear": 3,
-         "family": 3, "convert": 3, "stream": 4, "integrations": 5, "testing": 6, "": 7}
+         "family": 3, "convert": 3, "stream": 4, "integrations": 5, "compat": 5, "testing": 6,
+         "": 7}
 
 
 def _name(path) -> str:
