@@ -421,16 +421,16 @@ def _wide_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b
     dresidual (as in the unfused form, N_b's backward then reads that rounded value); alpha
     rides in N_b's scale (dq and dw are linear in scale * dp), so only db_b needs it apart."""
     if second and dout is not None:
-        dp, _, _, dw, db = norm_kernels.norm_bwd(dout, dres, p, None, weight, bias, _col(rstd), _col(mean), spec,
-                                                 residual_grad_dtype, None)
+        dp, _, _, dw, db, _ = norm_kernels.norm_bwd(dout, dres, p, None, weight, bias, _col(rstd), _col(mean), spec,
+                                                    residual_grad_dtype, None)
     else:
         # a copy: dresidual is dp, and a custom op's output must not alias an input
         dp = dres.to(residual_grad_dtype, copy=True) if dres is not None else \
             x.new_zeros(x.shape, dtype=residual_grad_dtype)
         dw, db = (None if t is None or not second else torch.zeros_like(t) for t in (weight, bias))
     scaled = dataclasses.replace(branch_spec, scale=branch_spec.scale * alpha)
-    dx, _, _, dbw, dbb = norm_kernels.norm_bwd(dp, None, x, None, branch_weight, branch_bias, _col(rstd_b),
-                                               _col(mean_b), scaled, x.dtype, None)
+    dx, _, _, dbw, dbb, _ = norm_kernels.norm_bwd(dp, None, x, None, branch_weight, branch_bias, _col(rstd_b),
+                                                  _col(mean_b), scaled, x.dtype, None)
     if dbb is not None and alpha != 1.0:
         dbb = dbb * alpha
     return dx, dp, dbw, dbb, (dw if second else None), (db if second else None)
