@@ -210,6 +210,7 @@ def apply_norm(x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], we
 
 
 _F32, _F64 = torch.float32, torch.float64
+_STRIDED = torch.strided
 _DEFAULT_EPS = {(kind, dt): default_eps(dt, kind) for kind in ("rms", "layer") for dt in (_F32, _F64)}
 _ONE_GROUP = 1  # compared by identity: CPython has one int 1, and True is another object
 _INF = math.inf
@@ -237,7 +238,8 @@ def _plain_call(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor],
     shape = x.shape
     if not shape:  # x with no dims: the checked path names it
         return None
-    if residual is not None and (residual.dtype is not dtype or residual.shape != shape):
+    if residual is not None and (residual.dtype is not dtype or residual.shape != shape
+                                 or residual.layout is not _STRIDED):  # x + a sparse residual is dense: refuse
         return None
     if eps is not None and (type(eps) is not float or not 0.0 < eps < _INF):
         return None

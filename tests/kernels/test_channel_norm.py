@@ -256,3 +256,6 @@ def test_channel_norms_bad_input_names_the_argument():
         fuseblock.BatchNorm(4)(X3)  # 3 channels, not 4
     with pytest.raises(ValueError, match="x"):
         fuseblock.InstanceNorm(4)(X3)
+    with pytest.raises(ValueError, match=r"x must be \(N, 3\) or \(N, 3, L\)"):  # nn.BatchNorm1d's shapes
+        fuseblock.BatchNorm(3)(torch.randn(2, 3, 2, 2))
+    assert fuseblock.batch_norm(torch.randn(2, 3, 2, 2), None, None, training=True).shape == (2, 3, 2, 2)

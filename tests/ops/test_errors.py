@@ -93,3 +93,39 @@ def test_modules_blame_x_for_a_last_dim_that_does_not_match():
 def test_module_switches_and_dtypes_are_type_checked(make, argument):
     with pytest.raises(TypeError, match=argument):
         make()
+
+
+def _sparse(t):
+    return t.to_sparse()
+
+
+def _jagged(t):
+    return torch.nested.nested_tensor(list(t.unbind(0)), layout=torch.jagged)
+
+
+W8, X4 = torch.ones(8), torch.randn(2, 4, 3)
+NOT_DENSE = [
+    # (call, the argument named): every op, a sparse or nested tensor where a dense one goes
+    (lambda f: fuseblock.norm(f(X)), "x"),
+    (lambda f: fuseblock.norm(X, f(W8)), "weight"),
+    (lambda f: fuseblock.add_norm(f(X), f(X)), "x"),
+    (lambda f: fuseblock.add_norm(X, f(X)), "residual"),
+    (lambda f: fuseblock.Norm(8)(f(X)), "x"),
+    (lambda f: fuseblock.embed_norm(f(X)), "x"),
+    (lambda f: fuseblock.group_norm(f(X4), 2), "x"),
+    (lambda f: fuseblock.batch_norm(f(X4), None, None, training=True), "x"),
+    (lambda f: fuseblock.norm_linear(f(X), None, None, None, torch.ones(3, 8)), "x"),
+    (lambda f: fuseblock.norm_add(f(X), X, W8), "x"),
+]
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("form", [_sparse, _jagged], ids=["sparse", "nested"])
+@pytest.mark.parametrize("call,argument", NOT_DENSE, ids=[f"{i}-{c[1]}" for i, c in enumerate(NOT_DENSE)])
+def test_a_sparse_or_nested_tensor_is_a_type_error_naming_it(call, argument, form):
+    """Not torch's internal errors from deep inside (sparse), nor a silent run (a jagged x
+    went through torch's rms_norm, a sparse residual through the plain lane's add)."""
+    if form is _jagged and argument == "weight":
+        pytest.skip("a nested tensor needs rows of at least one dim")
+    with pytest.raises(TypeError, match=rf"^{argument} must be a dense \(strided\) tensor"):
+        call(form)
