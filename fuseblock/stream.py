@@ -102,7 +102,9 @@ class PreNormBlock(nn.Module):
         # with it (fuseblock.norm_linear, docs/stream.md): it is handed the un-normed sum.
         if getattr(self.mixer, "fuses_prenorm", False):
             return self.mixer(hidden, residual, *args, prenorm=self.norm, **kwargs)
-        normed, residual = self.norm(hidden, residual)
+        # residual by keyword: a parallel style's input hook (torch's SequenceParallel keeps only
+        # the first positional input) can then not drop it (docs/parallel.md)
+        normed, residual = self.norm(hidden, residual=residual)
         out = self.mixer(normed, *args, **kwargs)
         if isinstance(out, tuple):
             return (out[0], residual, *out[1:])
@@ -217,7 +219,7 @@ class ResidualStack(nn.Module):
             self._check_mixer_output(i, hidden, x)
             extras.append(tuple(out[2:]))
         if self.norm_f is not None:  # o = norm_f(p_n + r_n), one more launch
-            out = self.norm_f(hidden, residual)[0]
+            out = self.norm_f(hidden, residual=residual)[0]
         else:
             out = hidden + residual
         return out.to(x.dtype), tuple(extras)

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import CheckpointError
 
 from .. import reference
 from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, acc_dtype, new_residual_dtype, residual_grad_dtype
+from . import dtensor
 from .checks import default_eps, resolve
 from .dispatch import func_transforms_active, kernels, kernels_take_cpu, uses_triton
 from .registry import FusedOp
@@ -236,6 +237,10 @@ def add_norm(
     A gate gives out = N(p * g(gate)) (gate_position="pre") or N(p) * g(gate) ("post"),
     g one of "silu" (alias "swish"), "sigmoid", "identity" (alias "none"). out has x's dtype.
     """
+    if dtensor.has_dtensor(x, residual, weight, bias, gate):  # per-rank shards: docs/parallel.md
+        return dtensor.add_norm(add_norm, x, residual, weight, bias, gate, kind=kind, c=c, eps=eps,
+                                residual_dtype=residual_dtype, gate_act=gate_act, gate_position=gate_position,
+                                num_groups=num_groups, weight_offset=weight_offset)
     if (gate is None and c is None and residual_dtype is None and num_groups is _ONE_GROUP
             and type(weight_offset) is float and weight_offset == 0.0 and gate_act is DEFAULT_GATE_ACT
             and gate_position is DEFAULT_GATE_POSITION and not is_compiling()):
