@@ -73,6 +73,12 @@ def test_addnorm_module_with_weight_and_bias_sharded_on_the_hidden_dim(ranks):
         assert max(rank["module_hidden"].values()) <= TOL, rank["module_hidden"]
 
 
+def test_row_sharded_takes_gates_and_groups(ranks):
+    for rank in ranks:
+        r = rank["gate_groups_rows"]
+        assert len(r) == 6 and max(r.values()) <= TOL, r  # out, new_residual; x, residual, gate, weight
+
+
 @pytest.mark.parametrize(("case", "error", "names"), [
     ("partial_x", "ValueError", "Partial(sum)"),
     ("weight_sharded_x_by_rows", "ValueError", "weight's placement Shard(dim=0)"),

@@ -96,6 +96,23 @@ def op_case(mesh, fn: str, kind: str, dim: int) -> dict:
     return found
 
 
+def gate_case(mesh) -> dict:
+    """A gated, grouped add_norm on rows sharded by sequence: the local op takes every option."""
+    torch.manual_seed(6)
+    x, r, z, w = torch.randn(B, T, D), torch.randn(B, T, D), torch.randn(B, T, D), torch.randn(D)
+    opts = dict(gate_position="pre", gate_act="sigmoid", num_groups=2)
+    ones = [t.clone().requires_grad_() for t in (x, r, z, w)]
+    out, res = fuseblock.add_norm(ones[0], ones[1], ones[3], gate=ones[2], **opts)
+    (out.square().sum() + res.sum()).backward()
+    shards = [distribute_tensor(t, mesh, [Shard(1)] if t.dim() == 3 else [Replicate()]).requires_grad_()
+              for t in (x, r, z, w)]
+    got, got_res = fuseblock.add_norm(shards[0], shards[1], shards[3], gate=shards[2], **opts)
+    (got.square().sum() + got_res.sum()).backward()
+    return {"value": rel_diff(got, out), "new_residual": rel_diff(got_res, res),
+            **{n: rel_diff(s.grad, o.grad) for n, s, o in zip(("x", "residual", "gate", "weight"), shards, ones,
+                                                               strict=True)}}
+
+
 def module_case(mesh) -> dict:
     """AddNorm with its weight and bias sharded on the hidden dim, called (x, residual)."""
     torch.manual_seed(2)
@@ -209,6 +226,7 @@ def main():
             for dim in (0, 1, 2):
                 mine[f"{fn}_{kind}_shard{dim}"] = op_case(mesh, fn, kind, dim)
     mine["module_hidden"] = module_case(mesh)
+    mine["gate_groups_rows"] = gate_case(mesh)
     mine["refusals"] = refusals(mesh)
     mine["stack_torch_style"] = stack_case(mesh, TorchSequenceParallel)
     mine["stack_fuseblock_style"] = stack_case(mesh, SequenceParallel)
