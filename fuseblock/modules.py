@@ -25,6 +25,7 @@ from .ops.checks import (
     check_weight_offset,
     resolve,
 )
+from .ops.dtensor import keeps_inputs
 from .ops.norm import add_norm
 from .ops.norm_linear import norm_linear
 from .spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION
@@ -192,6 +193,10 @@ class AddNorm(Norm):
 
     def forward(self, x: Tensor, residual: Tensor | None = None, *, gate: Tensor | None = None):
         return self.add(x, residual, gate=gate)
+
+    def register_forward_pre_hook(self, hook, **kwargs):
+        # a hook that drops the positional residual is refused at the call (fuseblock.ops.dtensor)
+        return super().register_forward_pre_hook(keeps_inputs(hook, kwargs.get("with_kwargs", False)), **kwargs)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ("" if self.residual_dtype is None else f", residual_dtype={self.residual_dtype}")

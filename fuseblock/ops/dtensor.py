@@ -219,3 +219,22 @@ def _affine(r: Tensor, w: Tensor | None, b: Tensor | None, spec, a: torch.dtype)
     if b is not None:
         o = o + b.to(a)
     return o
+
+
+def keeps_inputs(hook: Callable, with_kwargs: bool) -> Callable:
+    """`hook`, a module's forward pre-hook, refused where it drops positional inputs of a call
+    that has more than one: torch's SequenceParallel style keeps only the first, which on an
+    AddNorm would normalize x alone, the residual silently lost. A hook with kwargs returns
+    (args, kwargs) and is left as it is."""
+    if with_kwargs:
+        return hook
+
+    def checked(module, args):
+        out = hook(module, args)
+        if out is not None and len(args) > 1 and len(out if isinstance(out, tuple) else (out,)) < len(args):
+            raise ValueError(f"a forward pre-hook of {type(module).__name__} dropped its residual (torch's "
+                             f"SequenceParallel keeps only the first input): use fuseblock.parallel.SequenceParallel")
+        return out
+
+    return checked
+

@@ -139,6 +139,8 @@ def refusals(mesh) -> dict:
     w_rep = distribute_tensor(torch.ones(D), mesh, [Replicate()])
     w_sh = distribute_tensor(torch.ones(D), mesh, [Shard(0)])
     partial = DTensor.from_local(torch.randn(B, T, D), mesh, [Partial()])
+    torch_style = parallelize_module(fuseblock.AddNorm(D), mesh, TorchSequenceParallel())
+    x_local, r_local = torch.randn(B, T // 2, D), torch.randn(B, T // 2, D)
     calls = {
         "partial_x": lambda: fuseblock.norm(partial, w_rep),
         "weight_sharded_x_by_rows": lambda: fuseblock.norm(x, w_sh),
@@ -147,6 +149,8 @@ def refusals(mesh) -> dict:
         "plain_weight": lambda: fuseblock.norm(x, torch.ones(D)),
         "gate_hidden": lambda: fuseblock.norm(xh, w_sh, gate=xh),
         "groups_hidden": lambda: fuseblock.norm(xh, w_sh, num_groups=2),
+        # torch's style keeps the first input only: the residual must not vanish silently
+        "torch_style_positional_residual": lambda: torch_style(x_local, r_local),
     }
     found = {}
     for name, call in calls.items():
