@@ -87,6 +87,7 @@ def test_row_sharded_takes_gates_and_groups(ranks):
     ("plain_weight", "TypeError", "weight is a Tensor"),
     ("gate_hidden", "ValueError", "gate"),
     ("groups_hidden", "ValueError", "num_groups"),
+    ("norm_linear", "TypeError", "norm_linear does not take DTensors"),
     ("torch_style_positional_residual", "ValueError", "use fuseblock.parallel.SequenceParallel"),
 ])
 def test_other_placements_are_refused_naming_them(ranks, case, error, names):

@@ -149,6 +149,8 @@ def refusals(mesh) -> dict:
         "plain_weight": lambda: fuseblock.norm(x, torch.ones(D)),
         "gate_hidden": lambda: fuseblock.norm(xh, w_sh, gate=xh),
         "groups_hidden": lambda: fuseblock.norm(xh, w_sh, num_groups=2),
+        "norm_linear": lambda: fuseblock.norm_linear(x, None, w_rep, None, distribute_tensor(torch.ones(3, D), mesh,
+                                                                                            [Replicate()])),
         # torch's style keeps the first input only: the residual must not vanish silently
         "torch_style_positional_residual": lambda: torch_style(x_local, r_local),
     }
