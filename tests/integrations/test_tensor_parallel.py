@@ -79,6 +79,13 @@ def test_row_sharded_takes_gates_and_groups(ranks):
         assert len(r) == 6 and max(r.values()) <= TOL, r  # out, new_residual; x, residual, gate, weight
 
 
+@pytest.mark.parametrize("case", ["compiled_shard1", "compiled_shard2"])
+def test_torch_compile_fullgraph_traces_the_dtensor_calls(ranks, case):
+    for rank in ranks:
+        r = rank[case]
+        assert len(r) == 6 and max(r.values()) <= TOL, r  # out, new_residual; x, residual, weight, bias
+
+
 @pytest.mark.parametrize(("case", "error", "names"), [
     ("partial_x", "ValueError", "Partial(sum)"),
     ("weight_sharded_x_by_rows", "ValueError", "weight's placement Shard(dim=0)"),

@@ -113,6 +113,24 @@ def gate_case(mesh) -> dict:
                                                                strict=True)}}
 
 
+def compile_case(mesh, dim: int) -> dict:
+    """add_norm (layer) on DTensors under torch.compile(fullgraph=True): no graph break,
+    values and every gradient as one process's."""
+    torch.manual_seed(7)
+    x, r, w, b = torch.randn(B, T, D), torch.randn(B, T, D), torch.randn(D), torch.randn(D)
+    ones = [t.clone().requires_grad_() for t in (x, r, w, b)]
+    out, res = fuseblock.add_norm(*ones, kind="layer")
+    (out.square().sum() + res.sum()).backward()
+    vec = [Shard(0)] if dim == 2 else [Replicate()]
+    shards = [distribute_tensor(t, mesh, [Shard(dim)] if t.dim() == 3 else vec).requires_grad_() for t in (x, r, w, b)]
+    torch._dynamo.reset()
+    got, got_res = torch.compile(lambda *a: fuseblock.add_norm(*a, kind="layer"), fullgraph=True)(*shards)
+    (got.square().sum() + got_res.sum()).backward()
+    return {"value": rel_diff(got, out), "new_residual": rel_diff(got_res, res),
+            **{n: rel_diff(s.grad, o.grad) for n, s, o in zip(("x", "residual", "weight", "bias"), shards, ones,
+                                                               strict=True)}}
+
+
 def module_case(mesh) -> dict:
     """AddNorm with its weight and bias sharded on the hidden dim, called (x, residual)."""
     torch.manual_seed(2)
@@ -233,6 +251,7 @@ def main():
                 mine[f"{fn}_{kind}_shard{dim}"] = op_case(mesh, fn, kind, dim)
     mine["module_hidden"] = module_case(mesh)
     mine["gate_groups_rows"] = gate_case(mesh)
+    mine["compiled_shard1"], mine["compiled_shard2"] = compile_case(mesh, 1), compile_case(mesh, 2)
     mine["refusals"] = refusals(mesh)
     mine["stack_torch_style"] = stack_case(mesh, TorchSequenceParallel)
     mine["stack_fuseblock_style"] = stack_case(mesh, SequenceParallel)
