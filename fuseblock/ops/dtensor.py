@@ -18,6 +18,7 @@ not import `fuseblock.ops.norm`.
 """
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 
@@ -104,8 +105,11 @@ def add_norm(local_add_norm: Callable, x, residual, weight, bias, gate, **option
     else:
         out, new_res = _hidden_add_norm(x, residual, weight, bias, gate, xl, rl, wl, bl, mesh, hidden_dims, **options)
 
+    # the outputs are new, contiguous tensors of x's global shape
+    stride = tuple(math.prod(x.shape[i + 1:]) for i in range(x.dim()))
+
     def placed(t):
-        return DTensor.from_local(_plain(t), mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
+        return DTensor.from_local(_plain(t), mesh, x.placements, run_check=False, shape=x.shape, stride=stride)
 
     # no residual and no dtype change: new_residual is x itself, as add_norm's
     return placed(out), (x if new_res is xl else placed(new_res))
@@ -173,9 +177,9 @@ class _HiddenNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, p: Tensor, w: Tensor | None, b: Tensor | None, spec, d: int, groups):
         a = acc_dtype(p.dtype)
-        sums = [p.sum(-1, dtype=torch.float64)] if spec.center else []
-        sums.append(p.square().sum(-1, dtype=torch.float64) if p.dtype == torch.float64
-                    else p.to(torch.float64).square().sum(-1))
+        p64 = p.to(torch.float64)  # a temporary: nothing of the forward is kept but p and the statistics
+        sums = [p64.sum(-1)] if spec.center else []
+        sums.append(p64.square().sum(-1))
         total = _all_reduce(torch.stack(sums, -1), groups)
         mean = total[..., 0] / d if spec.center else None
         var = total[..., -1] / d - (mean.square() if spec.center else 0.0)
