@@ -18,6 +18,7 @@ pytestmark = pytest.mark.kernel
 WORKER = str(ROOT / "tests" / "integrations" / "tp_worker.py")
 TOL = 1e-6  # relative to max(1, the largest reference value): fp32 sums in another order
 CASES = [f"{fn}_{kind}_shard{dim}" for fn in ("norm", "add_norm") for kind in ("rms", "layer") for dim in (0, 1, 2)]
+CASES += ["add_norm_layer_uneven_shard1", "add_norm_layer_uneven_shard2"]  # (2, 5, 7): shards of 3 + 2 and 4 + 3
 
 
 @pytest.fixture(scope="module")

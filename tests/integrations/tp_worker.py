@@ -49,13 +49,13 @@ class Collectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def op_case(mesh, fn: str, kind: str, dim: int) -> dict:
-    """fuseblock.norm / add_norm on x sharded on `dim` (2: the normalized dim, the weight and
-    bias Shard(0) with it; else replicated): values and every gradient against one process,
-    the gradients arriving at out and new_residual both, and what it communicated."""
+def op_case(mesh, fn: str, kind: str, dim: int, shape=(B, T, D)) -> dict:
+    """fuseblock.norm / add_norm on x of `shape` sharded on `dim` (2: the normalized dim, the
+    weight and bias Shard(0) with it; else replicated): values and every gradient against one
+    process, the gradients arriving at out and new_residual both, and what it communicated."""
     torch.manual_seed(1)
-    x, r, dy, dz = (torch.randn(B, T, D) for _ in range(4))
-    w, b = torch.randn(D), torch.randn(D) if kind == "layer" else None
+    x, r, dy, dz = (torch.randn(shape) for _ in range(4))
+    w, b = torch.randn(shape[-1]), torch.randn(shape[-1]) if kind == "layer" else None
     ones = [t.clone().requires_grad_() for t in (x, r, w, b) if t is not None]
     place = [Shard(dim)]
     vec = [Shard(0)] if dim == 2 else [Replicate()]
@@ -89,7 +89,7 @@ def op_case(mesh, fn: str, kind: str, dim: int) -> dict:
         "weight_grad_placements": str(shards[2].grad.placements),
         "comm_counts": {str(k): v for k, v in comm.get_comm_counts().items()},
         "collectives": coll.calls,
-        "rows": B * T // (1 if dim == 2 else 2),
+        "rows": got.to_local().numel() // got.to_local().shape[-1],  # this rank's
     }
     if got_res is not None:
         found["new_residual"] = rel_diff(got_res, new_res)
@@ -249,6 +249,8 @@ def main():
         for kind in ("rms", "layer"):
             for dim in (0, 1, 2):
                 mine[f"{fn}_{kind}_shard{dim}"] = op_case(mesh, fn, kind, dim)
+    for dim in (1, 2):  # 5 rows split 3 + 2, 7 columns 4 + 3
+        mine[f"add_norm_layer_uneven_shard{dim}"] = op_case(mesh, "add_norm", "layer", dim, (2, 5, 7))
     mine["module_hidden"] = module_case(mesh)
     mine["gate_groups_rows"] = gate_case(mesh)
     mine["compiled_shard1"], mine["compiled_shard2"] = compile_case(mesh, 1), compile_case(mesh, 2)
