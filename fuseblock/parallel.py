@@ -7,56 +7,57 @@ fused stream's residual: its input hook keeps only the first positional input, s
 tensor input of a Norm or AddNorm (x, residual, gate; positional or keyword) on the
 sequence dim and replicates the module's parameters, whose gradients DTensor then sums
 over the ranks. Use it for `blocks.*.norm` and `norm_f` of a ResidualStack in a
-`parallelize_module` plan.
+`parallelize_module` plan. `HiddenParallel` shards a norm on its normalized dim instead,
+the weight and bias with it: for a norm whose input comes from a column-parallel Linear
+(a query/key norm over all heads), with no gather (fuseblock.ops.dtensor).
 """
 from __future__ import annotations
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .modules import Norm
 
-__all__ = ["SequenceParallel"]
+__all__ = ["HiddenParallel", "SequenceParallel"]
 
 
-class SequenceParallel(ParallelStyle):
-    """Shard a fuseblock Norm / AddNorm's inputs on `sequence_dim` and replicate its parameters.
+class _NormStyle(ParallelStyle):
+    """What both styles share: the inputs of a Norm / AddNorm (positional or keyword) made
+    DTensors sharded on `_dim(t)`, plain tensors taken as this rank's shard and DTensors
+    placed otherwise redistributed; the outputs, `out` (Norm) or `(out, new_residual)`
+    (AddNorm), DTensors sharded the same way, or their local shards with use_local_output."""
 
-    Plain tensor inputs are taken as this rank's shard of the sequence (as torch's
-    SequenceParallel takes them); DTensor inputs placed otherwise are redistributed. The
-    outputs, `out` (Norm) or `(out, new_residual)` (AddNorm), are DTensors sharded the
-    same way, or their local shards with use_local_output=True.
-    """
-
-    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False):
+    def __init__(self, *, use_local_output: bool = False):
         super().__init__()
-        if type(sequence_dim) is not int:
-            raise TypeError(f"sequence_dim must be an int, got {type(sequence_dim).__name__}")
         if type(use_local_output) is not bool:
             raise TypeError(f"use_local_output must be a bool, got {type(use_local_output).__name__}")
-        self.sequence_dim, self.use_local_output = sequence_dim, use_local_output
+        self.use_local_output = use_local_output
+
+    def _dim(self, t: Tensor) -> int:
+        raise NotImplementedError
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        """Place the module's parameters (distribute_module replicates those left plain)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        style = type(self).__name__
         if not isinstance(module, Norm):
-            raise TypeError(f"fuseblock.parallel.SequenceParallel applies to a fuseblock Norm or AddNorm (a "
-                            f"stack's blocks.*.norm, norm_f), got {type(module).__name__}")
+            raise TypeError(f"fuseblock.parallel.{style} applies to a fuseblock Norm or AddNorm, "
+                            f"got {type(module).__name__}")
         if device_mesh.ndim != 1:
-            raise ValueError(f"SequenceParallel takes a 1-D mesh (a 2-D mesh's tensor-parallel dim, "
-                             f"mesh['tp']), got {device_mesh.ndim} dims")
-        distribute_module(module, device_mesh)  # no partition_fn: parameters replicated
-        placements = (Shard(self.sequence_dim),)
+            raise ValueError(f"{style} takes a 1-D mesh (a 2-D mesh's tensor-parallel dim, mesh['tp']), "
+                             f"got {device_mesh.ndim} dims")
+        distribute_module(module, device_mesh, self._partition)
 
         def shard(t):
+            if not isinstance(t, Tensor):
+                return t
+            placements = (Shard(self._dim(t)),)
             if isinstance(t, DTensor):
                 return t if t.placements == placements else t.redistribute(device_mesh, placements)
-            if isinstance(t, Tensor):
-                if not -t.dim() <= self.sequence_dim < t.dim() or self.sequence_dim % t.dim() == t.dim() - 1:
-                    raise ValueError(f"sequence_dim {self.sequence_dim} is not a row dim of an input of shape "
-                                     f"{tuple(t.shape)} (the last dim is the normalized one)")
-                return DTensor.from_local(t, device_mesh, placements, run_check=False)
-            return t
+            return DTensor.from_local(t, device_mesh, placements, run_check=False)
 
         def inputs(_, args, kwargs):
             return tuple(shard(a) for a in args), {k: shard(v) for k, v in kwargs.items()}
@@ -70,6 +71,42 @@ class SequenceParallel(ParallelStyle):
         module.register_forward_hook(outputs, with_kwargs=True)
         return module
 
+
+class SequenceParallel(_NormStyle):
+    """Shard a fuseblock Norm / AddNorm's inputs (x, residual, gate) on `sequence_dim` and
+    replicate its parameters, whose gradients are then Partial sums over the ranks. Plain
+    tensor inputs are taken as this rank's rows of the sequence, as torch's
+    SequenceParallel takes them."""
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False):
+        super().__init__(use_local_output=use_local_output)
+        if type(sequence_dim) is not int:
+            raise TypeError(f"sequence_dim must be an int, got {type(sequence_dim).__name__}")
+        self.sequence_dim = sequence_dim
+
+    def _dim(self, t: Tensor) -> int:
+        if not -t.dim() <= self.sequence_dim < t.dim() or self.sequence_dim % t.dim() == t.dim() - 1:
+            raise ValueError(f"sequence_dim {self.sequence_dim} is not a row dim of an input of shape "
+                             f"{tuple(t.shape)} (the last dim is the normalized one)")
+        return self.sequence_dim % t.dim()
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(sequence_dim={self.sequence_dim}, use_local_output={self.use_local_output})"
 
+
+class HiddenParallel(_NormStyle):
+    """Shard a fuseblock Norm / AddNorm on its normalized (last) dim: the inputs Shard(-1) (a
+    plain tensor is this rank's columns, as a column-parallel Linear's local output is),
+    the weight and bias Shard(0). The statistics cost one all-reduce of 8 (RMS) or 16
+    (layer) bytes a row forward and as many backward; gates and num_groups > 1 are refused."""
+
+    def _dim(self, t: Tensor) -> int:
+        return t.dim() - 1
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(param.detach(), mesh, [Shard(0)]),
+                                                          requires_grad=param.requires_grad))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(use_local_output={self.use_local_output})"

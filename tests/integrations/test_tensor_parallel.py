@@ -117,8 +117,10 @@ def test_sequence_parallel_plan_on_a_fused_stack_keeps_the_residual(ranks, style
         assert len(r["grads"]) == 14, r  # every parameter: 2 blocks x (norm w, b, 2 Linears' w, b) + norm_f's
 
 
-def test_fuseblock_style_shards_a_bare_addnorm_s_positional_residual(ranks):
+@pytest.mark.parametrize(("case", "weight"), [("addnorm_sequence_style", "Replicate()"),
+                                             ("addnorm_hidden_style", "Shard(dim=0)")])
+def test_fuseblock_styles_shard_a_bare_addnorm_s_positional_residual(ranks, case, weight):
     for rank in ranks:
-        r = rank["addnorm_fuseblock_style"]
-        assert r["local_output"] == "Tensor", r  # use_local_output=True
-        assert r["value"] <= TOL and r["new_residual"] <= TOL and r["weight"] <= TOL, r
+        r = rank[case]
+        assert r["local_output"] == "Tensor" and r["weight_placements"] == f"({weight},)", r  # use_local_output=True
+        assert max(v for v in r.values() if isinstance(v, float)) <= TOL, r

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import fuseblock  # noqa: E402
-from fuseblock.parallel import SequenceParallel  # noqa: E402
+from fuseblock.parallel import HiddenParallel, SequenceParallel  # noqa: E402
 
 B, T, D = 2, 4, 6  # T and D even: both ranks hold the same number of rows / columns
 
@@ -214,24 +214,26 @@ def stack_case(mesh, style) -> dict:
     return {"value": rel_diff(got, out), "grad_max": max(grads.values()), "grads": grads}
 
 
-def addnorm_style_case(mesh) -> dict:
-    """fuseblock's SequenceParallel on a bare AddNorm called (x, residual) positionally."""
+def addnorm_style_case(mesh, style, dim: int) -> dict:
+    """A fuseblock style (sequence_dim 1, or the hidden dim 2) on a bare layer AddNorm called
+    (x, residual) positionally with this rank's shards, use_local_output=True."""
     torch.manual_seed(5)
-    one = fuseblock.AddNorm(D)
+    one = fuseblock.AddNorm(D, kind="layer")
     with torch.no_grad():
-        one.weight.normal_()
-    tp = fuseblock.AddNorm(D)
+        one.weight.normal_(), one.bias.normal_()
+    tp = fuseblock.AddNorm(D, kind="layer")
     tp.load_state_dict(one.state_dict())
-    parallelize_module(tp, mesh, SequenceParallel(use_local_output=True))
+    parallelize_module(tp, mesh, style(use_local_output=True))
     x, r = torch.randn(B, T, D), torch.randn(B, T, D)
     out, res = one(x, r)
     (out.square().sum() + res.sum()).backward()
     rank = dist.get_rank()
-    got, got_res = tp(x.chunk(2, 1)[rank], r.chunk(2, 1)[rank])
+    got, got_res = tp(x.chunk(2, dim)[rank], r.chunk(2, dim)[rank])
     (got.square().sum() + got_res.sum()).backward()
-    whole_out, whole_res = torch.cat(_gather(got), 1), torch.cat(_gather(got_res), 1)
-    return {"local_output": type(got).__name__, "value": rel_diff(whole_out, out), "new_residual":
-            rel_diff(whole_res, res), "weight": rel_diff(tp.weight.grad, one.weight.grad)}
+    whole_out, whole_res = torch.cat(_gather(got), dim), torch.cat(_gather(got_res), dim)
+    return {"local_output": type(got).__name__, "weight_placements": str(tp.weight.placements),
+            "value": rel_diff(whole_out, out), "new_residual": rel_diff(whole_res, res),
+            "weight": rel_diff(tp.weight.grad, one.weight.grad), "bias": rel_diff(tp.bias.grad, one.bias.grad)}
 
 
 def _gather(t):
@@ -257,7 +259,8 @@ def main():
     mine["refusals"] = refusals(mesh)
     mine["stack_torch_style"] = stack_case(mesh, TorchSequenceParallel)
     mine["stack_fuseblock_style"] = stack_case(mesh, SequenceParallel)
-    mine["addnorm_fuseblock_style"] = addnorm_style_case(mesh)
+    mine["addnorm_sequence_style"] = addnorm_style_case(mesh, SequenceParallel, 1)
+    mine["addnorm_hidden_style"] = addnorm_style_case(mesh, HiddenParallel, 2)
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     if dist.get_rank() == 0:
