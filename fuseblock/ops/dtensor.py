@@ -193,6 +193,7 @@ class _HiddenNorm(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # a second derivative would need the collectives' own
     def backward(ctx, dout: Tensor):
         p, w, rstd, mean = ctx.saved_tensors
         spec, d = ctx.spec, ctx.d
