@@ -24,10 +24,11 @@ __all__ = ["HiddenParallel", "SequenceParallel"]
 
 
 class _NormStyle(ParallelStyle):
-    """What both styles share: the inputs of a Norm / AddNorm (positional or keyword) made
-    DTensors sharded on `_dim(t)`, plain tensors taken as this rank's shard and DTensors
-    placed otherwise redistributed; the outputs, `out` (Norm) or `(out, new_residual)`
-    (AddNorm), DTensors sharded the same way, or their local shards with use_local_output."""
+    """What both styles share: the tensor arguments of a Norm / AddNorm's calls (positional or
+    keyword; through forward or `Norm.add`) made DTensors sharded on `_dim(t)`, plain tensors
+    taken as this rank's shard and DTensors placed otherwise redistributed; the outputs,
+    `out` (Norm) or `(out, new_residual)` (AddNorm), DTensors sharded the same way, or their
+    local shards with use_local_output."""
 
     def __init__(self, *, use_local_output: bool = False):
         super().__init__()
@@ -59,16 +60,16 @@ class _NormStyle(ParallelStyle):
                 return t if t.placements == placements else t.redistribute(device_mesh, placements)
             return DTensor.from_local(t, device_mesh, placements, run_check=False)
 
-        def inputs(_, args, kwargs):
-            return tuple(shard(a) for a in args), {k: shard(v) for k, v in kwargs.items()}
+        # Norm.add is the one call under forward and the one the stream makes (a block may
+        # call it rather than the module), so it is wrapped, not forward: no forward hook
+        # would see a call that bypasses forward.
+        fused = module.add
 
-        def outputs(_, args, kwargs, out):
-            if not self.use_local_output:
-                return out
-            return tuple(t.to_local() for t in out) if isinstance(out, tuple) else out.to_local()
+        def add(*args, **kwargs):
+            out = fused(*(shard(a) for a in args), **{k: shard(v) for k, v in kwargs.items()})
+            return tuple(t.to_local() for t in out) if self.use_local_output else out
 
-        module.register_forward_pre_hook(inputs, with_kwargs=True)
-        module.register_forward_hook(outputs, with_kwargs=True)
+        module.add = add
         return module
 
 

@@ -118,6 +118,7 @@ def test_sequence_parallel_plan_on_a_fused_stack_keeps_the_residual(ranks, style
 
 
 @pytest.mark.parametrize(("case", "weight"), [("addnorm_sequence_style", "Replicate()"),
+                                             ("addnorm_sequence_style_add", "Replicate()"),  # AddNorm.add
                                              ("addnorm_hidden_style", "Shard(dim=0)")])
 def test_fuseblock_styles_shard_a_bare_addnorm_s_positional_residual(ranks, case, weight):
     for rank in ranks:

@@ -214,9 +214,10 @@ def stack_case(mesh, style) -> dict:
     return {"value": rel_diff(got, out), "grad_max": max(grads.values()), "grads": grads}
 
 
-def addnorm_style_case(mesh, style, dim: int) -> dict:
+def addnorm_style_case(mesh, style, dim: int, via_add: bool = False) -> dict:
     """A fuseblock style (sequence_dim 1, or the hidden dim 2) on a bare layer AddNorm called
-    (x, residual) positionally with this rank's shards, use_local_output=True."""
+    (x, residual) positionally with this rank's shards, use_local_output=True; via_add: by
+    `AddNorm.add`, as a block may call it, not through forward."""
     torch.manual_seed(5)
     one = fuseblock.AddNorm(D, kind="layer")
     with torch.no_grad():
@@ -228,7 +229,7 @@ def addnorm_style_case(mesh, style, dim: int) -> dict:
     out, res = one(x, r)
     (out.square().sum() + res.sum()).backward()
     rank = dist.get_rank()
-    got, got_res = tp(x.chunk(2, dim)[rank], r.chunk(2, dim)[rank])
+    got, got_res = (tp.add if via_add else tp)(x.chunk(2, dim)[rank], r.chunk(2, dim)[rank])
     (got.square().sum() + got_res.sum()).backward()
     whole_out, whole_res = torch.cat(_gather(got), dim), torch.cat(_gather(got_res), dim)
     return {"local_output": type(got).__name__, "weight_placements": str(tp.weight.placements),
@@ -261,6 +262,7 @@ def main():
     mine["stack_fuseblock_style"] = stack_case(mesh, SequenceParallel)
     mine["addnorm_sequence_style"] = addnorm_style_case(mesh, SequenceParallel, 1)
     mine["addnorm_hidden_style"] = addnorm_style_case(mesh, HiddenParallel, 2)
+    mine["addnorm_sequence_style_add"] = addnorm_style_case(mesh, SequenceParallel, 1, via_add=True)
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     if dist.get_rank() == 0:
