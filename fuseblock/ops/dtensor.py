@@ -28,10 +28,10 @@ from torch import Tensor
 from ..spec import acc_dtype, new_residual_dtype
 from .checks import resolve
 
-_NAMES = ("x", "residual", "weight", "bias", "gate")
+_NAMES = ("x", "residual", "weight", "bias", "gate", "x1")
 
 
-def has_dtensor(x, residual, weight, bias, gate) -> bool:
+def has_dtensor(x, residual, weight, bias, gate, x1=None) -> bool:
     """Whether any argument is a DTensor: 0.09 us a call while torch.distributed.tensor is not
     loaded, 0.27 us once it is (this project's CPU). Written out, not looped over the
     arguments: on the eager torch path this is part of every small call's host time."""
@@ -40,15 +40,16 @@ def has_dtensor(x, residual, weight, bias, gate) -> bool:
         return False
     cls = module.DTensor
     return (isinstance(x, cls) or isinstance(weight, cls) or (residual is not None and isinstance(residual, cls))
-            or (bias is not None and isinstance(bias, cls)) or (gate is not None and isinstance(gate, cls)))
+            or (bias is not None and isinstance(bias, cls)) or (gate is not None and isinstance(gate, cls))
+            or (x1 is not None and isinstance(x1, cls)))
 
 
-def _placements(x, residual, weight, bias, gate):
+def _placements(x, residual, weight, bias, gate, x1=None):
     """(mesh, row_dims, hidden_dims): the mesh dims on which x is sharded by rows and those on
     which it is sharded on its last dim, after checking every argument's placement."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    tensors = dict(zip(_NAMES, (x, residual, weight, bias, gate), strict=True))
+    tensors = dict(zip(_NAMES, (x, residual, weight, bias, gate, x1), strict=True))
     for name, t in tensors.items():
         if t is not None and not isinstance(t, DTensor):
             raise TypeError(f"{name} is a {type(t).__name__}, but another argument is a DTensor: pass every tensor "
@@ -70,7 +71,7 @@ def _placements(x, residual, weight, bias, gate):
             raise ValueError(f"x's placement {p!r} on mesh dim {i} is not supported: fuseblock's norms take x "
                              f"Replicate, Shard on a row dim, or Shard({last}) (the normalized dim); "
                              f"redistribute it first (docs/parallel.md)")
-        for name in ("residual", "gate"):
+        for name in ("residual", "gate", "x1"):
             t = tensors[name]
             if t is not None and t.placements[i] != p:
                 raise ValueError(f"{name}'s placement {t.placements[i]!r} on mesh dim {i} differs from x's {p!r}: "
@@ -83,12 +84,16 @@ def _placements(x, residual, weight, bias, gate):
     return mesh, row_dims, hidden_dims
 
 
-def add_norm(local_add_norm: Callable, x, residual, weight, bias, gate, **options):
+def add_norm(local_add_norm: Callable, x, residual, weight, bias, gate, x1=None, **options):
     """`local_add_norm(x, residual, weight, bias, gate=gate, **options)` (fuseblock's add_norm)
-    on DTensor arguments: (out, new_residual) as DTensors placed as x is."""
+    on DTensor arguments: (out, new_residual) as DTensors placed as x is. A second branch x1
+    is placed as x; dropout is refused (every rank would draw the same masks for its own rows)."""
     from torch.distributed.tensor import DTensor, Partial
 
-    mesh, row_dims, hidden_dims = _placements(x, residual, weight, bias, gate)
+    if options.get("dropout_p", 0.0) != 0.0:
+        raise ValueError(f"dropout_p={options['dropout_p']} on DTensors: each rank would draw the same masks "
+                         f"for different rows; apply torch's dropout to the DTensor branch first")
+    mesh, row_dims, hidden_dims = _placements(x, residual, weight, bias, gate, x1)
     # the weight's gradient: summed over the mesh dims whose ranks hold other rows
     vector_grad = [Partial() if i in row_dims else p for i, p in enumerate(weight.placements)] \
         if weight is not None else None
@@ -100,6 +105,8 @@ def add_norm(local_add_norm: Callable, x, residual, weight, bias, gate, **option
 
     xl, rl, gl = local(x), local(residual), local(gate)
     wl, bl = local(weight, vector_grad), local(bias, bias_grad)
+    if x1 is not None:
+        options["x1"] = local(x1)
     if not hidden_dims:
         out, new_res = local_add_norm(xl, rl, wl, bl, gate=gl, **options)
     else:
@@ -116,9 +123,10 @@ def add_norm(local_add_norm: Callable, x, residual, weight, bias, gate, **option
 
 
 def _hidden_add_norm(x, residual, weight, bias, gate, xl, rl, wl, bl, mesh, hidden_dims, *, kind, c, eps,
-                     residual_dtype, gate_act, gate_position, num_groups, weight_offset):
-    if gate is not None or num_groups != 1:
-        raise ValueError(f"a gate and num_groups > 1 are not supported with x sharded on its last dim "
+                     residual_dtype, gate_act, gate_position, num_groups, weight_offset, x1=None, alpha=1.0,
+                     dropout_p=0.0):
+    if gate is not None or num_groups != 1 or x1 is not None or alpha != 1.0:
+        raise ValueError(f"a gate, num_groups > 1, x1 and alpha are not supported with x sharded on its last dim "
                          f"(x's placements {tuple(x.placements)}): shard x by rows, or replicate it")
     # the global shapes: the spec's scale c/sqrt(d) and eps are the whole row's
     spec = resolve(x, residual, weight, bias, None, kind=kind, c=c, eps=eps, gate_act=gate_act,
