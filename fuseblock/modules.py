@@ -28,6 +28,7 @@ from .ops.checks import (
     default_eps,
     resolve,
 )
+from .ops.dtensor import keeps_inputs
 from .ops.norm import _NO_DROPOUT, _NO_SCALE, add_norm
 from .ops.norm_add import norm_add, norm_add_norm
 from .ops.norm_linear import norm_linear
@@ -247,6 +248,10 @@ class AddNorm(Norm):
 
     def forward(self, x: Tensor, residual: Tensor | None = None, *, gate: Tensor | None = None):
         return self.add(x, residual, gate=gate)
+
+    def register_forward_pre_hook(self, hook, **kwargs):
+        # a hook that drops the positional residual is refused at the call (fuseblock.ops.dtensor)
+        return super().register_forward_pre_hook(keeps_inputs(hook, kwargs.get("with_kwargs", False)), **kwargs)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ("" if self.residual_dtype is None else f", residual_dtype={self.residual_dtype}")

@@ -27,6 +27,7 @@ from ..spec import (
     residual_grad_dtype,
     stored_dtype,
 )
+from . import dtensor
 from .checks import check_branch, default_eps, resolve
 from .dispatch import func_transforms_active, kernels, kernels_take_cpu, uses_triton
 from .registry import FusedOp
@@ -306,6 +307,11 @@ def add_norm(
     The backward returns dx = alpha * keep_x/(1 - dropout_p) * dp, dx1 likewise, and
     dresidual = dp (dp: the gradient at new_residual).
     """
+    if dtensor.has_dtensor(x, residual, weight, bias, gate, x1):  # per-rank shards: docs/parallel.md
+        return dtensor.add_norm(add_norm, x, residual, weight, bias, gate, x1, kind=kind, c=c, eps=eps,
+                                residual_dtype=residual_dtype, gate_act=gate_act, gate_position=gate_position,
+                                num_groups=num_groups, weight_offset=weight_offset, alpha=alpha,
+                                dropout_p=dropout_p)
     no_branch = x1 is None and alpha is _NO_SCALE and dropout_p is _NO_DROPOUT  # else checked below
     if (no_branch and gate is None and c is None and residual_dtype is None and num_groups is _ONE_GROUP
             and type(weight_offset) is float and weight_offset == 0.0 and gate_act is DEFAULT_GATE_ACT

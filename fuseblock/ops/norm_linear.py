@@ -22,6 +22,7 @@ from torch import Tensor
 
 from .. import reference
 from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, new_residual_dtype, residual_grad_dtype
+from . import dtensor
 from .checks import check_tensor, resolve
 from .dispatch import func_transforms_active, kernels, uses_triton
 from .norm import apply_norm, norm_op
@@ -159,6 +160,8 @@ def norm_linear(
     backward is refused.
     """
     check_tensor("x", x)
+    if dtensor.has_dtensor(x, residual, norm_weight, norm_bias, weight) or dtensor.has_dtensor(bias, *(None,) * 4):
+        raise TypeError("norm_linear does not take DTensors yet (docs/parallel.md): call add_norm, then the Linear")
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the normalized last dim)")
     for name, t in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "fuseblock"
 # rank of each module, by its dotted name under fuseblock (the longest prefix listed wins)
 RANKS = {"spec": 0, "triton_support": 0, "kernels": 1, "reference": 1, "ops": 2, "modules": 3, "norm_linear": 3,
-         "family": 3, "convert": 3, "stream": 4, "integrations": 5, "compat": 5, "testing": 6,
+         "family": 3, "convert": 3, "stream": 4, "parallel": 5, "integrations": 5, "compat": 5, "testing": 6,
          "": 7}
 
 

@@ -1,0 +1,113 @@
+"""Tensor and sequence parallelism: a ParallelStyle for fuseblock's norms (docs/parallel.md).
+
+`fuseblock.norm`, `add_norm` and the modules take DTensors themselves
+(`fuseblock.ops.dtensor`). What torch's own `SequenceParallel` style cannot do is carry the
+fused stream's residual: its input hook keeps only the first positional input, so
+`AddNorm(x, residual)` would normalize x alone. `SequenceParallel` here shards every
+tensor input of a Norm or AddNorm (x, residual, gate; positional or keyword) on the
+sequence dim and replicates the module's parameters, whose gradients DTensor then sums
+over the ranks. Use it for `blocks.*.norm` and `norm_f` of a ResidualStack in a
+`parallelize_module` plan. `HiddenParallel` shards a norm on its normalized dim instead,
+the weight and bias with it: for a norm whose input comes from a column-parallel Linear
+(a query/key norm over all heads), with no gather (fuseblock.ops.dtensor).
+"""
+from __future__ import annotations
+
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from .modules import Norm
+
+__all__ = ["HiddenParallel", "SequenceParallel"]
+
+
+class _NormStyle(ParallelStyle):
+    """What both styles share: the tensor arguments of a Norm / AddNorm's calls (positional or
+    keyword; through forward or `Norm.add`) made DTensors sharded on `_dim(t)`, plain tensors
+    taken as this rank's shard and DTensors placed otherwise redistributed; the outputs,
+    `out` (Norm) or `(out, new_residual)` (AddNorm), DTensors sharded the same way, or their
+    local shards with use_local_output."""
+
+    def __init__(self, *, use_local_output: bool = False):
+        super().__init__()
+        if type(use_local_output) is not bool:
+            raise TypeError(f"use_local_output must be a bool, got {type(use_local_output).__name__}")
+        self.use_local_output = use_local_output
+
+    def _dim(self, t: Tensor) -> int:
+        raise NotImplementedError
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        """Place the module's parameters (distribute_module replicates those left plain)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        style = type(self).__name__
+        if not isinstance(module, Norm):
+            raise TypeError(f"fuseblock.parallel.{style} applies to a fuseblock Norm or AddNorm, "
+                            f"got {type(module).__name__}")
+        if device_mesh.ndim != 1:
+            raise ValueError(f"{style} takes a 1-D mesh (a 2-D mesh's tensor-parallel dim, mesh['tp']), "
+                             f"got {device_mesh.ndim} dims")
+        distribute_module(module, device_mesh, self._partition)
+
+        def shard(t):
+            if not isinstance(t, Tensor):
+                return t
+            placements = (Shard(self._dim(t)),)
+            if isinstance(t, DTensor):
+                return t if t.placements == placements else t.redistribute(device_mesh, placements)
+            return DTensor.from_local(t, device_mesh, placements, run_check=False)
+
+        # Norm.add is the one call under forward and the one the stream makes (a block may
+        # call it rather than the module), so it is wrapped, not forward: no forward hook
+        # would see a call that bypasses forward.
+        fused = module.add
+
+        def add(*args, **kwargs):
+            out = fused(*(shard(a) for a in args), **{k: shard(v) for k, v in kwargs.items()})
+            return tuple(t.to_local() for t in out) if self.use_local_output else out
+
+        module.add = add
+        return module
+
+
+class SequenceParallel(_NormStyle):
+    """Shard a fuseblock Norm / AddNorm's inputs (x, residual, gate) on `sequence_dim` and
+    replicate its parameters, whose gradients are then Partial sums over the ranks. Plain
+    tensor inputs are taken as this rank's rows of the sequence, as torch's
+    SequenceParallel takes them."""
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False):
+        super().__init__(use_local_output=use_local_output)
+        if type(sequence_dim) is not int:
+            raise TypeError(f"sequence_dim must be an int, got {type(sequence_dim).__name__}")
+        self.sequence_dim = sequence_dim
+
+    def _dim(self, t: Tensor) -> int:
+        if not -t.dim() <= self.sequence_dim < t.dim() or self.sequence_dim % t.dim() == t.dim() - 1:
+            raise ValueError(f"sequence_dim {self.sequence_dim} is not a row dim of an input of shape "
+                             f"{tuple(t.shape)} (the last dim is the normalized one)")
+        return self.sequence_dim % t.dim()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(sequence_dim={self.sequence_dim}, use_local_output={self.use_local_output})"
+
+
+class HiddenParallel(_NormStyle):
+    """Shard a fuseblock Norm / AddNorm on its normalized (last) dim: the inputs Shard(-1) (a
+    plain tensor is this rank's columns, as a column-parallel Linear's local output is),
+    the weight and bias Shard(0). The statistics cost one all-reduce of 8 (RMS) or 16
+    (layer) bytes a row forward and as many backward; gates and num_groups > 1 are refused."""
+
+    def _dim(self, t: Tensor) -> int:
+        return t.dim() - 1
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(param.detach(), mesh, [Shard(0)]),
+                                                          requires_grad=param.requires_grad))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(use_local_output={self.use_local_output})"

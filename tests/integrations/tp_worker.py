@@ -1,0 +1,278 @@
+"""fuseblock on DTensors, on 2 gloo ranks (run under torchrun by test_tensor_parallel, once per
+path: the kernel path when TRITON_INTERPRET=1 is in the environment). Every check runs on
+both ranks against one process's result on the same data; rank 0 writes the findings as
+JSON to argv[1] and the test asserts on them."""
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import SequenceParallel as TorchSequenceParallel
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import fuseblock  # noqa: E402
+from fuseblock.parallel import HiddenParallel, SequenceParallel  # noqa: E402
+
+B, T, D = 2, 4, 6  # T and D even: both ranks hold the same number of rows / columns
+
+
+def whole(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def rel_diff(got, want) -> float:
+    """max |got - want| over max(1, max |want|): fp32 values of a few units differ by an ulp or two."""
+    got = whole(got)
+    return ((got.double() - want.double()).abs().max() / max(1.0, want.abs().max().item())).item()
+
+
+class Collectives(TorchDispatchMode):
+    """Every collective dispatched, with the bytes of the tensor it moves (CommDebugMode counts them only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional", "c10d_functional") and \
+                not func.__name__.startswith(("wait", "_wrap")):  # a wait or autograd wrapper moves nothing
+            t = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+            self.calls.append((func.__name__, t.numel() * t.element_size()))
+        return func(*args, **(kwargs or {}))
+
+
+def op_case(mesh, fn: str, kind: str, dim: int, shape=(B, T, D)) -> dict:
+    """fuseblock.norm / add_norm on x of `shape` sharded on `dim` (2: the normalized dim, the
+    weight and bias Shard(0) with it; else replicated): values and every gradient against one
+    process, the gradients arriving at out and new_residual both, and what it communicated."""
+    torch.manual_seed(1)
+    x, r, dy, dz = (torch.randn(shape) for _ in range(4))
+    w, b = torch.randn(shape[-1]), torch.randn(shape[-1]) if kind == "layer" else None
+    ones = [t.clone().requires_grad_() for t in (x, r, w, b) if t is not None]
+    place = [Shard(dim)]
+    vec = [Shard(0)] if dim == 2 else [Replicate()]
+    shards = [distribute_tensor(t, mesh, place if t.dim() == 3 else vec).requires_grad_()
+              for t in (x, r, w, b) if t is not None]
+    dys, dzs = distribute_tensor(dy, mesh, place), distribute_tensor(dz, mesh, place)
+
+    def run(xx, rr, ww, bb):
+        if fn == "norm":
+            return fuseblock.norm(xx, ww, bb, kind=kind), None
+        return fuseblock.add_norm(xx, rr, ww, bb, kind=kind)
+
+    def args(ts):
+        xx, rr, ww = ts[:3]
+        return xx, rr, ww, ts[3] if kind == "layer" else None
+
+    out, new_res = run(*args(ones))
+    (out * dy).sum().add((new_res * dz).sum() if new_res is not None else 0).backward()
+    with CommDebugMode() as comm, Collectives() as coll:
+        got, got_res = run(*args(shards))
+        loss = (got * dys).sum()
+        if got_res is not None:
+            loss = loss + (got_res * dzs).sum()
+        loss.backward()
+    found = {
+        "out_placements": str(got.placements),
+        "value": rel_diff(got, out),
+        "grads": {n: rel_diff(s.grad, o.grad) for n, s, o in zip(("x", "residual", "weight", "bias"),
+                                                                    shards, ones, strict=False)
+                  if fn == "add_norm" or n != "residual"},
+        "weight_grad_placements": str(shards[2].grad.placements),
+        "comm_counts": {str(k): v for k, v in comm.get_comm_counts().items()},
+        "collectives": coll.calls,
+        "rows": got.to_local().numel() // got.to_local().shape[-1],  # this rank's
+    }
+    if got_res is not None:
+        found["new_residual"] = rel_diff(got_res, new_res)
+    return found
+
+
+def gate_case(mesh) -> dict:
+    """A gated, grouped add_norm on rows sharded by sequence: the local op takes every option."""
+    torch.manual_seed(6)
+    x, r, z, w = torch.randn(B, T, D), torch.randn(B, T, D), torch.randn(B, T, D), torch.randn(D)
+    opts = dict(gate_position="pre", gate_act="sigmoid", num_groups=2)
+    ones = [t.clone().requires_grad_() for t in (x, r, z, w)]
+    out, res = fuseblock.add_norm(ones[0], ones[1], ones[3], gate=ones[2], **opts)
+    (out.square().sum() + res.sum()).backward()
+    shards = [distribute_tensor(t, mesh, [Shard(1)] if t.dim() == 3 else [Replicate()]).requires_grad_()
+              for t in (x, r, z, w)]
+    got, got_res = fuseblock.add_norm(shards[0], shards[1], shards[3], gate=shards[2], **opts)
+    (got.square().sum() + got_res.sum()).backward()
+    return {"value": rel_diff(got, out), "new_residual": rel_diff(got_res, res),
+            **{n: rel_diff(s.grad, o.grad) for n, s, o in zip(("x", "residual", "gate", "weight"), shards, ones,
+                                                               strict=True)}}
+
+
+def compile_case(mesh, dim: int) -> dict:
+    """add_norm (layer) on DTensors under torch.compile(fullgraph=True): no graph break,
+    values and every gradient as one process's."""
+    torch.manual_seed(7)
+    x, r, w, b = torch.randn(B, T, D), torch.randn(B, T, D), torch.randn(D), torch.randn(D)
+    ones = [t.clone().requires_grad_() for t in (x, r, w, b)]
+    out, res = fuseblock.add_norm(*ones, kind="layer")
+    (out.square().sum() + res.sum()).backward()
+    vec = [Shard(0)] if dim == 2 else [Replicate()]
+    shards = [distribute_tensor(t, mesh, [Shard(dim)] if t.dim() == 3 else vec).requires_grad_() for t in (x, r, w, b)]
+    torch._dynamo.reset()
+    got, got_res = torch.compile(lambda *a: fuseblock.add_norm(*a, kind="layer"), fullgraph=True)(*shards)
+    (got.square().sum() + got_res.sum()).backward()
+    return {"value": rel_diff(got, out), "new_residual": rel_diff(got_res, res),
+            **{n: rel_diff(s.grad, o.grad) for n, s, o in zip(("x", "residual", "weight", "bias"), shards, ones,
+                                                               strict=True)}}
+
+
+def module_case(mesh) -> dict:
+    """AddNorm with its weight and bias sharded on the hidden dim, called (x, residual)."""
+    torch.manual_seed(2)
+    x, r = torch.randn(B, T, D), torch.randn(B, T, D)
+    one = fuseblock.AddNorm(D, kind="layer")
+    with torch.no_grad():
+        one.weight.normal_(), one.bias.normal_()
+    sharded = fuseblock.AddNorm(D, kind="layer")
+    sharded.weight = nn.Parameter(distribute_tensor(one.weight.detach(), mesh, [Shard(0)]))
+    sharded.bias = nn.Parameter(distribute_tensor(one.bias.detach(), mesh, [Shard(0)]))
+    out, res = one(x, r)
+    (out.square().sum() + res.sum()).backward()
+    got, got_res = sharded(distribute_tensor(x, mesh, [Shard(2)]), distribute_tensor(r, mesh, [Shard(2)]))
+    (got.square().sum() + got_res.sum()).backward()
+    return {"value": rel_diff(got, out), "new_residual": rel_diff(got_res, res),
+            "weight": rel_diff(sharded.weight.grad, one.weight.grad),
+            "bias": rel_diff(sharded.bias.grad, one.bias.grad)}
+
+
+def refusals(mesh) -> dict:
+    """The message of each call fuseblock must refuse: type and first line."""
+    x = distribute_tensor(torch.randn(B, T, D), mesh, [Shard(1)])
+    xh = distribute_tensor(torch.randn(B, T, D), mesh, [Shard(2)])
+    w_rep = distribute_tensor(torch.ones(D), mesh, [Replicate()])
+    w_sh = distribute_tensor(torch.ones(D), mesh, [Shard(0)])
+    partial = DTensor.from_local(torch.randn(B, T, D), mesh, [Partial()])
+    torch_style = parallelize_module(fuseblock.AddNorm(D), mesh, TorchSequenceParallel())
+    x_local, r_local = torch.randn(B, T // 2, D), torch.randn(B, T // 2, D)
+    calls = {
+        "partial_x": lambda: fuseblock.norm(partial, w_rep),
+        "weight_sharded_x_by_rows": lambda: fuseblock.norm(x, w_sh),
+        "weight_replicated_x_by_hidden": lambda: fuseblock.norm(xh, w_rep),
+        "residual_placed_otherwise": lambda: fuseblock.add_norm(x, xh, w_rep),
+        "plain_weight": lambda: fuseblock.norm(x, torch.ones(D)),
+        "gate_hidden": lambda: fuseblock.norm(xh, w_sh, gate=xh),
+        "groups_hidden": lambda: fuseblock.norm(xh, w_sh, num_groups=2),
+        "norm_linear": lambda: fuseblock.norm_linear(x, None, w_rep, None, distribute_tensor(torch.ones(3, D), mesh,
+                                                                                            [Replicate()])),
+        # torch's style keeps the first input only: the residual must not vanish silently
+        "torch_style_positional_residual": lambda: torch_style(x_local, r_local),
+    }
+    found = {}
+    for name, call in calls.items():
+        try:
+            call()
+            found[name] = None
+        except Exception as e:  # noqa: BLE001 - the test asserts the type and the message
+            found[name] = [type(e).__name__, str(e)]
+    return found
+
+
+def mlp_stack(seed: int) -> fuseblock.ResidualStack:
+    torch.manual_seed(seed)
+    mixers = [nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D)) for _ in range(2)]
+    return fuseblock.ResidualStack(mixers, D, kind="layer")
+
+
+def stack_case(mesh, style) -> dict:
+    """A torchtitan-style plan on a fused ResidualStack: column/row-parallel MLPs, the norms
+    under `style` (torch's SequenceParallel, or fuseblock's); x is this rank's sequence shard."""
+    one, tp = mlp_stack(3), mlp_stack(3)
+    with torch.no_grad():
+        for p in one.parameters():  # norms away from ones and zeros: their gradients tell
+            p.add_(0.1 * torch.randn(p.shape))
+        tp.load_state_dict(one.state_dict())
+    plan = {"norm_f": style()}
+    for i in range(len(tp.blocks)):
+        plan[f"blocks.{i}.norm"] = style()
+        plan[f"blocks.{i}.mixer.0"] = ColwiseParallel(input_layouts=Shard(1))
+        plan[f"blocks.{i}.mixer.2"] = RowwiseParallel(output_layouts=Shard(1))
+    parallelize_module(tp, mesh, plan)
+    torch.manual_seed(4)
+    x = torch.randn(B, T, D)
+    out = one(x.clone())
+    out.square().sum().backward()
+    rank = dist.get_rank()
+    mine = x.chunk(2, dim=1)[rank].clone()
+    got = tp(mine)
+    got.square().sum().backward()
+    grads = {n: rel_diff(p.grad, dict(one.named_parameters())[n].grad) for n, p in tp.named_parameters()}
+    return {"value": rel_diff(got, out), "grad_max": max(grads.values()), "grads": grads}
+
+
+def addnorm_style_case(mesh, style, dim: int, via_add: bool = False) -> dict:
+    """A fuseblock style (sequence_dim 1, or the hidden dim 2) on a bare layer AddNorm called
+    (x, residual) positionally with this rank's shards, use_local_output=True; via_add: by
+    `AddNorm.add`, as a block may call it, not through forward."""
+    torch.manual_seed(5)
+    one = fuseblock.AddNorm(D, kind="layer")
+    with torch.no_grad():
+        one.weight.normal_(), one.bias.normal_()
+    tp = fuseblock.AddNorm(D, kind="layer")
+    tp.load_state_dict(one.state_dict())
+    parallelize_module(tp, mesh, style(use_local_output=True))
+    x, r = torch.randn(B, T, D), torch.randn(B, T, D)
+    out, res = one(x, r)
+    (out.square().sum() + res.sum()).backward()
+    rank = dist.get_rank()
+    got, got_res = (tp.add if via_add else tp)(x.chunk(2, dim)[rank], r.chunk(2, dim)[rank])
+    (got.square().sum() + got_res.sum()).backward()
+    whole_out, whole_res = torch.cat(_gather(got), dim), torch.cat(_gather(got_res), dim)
+    return {"local_output": type(got).__name__, "weight_placements": str(tp.weight.placements),
+            "value": rel_diff(whole_out, out), "new_residual": rel_diff(whole_res, res),
+            "weight": rel_diff(tp.weight.grad, one.weight.grad), "bias": rel_diff(tp.bias.grad, one.bias.grad)}
+
+
+def _gather(t):
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.detach().contiguous())
+    return parts
+
+
+def main():
+    dump = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mine = {"kernel_path": fuseblock.ops.dispatch.uses_triton(torch.empty(1))}
+    for fn in ("norm", "add_norm"):
+        for kind in ("rms", "layer"):
+            for dim in (0, 1, 2):
+                mine[f"{fn}_{kind}_shard{dim}"] = op_case(mesh, fn, kind, dim)
+    for dim in (1, 2):  # 5 rows split 3 + 2, 7 columns 4 + 3
+        mine[f"add_norm_layer_uneven_shard{dim}"] = op_case(mesh, "add_norm", "layer", dim, (2, 5, 7))
+    mine["module_hidden"] = module_case(mesh)
+    mine["gate_groups_rows"] = gate_case(mesh)
+    mine["compiled_shard1"], mine["compiled_shard2"] = compile_case(mesh, 1), compile_case(mesh, 2)
+    mine["refusals"] = refusals(mesh)
+    try:  # the stream calls its norms' `add`, which torch's forward hooks never see: refused, not wrong
+        mine["stack_torch_style"] = stack_case(mesh, TorchSequenceParallel)
+    except TypeError as e:
+        mine["stack_torch_style"] = {"error": [type(e).__name__, str(e).splitlines()[0]]}
+    mine["stack_fuseblock_style"] = stack_case(mesh, SequenceParallel)
+    mine["addnorm_sequence_style"] = addnorm_style_case(mesh, SequenceParallel, 1)
+    mine["addnorm_hidden_style"] = addnorm_style_case(mesh, HiddenParallel, 2)
+    mine["addnorm_sequence_style_add"] = addnorm_style_case(mesh, SequenceParallel, 1, via_add=True)
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    if dist.get_rank() == 0:
+        (dump / "tp.json").write_text(json.dumps(ranks, indent=1))
+    gc.collect()  # the DTensors and their pending collectives before the process group
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
