@@ -76,25 +76,13 @@ def measure_traffic(op: str, rows: int, d: int, dtype) -> list[dict]:
              "fwd+bwd": ([kf, kb], [nf, nb], [n1f, n1b], min_f + min_b)}
     out_rows = []
     for pas, (kts, nts, n1s, mn) in parts.items():
-        a = sum(map(_activation_bytes, kts))
-        kernel = sum(k.bytes + k.glue_bytes for k in kts)
-        uncached = sum(k.accessed(UNCACHED_ARGS) + k.glue_bytes for k in kts)
-        naive_b, naive1 = sum(n.bytes for n in nts), sum(n.bytes for n in n1s)
-        out_rows.append(dict(
-            op=op, dtype=str(dtype).removeprefix("torch."), rows=rows, d=d, pas=pas,
-            kernel_MB=kernel / 1e6, naive_MB=naive_b / 1e6, min_MB=mn / 1e6, other_MB=(kernel - a) / 1e6,
-            kernel_over_min=kernel / mn, act_over_min=a / mn, uncached_over_min=uncached / mn,
-            naive_over_kernel=naive_b / kernel, naive1_over_kernel=naive1 / kernel,
-            launches=sum(len(k.launches) for k in kts), glue_ops=sum(len(k.glue.ops) for k in kts),
-            naive_ops=sum(len(n.ops) for n in nts),
-        ))
+        out_rows.append(_row(op, dtype, rows, d, pas, kts, nts, n1s, mn))
     return out_rows
 
 
 def _row(op, dtype, rows, d, pas, kts, nts, n1s, mn) -> dict:
-    """One row of measure_residual_traffic, in measure_traffic's columns: the kernels'
-    counts kts, the naive eager ones nts (n1s: one kernel per torch norm) and the
-    minimum mn, for one pass."""
+    """One row of measure_traffic or measure_residual_traffic: the kernels' counts kts, the
+    naive eager ones nts (n1s: one kernel per torch norm) and the minimum mn, for one pass."""
     a = sum(map(_activation_bytes, kts))
     kernel = sum(k.bytes + k.glue_bytes for k in kts)
     uncached = sum(k.accessed(UNCACHED_ARGS) + k.glue_bytes for k in kts)
