@@ -85,12 +85,13 @@ def _stats(b_s, mask, D, eps, BR: tl.constexpr, BD: tl.constexpr, CENTER: tl.con
 
 @triton.jit
 def _affine(b_r, W, B, o_d, m_d, scale, woff, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
-    """scale * r * (woff + w) + b on a [BR, BD] block of normalized rows."""
+    """scale * r * (woff + w) + b on a [BR, BD] block of normalized rows, or on one row's
+    [BD] chunk (the loop kernel): the weight and bias broadcast over the leading dim."""
     b_o = b_r * scale
     if HAS_W:
-        b_o *= _weight(W, o_d, m_d, woff)[None, :]
+        b_o *= _weight(W, o_d, m_d, woff)
     if HAS_B:
-        b_o += tl.load(B + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
+        b_o += tl.load(B + o_d, mask=m_d, other=0.0).to(tl.float32)
     return b_o
 
 
@@ -190,11 +191,7 @@ def _fwd_loop(
             m_d = o_col < D
             b_x = tl.load(X + i_m * s_x + o_col, mask=m_d, other=0.0).to(tl.float32)
             b_q = b_x - b_meanb if CENTER else b_x
-            b_y = b_q * (b_rstdb * scale)
-            if HAS_BW:
-                b_y *= _weight(BW, o_col, m_d, woff_b)
-            if HAS_BB:
-                b_y += tl.load(BB + o_col, mask=m_d, other=0.0).to(tl.float32)
+            b_y = _affine(b_q * b_rstdb, BW, BB, o_col, m_d, scale, woff_b, HAS_BW, HAS_BB)
             b_p = tl.load(R + i_m * s_r + o_col, mask=m_d, other=0.0).to(tl.float32) + alpha * b_y
             tl.store(RO + i_m * s_ro + o_col, b_p.to(RO.dtype.element_ty), mask=m_d)
         if SECOND:
@@ -204,11 +201,7 @@ def _fwd_loop(
                 m_d = o_col < D
                 b_p = tl.load(RO + i_m * s_ro + o_col, mask=m_d, other=0.0).to(tl.float32)
                 b_q = b_p - b_mean if CENTER else b_p
-                b_o = b_q * (b_rstd * scale)
-                if HAS_W:
-                    b_o *= _weight(W, o_col, m_d, woff)
-                if HAS_B:
-                    b_o += tl.load(B + o_col, mask=m_d, other=0.0).to(tl.float32)
+                b_o = _affine(b_q * b_rstd, W, B, o_col, m_d, scale, woff, HAS_W, HAS_B)
                 tl.store(O + i_m * s_o + o_col, b_o.to(O.dtype.element_ty), mask=m_d)
         if STORE_STATS:
             tl.store(RSTDB + i_m, b_rstdb)
