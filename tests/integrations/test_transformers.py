@@ -179,22 +179,24 @@ class _HiddenAdds(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_two_n_plus_one_add_norm_calls_and_no_separate_residual_add(arch, monkeypatch):
+def test_two_n_plus_one_stream_ops_and_no_separate_residual_add(arch, monkeypatch):
     n = 3
     unfused, fused = pair(arch, layers=n)
     ids = batch()[0]
     calls = []
-    real = fuseblock.modules.add_norm  # what Norm.add calls
 
-    def counting(*args, **kwargs):
-        calls.append((args[0].shape, args[1] is not None))  # (x's shape, with a residual)
-        mode.inside += 1
-        try:
-            return real(*args, **kwargs)
-        finally:
-            mode.inside -= 1
+    def counting(name, real):
+        def op(*args, **kwargs):
+            calls.append((name, args[0].shape, args[1] is not None))  # (op, x's shape, with a residual)
+            mode.inside += 1
+            try:
+                return real(*args, **kwargs)
+            finally:
+                mode.inside -= 1
+        return op
 
-    monkeypatch.setattr(fuseblock.modules, "add_norm", counting)
+    for name in ("add_norm", "norm_add", "norm_add_norm"):  # what Norm.add, .norm_add, .norm_add_norm call
+        monkeypatch.setattr(fuseblock.modules, name, counting(name, getattr(fuseblock.modules, name)))
     shape = (*ids.shape, HIDDEN)
     with torch.no_grad():
         with _HiddenAdds(shape) as mode:
@@ -203,10 +205,11 @@ def test_two_n_plus_one_add_norm_calls_and_no_separate_residual_add(arch, monkey
         with _HiddenAdds(shape) as mode:
             fused(ids)
     assert mode.count == 0
-    # every add of the stream but the embedding's (which has none) meets a norm: 2n of the
-    # 2n + 1 norms of the stream take a residual; plain norms (Qwen3's q/k norms per head,
-    # Gemma2's sandwich post-norms) take none
-    assert [c for c in calls if c[1]] == [(shape, True)] * (2 * n)
+    # every add of the stream but the embedding's (which has none) meets its norms in one op:
+    # 2n of the stream's ops take a residual; plain norms (Qwen3's q/k norms per head) take none
+    with_residual = [c for c in calls if c[2]]
+    assert [c[1:] for c in with_residual] == [(shape, True)] * (2 * n)
+    assert {c[0] for c in with_residual} == ({"add_norm", "norm_add_norm"} if arch == "gemma2" else {"add_norm"})
 
 
 # ---------------------------------------------------------------------------- bf16
@@ -460,13 +463,40 @@ def test_kernel_path_matches_the_unfused_model(arch):
 
 
 def test_unsupported_architectures_and_bad_arguments():
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
-    with pytest.raises(ValueError, match=r"llama, mistral, qwen2, qwen3, gemma, gemma2.*'gpt2'"):
-        fuse(gpt2)
+    mamba = transformers.MambaForCausalLM(transformers.MambaConfig(hidden_size=32, num_hidden_layers=1,
+                                                                   vocab_size=64))
+    with pytest.raises(ValueError, match=r"MambaForCausalLM \(model_type 'mamba'\) is refused: .*llama, mistral"):
+        fuse(mamba)
     with pytest.raises(TypeError, match="PreTrainedModel"):
         fuse(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="residual_dtype"):
         fuse(make("llama"), residual_dtype=torch.int32)
+
+
+# Families registered with Llama's forward, as the docs once suggested: each differs from
+# Llama in its structure or its config, and the check says where rather than fusing
+WRONG_FORWARD = {
+    "granite": (dict(residual_multiplier=0.22, embedding_multiplier=12.0),
+                r"config.embedding_multiplier = 12.0.*config.residual_multiplier = 0.22"),
+    "glm4": ({}, r"modules the fused forward does not know \(post_mlp_layernorm, post_self_attn_layernorm\)"),
+    "phi3": (dict(resid_pdrop=0.1), r"does not know \(resid_attn_dropout, resid_mlp_dropout\).*config.resid_pdrop"),
+    "olmo": ({}, r"input_layernorm is no norm fuseblock computes"),
+}
+
+
+@pytest.mark.parametrize("model_type", WRONG_FORWARD)
+def test_a_family_registered_with_a_wrong_forward_is_refused(model_type, monkeypatch):
+    import fuseblock.integrations.transformers.fusion as fusion
+    extra, why = WRONG_FORWARD[model_type]
+    config = transformers.AutoConfig.for_model(model_type, **{**COMMON, **extra})
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    monkeypatch.setattr(fusion, "FAMILIES", {**fusion.FAMILIES, model_type: fusion.FAMILIES["llama"]})
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=rf"model_type '{model_type}'\) is not the layout fuse fuses as "
+                                         rf"{model_type} \(pre-norm\): .*{why}"):
+        fuse(model)
+    assert not any(isinstance(m, Norm) for m in model.modules())  # refused before anything changed
+    assert all(torch.equal(p, params[n]) for n, p in model.named_parameters())
 
 
 def test_fuse_is_per_instance_and_idempotent():

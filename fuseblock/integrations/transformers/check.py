@@ -1,0 +1,103 @@
+"""The structural check between a family's name and its fusion: `refusals(base, family)`.
+
+A family's entry (families.py) says what its fused forward handles. A model of that
+model_type is fused only if it is that: the inner model holds exactly the entry's
+modules, every decoder layer exactly its roles' modules, every stream norm converts to a
+fuseblock Norm, and every block scalar of the config that the forward does not read has
+its neutral value. Anything else is a refusal naming what differs, so that a family
+registered with another's forward, or a config option the forward ignores, is an error
+rather than a silently different model.
+
+Block scalars: the config entries whose names mark them as changing the residual block
+(`_BLOCK_SCALAR`: dropouts, multipliers, parallel / post-norm / sandwich flags, scales,
+cross-attention). Those consumed inside modules fuse leaves as they are (the attention,
+the head; `_INSIDE`) need no check; the rest must be neutral (None, False, 0 or 1) unless
+the family reads them.
+"""
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from ...convert import norm_from
+from .families import Family
+
+_BLOCK_SCALAR = re.compile(r"dropout|pdrop|multiplier|parallel|residual|sandwich|post_norm|post_layernorm|scal|cross")
+# Block-scalar names that act inside modules fuse leaves untouched in every family
+# (attention, rotary embedding, head), not on the residual stream
+_INSIDE = frozenset({
+    "attention_dropout", "attn_pdrop", "attention_multiplier", "query_pre_attn_scalar", "rope_scaling",
+    "logits_scaling", "logit_scale", "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "classifier_dropout",
+    "summary_first_dropout", "summary_last_dropout", "scale_attention_softmax_in_fp32",
+})
+_NEUTRAL = (None, False, 0, 1)
+
+
+def _neutral(value) -> bool:
+    return isinstance(value, (bool, int, float, type(None))) and any(
+        value is n or (type(value) is not bool and value == n) for n in _NEUTRAL)
+
+
+def refusals(base: nn.Module, family: Family) -> list[str]:
+    """Why `base` (the inner model: LlamaModel and its kin) is not what `family`'s fused
+    forward computes; empty when it is."""
+    found = []
+    children, expected = set(base._modules), set(family.model_parts.values())
+    if children != expected:
+        found.append(_differs(type(base).__name__, children, expected))
+    layers = getattr(base, family.model_parts["layers"], None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        return [*found, f"{type(base).__name__} has no decoder layers in {family.model_parts['layers']!r}"]
+    kinds = {type(layer) for layer in layers}
+    if len(kinds) != 1:
+        found.append(f"its decoder layers are of several classes ({', '.join(sorted(k.__name__ for k in kinds))})")
+    expected = set(family.parts.values())
+    for i, layer in enumerate(layers):
+        if set(layer._modules) != expected:
+            found.append(_differs(f"layers[{i}] ({type(layer).__name__})", set(layer._modules), expected))
+            break
+    norms = [(f"{family.model_parts['layers']}[{i}].{family.parts[r]}", getattr(layer, family.parts[r], None))
+             for i, layer in enumerate(layers) for r in family.norms]
+    norms.append((family.model_parts["norm"], getattr(base, family.model_parts["norm"], None)))
+    for name, norm in norms:
+        try:
+            norm_from(norm)
+        except TypeError as e:
+            found.append(f"{name} is no norm fuseblock computes ({e})")
+            break
+    found += _same_across_layers(layers, family)
+    found += _unread_scalars(base.config, family)
+    return found
+
+
+def _differs(what: str, have: set, expected: set) -> str:
+    extra, lacking = sorted(have - expected), sorted(expected - have)
+    return (f"{what} holds " + " and ".join(
+        s for s in (f"modules the fused forward does not know ({', '.join(extra)})" if extra else "",
+                    f"lacks {', '.join(lacking)}" if lacking else "") if s))
+
+
+def _same_across_layers(layers, family: Family) -> list[str]:
+    """The branch p carries is read off the layer that receives p (layers.py), so every
+    layer must carry the same scale and dropouts, each dropout an nn.Dropout."""
+    found = []
+    if family.alpha is not None:
+        values = {float(getattr(layer, family.alpha)) for layer in layers}
+        if len(values) != 1:
+            found.append(f"its layers' {family.alpha} differ ({sorted(values)})")
+    for name in (family.dropout or {}).values():
+        modules = [getattr(layer, name) for layer in layers]
+        if not all(isinstance(m, nn.Dropout) for m in modules) or len({m.p for m in modules}) != 1:
+            found.append(f"its layers' {name} are not one nn.Dropout probability")
+    return found
+
+
+def _unread_scalars(config, family: Family) -> list[str]:
+    """The config's block scalars the fused forward neither reads nor leaves to a module
+    fuse does not touch, with a value that changes the block."""
+    found = []
+    for key, value in sorted(config.to_dict().items()):
+        if _BLOCK_SCALAR.search(key) and key not in _INSIDE and key not in family.reads and not _neutral(value):
+            found.append(f"config.{key} = {value!r}, which its fused forward does not read")
+    return found

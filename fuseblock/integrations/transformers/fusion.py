@@ -1,0 +1,153 @@
+"""`fuse(model)`: a transformers model put on the fused residual stream, in place.
+
+`fuse` works on one model instance, with no class of transformers patched: a fused and an
+unfused model live side by side in one process. It
+- checks the model is what its family's entry says (check.py), else a ValueError naming
+  the family and what differs;
+- replaces every stream norm (and the RMSNorms inside the layers: Qwen3's q_norm / k_norm)
+  by a fuseblock Norm (fuseblock.convert.norm_from) holding the same Parameters, so
+  state_dict keys, checkpoints, tied weights and optimizers stay as they were (Gemma's
+  x * (1 + w) is weight_offset=1);
+- moves each decoder layer to a subclass of its own class (same name, created once per
+  class and family) whose forward is its shape's fused one (layers.py): isinstance checks,
+  gradient checkpointing (transformers' GradientCheckpointingLayer) and output-recording
+  hooks still apply;
+- binds the fused forward to the inner model instance (model.py);
+- binds an `_init_weights` to the model and its base model that initialises the Norms as
+  transformers initialises the norms they replaced, so init_weights, post_init and
+  from_pretrained's missing keys work on a fused model built on the meta device. fuse
+  runs inside `with torch.device("meta")`, where from_pretrained builds its models.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as hf_init
+
+from ...convert import norm_from
+from ...modules import Norm
+from ...ops.checks import check_float_dtype
+from .check import refusals
+from .families import FAMILIES, REFUSED, SUPPORTED, Family
+from .model import FUSED_MODEL_FORWARD
+
+_FUSED_LAYER_CLASSES: dict[tuple[type, Family], type] = {}
+
+
+def _fused_layer_class(cls: type, family: Family) -> type:
+    """A subclass of the decoder layer class cls with its family's fused forward, created
+    once per class and family. It keeps cls's name (transformers finds layers by class
+    name, e.g. _no_split_modules), and being a subclass, transformers'
+    GradientCheckpointingLayer wraps its forward for checkpointing as it does cls's."""
+    if getattr(cls, "_fuseblock_fused", False):
+        return cls
+    key = (cls, family)
+    if key not in _FUSED_LAYER_CLASSES:
+        _FUSED_LAYER_CLASSES[key] = type(cls.__name__, (cls,), {
+            "forward": family.shape.forward, "fuseblock_family": family, "_fuseblock_fused": True,
+            "__module__": __name__, "__qualname__": cls.__qualname__,
+            "__doc__": f"{cls.__name__} on the fused residual stream ({family.shape.name}): "
+                       "forward(p, r, **kwargs) -> (sum, p', r'); see fuseblock.integrations.transformers."})
+    return _FUSED_LAYER_CLASSES[key]
+
+
+def _is_rms_norm(module: nn.Module) -> bool:
+    return isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm")
+
+
+def _convert_norms(base: nn.Module, family: Family) -> None:
+    """The stream norms of family, and every RMSNorm inside the layers, become fuseblock
+    Norms with the same parameters; a module reachable under several names stays one
+    module. A norm transformers has initialised (the flag its init_weights sets, and skips
+    a module by) stays marked so: a later init_weights or post_init leaves it alone, as it
+    would the original."""
+    stream = {id(getattr(layer, family.parts[r])) for layer in getattr(base, family.model_parts["layers"])
+              for r in family.norms}
+    stream.add(id(getattr(base, family.model_parts["norm"])))
+    converted: dict[int, Norm] = {}
+    for parent in list(base.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in stream or (id(child) in converted) or _is_rms_norm(child):
+                if id(child) not in converted:
+                    norm = converted[id(child)] = norm_from(child)
+                    if getattr(child, "_is_hf_initialized", False):
+                        norm._is_hf_initialized = True
+                setattr(parent, name, converted[id(child)])
+
+
+def _init_weights(self: PreTrainedModel, module: nn.Module) -> None:
+    """`_init_weights` of each PreTrainedModel of a fused model, bound to the instance by fuse.
+
+    transformers initialises weights through this one method: init_weights and post_init,
+    and the keys from_pretrained finds missing (all of them on a model built on the meta
+    device and moved with to_empty). It recognises a norm by its class name (*RMSNorm,
+    *LayerNorm), which a fuseblock Norm does not carry, so the class's method would leave
+    a Norm as it finds it: uninitialised memory. A Norm gets the initial values of the
+    function it computes, which are what transformers gives the norm it replaced: the
+    identity map, weight ones, or zeros where the weight has an offset (Gemma's 1 + w, which
+    Gemma's _init_weights zeroes); bias zeros (Norm.reset_parameters' values). Through
+    transformers' init functions, which leave a tensor flagged as loaded alone. Every other
+    module goes to the class's own method."""
+    if not isinstance(module, Norm):
+        type(self)._init_weights(self, module)
+        return
+    if module.weight is not None:
+        (hf_init.zeros_ if module.weight_offset != 0.0 else hf_init.ones_)(module.weight)
+    if module.bias is not None:
+        hf_init.zeros_(module.bias)
+
+
+def family_of(model: PreTrainedModel) -> tuple[str, Family]:
+    """model's family (config.model_type) and its entry, or a ValueError naming the family
+    and why fuse refuses it: unknown, known and refused, or not what its entry says."""
+    base = model.base_model
+    model_type = getattr(base.config, "model_type", None)
+    if model_type not in FAMILIES:
+        why = REFUSED.get(model_type, "not a family fuse has checked")
+        raise ValueError(f"fuse: {type(model).__name__} (model_type {model_type!r}) is refused: {why}. "
+                         f"fuse takes {', '.join(SUPPORTED)}; docs/transformers.md lists every family")
+    family = FAMILIES[model_type]
+    found = refusals(base, family)
+    if found:
+        raise ValueError(f"fuse: {type(base).__name__} (model_type {model_type!r}) is not the layout fuse fuses as "
+                         f"{model_type} ({family.shape.name}): {'; '.join(found)}")
+    return model_type, family
+
+
+def fuse(model: PreTrainedModel, *, residual_dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """Put a transformers model on the fused residual stream, in place; returns it.
+
+    model: a PreTrainedModel of a supported family (`SUPPORTED`, by config.model_type),
+    the bare model (LlamaModel) or one with a head (LlamaForCausalLM, ...). Its state_dict
+    keys do not change: its save_pretrained output loads into the unfused class, and
+    checkpoints of the unfused class load into it. A model whose structure differs from
+    what its family's fused forward computes is a ValueError saying what differs.
+
+    residual_dtype: the dtype of the residual stream. None (default) is what the unfused
+    model's own adds give (torch's type promotion: under bf16 autocast with fp32
+    parameters the stream is fp32 already); torch.float32 keeps an fp32 stream in a bf16
+    model. Calling fuse again on a fused model only changes residual_dtype.
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    check_float_dtype("residual_dtype", residual_dtype)
+    base = model.base_model
+    layers = getattr(base, "fuseblock_family", None) and getattr(base, base.fuseblock_family.model_parts["layers"])
+    if layers is None:
+        _, family = family_of(model)
+        _convert_norms(base, family)
+        for module in model.modules():
+            if isinstance(module, PreTrainedModel):  # the model and its base model each initialise their own modules
+                module._init_weights = types.MethodType(_init_weights, module)
+        layers = getattr(base, family.model_parts["layers"])
+        for layer in layers:
+            layer.__class__ = _fused_layer_class(type(layer), family)
+        base.fuseblock_family = family
+        base.forward = types.MethodType(FUSED_MODEL_FORWARD, base)
+    for layer in layers:
+        layer.fuseblock_residual_dtype = residual_dtype
+    base.fuseblock_residual_dtype = residual_dtype
+    return model

@@ -1,0 +1,124 @@
+"""The fused decoder-layer forwards, one per stream shape (docs/stream.md).
+
+Each is bound as the forward of a subclass of the family's decoder-layer class
+(fuse.py), and takes and returns the stream in pieces rather than summed:
+
+    forward(p, r, **kwargs) -> (sum, p', r')
+
+p is the previous layer's last branch output, not yet added (the embeddings, with r None,
+at the first layer), r the residual stream; kwargs (masks, rotary embeddings, cache, ...)
+go to the attention as in the unfused layer. A layer finds its modules by role through
+its family (`self.fuseblock_family.parts`), so one forward serves every family of a shape
+whatever it names its modules.
+
+The add that takes p into the stream is the next layer's (or the model's final norm's),
+where it meets a norm: `Shape.enter`. It reads the branch's scale and dropout off the
+layer that receives p: the check before fusing (check.py) requires every layer to carry
+the same ones. A layer uses its own parameters only, never its neighbour's: FSDP
+gathers a layer's parameters for that layer's forward alone, and checkpointing recomputes
+one layer at a time. So a sandwich layer applies its MLP's post-norm itself: it and the
+next layer's input norm belong to two layers.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from torch import Tensor, nn
+
+# The private keyword the fused model forward gives its layers when hidden states are
+# recorded: the layer then also returns its unfused output, p + r
+SUM = "fuseblock_hidden_state"
+
+
+def module(layer: nn.Module, role: str) -> nn.Module:
+    """The layer's module that plays `role` in its family (families.Family.parts)."""
+    return getattr(layer, layer.fuseblock_family.parts[role])
+
+
+def branch(layer: nn.Module, role: str) -> dict:
+    """add_norm's branch keywords for the residual add of `layer`'s `role` branch ("attn" or
+    "mlp"): alpha where the family scales its branches, dropout_p where it drops them and the
+    layer is training. Empty for a plain add, so add_norm takes its plain lane."""
+    family, kw = layer.fuseblock_family, {}
+    if family.alpha is not None:
+        kw["alpha"] = float(getattr(layer, family.alpha))
+    if family.dropout is not None and layer.training:
+        p = getattr(layer, family.dropout[role]).p
+        if p:
+            kw["dropout_p"] = p
+    return kw
+
+
+def _plain_branch(layer: nn.Module, role: str) -> float | None:
+    """The alpha of `layer`'s `role` branch (None: 1), for recording the unfused sum r + b(p).
+    A dropped branch's sum needs the mask the fused op drew inside its kernel: recording
+    hidden states while training with residual dropout is refused rather than recorded
+    with another mask."""
+    kw = branch(layer, role)
+    if "dropout_p" in kw:
+        raise ValueError(f"{type(layer).__name__}: output_hidden_states while training with residual dropout is "
+                         f"not supported on the fused stream (the recorded sums would take other masks); "
+                         f"record them in eval mode or with the dropout at 0")
+    return kw.get("alpha")
+
+
+# ------------------------------------------------------------------------- pre-norm
+
+
+def _enter(layer, hidden: Tensor, residual: Tensor | None, norm, rdtype):
+    """norm(r + b(p)) and r + b(p) in one add_norm, b the branch of `layer` (alpha, dropout);
+    the embeddings (residual None) enter as they are."""
+    if residual is None:
+        return norm.add(hidden, None, residual_dtype=rdtype)
+    return norm.add(hidden, residual, residual_dtype=rdtype, **branch(layer, "mlp"))
+
+
+def _total(layer, hidden: Tensor, residual: Tensor) -> Tensor:
+    """The unfused layer's output r + alpha * p, as the unfused layer computes it."""
+    alpha = _plain_branch(layer, "mlp")
+    return residual + (hidden if alpha is None else hidden * alpha)
+
+
+def _pre_norm(self, hidden_states: Tensor, residual: Tensor | None = None, **kwargs):
+    """Llama and its kin: r' = r + b(attn(N1(r))), r'' = r' + b(mlp(N2(r'))), each add
+    with the norm after it; b is the family's branch (alpha * drop, see branch())."""
+    want_sum, rdtype = kwargs.pop(SUM, False), self.fuseblock_residual_dtype
+    normed, residual = _enter(self, hidden_states, residual, module(self, "norm_1"), rdtype)
+    attn = module(self, "attn")(hidden_states=normed, **kwargs)[0]
+    normed, residual = module(self, "norm_2").add(attn, residual, residual_dtype=rdtype, **branch(self, "attn"))
+    hidden = module(self, "mlp")(normed)
+    return (_total(self, hidden, residual) if want_sum else None), hidden, residual
+
+
+# ------------------------------------------------------------------------- sandwich
+
+
+def _sandwich(self, hidden_states: Tensor, residual: Tensor | None = None, **kwargs):
+    """Gemma2 and its kin (Peri-LN): each branch output is normalized before its add. The
+    attention's post-norm, add and the MLP's pre-norm are one norm_add_norm; the MLP's
+    post-norm is applied here (the norm after its add is the next layer's, see the module
+    docstring), its add meeting the next input norm in one add_norm."""
+    want_sum, rdtype = kwargs.pop(SUM, False), self.fuseblock_residual_dtype
+    normed, residual = _enter(self, hidden_states, residual, module(self, "norm_1"), rdtype)
+    attn = module(self, "attn")(hidden_states=normed, **kwargs)[0]
+    normed, residual = module(self, "post_attn").norm_add_norm(attn, residual, module(self, "norm_2"),
+                                                                residual_dtype=rdtype, **branch(self, "attn"))
+    hidden = module(self, "post_mlp")(module(self, "mlp")(normed))
+    return (_total(self, hidden, residual) if want_sum else None), hidden, residual
+
+
+class Shape(NamedTuple):
+    """A stream shape as fuse applies it: its name (docs/stream.md's), the fused layer
+    forward, `enter(layer, p, r, norm, rdtype) -> (norm(r'), r')` (the add that takes a
+    layer's output p into the stream at `norm`, with `layer`'s branch; the model's final
+    norm calls it with the last layer), and the roles the forward reads
+    (families.Family.parts holds them)."""
+    name: str
+    forward: Callable
+    enter: Callable
+    roles: frozenset
+
+
+PRE_NORM = Shape("pre-norm", _pre_norm, _enter, frozenset({"norm_1", "attn", "norm_2", "mlp"}))
+SANDWICH = Shape("sandwich", _sandwich, _enter, frozenset({"norm_1", "attn", "post_attn", "norm_2", "mlp", "post_mlp"}))

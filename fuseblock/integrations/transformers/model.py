@@ -1,0 +1,108 @@
+"""The inner model's forward (LlamaModel.forward and its kin) on the fused stream.
+
+It keeps the model's duties (embeddings, rotary embeddings, causal / sliding-window masks,
+the KV cache, hidden-state and attention recording through transformers' own decorators)
+and changes only the stream: the layers pass (p, r) on, and the final norm folds in the
+last add through the shape's `enter`. n layers of a
+pre-norm family make 2n + 1 add_norm calls per forward and no separate residual add.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import DynamicCache
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .layers import SUM, branch
+
+# The mask each attention layer type reads (config.layer_types), as the models build them
+_MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+def _layer_masks(config, attention_mask, inputs_embeds, past_key_values, position_ids) -> list:
+    """One attention mask per decoder layer. Models with config.layer_types (Qwen2, Qwen3,
+    Gemma2) use one mask per layer type, which generate() may have prepared as a dict;
+    the others one mask for all layers, sliding-window where the config has a window
+    (Mistral)."""
+    n, kinds = config.num_hidden_layers, getattr(config, "layer_types", None)
+    if kinds is not None and isinstance(attention_mask, dict):
+        return [attention_mask[k] for k in kinds[:n]]
+    kw = dict(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+              past_key_values=past_key_values, position_ids=position_ids)
+    if kinds is None:
+        sliding = getattr(config, "sliding_window", None) is not None
+        return [(create_sliding_window_causal_mask if sliding else create_causal_mask)(**kw)] * n
+    made = {k: _MASKS[k](**kw) for k in dict.fromkeys(kinds[:n])}
+    return [made[k] for k in kinds[:n]]
+
+
+def _rotary(base, family, hidden: Tensor, position_ids: Tensor, n: int) -> list:
+    """Each layer's position_embeddings keyword: one rotary embedding for all layers, one
+    per layer type (Gemma3: config.layer_types), or none."""
+    if family.rotary is None:
+        return [None] * n
+    rotary = getattr(base, family.model_parts["rotary"])
+    if family.rotary == "shared":
+        return [rotary(hidden, position_ids)] * n
+    kinds = base.config.layer_types[:n]
+    made = {k: rotary(hidden, position_ids, k) for k in dict.fromkeys(kinds)}
+    return [made[k] for k in kinds]
+
+
+def _final_norm(base, family, last, hidden: Tensor, residual: Tensor | None) -> Tensor:
+    """norm_f(r + b(p)) in one op (the shape's enter). Its output has the first argument's
+    dtype; by default the stream's, as the unfused model's norm of its stream (an fp32
+    stream under autocast gives an fp32 last_hidden_state); with an explicit residual_dtype
+    the activations' (a bf16 model with an fp32 stream feeds its bf16 head bf16). Where the
+    branch is plain the two may swap places to give the wider dtype: the sum is the same."""
+    rdtype, norm = base.fuseblock_residual_dtype, getattr(base, family.model_parts["norm"])
+    if (rdtype is None and residual is not None and not branch(last, "mlp")
+            and torch.promote_types(hidden.dtype, residual.dtype) != hidden.dtype):
+        hidden, residual = residual, hidden
+    return family.shape.enter(last, hidden, residual, norm, rdtype)[0]
+
+
+def _model_forward(
+    self,
+    input_ids: torch.LongTensor | None = None,
+    attention_mask: Tensor | dict | None = None,
+    position_ids: torch.LongTensor | None = None,
+    past_key_values=None,
+    inputs_embeds: Tensor | None = None,
+    use_cache: bool | None = None,
+    **kwargs,
+):
+    """The inner model's forward on the fused stream (see the module docstring)."""
+    family = self.fuseblock_family
+    if (input_ids is None) ^ (inputs_embeds is not None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    if inputs_embeds is None:
+        inputs_embeds = family.embed(self, input_ids)
+    if use_cache and past_key_values is None:
+        past_key_values = DynamicCache(config=self.config)
+    if position_ids is None:
+        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
+    n = self.config.num_hidden_layers
+    masks = _layer_masks(self.config, attention_mask, inputs_embeds, past_key_values, position_ids)
+    hidden = family.prepare(self, inputs_embeds, position_ids)
+    rotary = _rotary(self, family, hidden, position_ids, n)
+    # transformers' capture_outputs records hidden states when this is truthy (its own test)
+    if kwargs.get("output_hidden_states", getattr(self.config, "output_hidden_states", False)):
+        kwargs[SUM] = True
+    residual, layers = None, getattr(self, family.model_parts["layers"])[:n]
+    for i, layer in enumerate(layers):
+        # hidden and residual positional: reentrant gradient checkpointing passes gradients to positional tensors only
+        _, hidden, residual = layer(hidden, residual, attention_mask=masks[i], position_embeddings=rotary[i],
+                                    position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+                                    **kwargs)
+    hidden = _final_norm(self, family, layers[-1], hidden, residual)
+    return family.output(last_hidden_state=hidden, past_key_values=past_key_values if use_cache else None)
+
+
+# The decorators of the models' own forward: use_cache from the config, and the
+# output_hidden_states / output_attentions / router-logits recording (hooks on the
+# modules) and return_dict
+FUSED_MODEL_FORWARD = merge_with_config_defaults(capture_outputs(_model_forward))
