@@ -27,33 +27,22 @@ transformers = pytest.importorskip("transformers")
 
 import fuseblock.modules  # noqa: E402
 from fuseblock import Norm  # noqa: E402
-from fuseblock.integrations.transformers import fuse  # noqa: E402
+from fuseblock.integrations.transformers import FAMILIES, fuse  # noqa: E402
+from fuseblock.integrations.transformers.tiny import SIZES, TINY, tiny_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HIDDEN, LAYERS, VOCAB = 64, 2, 128
-COMMON = dict(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, initializer_range=0.2,
-              pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False)
-# model_type -> (config class, model class, config overrides): windows shorter than the
-# test sequences, so the sliding-window masks differ from the causal ones
-ARCHS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=5, head_dim=16)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),  # q_norm / k_norm
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16)),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, sliding_window=5, query_pre_attn_scalar=16)),
-}
+HIDDEN, LAYERS, VOCAB = SIZES["hidden_size"], SIZES["num_hidden_layers"], SIZES["vocab_size"]
+ARCHS = [f for f in FAMILIES if f in TINY]  # every fused family (test_every_family_has_a_tiny_config)
 T = 12  # sequence length
 
 
-def make(arch, *, layers=LAYERS, seed=0):
-    """The unfused model with random weights: every norm weight perturbed too (transformers
-    initializes them to the identity), so a misplaced or missing norm shows."""
-    config_cls, model_cls, extra = ARCHS[arch]
-    config = getattr(transformers, config_cls)(**{**COMMON, "num_hidden_layers": layers, **extra})
+def make(arch, *, layers=LAYERS, seed=0, **overrides):
+    """The unfused model with random weights (fuseblock's tiny config of the family): every
+    norm weight perturbed too (transformers initializes them to the identity), so a
+    misplaced or missing norm shows."""
+    config = tiny_config(arch, num_hidden_layers=layers, **overrides)
     torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config)
+    model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:
@@ -72,7 +61,7 @@ def batch(seed=1, b=2, t=T):
     ids = torch.randint(3, VOCAB, (b, t), generator=g)
     mask = torch.ones(b, t, dtype=torch.long)
     mask[0, :3] = 0
-    ids[0, :3] = COMMON["pad_token_id"]
+    ids[0, :3] = SIZES["pad_token_id"]
     labels = ids.masked_fill(mask == 0, -100)
     return ids, mask, labels
 
@@ -297,12 +286,12 @@ def test_gradient_checkpointing(arch, reentrant):
 
 
 def config_of(arch):
-    config_cls, _, extra = ARCHS[arch]
-    return getattr(transformers, config_cls)(**{**COMMON, **extra})
+    return tiny_config(arch)
 
 
 def model_class(arch):
-    return getattr(transformers, ARCHS[arch][1])
+    """The family's causal-LM class (LlamaForCausalLM, ...)."""
+    return transformers.AutoModelForCausalLM._model_mapping[type(config_of(arch))]
 
 
 def fusing_class(arch):
@@ -484,11 +473,17 @@ WRONG_FORWARD = {
 }
 
 
+def test_every_family_has_a_tiny_config():
+    assert set(TINY) == set(FAMILIES)
+    with pytest.raises(ValueError, match="'mamba' is not a family fuse fuses"):
+        tiny_config("mamba")
+
+
 @pytest.mark.parametrize("model_type", WRONG_FORWARD)
 def test_a_family_registered_with_a_wrong_forward_is_refused(model_type, monkeypatch):
     import fuseblock.integrations.transformers.fusion as fusion
     extra, why = WRONG_FORWARD[model_type]
-    config = transformers.AutoConfig.for_model(model_type, **{**COMMON, **extra})
+    config = transformers.AutoConfig.for_model(model_type, **{**SIZES, **extra})
     model = transformers.AutoModelForCausalLM.from_config(config)
     monkeypatch.setattr(fusion, "FAMILIES", {**fusion.FAMILIES, model_type: fusion.FAMILIES["llama"]})
     params = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -1,0 +1,36 @@
+"""`tiny_config(model_type)`: a small config of a fused family, for trying and testing fuse.
+
+Every family in FAMILIES has an entry (tests/integrations/test_transformers.py checks),
+so `scripts/train_hf.py --family NAME` and the tests build any of them the same way, with
+random weights and nothing downloaded. The sizes are transformers' names (configs map
+them to their own, GPT-2's n_embd for hidden_size); each family's entry adds what makes
+its model exercise its whole layout at this size: sliding windows shorter than a test
+sequence, a head_dim the hidden size divides into, its block scalars away from neutral.
+"""
+from __future__ import annotations
+
+import transformers
+
+from .families import FAMILIES
+
+# hidden 64 in 4 heads of 16, 2 of them key/value heads; ids 0, 1, 2 are pad, eos and bos
+SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, initializer_range=0.2,
+             pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False)
+
+# model_type -> what its tiny config sets beyond SIZES
+TINY: dict[str, dict] = {
+    "llama": {},
+    "mistral": dict(sliding_window=5, head_dim=16),
+    "qwen2": dict(use_sliding_window=True, sliding_window=5, max_window_layers=1),
+    "qwen3": dict(head_dim=16),  # q_norm / k_norm
+    "gemma": dict(head_dim=16),
+    "gemma2": dict(head_dim=16, sliding_window=5, query_pre_attn_scalar=16),
+}
+
+
+def tiny_config(model_type: str, **overrides) -> transformers.PretrainedConfig:
+    """A small config of a fused family: SIZES, the family's TINY entry, then overrides."""
+    if model_type not in FAMILIES:
+        raise ValueError(f"tiny_config: {model_type!r} is not a family fuse fuses ({', '.join(FAMILIES)})")
+    return transformers.AutoConfig.for_model(model_type, **{**SIZES, **TINY[model_type], **overrides})
