@@ -1,0 +1,85 @@
+"""The Hugging Face models the integration tests share: fuseblock's tiny config of a
+family with random weights (make), its fused twin (pair), a padded batch, and one
+forward + backward (run), with the distances the tests hold them to."""
+import copy
+import os
+from contextlib import nullcontext
+
+import torch
+import transformers
+
+from fuseblock.integrations.transformers import fuse
+from fuseblock.integrations.transformers.tiny import SIZES, tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HIDDEN, LAYERS, VOCAB = SIZES["hidden_size"], SIZES["num_hidden_layers"], SIZES["vocab_size"]
+T = 12  # sequence length
+
+
+def make(arch, *, layers=LAYERS, seed=0, **overrides):
+    """The unfused model with random weights (fuseblock's tiny config of the family): every
+    norm weight perturbed too (transformers initializes them to the identity), so a
+    misplaced or missing norm shows."""
+    config = tiny_config(arch, num_hidden_layers=layers, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def pair(arch, **kw):
+    model = make(arch, **kw)
+    return model, fuse(copy.deepcopy(model))
+
+
+def batch(seed=1, b=2, t=T):
+    """Token ids, an attention mask with left padding on the first row, labels ignoring the pads."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (b, t), generator=g)
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[0, :3] = 0
+    ids[0, :3] = SIZES["pad_token_id"]
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask, labels
+
+
+def run(model, ids, mask, labels, hidden=True):
+    """(logits, loss, {name: grad}, hidden states or None) of one forward and backward."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, output_hidden_states=hidden)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in getattr(model, "_orig_mod", model).named_parameters()}
+    return out.logits.detach(), out.loss.detach(), grads, hidden and [h.detach() for h in out.hidden_states]
+
+
+def max_diff(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+def rel(a, b):
+    """|a - b| / max(1, |b|), the largest over the tensor: an error scaled as assert_close scales its atol."""
+    return max_diff(a, b) / max(1.0, b.double().abs().max().item())
+
+
+def differences(arch, dtype=torch.float32, *, residual_dtype=None, autocast=False):
+    """Max abs differences of the fused and the unfused model against the unfused fp32
+    model: {"logits", "loss", "grads"} for each, the grads the largest rel() over all
+    parameters. fp32 and no options: the fused model against its unfused twin."""
+    ref = make(arch)
+    ids, mask, labels = batch()
+    ref_logits, ref_loss, ref_grads, _ = run(ref, ids, mask, labels)
+    unfused = copy.deepcopy(ref) if autocast else copy.deepcopy(ref).to(dtype)
+    fused = fuse(copy.deepcopy(unfused), residual_dtype=residual_dtype)
+    result = {"scale": {"logits": ref_logits.abs().max().item(), "loss": abs(ref_loss.item()), "grads": 1.0}}
+    for name, model in (("unfused", unfused), ("fused", fused)):
+        ctx = torch.autocast("cpu", dtype=dtype) if autocast else nullcontext()
+        with ctx:
+            logits, loss, grads, _ = run(model, ids, mask, labels)
+        result[name] = {"logits": max_diff(logits, ref_logits), "loss": abs(loss.item() - ref_loss.item()),
+                        "grads": max(rel(grads[n], ref_grads[n]) for n in ref_grads)}
+    return result
+
+
