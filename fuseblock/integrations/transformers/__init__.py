@@ -18,8 +18,8 @@ post-norm, sandwich) carry the same (p, r), each add with its norms in one op.
 
 The package, one concept a file:
 - `families`: what fuse knows of each family (`Family`, `FAMILIES`): its stream shape,
-  its modules by role, the config scalars its fused forward reads; and why the others
-  are refused (`REFUSED`);
+  its modules by role, the config scalars its fused forward reads;
+- `refused`: why fuse refuses the others (`REFUSED`);
 - `check`: the structural check that stands between a family's name and its fusion;
 - `layers`: the fused decoder-layer forwards, one per stream shape;
 - `model`: the fused forward of the inner model (LlamaModel and its kin);
@@ -36,7 +36,8 @@ if tuple(int(v) for v in transformers.__version__.split(".")[:2]) < (5, 17):  # 
     raise ImportError(f"fuseblock.integrations.transformers needs transformers >= 5.17, found "
                       f"{transformers.__version__}")
 
-from .families import FAMILIES, REFUSED, SUPPORTED, Family  # noqa: E402
+from .families import FAMILIES, SUPPORTED, Family  # noqa: E402
 from .fusion import fuse  # noqa: E402
+from .refused import REFUSED  # noqa: E402
 
 __all__ = ["fuse", "SUPPORTED", "FAMILIES", "REFUSED", "Family"]

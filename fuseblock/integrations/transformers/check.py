@@ -57,6 +57,10 @@ def refusals(base: nn.Module, family: Family) -> list[str]:
         if set(layer._modules) != expected:
             found.append(_differs(f"layers[{i}] ({type(layer).__name__})", set(layer._modules), expected))
             break
+        own = [n for n, t in (*layer._parameters.items(), *layer._buffers.items()) if t is not None]
+        if own:  # a layer's own tensors (a learned residual scale, say) are read by its forward, not by fuse's
+            found.append(f"layers[{i}] ({type(layer).__name__}) holds tensors of its own ({', '.join(own)})")
+            break
     norms = [(f"{family.model_parts['layers']}[{i}].{family.parts[r]}", getattr(layer, family.parts[r], None))
              for i, layer in enumerate(layers) for r in family.norms]
     norms.append((family.model_parts["norm"], getattr(base, family.model_parts["norm"], None)))

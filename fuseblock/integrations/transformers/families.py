@@ -6,9 +6,8 @@ block scalars (check.py) its fused forward reads. fuse fuses a model only where 
 family is named here *and* the model's structure is what the entry says (check.py): a
 name is never enough.
 
-`REFUSED` names families fuse knows and refuses, with the reason; every other causal LM
-of transformers is refused as not (yet) checked. docs/transformers.md's table is made
-from these two (tools/transformers_table.py).
+refused.py says why fuse refuses the others; docs/transformers.md's table is made from
+both (tools/transformers_table.py).
 """
 from __future__ import annotations
 
@@ -98,7 +97,3 @@ FAMILIES: Mapping[str, Family] = {
     "gemma2": Family(SANDWICH, _GEMMA2_PARTS),
 }
 SUPPORTED = tuple(FAMILIES)
-
-# Families fuse knows and refuses: model_type -> why. Every other causal LM is refused as
-# not checked (fuse's error says so).
-REFUSED: Mapping[str, str] = {}

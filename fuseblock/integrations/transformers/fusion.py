@@ -31,8 +31,9 @@ from ...convert import norm_from
 from ...modules import Norm
 from ...ops.checks import check_float_dtype
 from .check import refusals
-from .families import FAMILIES, REFUSED, SUPPORTED, Family
+from .families import FAMILIES, SUPPORTED, Family
 from .model import FUSED_MODEL_FORWARD
+from .refused import REFUSED
 
 _FUSED_LAYER_CLASSES: dict[tuple[type, Family], type] = {}
 
@@ -100,13 +101,18 @@ def _init_weights(self: PreTrainedModel, module: nn.Module) -> None:
         hf_init.zeros_(module.bias)
 
 
+def refusal(model_type: str) -> str:
+    """Why fuse refuses a family it does not fuse (docs/transformers.md's table)."""
+    return REFUSED.get(model_type, "not compared with fuseblock's stream shapes yet")
+
+
 def family_of(model: PreTrainedModel) -> tuple[str, Family]:
     """model's family (config.model_type) and its entry, or a ValueError naming the family
     and why fuse refuses it: unknown, known and refused, or not what its entry says."""
     base = model.base_model
     model_type = getattr(base.config, "model_type", None)
     if model_type not in FAMILIES:
-        why = REFUSED.get(model_type, "not a family fuse has checked")
+        why = refusal(model_type)
         raise ValueError(f"fuse: {type(model).__name__} (model_type {model_type!r}) is refused: {why}. "
                          f"fuse takes {', '.join(SUPPORTED)}; docs/transformers.md lists every family")
     family = FAMILIES[model_type]

@@ -1,0 +1,74 @@
+"""Why `fuse` refuses the causal-LM families it does not fuse, by `config.model_type`.
+
+Read off each family's model and decoder-layer structure in transformers 5.23 (its
+modules and config; docs/transformers.md's table lists every family). A family not named
+here nor in FAMILIES is refused as not yet compared. Reasons are grouped by what keeps
+the family out; "Llama-shaped" families have Llama's module layout but have not been put
+through the tests that every fused family passes, so fuse refuses them rather than
+trusting the names.
+"""
+from __future__ import annotations
+
+_LLAMA_SHAPED = ("Llama-shaped layers (input_layernorm, self_attn, post_attention_layernorm, mlp), not yet put "
+                 "through fuse's per-family tests")
+_ENCODER = ("BERT-style layers add the residual inside their output submodules (LayerNorm(dense(h) + x)): "
+            "no decoder-layer stream to fuse")
+_SEQ2SEQ = "the decoder of an encoder-decoder family: cross-attention between its adds, not a fused shape yet"
+_RECURRENT = "a recurrent or state-space block (one norm and one mixer per block): not a fused shape yet"
+_HYBRID = "hybrid layers (linear-attention, convolution or state-space mixers beside attention): not a fused shape yet"
+_WRAPPER = "a multimodal wrapper or container: fuse its language model (docs/transformers.md, multimodal wrappers)"
+_HYPER = "hyper-connections or gated residuals in place of the residual add: not a fused shape"
+
+_GROUPS = {
+    _LLAMA_SHAPED: ("arcee", "axk1", "bailing_hybrid", "bitnet", "cwm", "deepseek_v2", "deepseek_v3", "deepseek_v32",
+                    "diffllama", "doge", "ernie4_5", "ernie4_5_moe", "exaone_moe", "flint", "glm", "glm4_moe",
+                    "glm4_moe_lite", "glm_moe_dsa", "gpt_oss", "hy_v3", "internlm3", "iquestcoder", "laguna",
+                    "mellum", "mimo_v2_flash", "minicpm3", "minimax", "minimax_m2", "minimax_m3_vl_text", "nanochat",
+                    "olmoe", "seed_oss", "solar_open", "youtu", "aria_text", "ministral3", "jetmoe", "moshi",
+                    "hunyuan_v1_dense", "hunyuan_v1_moe", "dots1", "granitemoe", "granitemoe_swa", "granitemoeshared",
+                    "granite_swa", "emu3", "phimoe", "jais2", "persimmon", "nemotron", "gpt_neox_japanese",
+                    "phi4_multimodal", "cohere2", "cohere2_moe", "cohere_compass_text", "exaone4", "olmo3",
+                    "flex_olmo", "vaultgemma", "afmoe", "beam", "apertus", "axk2", "hyperclovax", "kolibri1"),
+    _ENCODER: ("bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra", "ernie",
+               "megatron-bert", "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer", "xlm-roberta",
+               "xlm-roberta-xl", "xmod", "xlm", "xlnet", "reformer", "cpmant"),
+    _SEQ2SEQ: ("bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp", "pegasus",
+               "plbart", "prophetnet", "trocr", "whisper", "musicgen", "musicgen_melody"),
+    _RECURRENT: ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma", "nemotron_h"),
+    _HYBRID: ("jamba", "zamba", "zamba2", "bamba", "falcon_h1", "granitemoehybrid", "lfm2", "lfm2_moe", "lfm3",
+              "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "kimi_linear",
+              "olmo_hybrid", "inkling_text", "inkling2_text", "blt", "hrm_text"),
+    _WRAPPER: ("fuyu", "gemma3", "gemma3n", "gemma4", "gemma4_unified", "git", "got_ocr2", "llama4", "mllama",
+               "moss_transcribe_diarize", "qwen4_exp", "dots3_note"),
+    _HYPER: ("deepseek_v4", "hy_v4", "qwen4_exp_text", "zaya"),
+}
+
+REFUSED: dict[str, str] = {model_type: why for why, names in _GROUPS.items() for model_type in names}
+REFUSED.update({
+    "bloom": "ALiBi attention, a LayerNorm on the embeddings and apply_residual_connection_post_layernorm: "
+             "its block differs from every fused shape",
+    "falcon": "parallel attention with one or two input norms by config (new_decoder_architecture, "
+              "num_ln_in_parallel_attn): not yet compared",
+    "opt": "OPTDecoder's do_layer_norm_before flag switches pre- and post-norm, and its layers sit in a decoder "
+           "submodule: not yet compared",
+    "gpt_neo": "GPT-2-shaped blocks with local and global attention layers: not yet compared",
+    "gptj": "one ln_1 feeding attention and MLP in parallel with GPT-2 names (ln_f, wte): not yet compared",
+    "codegen": "GPT-J-shaped parallel blocks: not yet compared",
+    "gpt_bigcode": "GPT-2-shaped blocks with multi-query attention: not yet compared",
+    "gpt-sw3": "GPT-2's model class under another model_type: not yet compared",
+    "openai-gpt": "post-norm blocks (ln_1 after the attention's add) and no final norm",
+    "ctrl": "pre-norm blocks with their own names and dropouts (layernorm1, dropout1, ...): not yet compared",
+    "mpt": "pre-norm blocks with ALiBi and a residual dropout on the attention branch only: not yet compared",
+    "biogpt": "fairseq-style layers (self_attn_layer_norm, fc1, fc2, final_layer_norm): not yet compared",
+    "xglm": "fairseq-style layers (self_attn_layer_norm, fc1, fc2, final_layer_norm): not yet compared",
+    "modernbert-decoder": "an Identity first norm and a LayerNorm on the embeddings: not yet compared",
+    "longcat_flash": "two attention and two MLP sublayers per layer (ModuleLists of norms): not a fused shape",
+    "gemma3n_text": "AltUp and per-layer embeddings around the residual: not a fused shape",
+    "gemma4_text": "per-layer embeddings and projections added to the stream: not a fused shape",
+    "gemma4_unified_text": "per-layer inputs beside the residual stream: not yet compared",
+    "gemma4_assistant": "an assistant head over a Gemma4 model: not a fused shape",
+    "gemma4_unified_assistant": "an assistant head over a Gemma4 model: not a fused shape",
+    "dots3_note_text": "not yet compared",
+    "dbrx": "norms nested with the attention in one submodule (norm_attn_norm): not a fused shape",
+    "llama4_text": "interleaved dense and MoE layers with chunked attention: not yet compared",
+})

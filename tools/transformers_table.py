@@ -1,0 +1,112 @@
+"""docs/transformers.md's family table, made from the code: every causal-LM family of the
+installed transformers, fused (with its stream shape) or refused (with the reason fuse
+gives).
+
+    python tools/transformers_table.py           # print the table
+    python tools/transformers_table.py --write   # rewrite it in docs/transformers.md
+    python tools/transformers_table.py --check   # exit 1 when the docs' table is stale
+
+The table is written for one transformers version, named in its first line; the check
+compares against the installed version's table only when they are the same version (the
+families differ between versions), and otherwise says so and passes.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "transformers.md"
+README = DOC.parents[1] / "README.md"
+# the README's count of fused families, which --check holds to FAMILIES as well
+COUNT = re.compile(r"`fuse` takes (\d+) families")
+BEGIN, END = "<!-- family table: begin -->", "<!-- family table: end -->"
+_VERSION = re.compile(r"transformers (\S+), ")
+
+
+def families() -> list[tuple[str, str, str]]:
+    """(model_type, "fused" or "refused", the stream shape or the reason), for every causal
+    LM of the installed transformers and every family fuse names, sorted by model_type."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from fuseblock.integrations.transformers import FAMILIES
+    from fuseblock.integrations.transformers.fusion import refusal
+
+    rows = []
+    for model_type in sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(FAMILIES)):
+        if model_type in FAMILIES:
+            rows.append((model_type, "fused", FAMILIES[model_type].shape.name))
+        else:
+            rows.append((model_type, "refused", refusal(model_type)))
+    return rows
+
+
+def table() -> str:
+    import transformers
+
+    rows = families()
+    fused = sum(1 for _, verdict, _ in rows if verdict == "fused")
+    lines = [BEGIN,
+             f"Made by `python tools/transformers_table.py --write` for transformers {transformers.__version__}, "
+             f"from `FAMILIES` and `REFUSED`: {fused} fused of {len(rows)} causal-LM families.",
+             "",
+             "| `model_type` | fuse | stream shape, or why not |",
+             "|---|---|---|"]
+    lines += [f"| `{m}` | {verdict} | {why} |" for m, verdict, why in rows]
+    return "\n".join([*lines, END])
+
+
+def written(doc: Path) -> str:
+    text = doc.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{doc} has no family table (markers {BEGIN} ... {END})")
+    return text[text.index(BEGIN):text.index(END) + len(END)]
+
+
+def stale(doc: Path, readme: Path) -> list[str]:
+    """What is out of date in doc's table and readme's count; [] when both are current."""
+    import transformers
+
+    from fuseblock.integrations.transformers import FAMILIES
+
+    found = []
+    counts = COUNT.findall(readme.read_text())
+    if counts != [str(len(FAMILIES))]:
+        found.append(f"{readme.name} says `fuse` takes {', '.join(counts) or 'no'} families; FAMILIES has "
+                     f"{len(FAMILIES)}")
+    old = written(doc)
+    version = _VERSION.search(old)
+    if version is None or version.group(1) != transformers.__version__:
+        print(f"{doc.name}'s table is for transformers {version and version.group(1)}; installed is "
+              f"{transformers.__version__}: the table is not compared")
+    elif old != table():
+        found.append(f"{doc.name}'s family table is stale: run python tools/transformers_table.py --write")
+    return found
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="rewrite the table in docs/transformers.md")
+    mode.add_argument("--check", action="store_true",
+                      help="exit 1 when docs/transformers.md's table or README's count is stale")
+    p.add_argument("--doc", type=Path, default=DOC, help="the document holding the table (default %(default)s)")
+    p.add_argument("--readme", type=Path, default=README, help="the README naming the count (default %(default)s)")
+    args = p.parse_args(argv)
+    if args.write:
+        args.doc.write_text(args.doc.read_text().replace(written(args.doc), table()))
+    elif args.check:
+        found = stale(args.doc, args.readme)
+        for line in found:
+            print(line)
+        return 1 if found else 0
+    else:
+        print(table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
