@@ -1,0 +1,158 @@
+"""`swap_norms`: every norm of any model swapped in place for a fuseblock `Norm`.
+
+Each norm-like module (torch's norms, or a module without submodules named *Norm* or
+holding an `eps` or `variance_epsilon`) is converted by `norm_from` and kept only when the
+conversion is proved on probes: the Norm's output and every gradient (input, weight,
+bias) match the module's own forward on inputs of 2, 3 and 4 dims, and the state_dict
+keys are the same. The Norm holds the module's own Parameter objects, so an optimizer
+built before the swap and weights tied elsewhere stay valid, and a module reachable under
+several names is replaced by one Norm everywhere. Anything not proved is left in place,
+with the reason, in the returned `SwapReport`: a swap is never a silent change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from .convert import _OTHER_AXIS_NORMS, _hf_eps, norm_from
+from .modules import Norm
+
+# The hooks a module can carry that its replacement would not (torch's names for them)
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+          "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+# The probe's leading dims: rows, a sequence, an image's height and width. A module that
+# treats one rank otherwise (a channels-first branch for 4-d input) differs on that one.
+_PROBE_SHAPES = ((5,), (2, 3), (2, 3, 2))
+
+
+@dataclass(frozen=True)
+class SwapReport:
+    """What `swap_norms` did: `swapped`, the qualified names of the modules now a fuseblock
+    Norm; `left_alone`, each norm-like module it kept, by name, with the reason. A module
+    reachable under several names is listed under the first `named_modules` gives."""
+
+    swapped: tuple[str, ...] = ()
+    left_alone: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"swapped {len(self.swapped)} norm(s) for fuseblock.Norm"]
+        lines += [f"  {name}" for name in self.swapped]
+        lines += [f"left {len(self.left_alone)} alone"] if self.left_alone else []
+        lines += [f"  {name or '(the model)'}: {why}" for name, why in self.left_alone.items()]
+        return "\n".join(lines)
+
+
+def swap_norms(model: nn.Module) -> SwapReport:
+    """Replace, in place, every norm of `model` that a fuseblock Norm computes exactly
+    (nn.LayerNorm and nn.RMSNorm over the last dim, Hugging Face style RMSNorms, written-out
+    RMSNorms and LayerNorms, see the module docstring), sharing its Parameters. Returns a
+    SwapReport naming what was swapped and what was left alone, and why.
+
+    Exact means the same function with the same parameters: on the torch path in fp32
+    the outputs and gradients match the module's to rounding (a written-out norm rounds
+    differently from torch's fused one); in bf16 and fp16 a Norm rounds once, after the
+    weight, where some forms round before it. References to a norm held outside the
+    module tree (a list attribute, a closure) still point at the old module.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"swap_norms needs an nn.Module (the model), got {type(model).__name__}")
+    swapped, left, replacement = [], {}, {}
+    for name, module in model.named_modules():  # each module once, under its first name
+        if not _norm_like(module):
+            continue
+        why = _why_not(module, name)
+        if isinstance(why, str):
+            left[name] = why
+        else:
+            replacement[id(module)] = why
+            swapped.append(name)
+    # every edge into a swapped module, so a module under several names stays one
+    for parent in list(model.modules()):
+        for key, child in parent._modules.items():
+            if child is not None and id(child) in replacement:
+                parent._modules[key] = replacement[id(child)]
+    return SwapReport(tuple(swapped), left)
+
+
+def _norm_like(module: nn.Module) -> bool:
+    """Whether the report should account for `module`: one of torch's norms (a parametrized
+    one holds its parametrizations as a child), or a leaf named like a norm or holding an eps."""
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm, Norm, *_OTHER_AXIS_NORMS)):
+        return True
+    return next(module.children(), None) is None and (
+        "norm" in type(module).__name__.lower() or _hf_eps(module) is not None)
+
+
+def _why_not(module: nn.Module, name: str) -> Norm | str:
+    """The Norm to put in `module`'s place, or why there is none."""
+    if name == "":
+        return "the model itself is a norm: swap_norms replaces submodules (fuseblock.norm_from converts one)"
+    if isinstance(module, Norm):
+        return "already a fuseblock Norm"
+    hooks = [h.strip("_") for h in _HOOKS if getattr(module, h, None)]
+    if hooks or "forward" in module.__dict__:
+        what = ", ".join(hooks) or "an instance-level forward"
+        return f"it carries {what}, which the swap would drop"
+    if parametrize.is_parametrized(module):
+        return "its parameters are parametrized (torch.nn.utils.parametrize)"
+    try:
+        norm = norm_from(module)
+    except TypeError as e:
+        return str(e).removeprefix("norm_from: ")
+    keys, norm_keys = module.state_dict(keep_vars=True).keys(), norm.state_dict(keep_vars=True).keys()
+    if set(keys) != set(norm_keys):
+        return f"its state_dict keys {sorted(keys)} differ from the Norm's {sorted(norm_keys)}"
+    mismatch = _mismatch(module, norm)
+    if mismatch:
+        return f"the Norm built for it ({_describe(norm)}) differs from its forward: {mismatch}"
+    norm.train(module.training)
+    return norm
+
+
+def _describe(norm: Norm) -> str:
+    offset = f", weight_offset={norm.weight_offset}" if norm.weight_offset else ""
+    return f"kind={norm.kind!r}, eps={norm.eps}{offset}"
+
+
+def _mismatch(module: nn.Module, norm: Norm) -> str | None:
+    """What differs between module and norm on fp32 probes of each of _PROBE_SHAPES, values
+    and the gradients of the input and every parameter; None when nothing does. Both run on
+    CPU copies of the parameters (functional_call), so the module's own, on a GPU or the
+    meta device, are neither read nor changed."""
+    d = norm.dim
+    with torch.device("cpu"):
+        gen = torch.Generator().manual_seed(1)
+        params = {k: p for k, p in module.named_parameters()}
+        probe = {k: (torch.rand(p.shape, generator=gen) + 0.5 if k == "weight" else torch.randn(p.shape, generator=gen))
+                 for k, p in params.items()}
+        for lead in _PROBE_SHAPES:
+            x = 3 * torch.randn(*lead, d, generator=gen)
+            x.view(-1, d)[0] *= 1e-3  # a row whose size is near sqrt(eps): eps matters
+            g = torch.randn(*lead, d, generator=gen)
+            runs = []
+            for m in (module, norm):
+                xi = x.clone().requires_grad_()
+                pi = {k: v.clone().requires_grad_() for k, v in probe.items()}
+                try:
+                    out = torch.func.functional_call(m, pi, (xi,))
+                    if not isinstance(out, torch.Tensor) or out.shape != x.shape:
+                        return f"on input of shape {tuple(x.shape)} it returns " + (
+                            f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__)
+                    grads = torch.autograd.grad(out, [xi, *pi.values()], g, allow_unused=True)
+                except (RuntimeError, TypeError, ValueError, AttributeError, IndexError, KeyError) as e:
+                    return f"on input of shape {tuple(x.shape)} it raised {type(e).__name__}: {e}"
+                runs.append((out, grads))
+            (want, want_grads), (got, got_grads) = runs
+            for what, a, b in [("output", got, want), *zip(["d_input", *(f"d_{k}" for k in probe)],
+                                                          got_grads, want_grads, strict=True)]:
+                if a is None and b is None:
+                    continue
+                a = torch.zeros_like(b) if a is None else a  # no path to it: a zero gradient
+                b = torch.zeros_like(a) if b is None else b
+                scale = max(1.0, b.abs().max().item())
+                if not torch.allclose(a.float() / scale, b.float() / scale, rtol=1e-4, atol=1e-5):
+                    return f"{what} on input of shape {tuple(x.shape)}, max difference {(a - b).abs().max():.3g}"
+    return None
