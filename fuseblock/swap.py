@@ -11,6 +11,7 @@ with the reason, in the returned `SwapReport`: a swap is never a silent change.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -31,15 +32,19 @@ _PROBE_SHAPES = ((5,), (2, 3), (2, 3, 2))
 @dataclass(frozen=True)
 class SwapReport:
     """What `swap_norms` did: `swapped`, the qualified names of the modules now a fuseblock
-    Norm; `left_alone`, each norm-like module it kept, by name, with the reason. A module
-    reachable under several names is listed under the first `named_modules` gives."""
+    Norm; `left_alone`, each norm-like module it kept, by name, with the reason; `notes`,
+    for a swapped module, what differs outside the probes' fp32 (the output dtype of a
+    written-out norm given bf16 input and fp32 weights). A module reachable under several
+    names is listed under the first `named_modules` gives."""
 
     swapped: tuple[str, ...] = ()
     left_alone: dict[str, str] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"swapped {len(self.swapped)} norm(s) for fuseblock.Norm"]
-        lines += [f"  {name}" for name in self.swapped]
+        lines += [f"  {name}" + (f" (note: {self.notes[name]})" if name in self.notes else "")
+                  for name in self.swapped]
         lines += [f"left {len(self.left_alone)} alone"] if self.left_alone else []
         lines += [f"  {name or '(the model)'}: {why}" for name, why in self.left_alone.items()]
         return "\n".join(lines)
@@ -54,27 +59,32 @@ def swap_norms(model: nn.Module) -> SwapReport:
     Exact means the same function with the same parameters: on the torch path in fp32
     the outputs and gradients match the module's to rounding (a written-out norm rounds
     differently from torch's fused one); in bf16 and fp16 a Norm rounds once, after the
-    weight, where some forms round before it. References to a norm held outside the
-    module tree (a list attribute, a closure) still point at the old module.
+    weight, where some forms round before it. Given bf16 input and fp32 weights a Norm
+    returns bf16, as nn.RMSNorm does, where a written-out norm that multiplies by the
+    weight last returns fp32: `report.notes` names those. References to a norm held
+    outside the module tree (a list attribute, a closure) still point at the old module.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"swap_norms needs an nn.Module (the model), got {type(model).__name__}")
-    swapped, left, replacement = [], {}, {}
+    swapped, left, notes, replacement = [], {}, {}, {}
     for name, module in model.named_modules():  # each module once, under its first name
         if not _norm_like(module):
             continue
         why = _why_not(module, name)
         if isinstance(why, str):
             left[name] = why
-        else:
-            replacement[id(module)] = why
-            swapped.append(name)
+            continue
+        replacement[id(module)] = why
+        swapped.append(name)
+        note = _dtype_note(module, why)
+        if note:
+            notes[name] = note
     # every edge into a swapped module, so a module under several names stays one
     for parent in list(model.modules()):
         for key, child in parent._modules.items():
             if child is not None and id(child) in replacement:
                 parent._modules[key] = replacement[id(child)]
-    return SwapReport(tuple(swapped), left)
+    return SwapReport(tuple(swapped), left, notes)
 
 
 def _norm_like(module: nn.Module) -> bool:
@@ -110,6 +120,28 @@ def _why_not(module: nn.Module, name: str) -> Norm | str:
         return f"the Norm built for it ({_describe(norm)}) differs from its forward: {mismatch}"
     norm.train(module.training)
     return norm
+
+
+def _dtype_note(module: nn.Module, norm: Norm) -> str | None:
+    """How the output dtypes of module and norm differ for bf16 input with fp32 weights
+    (mixed precision by hand, or autocast, which leaves norms in fp32), or None."""
+    params = dict(module.named_parameters())
+    if not params:
+        return None
+    with torch.device("cpu"), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's rms_norm warns of the mixed dtypes it is given
+        x = torch.randn(2, norm.dim, dtype=torch.bfloat16)
+        probe = {k: torch.ones(p.shape) for k, p in params.items()}
+        dtypes = []
+        for m in (module, norm):
+            try:
+                dtypes.append(str(torch.func.functional_call(m, probe, (x,)).dtype).removeprefix("torch."))
+            except (RuntimeError, TypeError, ValueError, AttributeError, IndexError, KeyError) as e:
+                dtypes.append(f"{type(e).__name__}")
+    if dtypes[0] == dtypes[1]:
+        return None
+    return (f"given bf16 input and fp32 weights it returned {dtypes[0]} where the Norm returns {dtypes[1]} "
+            f"(x's dtype, as nn.RMSNorm)")
 
 
 def _describe(norm: Norm) -> str:

@@ -4,6 +4,7 @@ norm-like module either swapped or reported left alone with its reason."""
 import copy
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -363,6 +364,26 @@ def test_the_model_itself_and_bad_input():
             swap_norms(bad)
 
 
+@pytest.mark.parametrize("make_norm, noted", [(T5StyleNorm, True), (HandRMSNorm, True), (nn.RMSNorm, False),
+                                              (nn.LayerNorm, False)])
+def test_notes_name_the_norms_whose_output_dtype_differs_under_mixed_precision(make_norm, noted):
+    """A written-out norm multiplying by its fp32 weight last returns fp32 for bf16 input; the
+    Norm returns bf16, as torch's own norms do: swapped, and the report says so."""
+    untouched = make_norm(D)
+    model = nn.Sequential(copy.deepcopy(untouched))
+    report = swap_norms(model)
+    assert report.swapped == ("0",) and (("0" in report.notes) == noted), report
+    x = torch.randn(3, D, dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's rms_norm warns of the mixed dtypes (once a process)
+        want = untouched(x).dtype
+    assert model[0](x).dtype == torch.bfloat16 and (want != torch.bfloat16) == noted
+    if noted:
+        assert report.notes["0"].startswith("given bf16 input and fp32 weights it returned float32 where the Norm "
+                                            "returns bfloat16")
+        assert "note: given bf16" in str(report)
+
+
 def test_the_report_reads_as_a_list():
     model = nn.Sequential(nn.LayerNorm(D), nn.BatchNorm1d(D))
     text = str(swap_norms(model))
@@ -412,7 +433,7 @@ def test_transformers_models_fuse_does_not_take(name, n_norms):
     model = copy.deepcopy(untouched)
     keys = list(model.state_dict())
     report = swap_norms(model)
-    assert len(report.swapped) == n_norms and not report.left_alone, report
+    assert len(report.swapped) == n_norms and not report.left_alone and not report.notes, report
     assert list(model.state_dict()) == keys
     ids = torch.randint(0, 96, (2, 12))
     outs = []
