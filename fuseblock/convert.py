@@ -54,12 +54,15 @@ def norm_from(module: nn.Module) -> Norm:
     if isinstance(module, nn.RMSNorm) and type(module).forward is nn.RMSNorm.forward:
         return _shared(module, "rms", module.normalized_shape, module.eps, 0.0)
     weight, bias, eps = getattr(module, "weight", None), getattr(module, "bias", None), _hf_eps(module)
-    if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or eps is None or not (
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or not (
             bias is None or isinstance(bias, nn.Parameter) and bias.shape == weight.shape):
         raise TypeError(
             f"norm_from: unsupported module {type(module).__name__}: expected nn.LayerNorm, nn.RMSNorm or a "
             f"written-out RMSNorm or LayerNorm (a 1-d `weight` Parameter, a `bias` of its shape or none, eps in "
             f"`variance_epsilon` or `eps`)")
+    if eps is None:  # nanoGPT's LayerNorm passes a literal 1e-5: its eps is nowhere to read
+        raise TypeError(f"norm_from: unsupported module {type(module).__name__}: it keeps no eps in `eps` or "
+                        f"`variance_epsilon`; set `eps` on it to the value its forward uses (the probe checks it)")
     # a Norm holds weight and bias only: anything else the module keeps would leave its state_dict
     extra = sorted({n for n, _ in module.named_parameters()} - {"weight", "bias"}
                    | {n for n, _ in module.named_buffers()})

@@ -31,6 +31,18 @@ class HandRMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
+class NanoGPTLayerNorm(nn.Module):
+    """nanoGPT's LayerNorm: an optional bias, and its eps a literal in the forward."""
+
+    def __init__(self, d, bias=True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d)) if bias else None
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
 class T5StyleNorm(nn.Module):
     """T5's LayerNorm (an RMSNorm): the variance in fp32, no mean taken off, no bias."""
 
@@ -382,6 +394,25 @@ def test_notes_name_the_norms_whose_output_dtype_differs_under_mixed_precision(m
         assert report.notes["0"].startswith("given bf16 input and fp32 weights it returned float32 where the Norm "
                                             "returns bfloat16")
         assert "note: given bf16" in str(report)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_nanogpts_own_layernorm_swaps_once_its_eps_is_named(bias):
+    untouched = _randomized(TinyLM(lambda d: NanoGPTLayerNorm(d, bias=bias), bias=bias))
+    model = copy.deepcopy(untouched)
+    report = swap_norms(model)
+    assert report.swapped == () and len(report.left_alone) == 5
+    assert all("set `eps` on it" in why for why in report.left_alone.values())
+    for m in model.modules():
+        if isinstance(m, NanoGPTLayerNorm):
+            m.eps = 1e-4  # a wrong one: the probe's small row tells
+    assert all("differs" in why or "neither" in why for why in swap_norms(model).left_alone.values())
+    for m in model.modules():
+        if isinstance(m, NanoGPTLayerNorm):
+            m.eps = 1e-5
+    assert len(swap_norms(model).swapped) == 5
+    _assert_same_function(model, untouched, _lm_input(), dict(rtol=0, atol=0) if not KERNEL_PATH else
+                          dict(rtol=1e-5, atol=1e-5))
 
 
 def test_the_report_reads_as_a_list():
