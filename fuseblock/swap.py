@@ -27,6 +27,9 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 # The probe's leading dims: rows, a sequence, an image's height and width. A module that
 # treats one rank otherwise (a channels-first branch for 4-d input) differs on that one.
 _PROBE_SHAPES = ((5,), (2, 3), (2, 3, 2))
+# What a forward raises on an input it does not take (norm_from's probe catches the same):
+# anything else, an interrupt or someone's control flow, passes
+_FORWARD_ERRORS = (RuntimeError, TypeError, ValueError, AttributeError, IndexError, KeyError)
 
 
 @dataclass(frozen=True)
@@ -70,13 +73,13 @@ def swap_norms(model: nn.Module) -> SwapReport:
     for name, module in model.named_modules():  # each module once, under its first name
         if not _norm_like(module):
             continue
-        why = _why_not(module, name)
-        if isinstance(why, str):
-            left[name] = why
+        norm = _replacement(module, name)
+        if isinstance(norm, str):  # why there is none
+            left[name] = norm
             continue
-        replacement[id(module)] = why
+        replacement[id(module)] = norm
         swapped.append(name)
-        note = _dtype_note(module, why)
+        note = _dtype_note(module, norm)
         if note:
             notes[name] = note
     # every edge into a swapped module, so a module under several names stays one
@@ -96,7 +99,7 @@ def _norm_like(module: nn.Module) -> bool:
         "norm" in type(module).__name__.lower() or _hf_eps(module) is not None)
 
 
-def _why_not(module: nn.Module, name: str) -> Norm | str:
+def _replacement(module: nn.Module, name: str) -> Norm | str:
     """The Norm to put in `module`'s place, or why there is none."""
     if name == "":
         return "the model itself is a norm: swap_norms replaces submodules (fuseblock.norm_from converts one)"
@@ -136,7 +139,7 @@ def _dtype_note(module: nn.Module, norm: Norm) -> str | None:
         for m in (module, norm):
             try:
                 dtypes.append(str(torch.func.functional_call(m, probe, (x,)).dtype).removeprefix("torch."))
-            except (RuntimeError, TypeError, ValueError, AttributeError, IndexError, KeyError) as e:
+            except _FORWARD_ERRORS as e:
                 dtypes.append(f"{type(e).__name__}")
     if dtypes[0] == dtypes[1]:
         return None
@@ -174,7 +177,7 @@ def _mismatch(module: nn.Module, norm: Norm) -> str | None:
                         return f"on input of shape {tuple(x.shape)} it returns " + (
                             f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__)
                     grads = torch.autograd.grad(out, [xi, *pi.values()], g, allow_unused=True)
-                except (RuntimeError, TypeError, ValueError, AttributeError, IndexError, KeyError) as e:
+                except _FORWARD_ERRORS as e:
                     return f"on input of shape {tuple(x.shape)} it raised {type(e).__name__}: {e}"
                 runs.append((out, grads))
             (want, want_grads), (got, got_grads) = runs

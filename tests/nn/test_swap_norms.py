@@ -313,7 +313,7 @@ def test_built_on_the_meta_device_then_materialized():
     report = swap_norms(model)  # the probes run on CPU, never on the meta parameters
     assert len(report.swapped) == 5 and not report.left_alone
     assert all(p.is_meta for p in model.parameters())
-    model.to_empty(device="cpu")
+    model.to_empty(device=reference.wte.weight.device)
     model.lm_head.weight = model.wte.weight  # to_empty unties; the usual tie_weights step
     model.load_state_dict(reference.state_dict())
     inp = _lm_input()
