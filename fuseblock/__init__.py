@@ -14,9 +14,11 @@ from .ops.norm import add_norm, norm
 from .ops.norm_add import norm_add, norm_add_norm
 from .ops.norm_linear import norm_linear  # after .norm_linear: `fuseblock.norm_linear` is the op, not the module
 from .stream import PreNormBlock, ResidualStack
+from .swap import SwapReport, swap_norms
 
 __all__ = ["norm", "add_norm", "Norm", "AddNorm", "PreNormBlock", "ResidualStack", "norm_from"]
 __all__ += ["norm_add", "norm_add_norm"]
 __all__ += ["norm_linear", "NormLinear"]
+__all__ += ["swap_norms", "SwapReport"]
 __all__ += ["embed_norm", "batch_norm", "group_norm", "instance_norm", "BatchNorm", "InstanceNorm"]
 __version__ = "0.3.0"

@@ -5,6 +5,9 @@
                                                 on a 2-core CPU; --quick (256 and 2048 rows, d = 256) takes 44 s
                                                 of CPU time (5.5 minutes wall at load average 8); --ops, --rows
                                                 and --d pick a part
+    python scripts/bench.py stream  [--quick]   hidden-stream bytes of one decoder layer per stream shape (pre-norm,
+                                                scaled, parallel, dropout, post-norm, sandwich), untouched torch ops
+                                                vs fused, fwd and bwd; --rows, --d, --dtype pick the size
     python scripts/bench.py memory  [--quick]   bytes saved for backward per layer per token, fused vs naive GPT
     python scripts/bench.py speed   [--quick] [--repeats N]  CPU training-step time: naive, fused, torch.compile of each
     python scripts/bench.py gpu     [--out DIR] GPU add_norm bandwidth vs eager and torch.compile (exits 0 without CUDA)

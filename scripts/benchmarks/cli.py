@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-SUBCOMMANDS = ["traffic", "memory", "speed", "gpu", "gpt-step", "sm90", "overhead", "gpu-report"]
+SUBCOMMANDS = ["traffic", "memory", "speed", "gpu", "gpt-step", "sm90", "overhead", "gpu-report", "stream"]
 # Subcommands that count bytes through the Triton interpreter: on a machine with no GPU
 # it is the only way to run the kernels at all.
-INTERPRETED = {"traffic"}
+INTERPRETED = {"traffic", "stream"}
 
 
 def _ints(value: str) -> list[int]:
@@ -32,10 +32,13 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
                     help="traffic: a comma list of ops (fuseblock.testing.cases.OPS; default all)")
     ap.add_argument("--rows", type=_ints, default=None,
                     help="traffic: row counts (default 256,2048,16384; --quick 256,2048); gpu: the first is the "
-                         "row count (default 32768), capped at 2^29 / d")
+                         "row count (default 32768), capped at 2^29 / d; stream: row counts (default 1024; "
+                         "--quick 128)")
     ap.add_argument("--d", type=int, default=None,
                     help="traffic: row width (default 1024; --quick 256); sm90, gpu: this one row width instead "
-                         "of their list")
+                         "of their list; stream: the hidden size (default 1024; --quick 256)")
+    ap.add_argument("--dtype", type=lambda v: v.split(","), default=None,
+                    help="stream: a comma list of bf16, fp16, fp32 (default bf16,fp32; --quick bf16)")
     return ap
 
 

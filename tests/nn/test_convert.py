@@ -165,7 +165,6 @@ class WrongEps(LlamaStyleRMSNorm):
     (nn.GroupNorm(2, 4), "GroupNorm"),
     (nn.LayerNorm((4, 8)), "LayerNorm.*last dim"),
     (Scaled(D), "Scaled.*neither"),
-    (Centered(D), "Centered.*neither"),
     (WrongEps(D), "WrongEps.*neither"),
     (Broken(D), "Broken.*forward failed"),
     ("RMSNorm", "str"),
@@ -173,6 +172,15 @@ class WrongEps(LlamaStyleRMSNorm):
 def test_unsupported_modules_are_a_type_error_naming_them(module, match):
     with pytest.raises(TypeError, match=match):
         norm_from(module)
+
+
+def test_a_centered_rmsnorm_is_a_layernorm_without_bias():
+    """x - mean(x) over its rms is layer_norm(x): found by what it computes, whatever it is named."""
+    source = _randomize(Centered(D))
+    norm = norm_from(source)
+    assert norm.kind == "layer" and norm.bias is None and norm.weight is source.weight
+    x = torch.randn(3, D) * 3
+    torch.testing.assert_close(norm(x), source(x), rtol=1e-5, atol=1e-5)
 
 
 class _Signal(Exception):

@@ -335,3 +335,45 @@ def test_help_says_which_subcommands_take_rows_and_d_and_that_traffic_is_slow():
     assert "traffic" in rows_help and "gpu" in rows_help
     assert all(name in d_help for name in ("traffic", "sm90", "gpu"))
     assert "about 23 minutes" in text and "--quick" in text
+
+
+def test_stream_quick_fused_moves_fewer_hidden_stream_bytes_in_every_shape():
+    from fuseblock.testing.stream_traffic import STREAM_SHAPES
+
+    rows = _bench("stream", "--rows", "64", "--d", "128")
+    assert [r["shape"] for r in rows[::3]] == STREAM_SHAPES  # every shape, in the table's order
+    by = {(r["shape"], r["pas"]): r for r in rows}
+    assert len(by) == len(rows) == 3 * len(STREAM_SHAPES)
+    for shape in STREAM_SHAPES:
+        fwd, bwd, both = (by[shape, pas] for pas in ("fwd", "bwd", "fwd+bwd"))
+        for r in (fwd, both):
+            assert 0 < r["fused_MB"] < r["untouched_MB"], r
+        # one launch per join forward: two joins a layer, one for parallel (whose two branches
+        # join at once); dropout adds its seed's torch ops
+        assert fwd["fused_launches"] == {"parallel": 1, "dropout": 4}.get(shape, 2), fwd
+        assert both["fused_MB"] == pytest.approx(fwd["fused_MB"] + bwd["fused_MB"])
+        if shape != "post-norm":
+            assert bwd["fused_MB"] < bwd["untouched_MB"], bwd
+        else:
+            # untouched, the residual's gradient passes through the add for free; norm_add's
+            # backward writes it out (DR, a copy of the incoming gradient): one hidden state a join
+            assert bwd["fused_hiddens"] - bwd["untouched_hiddens"] < 2 * 1.2, bwd
+
+
+@pytest.mark.parametrize("shape", ["pre-norm", "scaled", "parallel", "post-norm", "sandwich"])
+def test_stream_layers_fused_and_untouched_compute_the_same(shape):
+    # the two forms bench.py stream counts are one function (dropout: each its own masks)
+    import torch
+
+    from fuseblock.testing.stream_traffic import _leaves, layer, layer_inputs
+
+    stream, branches, weights = layer_inputs(shape, 8, 64, torch.float32)
+    leaves = _leaves(stream, branches, weights)
+    fused, untouched = (layer(shape, stream, branches, weights, fused=f) for f in (True, False))
+    assert len(fused) == len(untouched) == (2 if shape in ("parallel", "post-norm") else 3)
+    grads = [torch.randn_like(t) for t in fused]
+    for a, b in zip(fused, untouched, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for a, b in zip(torch.autograd.grad(fused, leaves, grads), torch.autograd.grad(untouched, leaves, grads),
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
