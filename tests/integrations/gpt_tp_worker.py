@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from models.gpt import GPT, GPTConfig  # noqa: E402
@@ -58,8 +59,11 @@ def case(cfg, mesh, fsdp: bool) -> dict:
     d = mesh["dp"].get_local_rank()
     # tp alone: every replica the same batch (0); FSDP2 averages its two batches' gradients
     mine = d if fsdp else 0
-    logits, loss = model(idx[mine], tgt[mine])
-    loss.backward()
+    comm = CommDebugMode()
+    with comm:
+        logits, loss = model(idx[mine], tgt[mine])
+        loss.backward()
+    out["collectives"] = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
     used = (0, 1) if fsdp else (0,)
     ref_out = [ref(idx[i], tgt[i]) for i in used]
     (sum(r[1] for r in ref_out) / len(used)).backward()
