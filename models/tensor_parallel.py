@@ -65,10 +65,11 @@ class _HeadColwise(ParallelStyle):
 
 
 def parallelize(model: GPT, mesh: DeviceMesh) -> GPT:
-    """Shard `model` (a GPT, plain or on the meta device) over the 1-D `mesh` in place, by
-    the plan above; returns it. n_head must divide by the mesh's size. Afterwards the
-    parameters are DTensors: `init_weights()` draws them as one process would (each rank
-    keeps its part), and models.checkpoint gathers them whole."""
+    """Shard `model` (a GPT on the meta device, or one whose weights every rank holds alike)
+    over the 1-D `mesh` in place, by the plan above; returns it. Each rank keeps its part
+    of its own weights (nothing is sent). n_head and vocab_size must divide by the mesh's
+    size. Afterwards the parameters are DTensors: `init_weights()` draws them as one
+    process would (each rank keeps its part), and models.checkpoint gathers them whole."""
     if not isinstance(model, GPT):
         raise TypeError(f"model must be a models.gpt.GPT, got {type(model).__name__}")
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
