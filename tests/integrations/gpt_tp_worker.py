@@ -1,8 +1,9 @@
 """The GPT under models/tensor_parallel.py on 4 gloo ranks, a (dp 2, tp 2) mesh (run under
-torchrun by test_gpt_tensor_parallel): tensor-parallel alone on the "tp" dim (each dp row of
-the mesh a replica) and FSDP2 on "dp" over it; the sharded model built on the meta device
-and initialised, then one step's loss and every gradient against one process's. Rank 0
-writes its findings as JSON to argv[1]; the test asserts on them."""
+torchrun by test_gpt_tensor_parallel; the kernel path when TRITON_INTERPRET=1 is in the
+environment): tensor-parallel alone on the "tp" dim (each dp row of the mesh a replica)
+and FSDP2 on "dp" over it; the sharded model built on the meta device and initialised,
+then one step's loss and every gradient against one process's. Rank 0 writes its findings
+as JSON to argv[1]; the test asserts on them."""
 import json
 import sys
 import warnings
@@ -16,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import fuseblock.ops.dispatch  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 from models.tensor_parallel import fsdp_placement, parallelize  # noqa: E402
 
@@ -82,7 +84,7 @@ def case(cfg, mesh, fsdp: bool) -> dict:
 def main():
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    found = {}
+    found = {"kernel_path": fuseblock.ops.dispatch.uses_triton(torch.empty(1))}
     for name, cfg in CONFIGS.items():
         found[f"{name}_tp"] = case(cfg, mesh, fsdp=False)
     for name, cfg in FSDP_CONFIGS.items():

@@ -1,15 +1,17 @@
 """The GPT's tensor-parallel plan (models/tensor_parallel.py, docs/parallel.md) on gloo ranks
-on CPU, the torch path, fp32. One torchrun launch of gpt_tp_worker.py on 4 ranks, a
-(dp 2, tp 2) mesh: tensor parallelism alone and FSDP2 on dp over it, against one process,
-init bit for bit, one step's loss and every gradient. Then train.py: --tp 2 on 2 ranks and
---fsdp --tp 2 on 4, one launch each, their loss curves and checkpoints against one
-process's, resuming each other's checkpoints and resumed by one process."""
+on CPU, fp32. One torchrun launch of gpt_tp_worker.py on 4 ranks per path (TRITON_INTERPRET=1
+passed on in the kernel-path run), a (dp 2, tp 2) mesh: tensor parallelism alone and FSDP2
+on dp over it, against one process, init bit for bit, one step's loss and every gradient.
+Then train.py on the torch path: --tp 2 on 2 ranks and --fsdp --tp 2 on 4, one launch
+each, their loss curves and checkpoints against one process's, resuming each other's
+checkpoints and resumed by one process."""
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+from helpers import KERNEL_PATH
 from test_fsdp import _compare
 from trainutil import ROOT, TINY, call, train
 
@@ -17,8 +19,10 @@ WORKER = str(ROOT / "tests" / "integrations" / "gpt_tp_worker.py")
 TOL = 1e-6  # fp32: the same sums, split across ranks and added in another order
 
 
-def _torchrun(n: int, *args):
+def _torchrun(n: int, *args, kernel_path: bool = False):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CPU torch path
+    if kernel_path:
+        env["TRITON_INTERPRET"] = "1"
     env["OMP_NUM_THREADS"] = "1"
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
                         *map(str, args)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -29,13 +33,16 @@ def _torchrun(n: int, *args):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpt_tp")
-    _torchrun(4, WORKER, out)
-    return json.loads((out / "gpt_tp.json").read_text())
+    _torchrun(4, WORKER, out, kernel_path=KERNEL_PATH)
+    found = json.loads((out / "gpt_tp.json").read_text())
+    assert found["kernel_path"] == KERNEL_PATH  # the path under test ran
+    return found
 
 
 CASES = ["rms_tp", "layer_bias_tp", "rms_fsdp_tp", "layer_fsdp_tp"]
 
 
+@pytest.mark.kernel
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_values_and_every_gradient_of_a_step_equal_one_process(ranks, case):
@@ -48,6 +55,7 @@ def test_values_and_every_gradient_of_a_step_equal_one_process(ranks, case):
     assert r["grad_max_abs"] > 0.1 and r["grad_max_abs_diff"] <= TOL
 
 
+@pytest.mark.kernel
 @pytest.mark.slow
 def test_the_plan_places_each_layer_as_documented(ranks):
     tp = ranks["rms_tp"]["placements"]
@@ -62,6 +70,7 @@ def test_the_plan_places_each_layer_as_documented(ranks):
     assert two_d["stack.blocks.0.mixer.c_proj.weight"] == ["S(0)", "S(1)"]
 
 
+@pytest.mark.kernel
 @pytest.mark.slow
 def test_one_all_gather_and_one_reduce_scatter_per_sublayer_each_way(ranks):
     # rms_tp: 2 layers = 4 sublayers. Forward: each sublayer's all-gather of its input and
@@ -72,6 +81,7 @@ def test_one_all_gather_and_one_reduce_scatter_per_sublayer_each_way(ranks):
                                               "reduce_scatter_tensor": (4 + 2) + (4 + 1)}
 
 
+@pytest.mark.kernel
 @pytest.mark.slow
 def test_refused_layouts_name_the_problem(ranks):
     assert ranks["odd_heads_error"].startswith("n_head (3) must be divisible by the tensor-parallel size (2)")
