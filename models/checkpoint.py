@@ -23,9 +23,10 @@ against their recorded size and sha256, meta.json's fields by type and range
 (models/settings.py), every tensor's name, dtype and shape against the model and
 optimizer it is loaded into, and the RNG states by loading them into a generator.
 
-A model sharded by FSDP2 (DTensor parameters) is gathered whole to write, in the files a
-plain model makes; to load, each rank checks the whole tensors and keeps its part. So a
-sharded run and a single process resume each other's checkpoints.
+A model sharded by FSDP2, by tensor parallelism (models/tensor_parallel.py) or by both
+(DTensor parameters) is gathered whole to write, in the files a plain model makes; to
+load, each rank checks the whole tensors and keeps its part, as its placements say. So
+every layout and a single process resume each other's checkpoints.
 """
 from __future__ import annotations
 
@@ -132,7 +133,7 @@ def _one_name_each(tensors: dict[str, torch.Tensor]) -> tuple[dict, dict | None]
 
 
 def _gather(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict] | None:
-    """A sharded (FSDP2) model's state_dict and its optimizer's, whole and on the CPU, laid
+    """A sharded (FSDP2, tensor-parallel) model's state_dict and its optimizer's, whole and on the CPU, laid
     out as a plain model's: the tied names share one tensor, and the optimizer state is
     keyed by parameter index (torch's Optimizer.state_dict). Each distinct tensor is one
     all-gather, which every rank joins in the same order; rank 0 keeps the results, the
@@ -252,7 +253,7 @@ def save(
     what it names as they were; NaN or inf anywhere in the state raises NonFiniteError
     and writes nothing. The caller holds the directory's lock (one writer at a time).
 
-    A model sharded by FSDP2 is gathered whole first and written as a plain one is, so
+    A sharded model (FSDP2, tensor-parallel) is gathered whole first and written as a plain one is, so
     one process loads it: every rank calls save then (the gathers are collectives), rank
     0 writes, and the others return None."""
     whole = None
@@ -472,7 +473,7 @@ def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
         _check_tensor(path, k, t, expected[k], "model")
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise CheckpointError(f"{path}: {k} holds NaN or inf: the run this came from diverged")
-    # tied names share the tensor just loaded; a sharded (FSDP2) model takes each rank's part
+    # tied names share the tensor just loaded; a sharded model takes each rank's part
     model.load_state_dict({k: sharded.shard_like(t, expected[k]) for k, t in tensors.items()}, strict=False)
 
 
@@ -549,7 +550,7 @@ def load_training_state(ckpt: Path, meta: dict, optimizer: torch.optim.Optimizer
     for key, v in tensors.items():
         if key.startswith("state."):
             _, i, k = key.split(".", 2)
-            # a moment of a sharded (FSDP2) parameter: each rank takes its part; the step stays whole
+            # a moment of a sharded parameter: each rank takes its part; the step stays whole
             state.setdefault(int(i), {})[k] = v if k == "step" else sharded.shard_like(v, params[int(i)])
     optimizer.load_state_dict({"state": state, "param_groups": opt_meta["param_groups"]})
     return {k[len("rng."):]: v for k, v in tensors.items() if k.startswith("rng.")}

@@ -74,7 +74,7 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.head_size, self.dropout = cfg.n_embd // cfg.n_head, cfg.dropout
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
@@ -89,9 +89,12 @@ class CausalSelfAttention(nn.Module):
         return self._attend(qkv), residual
 
     def _attend(self, qkv):  # (B, T, 3C) -> (B, T, C)
+        # C is n_embd, or under tensor parallelism (models/tensor_parallel.py) this rank's
+        # share: the q, k and v columns of its heads, so the head count is read off C
         B, T, C = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
         q, k, v = qkv.split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        hs = self.head_size
+        q, k, v = (t.view(B, T, C // hs, hs).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))

@@ -1,4 +1,4 @@
-"""Whole tensors and FSDP2 shards (DTensors): the one place that tells them apart.
+"""Whole tensors and shards (DTensors: FSDP2's, tensor parallelism's): the one place that tells them apart.
 
 A DTensor can exist only once `torch.distributed.tensor` is imported, so plain models never
 import torch.distributed (some torch builds lack it) and pay nothing here.

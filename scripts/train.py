@@ -4,12 +4,17 @@
     python scripts/train.py --out-dir out/shakespeare --resume   # continue from `latest`
     torchrun --standalone --nproc_per_node=2 scripts/train.py ... # DDP (gloo on CPU, nccl on GPU)
     torchrun --standalone --nproc_per_node=2 scripts/train.py --fsdp ...  # FSDP2: sharded
+    torchrun --standalone --nproc_per_node=2 scripts/train.py --tp 2 ...  # tensor parallel
+    torchrun --standalone --nproc_per_node=4 scripts/train.py --fsdp --tp 2 ...  # 2-D: FSDP2 x TP
 
-Every rank draws the same global batch of world_size * grad_accum micro-batches from one
-seeded generator and takes its own slice, so N processes match one process with N times
-the gradient accumulation. DDP replicates the model on every rank; --fsdp shards its
-parameters, gradients and optimizer state (FSDP2's fully_shard, built on the meta device),
-and its checkpoints are gathered whole, so either mode, or one process, resumes them.
+Every rank draws the same global batch of dp * grad_accum micro-batches from one seeded
+generator and takes its data-parallel rank's slice, so N data-parallel processes match one
+process with N times the gradient accumulation. DDP replicates the model on every rank;
+--fsdp shards its parameters, gradients and optimizer state (FSDP2's fully_shard, built on
+the meta device); --tp N splits each layer's heads and MLP columns over groups of N ranks,
+which see the same batches (models/tensor_parallel.py), so dp = world / N; --fsdp --tp N
+runs FSDP2 over the dp dim of a (dp, N) mesh. Checkpoints are gathered whole, so any of
+these layouts, or one process, resumes them.
 
 One run writes to an --out-dir at a time (rank 0 holds its lock), and a fresh run into
 one that holds another run's checkpoints needs --overwrite. Ctrl-C or SIGTERM finishes
@@ -86,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--fsdp", action="store_true",
                      help="under torchrun, shard parameters, gradients and optimizer state over the ranks (FSDP2) "
                           "instead of replicating the model (DDP); same results, same checkpoints (default: off)")
+    run.add_argument("--tp", type=arg_type("count"), default=1, metavar="N",
+                     help="under torchrun, tensor parallelism over groups of N ranks: heads and MLP columns split, "
+                          "activations sharded by sequence; without --fsdp N is the world size, with it the 2-D "
+                          "mesh (world / N, N) (default: 1, off)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar (default: off, a tqdm bar)")
 
     settings.add_flags(ap.add_argument_group("model (recorded; on --resume they must match the checkpoint)"),
@@ -114,6 +123,14 @@ def parse_args(argv=None):
     if args.fsdp and not launched_by_torchrun():
         ap.error("argument --fsdp: shards over torchrun's ranks; run it as "
                  "torchrun --standalone --nproc_per_node=N scripts/train.py --fsdp ...")
+    if args.tp > 1:
+        world = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
+        if world == 1:
+            ap.error(f"argument --tp: splits the model over torchrun's ranks; run it as "
+                     f"torchrun --standalone --nproc_per_node={args.tp} scripts/train.py --tp {args.tp} ...")
+        if world % args.tp or not (args.fsdp or world == args.tp):
+            ap.error(f"argument --tp: {args.tp} on {world} ranks: without --fsdp the tensor-parallel group is every "
+                     f"rank (--tp {world}); with --fsdp, --tp must divide the world size")
     for k, v in MODEL_DEFAULTS.items():  # on --resume, replaced by the checkpoint's
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -177,11 +194,27 @@ class Dist:
     rank: int
     world: int
     device: torch.device
-    fsdp: bool = False  # the model sharded over the ranks (FSDP2); else replicated (DDP)
+    fsdp: bool = False  # the model sharded over the data-parallel ranks (FSDP2); else replicated (DDP)
+    tp: int = 1  # ranks per tensor-parallel group, consecutive ranks: rank = dp_rank * tp + tp_rank
 
     @property
     def master(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: each draws its own micro-batches; a tensor-parallel group shares them."""
+        return self.world // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def sharded(self) -> bool:
+        """The parameters are DTensors (FSDP2, tensor parallelism, or both): every rank joins
+        the gathering of a checkpoint."""
+        return self.fsdp or self.tp > 1
 
 
 def launched_by_torchrun() -> bool:
@@ -201,7 +234,7 @@ def init_distributed(args) -> Dist:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if args.threads:
         torch.set_num_threads(args.threads)
-    return Dist(distributed, rank, world, device, fsdp=args.fsdp)
+    return Dist(distributed, rank, world, device, fsdp=args.fsdp, tp=args.tp)
 
 
 def claim_out_dir(args, dist: Dist) -> OutDirLock | None:
@@ -254,7 +287,7 @@ class Run:
     @property
     def tokens_per_iter(self) -> int:
         a = self.args
-        return a.batch_size * a.block_size * a.grad_accum * self.dist.world
+        return a.batch_size * a.block_size * a.grad_accum * self.dist.dp
 
     def say(self, msg: str, err: bool = False) -> None:
         """A line for the user (rank 0 only), above the progress bar when there is one."""
@@ -268,31 +301,48 @@ class Run:
 
 
 def build_model(cfg: GPTConfig, dist: Dist) -> GPT:
-    """The GPT on dist.device, its weights drawn from torch's RNG. Under --fsdp it is built
-    on the meta device (no memory), sharded by FSDP2's fully_shard, moved to the device
-    empty and initialised there: each rank holds its shards of the very model GPT(cfg)
-    draws."""
-    if not dist.fsdp:
+    """The GPT on dist.device, its weights drawn from torch's RNG. Under --fsdp or --tp it
+    is built on the meta device (no memory), split over the tensor-parallel ranks
+    (models/tensor_parallel.py) and sharded by FSDP2's fully_shard over the data-parallel
+    ones, moved to the device empty and initialised there: each rank holds its parts of
+    the very model GPT(cfg) draws."""
+    if not dist.sharded:
         return GPT(cfg).to(dist.device)
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:  # torch < 2.6 has it here only
-        from torch.distributed._composable.fsdp import fully_shard
     from torch.distributed.device_mesh import init_device_mesh
 
-    # FSDP2 warns when a unit returns a view, which an in-place op would cut off from its
-    # backward hook: a mixer returns a Linear's output, a view, and the stack never
-    # modifies a mixer's output in place
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    mesh = init_device_mesh(dist.device.type, (dist.world,))
+    mesh = (init_device_mesh(dist.device.type, (dist.dp, dist.tp), mesh_dim_names=("dp", "tp")) if dist.tp > 1
+            else {"dp": init_device_mesh(dist.device.type, (dist.world,))})
     with torch.device("meta"):
         model = GPT(cfg)
-    # Each mixer is a unit: nearly all of a sublayer's weights, gathered whole only while it
-    # runs. Not its PreNormBlock: the naive stack (--impl naive) runs a block's step without
-    # calling the block, past the hooks by which a block unit would gather its norm.
-    for block in model.stack.blocks:
-        fully_shard(block.mixer, mesh=mesh)
-    fully_shard(model, mesh=mesh)  # the rest: the embeddings (with the tied head) and the norms
+    if dist.tp > 1:
+        from models import tensor_parallel
+
+        try:
+            tensor_parallel.parallelize(model, mesh["tp"])
+        except ValueError as e:
+            raise SettingsError(f"--tp {dist.tp}: {e}") from None
+    if dist.fsdp:
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch < 2.6 has it here only
+            from torch.distributed._composable.fsdp import fully_shard
+
+        # FSDP2 warns when a unit returns a view, which an in-place op would cut off from its
+        # backward hook: a mixer returns a Linear's output, a view, and the stack never
+        # modifies a mixer's output in place
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+        placement = {}
+        if dist.tp > 1:  # c_attn's weight, split by heads on tp, is sharded on its input dim
+            if cfg.n_embd % dist.dp:
+                raise SettingsError(f"--fsdp --tp {dist.tp}: n_embd ({cfg.n_embd}) must be divisible by the "
+                                    f"{dist.dp} data-parallel ranks, over which c_attn's columns are sharded")
+            placement = {"shard_placement_fn": tensor_parallel.fsdp_placement}
+        # Each mixer is a unit: nearly all of a sublayer's weights, gathered whole only while it
+        # runs. Not its PreNormBlock: the naive stack (--impl naive) runs a block's step without
+        # calling the block, past the hooks by which a block unit would gather its norm.
+        for block in model.stack.blocks:
+            fully_shard(block.mixer, mesh=mesh["dp"], **placement)
+        fully_shard(model, mesh=mesh["dp"], **placement)  # the rest: the embeddings (and the tied head), the norms
     model.to_empty(device=dist.device)
     model.init_weights()
     return model
@@ -305,7 +355,7 @@ def build_run(args, dist: Dist) -> tuple[Run, list[str]]:
         ckpt = checkpoint.resolve(args.out_dir)
         meta = checkpoint.read_meta(ckpt)
         saved = checkpoint.read_config(ckpt, meta)
-        notes = settings.describe_changes(*settings.resume(args, meta, saved, dist.world, ckpt))
+        notes = settings.describe_changes(*settings.resume(args, meta, saved, dist.dp, ckpt))
         recorded = saved.__dict__  # its norm_eps and bias too, which no flag sets
     # the stream stays fp32 under bf16 autocast (a no-op in fp32)
     cfg = GPTConfig(**{**recorded, **{k: getattr(args, k) for k in MODEL_DEFAULTS}, "dropout": args.dropout,
@@ -333,7 +383,7 @@ def build_run(args, dist: Dist) -> tuple[Run, list[str]]:
             notes.append(f"note: --overwrite: {args.out_dir} holds another run's checkpoints; they stay until this "
                          "fresh run's first checkpoint is written, then go")
     train_model = model
-    if dist.distributed and not dist.fsdp:
+    if dist.distributed and not dist.sharded:
         from torch.nn.parallel import DistributedDataParallel
 
         # parameters and gradients are fp32 (autocast only lowers the matmuls), so the
@@ -378,11 +428,12 @@ class StopSignals:
 
 
 def gradient_sync(run: Run, last: bool):
-    """Gradients are averaged over the ranks once per step, after its last micro-batch: DDP
-    holds its all-reduce under no_sync, FSDP2 its reduce-scatter while sync is off."""
+    """Gradients are averaged over the data-parallel ranks once per step, after its last
+    micro-batch: DDP holds its all-reduce under no_sync, FSDP2 its reduce-scatter while sync
+    is off. Tensor parallelism alone has no data-parallel ranks to average over."""
     if run.dist.fsdp:
         run.model.set_requires_gradient_sync(last)
-    elif run.dist.distributed and not last:
+    elif run.dist.distributed and not run.dist.sharded and not last:
         return run.train_model.no_sync()
     return nullcontext()
 
@@ -399,10 +450,10 @@ def train_step(run: Run, it: int, stop: StopSignals) -> tuple[float, int]:
     args, dist = run.args, run.dist
     for g in run.optimizer.param_groups:
         g["lr"] = lr_at(it, args)
-    n_micro = dist.world * args.grad_accum
+    n_micro = dist.dp * args.grad_accum
     starts = torch.randint(len(run.splits["train"]) - args.block_size - 1, (n_micro, args.batch_size),
                            generator=run.batch_gen)
-    mine = starts[dist.rank * args.grad_accum:(dist.rank + 1) * args.grad_accum]  # (grad_accum, batch_size)
+    mine = starts[dist.dp_rank * args.grad_accum:(dist.dp_rank + 1) * args.grad_accum]  # (grad_accum, batch_size)
     total = torch.zeros((), device=dist.device)
     for micro, st in enumerate(mine):
         x, y = (t.to(dist.device) for t in data.batch(run.splits["train"], st, args.block_size))
@@ -416,9 +467,9 @@ def train_step(run: Run, it: int, stop: StopSignals) -> tuple[float, int]:
                              device=dist.device)
         stats = torch.cat([total.reshape(1), flags])
         torch.distributed.all_reduce(stats)
-        total = stats[0] / dist.world
+        total = stats[0] / dist.world  # a tensor-parallel group's ranks hold one loss: the mean is the dp mean
         signum = signal.SIGINT if stats[1] > 0 else signal.SIGTERM if stats[2] > 0 else 0  # Ctrl-C wins
-    # the global norm (of the shards, under --fsdp); clipping at inf scales by 1.0, bit-exact
+    # the global norm (of the shards, under --fsdp or --tp); clipping at inf scales by 1.0, bit-exact
     norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), args.grad_clip or math.inf)
     norm = norm.full_tensor() if sharded.is_shard(norm) else norm
     loss, norm = torch.stack([total, norm.to(total)]).tolist()  # one device sync
@@ -430,14 +481,15 @@ def train_step(run: Run, it: int, stop: StopSignals) -> tuple[float, int]:
 
 
 def save(run: Run, step: int) -> None:
-    """Checkpoint (rank 0; under --fsdp every rank joins the gathering of the shards), and
+    """Checkpoint (rank 0; under --fsdp or --tp every rank joins the gathering of the shards), and
     redraw the loss plot when there is a new evaluation or at the end. A failed write (a
     full disk) is a warning and training goes on; `latest` and what it names stay as they
     were."""
     args = run.args
     rng = {"batches": run.batch_gen.get_state(), "torch0": torch.get_rng_state()}
     settings = {k: getattr(args, k) for k in TRAIN_DEFAULTS}
-    config = {"model": run.cfg.to_json(), "train": settings, "world_size": run.dist.world}
+    # the data-parallel world: what the batches depend on (a --tp 2 run on 2 ranks draws one process's)
+    config = {"model": run.cfg.to_json(), "train": settings, "world_size": run.dist.dp}
     try:
         checkpoint.save(args.out_dir, step, run.model, run.optimizer, config, rng,
                         extra={"history": run.history, "curve": run.curve}, supersedes=run.supersedes)
@@ -453,7 +505,7 @@ def save(run: Run, step: int) -> None:
         run.unsaved = f"{head} ({e.reason}{freed}); {kept}"
         run.say(f"warning: {run.unsaved}", err=True)
         return
-    if not run.dist.master:  # under --fsdp the other ranks only joined the gathering
+    if not run.dist.master:  # under --fsdp or --tp the other ranks only joined the gathering
         return
     run.unsaved, run.last_saved, run.supersedes = None, step, ()
     if len(run.history) != run.plotted or step == args.max_iters:
@@ -496,7 +548,8 @@ def train_loop(run: Run, stop: StopSignals) -> tuple[float, int, int]:
                 raise Diverged(f"step {step} (evaluated losses {losses})")
             run.history.append({"step": step, **losses})
             run.say(f"step {step}: train {losses['train']:.4f}, val {losses['val']:.4f}")
-        if (run.dist.master or run.dist.fsdp) and (step % args.ckpt_interval == 0 or step == args.max_iters or signum):
+        due = step % args.ckpt_interval == 0 or step == args.max_iters or signum
+        if due and (run.dist.master or run.dist.sharded):
             with timed(run, "ckpt"):
                 save(run, step)
         if signum:
@@ -505,7 +558,7 @@ def train_loop(run: Run, stop: StopSignals) -> tuple[float, int, int]:
 
 
 def release_shards() -> None:
-    """Free an --fsdp model before its process group goes. FSDP2's hooks put the model in
+    """Free an --fsdp or --tp model before its process group goes. FSDP2's hooks put the model in
     reference cycles that hold the group; left to the interpreter's exit, they outlive it,
     and gloo's threads are torn down out of order: 2 of 16 two-rank runs on CPU aborted at
     exit ("terminate called without an active exception"), 0 of 16 with this. An error on
@@ -519,7 +572,7 @@ def release_shards() -> None:
 def main(argv=None) -> dict:
     """Train; returns {"model", "loss", "history", "curve", "signal"} for tests and
     notebooks ("signal": the SIGINT or SIGTERM that stopped the run early, else 0;
-    "model": None under --fsdp, whose shards go with the process group: the last
+    "model": None under --fsdp or --tp, whose shards go with the process group: the last
     checkpoint holds the whole model)."""
     t_start = time.perf_counter()
     args = parse_args(argv)
@@ -533,7 +586,7 @@ def main(argv=None) -> dict:
                 if lock is not None:
                     lock.release()
     finally:
-        if dist.fsdp:
+        if dist.sharded:
             release_shards()
         if dist.distributed:
             torch.distributed.destroy_process_group()
@@ -543,7 +596,8 @@ def _train(args, dist: Dist, stop: StopSignals, t_start: float) -> dict:
     run, notes = build_run(args, dist)
     for line in notes:
         run.say(line)
-    run.say(f"GPT {run.model.num_params() / 1e6:.2f}M params, {args.impl}, {dist.device}, world {dist.world}, "
+    layout = f" (dp {dist.dp} x tp {dist.tp})" if dist.tp > 1 else ""
+    run.say(f"GPT {run.model.num_params() / 1e6:.2f}M params, {args.impl}, {dist.device}, world {dist.world}{layout}, "
             f"{run.tokens_per_iter} tokens/iter, iters {run.start}..{args.max_iters}")
     if dist.master and not args.no_progress:
         from tqdm import tqdm
@@ -571,7 +625,7 @@ def _train(args, dist: Dist, stop: StopSignals, t_start: float) -> dict:
     if signum:
         run.say(f"stopped by {signal.Signals(signum).name} after step {step}: checkpoint "
                 f"{args.out_dir / f'ckpt-{step:06d}'} written; --resume continues", err=True)
-    return {"model": None if dist.fsdp else run.model, "loss": loss, "history": run.history, "curve": run.curve,
+    return {"model": None if dist.sharded else run.model, "loss": loss, "history": run.history, "curve": run.curve,
             "signal": signum}
 
 

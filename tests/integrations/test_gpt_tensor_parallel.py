@@ -1,0 +1,121 @@
+"""The GPT's tensor-parallel plan (models/tensor_parallel.py, docs/parallel.md) on gloo ranks
+on CPU, fp32. One torchrun launch of gpt_tp_worker.py on 4 ranks per path (TRITON_INTERPRET=1
+passed on in the kernel-path run), a (dp 2, tp 2) mesh: tensor parallelism alone and FSDP2
+on dp over it, against one process, init bit for bit, one step's loss and every gradient.
+Then train.py on the torch path: --tp 2 on 2 ranks and --fsdp --tp 2 on 4, one launch
+each, their loss curves and checkpoints against one process's, resuming each other's
+checkpoints and resumed by one process."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import KERNEL_PATH
+from test_fsdp import _compare
+from trainutil import ROOT, TINY, call, train
+
+WORKER = str(ROOT / "tests" / "integrations" / "gpt_tp_worker.py")
+TOL = 1e-6  # fp32: the same sums, split across ranks and added in another order
+
+
+def _torchrun(n: int, *args, kernel_path: bool = False):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CPU torch path
+    if kernel_path:
+        env["TRITON_INTERPRET"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                        *map(str, args)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"{p.stdout}\n{p.stderr}"
+    return p
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpt_tp")
+    _torchrun(4, WORKER, out, kernel_path=KERNEL_PATH)
+    found = json.loads((out / "gpt_tp.json").read_text())
+    assert found["kernel_path"] == KERNEL_PATH  # the path under test ran
+    return found
+
+
+CASES = ["rms_tp", "layer_bias_tp", "rms_fsdp_tp", "layer_fsdp_tp"]
+
+
+@pytest.mark.kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_values_and_every_gradient_of_a_step_equal_one_process(ranks, case):
+    r = ranks[case]
+    print(f"{case}: gradients {r['grad_max_abs_diff']:.3g} off at most ({r['worst']}), "
+          f"largest {r['grad_max_abs']:.3g}; "
+          f"logits {r['logits_max_abs_diff']:.3g}; collectives {r['collectives']}")  # pytest -s
+    assert r["init_bit_equal"] and r["tied"]  # each rank's parts of GPT(cfg), the head still wte's table
+    assert r["logits_plain"] and r["logits_max_abs_diff"] <= TOL and r["loss_diff"] <= TOL
+    assert r["grad_max_abs"] > 0.1 and r["grad_max_abs_diff"] <= TOL
+
+
+@pytest.mark.kernel
+@pytest.mark.slow
+def test_the_plan_places_each_layer_as_documented(ranks):
+    tp = ranks["rms_tp"]["placements"]
+    assert tp["wte.weight"] == tp["wpe.weight"] == ["S(0)"]  # row-parallel tables (the head is wte's)
+    assert tp["stack.blocks.0.mixer.c_attn.weight"] == ["_S(0, 3)"]  # q | k | v, each split by heads
+    assert tp["stack.blocks.1.mixer.c_fc.weight"] == ["S(0)"]
+    assert tp["stack.blocks.0.mixer.c_proj.weight"] == tp["stack.blocks.1.mixer.c_proj.weight"] == ["S(1)"]
+    assert tp["stack.blocks.0.norm.weight"] == tp["stack.norm_f.weight"] == ["R"]  # sequence-parallel norms
+    assert ranks["layer_bias_tp"]["placements"]["stack.blocks.0.mixer.c_attn.bias"] == ["_S(0, 3)"]
+    two_d = ranks["rms_fsdp_tp"]["placements"]
+    assert two_d["stack.blocks.0.mixer.c_attn.weight"] == ["S(1)", "_S(0, 3)"]  # FSDP2 on the input dim
+    assert two_d["stack.blocks.0.mixer.c_proj.weight"] == ["S(0)", "S(1)"]
+
+
+@pytest.mark.kernel
+@pytest.mark.slow
+def test_one_all_gather_and_one_reduce_scatter_per_sublayer_each_way(ranks):
+    # rms_tp: 2 layers = 4 sublayers. Forward: each sublayer's all-gather of its input and
+    # reduce-scatter of its output, the 2 embeddings' reduce-scatters, the head's all-gathers
+    # of its input and of the logits. Backward: each of those the other way round, but for the
+    # logits' (a slice). The norms move nothing.
+    assert ranks["rms_tp"]["collectives"] == {"all_gather_into_tensor": (4 + 2) + (4 + 2),
+                                              "reduce_scatter_tensor": (4 + 2) + (4 + 1)}
+
+
+@pytest.mark.kernel
+@pytest.mark.slow
+def test_refused_layouts_name_the_problem(ranks):
+    assert ranks["odd_heads_error"].startswith("n_head (3) must be divisible by the tensor-parallel size (2)")
+    assert "use bias=False" in ranks["fsdp_bias_error"]
+
+
+def test_tp_needs_torchrun_and_a_world_it_divides(tmp_path, monkeypatch):
+    p = call("train.py", "--out-dir", tmp_path / "x", "--tp", "2", check=False)
+    assert p.returncode == 2 and "usage:" in p.stderr and "torchrun --standalone --nproc_per_node=2" in p.stderr
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")  # as torchrun sets them; the flags are refused before any group forms
+    p = call("train.py", "--out-dir", tmp_path / "x", "--tp", "2", check=False)
+    assert p.returncode == 2 and "without --fsdp the tensor-parallel group is every rank (--tp 4)" in p.stderr
+    p = call("train.py", "--out-dir", tmp_path / "x", "--tp", "3", "--fsdp", check=False)
+    assert p.returncode == 2 and "--tp must divide the world size" in p.stderr
+    assert "Traceback" not in p.stderr and not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+def test_tp_and_2d_training_equal_one_process_and_resume_across_layouts(tmp_path):
+    """One process with 2x accumulation is the reference. --tp 2 (dp 1: one process's batches,
+    the same accumulation) trains steps 1-2; --fsdp --tp 2 on 4 ranks (dp 2, no accumulation)
+    resumes its checkpoint for steps 3-4; one process resumes that for step 5."""
+    common = ["--eval-interval", "1000", "--ckpt-interval", "2", "--grad-clip", "0.1"]  # clipping at work
+    single, tp = tmp_path / "single", tmp_path / "tp"
+    train(single, 2, "--grad-accum", "2", *common)
+    train(single, 4, "--resume")  # the schedule of a 2-step run, as every resumed run below keeps
+    run = [ROOT / "scripts" / "train.py", "--device", "cpu", "--out-dir", tp]
+    _torchrun(2, *run, "--tp", 2, "--max-iters", 2, "--grad-accum", 2, *common, *TINY)
+    assert _compare(tp / "ckpt-000002", single / "ckpt-000002") <= TOL
+    p = _torchrun(4, *run, "--fsdp", "--tp", 2, "--resume", "--max-iters", 4, "--grad-accum", 1, "--no-progress")
+    assert "world 4 (dp 2 x tp 2)" in p.stdout and "world_size 1 -> 2" in p.stdout and "iters 2..4" in p.stdout
+    assert _compare(tp / "ckpt-000004", single / "ckpt-000004") <= TOL
+    train(single, 5, "--resume")
+    p = call("train.py", "--out-dir", tp, "--resume", "--max-iters", "5", "--grad-accum", "2", "--no-progress")
+    assert "world_size 2 -> 1" in p.stdout and "iters 4..5" in p.stdout
+    assert _compare(tp / "ckpt-000005", single / "ckpt-000005") <= TOL
