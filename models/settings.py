@@ -7,7 +7,9 @@ setting that no flag accepts is no more accepted from a file; `resume` merges th
 recorded settings with the flags given on --resume.
 
 meta.json's fields: format, step, config {model, train, world_size}, optimizer
-{param_groups, scalars}, files {name: {bytes, sha256}}, history, curve, meta_sha256. This
+{param_groups, scalars}, files {name: {bytes, sha256}}, history, curve, meta_sha256.
+world_size is the data-parallel size, the number of distinct batch streams (a --tp N run
+on N ranks records 1: its tensor-parallel ranks read one stream). This
 module checks the run's record (step, config, history, curve); checkpoint.py the rest,
 which is about the files and the optimizer they are loaded into.
 """
