@@ -160,8 +160,9 @@ def norm_linear(
     backward is refused.
     """
     check_tensor("x", x)
-    if dtensor.has_dtensor(x, residual, norm_weight, norm_bias, weight) or dtensor.has_dtensor(bias, *(None,) * 4):
-        raise TypeError("norm_linear does not take DTensors yet (docs/parallel.md): call add_norm, then the Linear")
+    if dtensor.has_dtensor(x, residual, norm_weight, norm_bias, weight, bias):  # docs/parallel.md
+        return dtensor.norm_linear(norm_linear, x, residual, norm_weight, norm_bias, weight, bias, kind=kind, eps=eps,
+                                   weight_offset=weight_offset, residual_dtype=residual_dtype)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the normalized last dim)")
     for name, t in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
