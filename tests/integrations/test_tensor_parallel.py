@@ -152,14 +152,18 @@ def test_other_placements_are_refused_naming_them(ranks, case, error, names):
         assert got[0] == error and names in got[1] and "\n" not in got[1], got
 
 
-def test_sequence_parallel_plan_on_a_fused_stack_keeps_the_residual(ranks):
+@pytest.mark.parametrize(("case", "params"), [("stack_fuseblock_style", 14), ("stack_sandwich", 18)])
+def test_sequence_parallel_plan_on_a_fused_stack_keeps_the_residual(ranks, case, params):
     """Column/row-parallel MLPs and sequence-parallel norms, torchtitan's plan, with
     fuseblock's SequenceParallel on the norms: exact. Gradients: the Linears' sums split
-    across ranks, hence 1e-5."""
+    across ranks, hence 1e-5. The sandwich stack (alpha 0.5) runs norm_add_norm through the
+    style's wrapped `Norm.norm_add_norm` (before: a ValueError, the local x beside the
+    sharded residual)."""
     for rank in ranks:
-        r = rank["stack_fuseblock_style"]
+        r = rank[case]
         assert r["value"] <= TOL and r["grad_max"] <= 1e-5, r
-        assert len(r["grads"]) == 14, r  # every parameter: 2 blocks x (norm w, b, 2 Linears' w, b) + norm_f's
+        # every parameter: 2 blocks x (norm w, b, 2 Linears' w, b) + norm_f's; sandwich: + 2 branch norms' w, b
+        assert len(r["grads"]) == params, r
 
 
 def test_torchs_sequence_parallel_on_a_fused_stack_is_refused_not_wrong(ranks):

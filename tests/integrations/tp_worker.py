@@ -275,23 +275,26 @@ def refusals(mesh) -> dict:
     return found
 
 
-def mlp_stack(seed: int) -> fuseblock.ResidualStack:
+def mlp_stack(seed: int, **shape) -> fuseblock.ResidualStack:
     torch.manual_seed(seed)
     mixers = [nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D)) for _ in range(2)]
-    return fuseblock.ResidualStack(mixers, D, kind="layer")
+    return fuseblock.ResidualStack(mixers, D, kind="layer", **shape)
 
 
-def stack_case(mesh, style) -> dict:
-    """A torchtitan-style plan on a fused ResidualStack: column/row-parallel MLPs, the norms
-    under `style` (torch's SequenceParallel, or fuseblock's); x is this rank's sequence shard."""
-    one, tp = mlp_stack(3), mlp_stack(3)
+def stack_case(mesh, style, **shape) -> dict:
+    """A torchtitan-style plan on a fused ResidualStack (of `shape`: sandwich, post_norm, alpha):
+    column/row-parallel MLPs, the norms under `style` (torch's SequenceParallel, or
+    fuseblock's); x is this rank's sequence shard."""
+    one, tp = mlp_stack(3, **shape), mlp_stack(3, **shape)
     with torch.no_grad():
         for p in one.parameters():  # norms away from ones and zeros: their gradients tell
             p.add_(0.1 * torch.randn(p.shape))
         tp.load_state_dict(one.state_dict())
-    plan = {"norm_f": style()}
-    for i in range(len(tp.blocks)):
-        plan[f"blocks.{i}.norm"] = style()
+    plan = {"norm_f": style()} if tp.norm_f is not None else {}
+    for i, block in enumerate(tp.blocks):
+        for norm in ("norm", "branch_norm"):
+            if getattr(block, norm, None) is not None:
+                plan[f"blocks.{i}.{norm}"] = style()
         plan[f"blocks.{i}.mixer.0"] = ColwiseParallel(input_layouts=Shard(1))
         plan[f"blocks.{i}.mixer.2"] = RowwiseParallel(output_layouts=Shard(1))
     parallelize_module(tp, mesh, plan)
@@ -361,6 +364,7 @@ def main():
     except TypeError as e:
         mine["stack_torch_style"] = {"error": [type(e).__name__, str(e).splitlines()[0]]}
     mine["stack_fuseblock_style"] = stack_case(mesh, SequenceParallel)
+    mine["stack_sandwich"] = stack_case(mesh, SequenceParallel, sandwich=True, alpha=0.5)
     mine["addnorm_sequence_style"] = addnorm_style_case(mesh, SequenceParallel, 1)
     mine["addnorm_hidden_style"] = addnorm_style_case(mesh, HiddenParallel, 2)
     mine["addnorm_sequence_style_add"] = addnorm_style_case(mesh, SequenceParallel, 1, via_add=True)
