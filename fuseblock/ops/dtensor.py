@@ -228,36 +228,44 @@ def norm_add(local_apply: Callable, x, residual, branch_weight, branch_bias, wei
     return at.placed(new_res), (None if out is None else at.placed(out))
 
 
-def norm_linear(local_norm_linear: Callable, x, residual, norm_weight, norm_bias, weight, bias, **options):
+def norm_linear(local_norm_linear: Callable, add_norm: Callable, x, residual, norm_weight, norm_bias, weight, bias,
+                **options):
     """`local_norm_linear` (fuseblock.norm_linear) on DTensors: (y, new_residual). x by rows
     or replicated on each mesh dim (not on its last dim: the Linear would need the whole row);
-    the Linear's weight Replicate, or Shard(0) (column-parallel) where x is replicated; its
-    bias placed as the weight. y is placed as x where the weight is replicated, Shard(-1)
-    where it is column-sharded. Gradients: the Linear's weight and bias Partial where x is by
-    rows; where the weight is column-sharded, each rank's gradient at the norm's output is a
-    part of the sum over the Linear's outputs, so those of x, residual and the norm's weight
-    and bias are Partial there, and new_residual's own gradient (replicated) enters the sum
-    on the first rank alone."""
+    the Linear's weight (and its bias, placed as it) on each mesh dim:
+    - Replicate: y is placed as x there; the Linear's gradients Partial where x is by rows.
+    - Shard(0), column-parallel, x replicated: y Shard(-1). Each rank's gradient at the
+      norm's output is a part of the sum over the Linear's outputs, so those of x, residual
+      and the norm's weight and bias are Partial there; new_residual's own gradient
+      (replicated) enters that sum on the first rank alone.
+    - Shard(0), x by rows (sequence parallelism: a norm before a ColwiseParallel Linear): the
+      norm runs on each rank's rows (`add_norm`), its output is all-gathered and the Linear
+      runs on DTensors, as the unfused pair under torch's styles does: the gathered output
+      is kept for the weight's gradient, which the fused op saves elsewhere.
+    """
     from torch.distributed.tensor import Replicate, Shard
 
     at = _Placed(x, {"residual": residual}, {"norm_weight": norm_weight, "norm_bias": norm_bias},
                  {"weight": weight, "bias": bias})
     at.refuse_hidden("norm_linear")
-    y_placements, columns = [], []
+    y_placements, columns, gathered = [], [], []
     for i, p in enumerate(x.placements):
         wp = weight.placements[i]
         if wp == Replicate():
             y_placements.append(p)
-        elif wp == Shard(0) and p == Replicate():
+        elif wp == Shard(0):
             y_placements.append(Shard(x.ndim - 1))
-            columns.append(i)
+            (columns if p == Replicate() else gathered).append(i)
         else:
-            raise ValueError(f"weight's placement {wp!r} on mesh dim {i} with x's {p!r} is not supported by "
-                             f"norm_linear: the Linear's weight must be Replicate(), or Shard(0) (column-parallel) "
-                             f"where x is Replicate(); for rows sharded there, all-gather them first (ColwiseParallel)")
+            raise ValueError(f"weight's placement {wp!r} on mesh dim {i} is not supported by norm_linear: the "
+                             f"Linear's weight must be Replicate() or Shard(0) (column-parallel)")
         if bias is not None and bias.placements[i] != wp:
             raise ValueError(f"bias's placement {bias.placements[i]!r} on mesh dim {i} differs from weight's {wp!r}: "
                              f"the Linear's bias must be placed as its weight")
+    if gathered:
+        out, new_res = add_norm(x, residual, norm_weight, norm_bias, **options)
+        out = out.redistribute(at.mesh, [Replicate() if i in gathered else p for i, p in enumerate(out.placements)])
+        return torch.nn.functional.linear(out, weight, bias), new_res
     loc = at.unwrap(tuple(columns))
     y, new_res = local_norm_linear(loc["x"], loc["residual"], loc["norm_weight"], loc["norm_bias"], loc["weight"],
                                    loc["bias"], **options)

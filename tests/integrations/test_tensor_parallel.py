@@ -110,11 +110,13 @@ def test_dropout_draws_each_shard_its_own_masks(ranks, case):
 
 
 @pytest.mark.parametrize(("case", "y_placement"), [("norm_linear_rows", "Shard(dim=1)"),
-                                                   ("norm_linear_columns", "Shard(dim=2)")])
+                                                   ("norm_linear_columns", "Shard(dim=2)"),
+                                                   ("norm_linear_sequence", "Shard(dim=2)")])
 def test_norm_linear_by_rows_or_with_a_column_parallel_weight(ranks, case, y_placement):
     """x Shard(1) with the Linear replicated; x replicated with the Linear's weight and bias
     Shard(0) (column-parallel: y sharded on its last dim, and the gradients at x and at the
-    norm's weight Partial sums, new_residual's own gradient counted once)."""
+    norm's weight Partial sums, new_residual's own gradient counted once); x Shard(1) with the
+    Linear column-parallel (sequence parallelism: the norm's output gathered)."""
     for rank in ranks:
         r = rank[case]
         assert r["y_placements"] == f"({y_placement},)", r
@@ -122,7 +124,7 @@ def test_norm_linear_by_rows_or_with_a_column_parallel_weight(ranks, case, y_pla
         assert len(r) == 9, r  # y, new_residual; x, residual, norm_weight, norm_bias, weight, bias
 
 
-@pytest.mark.parametrize("case", ["compiled_shard1", "compiled_shard2"])
+@pytest.mark.parametrize("case", ["compiled_shard1", "compiled_shard2", "compiled_norm_add_norm_shard2"])
 def test_torch_compile_fullgraph_traces_the_dtensor_calls(ranks, case):
     for rank in ranks:
         r = rank[case]
@@ -137,7 +139,7 @@ def test_torch_compile_fullgraph_traces_the_dtensor_calls(ranks, case):
     ("plain_weight", "TypeError", "weight is a Tensor"),
     ("gate_hidden", "ValueError", "gate"),
     ("groups_hidden", "ValueError", "num_groups"),
-    ("norm_linear_rows_column_weight", "ValueError", "weight's placement Shard(dim=0) on mesh dim 0 with x's"),
+    ("norm_linear_row_sharded_weight", "ValueError", "weight's placement Shard(dim=1) on mesh dim 0"),
     ("norm_linear_hidden", "ValueError", "norm_linear is not supported with x sharded on its last dim"),
     ("norm_linear_bias_placed_otherwise", "ValueError", "bias's placement Shard(dim=0)"),
     ("norm_add_weight_replicated_x_by_hidden", "ValueError", "branch_weight's placement Replicate()"),

@@ -198,18 +198,24 @@ def gate_case(mesh) -> dict:
                                                                strict=True)}}
 
 
-def compile_case(mesh, dim: int) -> dict:
-    """add_norm (layer) on DTensors under torch.compile(fullgraph=True): no graph break,
-    values and every gradient as one process's."""
+def compile_case(mesh, dim: int, fn: str = "add_norm") -> dict:
+    """add_norm (or norm_add_norm, alpha 0.5) of layer norms on DTensors under
+    torch.compile(fullgraph=True): no graph break, values and every gradient as one process's."""
     torch.manual_seed(7)
     x, r, w, b = torch.randn(B, T, D), torch.randn(B, T, D), torch.randn(D), torch.randn(D)
+
+    def call(x, r, w, b):
+        if fn == "add_norm":
+            return fuseblock.add_norm(x, r, w, b, kind="layer")
+        return fuseblock.norm_add_norm(x, r, b, w, w, b, kind="layer", alpha=0.5)
+
     ones = [t.clone().requires_grad_() for t in (x, r, w, b)]
-    out, res = fuseblock.add_norm(*ones, kind="layer")
+    out, res = call(*ones)
     (out.square().sum() + res.sum()).backward()
     vec = [Shard(0)] if dim == 2 else [Replicate()]
     shards = [distribute_tensor(t, mesh, [Shard(dim)] if t.dim() == 3 else vec).requires_grad_() for t in (x, r, w, b)]
     torch._dynamo.reset()
-    got, got_res = torch.compile(lambda *a: fuseblock.add_norm(*a, kind="layer"), fullgraph=True)(*shards)
+    got, got_res = torch.compile(call, fullgraph=True)(*shards)
     (got.square().sum() + got_res.sum()).backward()
     return {"value": rel_diff(got, out), "new_residual": rel_diff(got_res, res),
             **{n: rel_diff(s.grad, o.grad) for n, s, o in zip(("x", "residual", "weight", "bias"), shards, ones,
@@ -244,6 +250,7 @@ def refusals(mesh) -> dict:
     partial = DTensor.from_local(torch.randn(B, T, D), mesh, [Partial()])
     lin_rep = distribute_tensor(torch.ones(2 * D, D), mesh, [Replicate()])
     lin_sh = distribute_tensor(torch.ones(2 * D, D), mesh, [Shard(0)])
+    lin_rows = distribute_tensor(torch.ones(2 * D, D), mesh, [Shard(1)])
     torch_style = parallelize_module(fuseblock.AddNorm(D), mesh, TorchSequenceParallel())
     x_local, r_local = torch.randn(B, T // 2, D), torch.randn(B, T // 2, D)
     calls = {
@@ -254,7 +261,7 @@ def refusals(mesh) -> dict:
         "plain_weight": lambda: fuseblock.norm(x, torch.ones(D)),
         "gate_hidden": lambda: fuseblock.norm(xh, w_sh, gate=xh),
         "groups_hidden": lambda: fuseblock.norm(xh, w_sh, num_groups=2),
-        "norm_linear_rows_column_weight": lambda: fuseblock.norm_linear(x, None, w_rep, None, lin_sh),
+        "norm_linear_row_sharded_weight": lambda: fuseblock.norm_linear(x, None, w_rep, None, lin_rows),
         "norm_linear_hidden": lambda: fuseblock.norm_linear(xh, None, w_sh, None, lin_sh),
         "norm_linear_bias_placed_otherwise": lambda: fuseblock.norm_linear(x, None, w_rep, None, lin_rep,
                                                                            distribute_tensor(torch.ones(2 * D), mesh,
@@ -353,11 +360,13 @@ def main():
         mine[f"dropout_shard{dim}"] = dropout_case(mesh, dim)
     mine["norm_linear_rows"] = norm_linear_case(mesh, Shard(1), Replicate())
     mine["norm_linear_columns"] = norm_linear_case(mesh, Replicate(), Shard(0))
+    mine["norm_linear_sequence"] = norm_linear_case(mesh, Shard(1), Shard(0))
     for dim in (1, 2):  # 5 rows split 3 + 2, 7 columns 4 + 3
         mine[f"add_norm_layer_uneven_shard{dim}"] = op_case(mesh, "add_norm", "layer", dim, (2, 5, 7))
     mine["module_hidden"] = module_case(mesh)
     mine["gate_groups_rows"] = gate_case(mesh)
     mine["compiled_shard1"], mine["compiled_shard2"] = compile_case(mesh, 1), compile_case(mesh, 2)
+    mine["compiled_norm_add_norm_shard2"] = compile_case(mesh, 2, "norm_add_norm")
     mine["refusals"] = refusals(mesh)
     try:  # the stream calls its norms' `add`, which torch's forward hooks never see: refused, not wrong
         mine["stack_torch_style"] = stack_case(mesh, TorchSequenceParallel)
