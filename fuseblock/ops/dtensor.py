@@ -319,8 +319,8 @@ def _all_reduce(t: Tensor, groups) -> Tensor:
     traceable, and counted by CommDebugMode)."""
     import torch.distributed._functional_collectives as funcol
 
-    for group in groups:
-        t = funcol.all_reduce(t, "sum", group)
+    for mesh, dim in groups:
+        t = funcol.all_reduce(t, "sum", mesh.get_group(dim))
         if isinstance(t, funcol.AsyncCollectiveTensor):
             t = t.wait()
     return t
