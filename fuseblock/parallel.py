@@ -26,10 +26,11 @@ __all__ = ["HiddenParallel", "SequenceParallel"]
 
 class _NormStyle(ParallelStyle):
     """What both styles share: the tensor arguments of a Norm / AddNorm's calls (positional or
-    keyword; through forward, `Norm.add`, `norm_add` or `norm_add_norm`) made DTensors sharded
+    keyword; through forward, `Norm.add`, `norm_add`, `norm_add_norm` or `add_linear`) made DTensors sharded
     on `_dim(t)`, plain tensors taken as this rank's shard and DTensors placed otherwise
     redistributed; the outputs,
-    `out` (Norm), `(out, new_residual)` (AddNorm, norm_add_norm) or new_residual (norm_add),
+    `out` (Norm), `(out, new_residual)` (AddNorm, norm_add_norm), new_residual (norm_add) or
+    `(y, new_residual)` (add_linear: y placed as fuseblock.norm_linear places it),
     DTensors sharded the same way, or their local shards with use_local_output."""
 
     def __init__(self, *, use_local_output: bool = False):
@@ -75,10 +76,11 @@ class _NormStyle(ParallelStyle):
             return run
 
         # The calls the stream makes, wrapped rather than forward (no forward hook would see a
-        # call that bypasses it): Norm.add (under forward, and what a block calls), and the
+        # call that bypasses it): Norm.add (under forward, and what a block calls), the
         # post-norm and sandwich steps norm_add and norm_add_norm (whose `norm` argument, a
-        # Norm, needs this style too: its parameters placed as this one's).
-        for name in ("add", "norm_add", "norm_add_norm"):
+        # Norm, needs this style too: its parameters placed as this one's), and add_linear,
+        # a fuses_prenorm mixer's norm and first Linear (fuseblock.norm_linear on DTensors).
+        for name in ("add", "norm_add", "norm_add_norm", "add_linear"):
             setattr(module, name, sharded(getattr(module, name)))
         return module
 

@@ -154,13 +154,16 @@ def test_other_placements_are_refused_naming_them(ranks, case, error, names):
         assert got[0] == error and names in got[1] and "\n" not in got[1], got
 
 
-@pytest.mark.parametrize(("case", "params"), [("stack_fuseblock_style", 14), ("stack_sandwich", 18)])
+@pytest.mark.parametrize(("case", "params"), [("stack_fuseblock_style", 14), ("stack_sandwich", 18),
+                                              ("stack_prenorm_mlp", 14)])
 def test_sequence_parallel_plan_on_a_fused_stack_keeps_the_residual(ranks, case, params):
     """Column/row-parallel MLPs and sequence-parallel norms, torchtitan's plan, with
     fuseblock's SequenceParallel on the norms: exact. Gradients: the Linears' sums split
     across ranks, hence 1e-5. The sandwich stack (alpha 0.5) runs norm_add_norm through the
     style's wrapped `Norm.norm_add_norm` (before: a ValueError, the local x beside the
-    sharded residual)."""
+    sharded residual). The MLPs that fuse the norm into their first Linear (`fuses_prenorm`,
+    the GPT's) run norm_linear through the wrapped `Norm.add_linear`, sequence-parallel (before:
+    a TypeError, the local x beside DTensor weights)."""
     for rank in ranks:
         r = rank[case]
         assert r["value"] <= TOL and r["grad_max"] <= 1e-5, r

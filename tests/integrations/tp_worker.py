@@ -282,9 +282,24 @@ def refusals(mesh) -> dict:
     return found
 
 
-def mlp_stack(seed: int, **shape) -> fuseblock.ResidualStack:
+class PrenormMLP(nn.Module):
+    """An MLP that fuses the block's norm into its first Linear (norm.add_linear), as the GPT's."""
+
+    fuses_prenorm = True
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, x, residual, prenorm):
+        h, residual = prenorm.add_linear(x, residual, self.up)
+        return self.down(nn.functional.gelu(h)), residual
+
+
+def mlp_stack(seed: int, prenorm_mlp: bool = False, **shape) -> fuseblock.ResidualStack:
     torch.manual_seed(seed)
-    mixers = [nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D)) for _ in range(2)]
+    mixers = [PrenormMLP() if prenorm_mlp else nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+              for _ in range(2)]
     return fuseblock.ResidualStack(mixers, D, kind="layer", **shape)
 
 
@@ -302,8 +317,9 @@ def stack_case(mesh, style, **shape) -> dict:
         for norm in ("norm", "branch_norm"):
             if getattr(block, norm, None) is not None:
                 plan[f"blocks.{i}.{norm}"] = style()
-        plan[f"blocks.{i}.mixer.0"] = ColwiseParallel(input_layouts=Shard(1))
-        plan[f"blocks.{i}.mixer.2"] = RowwiseParallel(output_layouts=Shard(1))
+        up, down = ("up", "down") if shape.get("prenorm_mlp") else ("0", "2")
+        plan[f"blocks.{i}.mixer.{up}"] = ColwiseParallel(input_layouts=Shard(1))
+        plan[f"blocks.{i}.mixer.{down}"] = RowwiseParallel(output_layouts=Shard(1))
     parallelize_module(tp, mesh, plan)
     torch.manual_seed(4)
     x = torch.randn(B, T, D)
@@ -374,6 +390,7 @@ def main():
         mine["stack_torch_style"] = {"error": [type(e).__name__, str(e).splitlines()[0]]}
     mine["stack_fuseblock_style"] = stack_case(mesh, SequenceParallel)
     mine["stack_sandwich"] = stack_case(mesh, SequenceParallel, sandwich=True, alpha=0.5)
+    mine["stack_prenorm_mlp"] = stack_case(mesh, SequenceParallel, prenorm_mlp=True)
     mine["addnorm_sequence_style"] = addnorm_style_case(mesh, SequenceParallel, 1)
     mine["addnorm_hidden_style"] = addnorm_style_case(mesh, HiddenParallel, 2)
     mine["addnorm_sequence_style_add"] = addnorm_style_case(mesh, SequenceParallel, 1, via_add=True)
