@@ -46,7 +46,7 @@ def has_dtensor(x, residual, weight, bias, gate, x1=None) -> bool:
     """Whether any argument is a DTensor: 0.09 us a call while torch.distributed.tensor is not
     loaded, 0.27 us once it is (this project's CPU). Written out, not looped over the
     arguments: on the eager torch path this is part of every small call's host time.
-    The six slots are positional only: norm_add and norm_linear pass their own tensors."""
+    norm_add and norm_linear pass their own tensors in the six slots."""
     module = sys.modules.get("torch.distributed.tensor")
     if module is None:
         return False
@@ -57,14 +57,12 @@ def has_dtensor(x, residual, weight, bias, gate, x1=None) -> bool:
 
 
 class _Placed:
-    """An op's DTensor arguments checked and unwrapped. For each mesh dim, x's placement
-    decides: Replicate or Shard on a row dim (recorded in `rows`), or Shard on the last dim
-    (`hidden`); the tensors `like` x must be placed as x is, the row `vectors` (a norm's
-    weight and bias) Replicate where x is by rows and Shard(0) where x is by columns, and
-    `others` (a Linear's weight and bias, which the op checks itself) only DTensors on x's mesh.
-
-    `local[name]`: the argument's local tensor (a plain tensor, its gradient too); a
-    vector's gradient is Partial on the row-sharded mesh dims, which DTensor sums."""
+    """An op's DTensor arguments, checked. For each mesh dim, x's placement decides:
+    Replicate or Shard on a row dim (the latter recorded in `rows`), or Shard on the last dim
+    (`hidden`); the tensors `like` x must be placed as x is, the `vectors` (a norm's weight
+    and bias) Replicate where x is by rows and Shard(0) where x is by columns, and `others`
+    (a Linear's weight and bias, which the op checks itself) only be DTensors on x's mesh.
+    `unwrap()` gives the local tensors; `placed` makes a local result a DTensor."""
 
     def __init__(self, x, like: dict, vectors: dict, others: dict | None = None):
         from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -101,9 +99,8 @@ class _Placed:
                 if t is not None and t.placements[i] != vector:
                     raise ValueError(f"{name}'s placement {t.placements[i]!r} on mesh dim {i} does not fit x's "
                                      f"{p!r}: with x {p!r} the {name} must be {vector!r}")
-        self.x, self._partial, self._others = x, Partial(), set(others)
-        self.groups = [(self.mesh, i) for i in self.hidden]  # the all-reduces' (mesh, mesh dim)s
-        self._tensors, self._vectors = tensors, set(vectors)
+        self.x, self.groups = x, [(self.mesh, i) for i in self.hidden]  # the all-reduces' (mesh, mesh dim)s
+        self._tensors, self._vectors, self._others, self._partial = tensors, set(vectors), set(others), Partial()
 
     def unwrap(self, partial: tuple[int, ...] = ()) -> dict:
         """Each argument's local tensor by name (None where absent). The vectors' gradients
@@ -133,11 +130,6 @@ class _Placed:
         return DTensor.from_local(_plain(t), self.mesh, self.x.placements if placements is None else placements,
                                   run_check=False, shape=shape, stride=stride)
 
-    def refuse_hidden(self, what: str) -> None:
-        if self.hidden:
-            raise ValueError(f"{what} is not supported with x sharded on its last dim (x's placements "
-                             f"{tuple(self.x.placements)}): shard x by rows, or replicate it")
-
     @contextmanager
     def per_shard_rng(self):
         """torch's generators of x's device seeded for this rank's shard, for dropout: from one
@@ -146,6 +138,7 @@ class _Placed:
         shard x (rows or columns), so each shard draws its own masks and replicas the same."""
         base = int(torch.randint(0, 2**62, (1,)).item())
         coordinate = self.mesh.get_coordinate()
+        # a tuple of ints hashes alike in every process (PYTHONHASHSEED salts str and bytes only)
         seed = hash((base, *(coordinate[i] for i in sorted(self.rows + self.hidden)))) % 2**63
         device = self.x.device
         accelerator = [] if device.type == "cpu" else [device]
@@ -247,7 +240,9 @@ def norm_linear(local_norm_linear: Callable, add_norm: Callable, x, residual, no
 
     at = _Placed(x, {"residual": residual}, {"norm_weight": norm_weight, "norm_bias": norm_bias},
                  {"weight": weight, "bias": bias})
-    at.refuse_hidden("norm_linear")
+    if at.hidden:
+        raise ValueError(f"norm_linear is not supported with x sharded on its last dim (x's placements "
+                         f"{tuple(x.placements)}): shard x by rows, or replicate it")
     y_placements, columns, gathered = [], [], []
     for i, p in enumerate(x.placements):
         wp = weight.placements[i]
