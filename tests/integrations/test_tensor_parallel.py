@@ -155,7 +155,7 @@ def test_other_placements_are_refused_naming_them(ranks, case, error, names):
 
 
 @pytest.mark.parametrize(("case", "params"), [("stack_fuseblock_style", 14), ("stack_sandwich", 18),
-                                              ("stack_prenorm_mlp", 14)])
+                                              ("stack_prenorm_mlp", 14), ("stack_post_norm", 14)])
 def test_sequence_parallel_plan_on_a_fused_stack_keeps_the_residual(ranks, case, params):
     """Column/row-parallel MLPs and sequence-parallel norms, torchtitan's plan, with
     fuseblock's SequenceParallel on the norms: exact. Gradients: the Linears' sums split
@@ -163,7 +163,8 @@ def test_sequence_parallel_plan_on_a_fused_stack_keeps_the_residual(ranks, case,
     style's wrapped `Norm.norm_add_norm` (before: a ValueError, the local x beside the
     sharded residual). The MLPs that fuse the norm into their first Linear (`fuses_prenorm`,
     the GPT's) run norm_linear through the wrapped `Norm.add_linear`, sequence-parallel (before:
-    a TypeError, the local x beside DTensor weights)."""
+    a TypeError, the local x beside DTensor weights). The post-norm stack (norm_add), its
+    blocks' norms with use_local_output=True."""
     for rank in ranks:
         r = rank[case]
         assert r["value"] <= TOL and r["grad_max"] <= 1e-5, r

@@ -303,10 +303,10 @@ def mlp_stack(seed: int, prenorm_mlp: bool = False, **shape) -> fuseblock.Residu
     return fuseblock.ResidualStack(mixers, D, kind="layer", **shape)
 
 
-def stack_case(mesh, style, **shape) -> dict:
+def stack_case(mesh, style, local_blocks: bool = False, **shape) -> dict:
     """A torchtitan-style plan on a fused ResidualStack (of `shape`: sandwich, post_norm, alpha):
     column/row-parallel MLPs, the norms under `style` (torch's SequenceParallel, or
-    fuseblock's); x is this rank's sequence shard."""
+    fuseblock's; the blocks' with use_local_output=local_blocks); x is this rank's sequence shard."""
     one, tp = mlp_stack(3, **shape), mlp_stack(3, **shape)
     with torch.no_grad():
         for p in one.parameters():  # norms away from ones and zeros: their gradients tell
@@ -316,7 +316,7 @@ def stack_case(mesh, style, **shape) -> dict:
     for i, block in enumerate(tp.blocks):
         for norm in ("norm", "branch_norm"):
             if getattr(block, norm, None) is not None:
-                plan[f"blocks.{i}.{norm}"] = style()
+                plan[f"blocks.{i}.{norm}"] = style(use_local_output=local_blocks)
         up, down = ("up", "down") if shape.get("prenorm_mlp") else ("0", "2")
         plan[f"blocks.{i}.mixer.{up}"] = ColwiseParallel(input_layouts=Shard(1))
         plan[f"blocks.{i}.mixer.{down}"] = RowwiseParallel(output_layouts=Shard(1))
@@ -391,6 +391,8 @@ def main():
     mine["stack_fuseblock_style"] = stack_case(mesh, SequenceParallel)
     mine["stack_sandwich"] = stack_case(mesh, SequenceParallel, sandwich=True, alpha=0.5)
     mine["stack_prenorm_mlp"] = stack_case(mesh, SequenceParallel, prenorm_mlp=True)
+    # post-norm: the stream is the blocks' output, which the stack checks against its local input
+    mine["stack_post_norm"] = stack_case(mesh, SequenceParallel, local_blocks=True, post_norm=True)
     mine["addnorm_sequence_style"] = addnorm_style_case(mesh, SequenceParallel, 1)
     mine["addnorm_hidden_style"] = addnorm_style_case(mesh, HiddenParallel, 2)
     mine["addnorm_sequence_style_add"] = addnorm_style_case(mesh, SequenceParallel, 1, via_add=True)
