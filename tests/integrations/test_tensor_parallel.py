@@ -109,19 +109,23 @@ def test_dropout_draws_each_shard_its_own_masks(ranks, case):
     assert ranks[0][case]["kept"] == ranks[1][case]["kept"]
 
 
-@pytest.mark.parametrize(("case", "y_placement"), [("norm_linear_rows", "Shard(dim=1)"),
-                                                   ("norm_linear_columns", "Shard(dim=2)"),
-                                                   ("norm_linear_sequence", "Shard(dim=2)")])
-def test_norm_linear_by_rows_or_with_a_column_parallel_weight(ranks, case, y_placement):
+GATHER = {"c10d_functional.all_gather_into_tensor": 1, "c10d_functional.reduce_scatter_tensor": 1}
+
+
+@pytest.mark.parametrize(("case", "y_placement", "comm"), [("norm_linear_rows", "Shard(dim=1)", {}),
+                                                           ("norm_linear_columns", "Shard(dim=2)", {}),
+                                                           ("norm_linear_sequence", "Shard(dim=2)", GATHER)])
+def test_norm_linear_by_rows_or_with_a_column_parallel_weight(ranks, case, y_placement, comm):
     """x Shard(1) with the Linear replicated; x replicated with the Linear's weight and bias
     Shard(0) (column-parallel: y sharded on its last dim, and the gradients at x and at the
     norm's weight Partial sums, new_residual's own gradient counted once); x Shard(1) with the
-    Linear column-parallel (sequence parallelism: the norm's output gathered)."""
+    Linear column-parallel (sequence parallelism: the norm's output all-gathered forward, its
+    gradient reduce-scattered backward; nothing else moves, forward and backward)."""
     for rank in ranks:
         r = rank[case]
-        assert r["y_placements"] == f"({y_placement},)", r
+        assert r["y_placements"] == f"({y_placement},)" and r["comm_counts"] == comm, r
         assert max(v for v in r.values() if isinstance(v, float)) <= TOL, r
-        assert len(r) == 9, r  # y, new_residual; x, residual, norm_weight, norm_bias, weight, bias
+        assert len(r) == 10, r  # y, new_residual; x, residual, norm_weight, norm_bias, weight, bias
 
 
 @pytest.mark.parametrize("case", ["compiled_shard1", "compiled_shard2", "compiled_norm_add_norm_shard2"])
