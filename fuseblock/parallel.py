@@ -6,10 +6,11 @@ fused stream's residual: its input hook keeps only the first positional input, s
 `AddNorm(x, residual)` would normalize x alone. `SequenceParallel` here shards every
 tensor input of a Norm or AddNorm (x, residual, gate; positional or keyword) on the
 sequence dim and replicates the module's parameters, whose gradients DTensor then sums
-over the ranks. Use it for `blocks.*.norm` and `norm_f` of a ResidualStack in a
-`parallelize_module` plan. `HiddenParallel` shards a norm on its normalized dim instead,
-the weight and bias with it: for a norm whose input comes from a column-parallel Linear
-(a query/key norm over all heads), with no gather (fuseblock.ops.dtensor).
+over the ranks. Use it for `blocks.*.norm`, `blocks.*.branch_norm` (sandwich and post-norm
+stacks) and `norm_f` of a ResidualStack in a `parallelize_module` plan. `HiddenParallel`
+shards a norm on its normalized dim instead, the weight and bias with it: for a norm whose
+input comes from a column-parallel Linear (a query/key norm over all heads), with no
+gather (fuseblock.ops.dtensor).
 """
 from __future__ import annotations
 
@@ -25,10 +26,12 @@ __all__ = ["HiddenParallel", "SequenceParallel"]
 
 class _NormStyle(ParallelStyle):
     """What both styles share: the tensor arguments of a Norm / AddNorm's calls (positional or
-    keyword; through forward or `Norm.add`) made DTensors sharded on `_dim(t)`, plain tensors
-    taken as this rank's shard and DTensors placed otherwise redistributed; the outputs,
-    `out` (Norm) or `(out, new_residual)` (AddNorm), DTensors sharded the same way, or their
-    local shards with use_local_output."""
+    keyword; through forward, `Norm.add`, `norm_add`, `norm_add_norm` or `add_linear`) made DTensors sharded
+    on `_dim(t)`, plain tensors taken as this rank's shard and DTensors placed otherwise
+    redistributed; the outputs,
+    `out` (Norm), `(out, new_residual)` (AddNorm, norm_add_norm), new_residual (norm_add) or
+    `(y, new_residual)` (add_linear: y placed as fuseblock.norm_linear places it),
+    DTensors sharded the same way, or their local shards with use_local_output."""
 
     def __init__(self, *, use_local_output: bool = False):
         super().__init__()
@@ -60,16 +63,25 @@ class _NormStyle(ParallelStyle):
                 return t if t.placements == placements else t.redistribute(device_mesh, placements)
             return DTensor.from_local(t, device_mesh, placements, run_check=False)
 
-        # Norm.add is the one call under forward and the one the stream makes (a block may
-        # call it rather than the module), so it is wrapped, not forward: no forward hook
-        # would see a call that bypasses forward.
-        fused = module.add
+        def local(out):
+            if isinstance(out, DTensor):
+                return out.to_local()
+            return tuple(t.to_local() if isinstance(t, DTensor) else t for t in out)
 
-        def add(*args, **kwargs):
-            out = fused(*(shard(a) for a in args), **{k: shard(v) for k, v in kwargs.items()})
-            return tuple(t.to_local() for t in out) if self.use_local_output else out
+        def sharded(call):
+            def run(*args, **kwargs):
+                out = call(*(shard(a) for a in args), **{k: shard(v) for k, v in kwargs.items()})
+                return local(out) if self.use_local_output else out
 
-        module.add = add
+            return run
+
+        # The calls the stream makes, wrapped rather than forward (no forward hook would see a
+        # call that bypasses it): Norm.add (under forward, and what a block calls), the
+        # post-norm and sandwich steps norm_add and norm_add_norm (whose `norm` argument, a
+        # Norm, needs this style too: its parameters placed as this one's), and add_linear,
+        # a fuses_prenorm mixer's norm and first Linear (fuseblock.norm_linear on DTensors).
+        for name in ("add", "norm_add", "norm_add_norm", "add_linear"):
+            setattr(module, name, sharded(getattr(module, name)))
         return module
 
 

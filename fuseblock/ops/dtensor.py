@@ -1,40 +1,52 @@
-"""`norm` / `add_norm` on DTensors (torch.distributed.tensor), both paths. docs/parallel.md.
+"""fuseblock's ops on DTensors (torch.distributed.tensor), both paths: `norm`, `add_norm`
+(its branch too: alpha, x1, dropout_p), `norm_add`, `norm_add_norm` and `norm_linear`.
+docs/parallel.md.
 
 For each mesh dim, x's placement decides what runs there:
 - Replicate, or Shard on a row dim (any dim but the last): the op runs on each rank's
   local rows, unchanged (the kernels or the torch path). A replicated weight or bias
   gets a Partial gradient on the row-sharded mesh dims, which DTensor sums across them.
-- Shard on the normalized (last) dim, the weight and bias sharded the same way (Shard(0)):
-  each rank sums its part of every row (the sum of squares; and the sum, for a layer
-  norm) and one all-reduce of those fp64 sums completes the statistics: 8 bytes a row
-  (rms, l2), 16 (layer). The backward all-reduces its two (or one) row dot products
-  the same way. Rows are never gathered. This path is torch ops on the local shards
-  under an autograd.Function, on both paths; gates and num_groups > 1 are refused there.
+- Shard on the normalized (last) dim, the weights and biases sharded the same way
+  (Shard(0)): each rank sums its part of every row (the sum of squares; and the sum, for
+  a layer norm) and one all-reduce of those fp64 sums completes each norm's statistics:
+  8 bytes a row (rms, l2), 16 (layer). The backward all-reduces its two (or one) row dot
+  products the same way. Rows are never gathered. This path is torch ops on the local
+  shards under an autograd.Function, on both paths; gates, num_groups > 1 and norm_linear
+  are refused there.
 - anything else (Partial, a strided shard, a weight placed otherwise): a ValueError naming it.
 
+Dropout (add_norm's dropout_p) draws each shard's masks from torch's generator seeded for
+that shard (`_Placed.per_shard_rng`): independent across the ranks that hold other rows or
+columns, the same on replicas.
+
+The custom ops' sharding is not registered with DTensor (register_sharding): the calls
+are unwrapped here, before any op, which serves both paths (the torch path has no custom
+op) and the hidden-dim case (whose all-reduce a sharding rule cannot express: DTensor would
+gather the rows), and torch.compile(fullgraph=True) traces it (docs/parallel.md).
+
 Nothing here imports torch.distributed until a call passes a DTensor (importing it
-costs about a second), and `add_norm` hands in its own local form, so this module does
-not import `fuseblock.ops.norm`.
+costs about a second), and the ops hand in their own local forms, so this module does
+not import them.
 """
 from __future__ import annotations
 
 import math
 import sys
 from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import Tensor
 
-from ..spec import acc_dtype, new_residual_dtype
-from .checks import resolve
-
-_NAMES = ("x", "residual", "weight", "bias", "gate", "x1")
+from ..spec import acc_dtype, new_residual_dtype, stored_dtype
+from .checks import check_branch, resolve
 
 
 def has_dtensor(x, residual, weight, bias, gate, x1=None) -> bool:
     """Whether any argument is a DTensor: 0.09 us a call while torch.distributed.tensor is not
     loaded, 0.27 us once it is (this project's CPU). Written out, not looped over the
-    arguments: on the eager torch path this is part of every small call's host time."""
+    arguments: on the eager torch path this is part of every small call's host time.
+    norm_add and norm_linear pass their own tensors in the six slots."""
     module = sys.modules.get("torch.distributed.tensor")
     if module is None:
         return False
@@ -44,103 +56,234 @@ def has_dtensor(x, residual, weight, bias, gate, x1=None) -> bool:
             or (x1 is not None and isinstance(x1, cls)))
 
 
-def _placements(x, residual, weight, bias, gate, x1=None):
-    """(mesh, row_dims, hidden_dims): the mesh dims on which x is sharded by rows and those on
-    which it is sharded on its last dim, after checking every argument's placement."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+class _Placed:
+    """An op's DTensor arguments, checked. For each mesh dim, x's placement decides:
+    Replicate or Shard on a row dim (the latter recorded in `rows`), or Shard on the last dim
+    (`hidden`); the tensors `like` x must be placed as x is, the `vectors` (a norm's weight
+    and bias) Replicate where x is by rows and Shard(0) where x is by columns, and `others`
+    (a Linear's weight and bias, which the op checks itself) only be DTensors on x's mesh.
+    `unwrap()` gives the local tensors; `placed` makes a local result a DTensor."""
 
-    tensors = dict(zip(_NAMES, (x, residual, weight, bias, gate, x1), strict=True))
-    for name, t in tensors.items():
-        if t is not None and not isinstance(t, DTensor):
-            raise TypeError(f"{name} is a {type(t).__name__}, but another argument is a DTensor: pass every tensor "
-                            f"as a DTensor on one mesh (DTensor.from_local, distribute_tensor; for a norm's "
-                            f"inputs, shard it with fuseblock.parallel.SequenceParallel or HiddenParallel)")
-    mesh, last = x.device_mesh, x.ndim - 1
-    for name, t in tensors.items():
-        if t is not None and t.device_mesh != mesh:
-            raise ValueError(f"{name} is on mesh {t.device_mesh}, x on {mesh}: one mesh for every argument")
-    row_dims, hidden_dims = [], []
-    for i, p in enumerate(x.placements):
-        if type(p) is Shard and p.dim % x.ndim == last:
-            hidden_dims.append(i)
-            vector = Shard(0)
-        elif type(p) is Shard or type(p) is Replicate:
-            if type(p) is Shard:
-                row_dims.append(i)
-            vector = Replicate()
-        else:
-            raise ValueError(f"x's placement {p!r} on mesh dim {i} is not supported: fuseblock's norms take x "
-                             f"Replicate, Shard on a row dim, or Shard({last}) (the normalized dim); "
-                             f"redistribute it first (docs/parallel.md)")
-        for name in ("residual", "gate", "x1"):
-            t = tensors[name]
-            if t is not None and t.placements[i] != p:
-                raise ValueError(f"{name}'s placement {t.placements[i]!r} on mesh dim {i} differs from x's {p!r}: "
-                                 f"{name} must be placed as x is")
-        for name in ("weight", "bias"):
-            t = tensors[name]
-            if t is not None and t.placements[i] != vector:
-                raise ValueError(f"{name}'s placement {t.placements[i]!r} on mesh dim {i} does not fit x's {p!r}: "
-                                 f"with x {p!r} the {name} must be {vector!r}")
-    return mesh, row_dims, hidden_dims
+    def __init__(self, x, like: dict, vectors: dict, others: dict | None = None):
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+        others = others or {}
+        tensors = {"x": x, **like, **vectors, **others}
+        for name, t in tensors.items():
+            if t is not None and not isinstance(t, DTensor):
+                raise TypeError(f"{name} is a {type(t).__name__}, but another argument is a DTensor: pass every "
+                                f"tensor as a DTensor on one mesh (DTensor.from_local, distribute_tensor; for a "
+                                f"norm's inputs, shard it with fuseblock.parallel.SequenceParallel or HiddenParallel)")
+        self.mesh, last = x.device_mesh, x.ndim - 1
+        for name, t in tensors.items():
+            if t is not None and t.device_mesh != self.mesh:
+                raise ValueError(f"{name} is on mesh {t.device_mesh}, x on {self.mesh}: one mesh for every argument")
+        self.rows, self.hidden = [], []
+        for i, p in enumerate(x.placements):
+            if type(p) is Shard and p.dim % x.ndim == last:
+                self.hidden.append(i)
+                vector = Shard(0)
+            elif type(p) is Shard or type(p) is Replicate:
+                if type(p) is Shard:
+                    self.rows.append(i)
+                vector = Replicate()
+            else:
+                raise ValueError(f"x's placement {p!r} on mesh dim {i} is not supported: fuseblock's norms take x "
+                                 f"Replicate, Shard on a row dim, or Shard({last}) (the normalized dim); "
+                                 f"redistribute it first (docs/parallel.md)")
+            for name, t in like.items():
+                if t is not None and t.placements[i] != p:
+                    raise ValueError(f"{name}'s placement {t.placements[i]!r} on mesh dim {i} differs from x's "
+                                     f"{p!r}: {name} must be placed as x is")
+            for name, t in vectors.items():
+                if t is not None and t.placements[i] != vector:
+                    raise ValueError(f"{name}'s placement {t.placements[i]!r} on mesh dim {i} does not fit x's "
+                                     f"{p!r}: with x {p!r} the {name} must be {vector!r}")
+        self.x, self.groups = x, [(self.mesh, i) for i in self.hidden]  # the all-reduces' (mesh, mesh dim)s
+        self._tensors, self._vectors, self._others, self._partial = tensors, set(vectors), set(others), Partial()
+
+    def unwrap(self, partial: tuple[int, ...] = ()) -> dict:
+        """Each argument's local tensor by name (None where absent). The vectors' gradients
+        are Partial on the row-sharded mesh dims (every rank's rows use the whole vector);
+        on the mesh dims in `partial` (where each rank's result is a part of a sum: a
+        column-parallel Linear after the norm) those of x, the tensors like it and the norm's
+        vectors are too."""
+        def grads(name, t):
+            if name in self._others:  # the Linear's weight and bias
+                summed = self.rows
+            elif name in self._vectors:
+                summed = (*self.rows, *partial)
+            else:
+                summed = partial
+            return [self._partial if i in summed else p for i, p in enumerate(t.placements)]
+
+        return {name: None if t is None else _plain(t.to_local(grad_placements=grads(name, t)))
+                for name, t in self._tensors.items()}
+
+    def placed(self, t: Tensor, placements=None, shape=None):
+        """t, a local result, as the DTensor of the global `shape` (x's) placed as x is (or
+        `placements`), contiguous: the ops' outputs are new tensors."""
+        from torch.distributed.tensor import DTensor
+
+        shape = self.x.shape if shape is None else torch.Size(shape)
+        stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+        return DTensor.from_local(_plain(t), self.mesh, self.x.placements if placements is None else placements,
+                                  run_check=False, shape=shape, stride=stride)
+
+    @contextmanager
+    def per_shard_rng(self):
+        """torch's generators of x's device seeded for this rank's shard, for dropout: from one
+        draw of the CPU generator (which advances alike on every rank, as DTensor's own random
+        ops expect every rank seeded alike) and the rank's coordinates on the mesh dims that
+        shard x (rows or columns), so each shard draws its own masks and replicas the same."""
+        base = int(torch.randint(0, 2**62, (1,)).item())
+        coordinate = self.mesh.get_coordinate()
+        # a tuple of ints hashes alike in every process (PYTHONHASHSEED salts str and bytes only)
+        seed = hash((base, *(coordinate[i] for i in sorted(self.rows + self.hidden)))) % 2**63
+        device = self.x.device
+        accelerator = [] if device.type == "cpu" else [device]
+        with torch.random.fork_rng(devices=accelerator, device_type=device.type):
+            torch.default_generator.manual_seed(seed)
+            if accelerator:
+                module = getattr(torch, device.type)
+                with module.device(device):
+                    module.manual_seed(seed)
+            yield
 
 
 def add_norm(local_add_norm: Callable, x, residual, weight, bias, gate, x1=None, **options):
     """`local_add_norm(x, residual, weight, bias, gate=gate, **options)` (fuseblock's add_norm)
-    on DTensor arguments: (out, new_residual) as DTensors placed as x is. A second branch x1
-    is placed as x; dropout is refused (every rank would draw the same masks for its own rows)."""
-    from torch.distributed.tensor import DTensor, Partial
-
-    if options.get("dropout_p", 0.0) != 0.0:
-        raise ValueError(f"dropout_p={options['dropout_p']} on DTensors: each rank would draw the same masks "
-                         f"for different rows; apply torch's dropout to the DTensor branch first")
-    mesh, row_dims, hidden_dims = _placements(x, residual, weight, bias, gate, x1)
-    # the weight's gradient: summed over the mesh dims whose ranks hold other rows
-    vector_grad = [Partial() if i in row_dims else p for i, p in enumerate(weight.placements)] \
-        if weight is not None else None
-    bias_grad = [Partial() if i in row_dims else p for i, p in enumerate(bias.placements)] \
-        if bias is not None else None
-
-    def local(t, grad_placements=None):
-        return None if t is None else _plain(t.to_local(grad_placements=grad_placements))
-
-    xl, rl, gl = local(x), local(residual), local(gate)
-    wl, bl = local(weight, vector_grad), local(bias, bias_grad)
-    if x1 is not None:
-        options["x1"] = local(x1)
-    if not hidden_dims:
-        out, new_res = local_add_norm(xl, rl, wl, bl, gate=gl, **options)
-    else:
-        out, new_res = _hidden_add_norm(x, residual, weight, bias, gate, xl, rl, wl, bl, mesh, hidden_dims, **options)
-
-    # the outputs are new, contiguous tensors of x's global shape
-    stride = tuple(math.prod(x.shape[i + 1:]) for i in range(x.dim()))
-
-    def placed(t):
-        return DTensor.from_local(_plain(t), mesh, x.placements, run_check=False, shape=x.shape, stride=stride)
-
+    on DTensor arguments: (out, new_residual) as DTensors placed as x is. x1 is placed as x;
+    dropout draws each shard's own masks (`_Placed.per_shard_rng`)."""
+    at = _Placed(x, {"residual": residual, "gate": gate, "x1": x1}, {"weight": weight, "bias": bias})
+    loc = at.unwrap()
+    xl, rl, gl, x1l, wl, bl = (loc[n] for n in ("x", "residual", "gate", "x1", "weight", "bias"))
+    dropout = options.get("dropout_p", 0.0) != 0.0
+    with at.per_shard_rng() if dropout else nullcontext():
+        if not at.hidden:
+            if x1 is not None:
+                options["x1"] = x1l
+            out, new_res = local_add_norm(xl, rl, wl, bl, gate=gl, **options)
+        else:
+            out, new_res = _hidden_add_norm(at, loc, x, residual, weight, bias, gate, x1, **options)
     # no residual and no dtype change: new_residual is x itself, as add_norm's
-    return placed(out), (x if new_res is xl else placed(new_res))
+    return at.placed(out), (x if new_res is xl else at.placed(new_res))
 
 
-def _hidden_add_norm(x, residual, weight, bias, gate, xl, rl, wl, bl, mesh, hidden_dims, *, kind, c, eps,
-                     residual_dtype, gate_act, gate_position, num_groups, weight_offset, x1=None, alpha=1.0,
-                     dropout_p=0.0):
-    if gate is not None or num_groups != 1 or x1 is not None or alpha != 1.0:
-        raise ValueError(f"a gate, num_groups > 1, x1 and alpha are not supported with x sharded on its last dim "
-                         f"(x's placements {tuple(x.placements)}): shard x by rows, or replicate it")
+def _hidden_add_norm(at: _Placed, loc: dict, x, residual, weight, bias, gate, x1, *, kind, c, eps, residual_dtype,
+                     gate_act, gate_position, num_groups, weight_offset, alpha=1.0, dropout_p=0.0):
+    """add_norm on columns: new_residual by the torch path's own sum (reference.residual_sum,
+    or branch_sum for alpha, x1, dropout: torch's dropout on this rank's columns), then the
+    norm of its rows from all-reduced row sums (_HiddenNorm)."""
+    if gate is not None or num_groups != 1:
+        raise ValueError(f"a gate and num_groups > 1 are not supported with x sharded on its last dim (x's "
+                         f"placements {tuple(x.placements)}): shard x by rows, or replicate it")
     # the global shapes: the spec's scale c/sqrt(d) and eps are the whole row's
     spec = resolve(x, residual, weight, bias, None, kind=kind, c=c, eps=eps, gate_act=gate_act,
                    gate_position=gate_position, num_groups=1, residual_dtype=residual_dtype,
                    weight_offset=weight_offset)
     from .. import reference
 
-    rdtype = new_residual_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
-    new_res = reference.residual_sum(xl, rl, rdtype)  # differentiable; autograd routes dnew_residual
-    p = xl if new_res is None else new_res
-    groups = [(mesh, i) for i in hidden_dims]
-    out = _HiddenNorm.apply(p, wl, bl, spec, x.shape[-1], groups)
+    xl, rl, x1l = loc["x"], loc["residual"], loc["x1"]
+    rin = None if residual is None else residual.dtype
+    if x1 is not None or alpha != 1.0 or dropout_p != 0.0:
+        check_branch(x, x1, alpha, dropout_p)
+        spec = spec.with_branch(alpha, dropout_p)
+        new_res = reference.branch_sum(xl, x1l, rl, stored_dtype(x.dtype, rin, residual_dtype), spec)
+    else:
+        new_res = reference.residual_sum(xl, rl, new_residual_dtype(x.dtype, rin, residual_dtype))
+    p = xl if new_res is None else new_res  # differentiable: autograd routes dnew_residual
+    out = _HiddenNorm.apply(p, loc["weight"], loc["bias"], spec, x.shape[-1], at.groups)
     return out.to(x.dtype), (xl if new_res is None else new_res)
+
+
+def norm_add(local_apply: Callable, x, residual, branch_weight, branch_bias, weight, bias, branch_spec, spec,
+             alpha: float, residual_dtype, second: bool):
+    """`local_apply` (fuseblock.ops.norm_add._apply, on validated arguments) on DTensors:
+    (new_residual, out or None) placed as x is. On columns each norm is a _HiddenNorm (one
+    all-reduce of its row sums each way), the sum as the torch path forms it."""
+    at = _Placed(x, {"residual": residual}, {"branch_weight": branch_weight, "branch_bias": branch_bias,
+                                              "weight": weight, "bias": bias})
+    loc = at.unwrap()
+    if not at.hidden:
+        new_res, out = local_apply(loc["x"], loc["residual"], loc["branch_weight"], loc["branch_bias"],
+                                   loc["weight"], loc["bias"], branch_spec, spec, alpha, residual_dtype, second)
+    else:
+        d = x.shape[-1]
+        y = _HiddenNorm.apply(loc["x"], loc["branch_weight"], loc["branch_bias"], branch_spec, d, at.groups)
+        if alpha != 1.0:
+            y = y * alpha
+        r = loc["residual"]
+        wide = torch.promote_types(torch.promote_types(y.dtype, r.dtype), residual_dtype)
+        new_res = (r.to(wide) + y.to(wide)).to(residual_dtype)  # rounded once, as reference.norm_add_fwd
+        out = _HiddenNorm.apply(new_res, loc["weight"], loc["bias"], spec, d, at.groups).to(x.dtype) \
+            if second else None
+    return at.placed(new_res), (None if out is None else at.placed(out))
+
+
+def norm_linear(local_norm_linear: Callable, add_norm: Callable, x, residual, norm_weight, norm_bias, weight, bias,
+                **options):
+    """`local_norm_linear` (fuseblock.norm_linear) on DTensors: (y, new_residual). x by rows
+    or replicated on each mesh dim (not on its last dim: the Linear would need the whole row);
+    the Linear's weight (and its bias, placed as it) on each mesh dim:
+    - Replicate: y is placed as x there; the Linear's gradients Partial where x is by rows.
+    - Shard(0), column-parallel, x replicated: y Shard(-1). Each rank's gradient at the
+      norm's output is a part of the sum over the Linear's outputs, so those of x, residual
+      and the norm's weight and bias are Partial there; new_residual's own gradient
+      (replicated) enters that sum on the first rank alone.
+    - Shard(0), x by rows (sequence parallelism: a norm before a ColwiseParallel Linear): the
+      norm runs on each rank's rows (`add_norm`), its output is all-gathered and the Linear
+      runs on DTensors, as the unfused pair under torch's styles does: the gathered output
+      is kept for the weight's gradient, which the fused op saves elsewhere.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    at = _Placed(x, {"residual": residual}, {"norm_weight": norm_weight, "norm_bias": norm_bias},
+                 {"weight": weight, "bias": bias})
+    if at.hidden:
+        raise ValueError(f"norm_linear is not supported with x sharded on its last dim (x's placements "
+                         f"{tuple(x.placements)}): shard x by rows, or replicate it")
+    y_placements, columns, gathered = [], [], []
+    for i, p in enumerate(x.placements):
+        wp = weight.placements[i]
+        if wp == Replicate():
+            y_placements.append(p)
+        elif wp == Shard(0):
+            y_placements.append(Shard(x.ndim - 1))
+            (columns if p == Replicate() else gathered).append(i)
+        else:
+            raise ValueError(f"weight's placement {wp!r} on mesh dim {i} is not supported by norm_linear: the "
+                             f"Linear's weight must be Replicate() or Shard(0) (column-parallel)")
+        if bias is not None and bias.placements[i] != wp:
+            raise ValueError(f"bias's placement {bias.placements[i]!r} on mesh dim {i} differs from weight's {wp!r}: "
+                             f"the Linear's bias must be placed as its weight")
+    if gathered:
+        out, new_res = add_norm(x, residual, norm_weight, norm_bias, **options)
+        out = out.redistribute(at.mesh, [Replicate() if i in gathered else p for i, p in enumerate(out.placements)])
+        return torch.nn.functional.linear(out, weight, bias), new_res
+    loc = at.unwrap(tuple(columns))
+    y, new_res = local_norm_linear(loc["x"], loc["residual"], loc["norm_weight"], loc["norm_bias"], loc["weight"],
+                                   loc["bias"], **options)
+    y = at.placed(y, y_placements, (*x.shape[:-1], weight.shape[0]))
+    if new_res is loc["x"]:  # no residual and no dtype change: new_residual is x itself, as norm_linear's
+        return y, x
+    coordinate = at.mesh.get_coordinate()
+    if any(coordinate[i] != 0 for i in columns):
+        new_res = _NoGrad.apply(new_res)
+    return y, at.placed(new_res)
+
+
+class _NoGrad(torch.autograd.Function):
+    """The identity, whose gradient is zero: a replicated gradient that enters a Partial sum
+    on one rank only."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.zeros_like(grad)
 
 
 def _plain(t: Tensor) -> Tensor:
@@ -171,8 +314,8 @@ def _all_reduce(t: Tensor, groups) -> Tensor:
     traceable, and counted by CommDebugMode)."""
     import torch.distributed._functional_collectives as funcol
 
-    for group in groups:
-        t = funcol.all_reduce(t, "sum", group)
+    for mesh, dim in groups:
+        t = funcol.all_reduce(t, "sum", mesh.get_group(dim))
         if isinstance(t, funcol.AsyncCollectiveTensor):
             t = t.wait()
     return t

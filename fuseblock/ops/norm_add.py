@@ -20,6 +20,7 @@ from torch import Tensor
 
 from .. import reference
 from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, acc_dtype, stored_dtype
+from . import dtensor
 from .checks import _check_vector, check_number, check_tensor, default_eps, resolve
 from .dispatch import func_transforms_active, kernels, uses_triton
 from .registry import FusedOp
@@ -156,6 +157,9 @@ def _spec(x, residual, weight, bias, kind, eps, weight_offset, residual_dtype) -
 
 def _apply(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha, rdtype, second):
     """(new_residual, out or None) on validated arguments, by the path that serves x."""
+    if dtensor.has_dtensor(x, residual, branch_weight, branch_bias, weight, bias):  # docs/parallel.md
+        return dtensor.norm_add(_apply, x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha,
+                                rdtype, second)
     if not uses_triton(x) or func_transforms_active():
         return reference.norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha,
                                       rdtype, second)

@@ -25,7 +25,7 @@ from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, new_residu
 from . import dtensor
 from .checks import check_tensor, resolve
 from .dispatch import func_transforms_active, kernels, uses_triton
-from .norm import apply_norm, norm_op
+from .norm import add_norm, apply_norm, norm_op
 
 
 def _kernel_out(p: Tensor, weight, bias, spec: NormSpec) -> Tensor:
@@ -160,8 +160,9 @@ def norm_linear(
     backward is refused.
     """
     check_tensor("x", x)
-    if dtensor.has_dtensor(x, residual, norm_weight, norm_bias, weight) or dtensor.has_dtensor(bias, *(None,) * 4):
-        raise TypeError("norm_linear does not take DTensors yet (docs/parallel.md): call add_norm, then the Linear")
+    if dtensor.has_dtensor(x, residual, norm_weight, norm_bias, weight, bias):  # docs/parallel.md
+        return dtensor.norm_linear(norm_linear, add_norm, x, residual, norm_weight, norm_bias, weight, bias, kind=kind,
+                                   eps=eps, weight_offset=weight_offset, residual_dtype=residual_dtype)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the normalized last dim)")
     for name, t in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):

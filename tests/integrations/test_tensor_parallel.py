@@ -1,8 +1,9 @@
 """fuseblock on DTensors (docs/parallel.md), on 2 gloo ranks on CPU: one torchrun launch of
 tests/integrations/tp_worker.py per path (TRITON_INTERPRET=1 passed on in the kernel-path
 run), whose findings the tests below read. Against one process on the same data (fp32):
-norm and add_norm sharded by rows (Shard(0), Shard(1)) and on the normalized dim
-(Shard(2), the weight and bias Shard(0)), values and every gradient; the replicated
+norm, add_norm (its branch: alpha, x1, dropout), norm_add and norm_add_norm sharded by
+rows (Shard(0), Shard(1)) and on the normalized dim (Shard(2), the weights and biases
+Shard(0)), and norm_linear by rows or with a column-parallel Linear, values and every gradient; the replicated
 weight's gradient a Partial sum; what each communicates; the placements refused; and
 the parallel styles on a fused ResidualStack, whose residual must not be dropped."""
 import json
@@ -17,7 +18,8 @@ from trainutil import ROOT
 pytestmark = pytest.mark.kernel
 WORKER = str(ROOT / "tests" / "integrations" / "tp_worker.py")
 TOL = 1e-6  # relative to max(1, the largest reference value): fp32 sums in another order
-CASES = [f"{fn}_{kind}_shard{dim}" for fn in ("norm", "add_norm") for kind in ("rms", "layer") for dim in (0, 1, 2)]
+OPS = ("norm", "add_norm", "norm_add", "norm_add_norm")
+CASES = [f"{fn}_{kind}_shard{dim}" for fn in OPS for kind in ("rms", "layer") for dim in (0, 1, 2)]
 CASES += ["add_norm_layer_uneven_shard1", "add_norm_layer_uneven_shard2"]  # (2, 5, 7): shards of 3 + 2 and 4 + 3
 
 
@@ -43,8 +45,11 @@ def test_values_and_every_gradient_equal_one_process(ranks, case):
         dim = case[-1]
         assert r["out_placements"] == f"(Shard(dim={dim}),)", r  # DTensor in, DTensor out, placed as x
         assert r["value"] <= TOL and r.get("new_residual", 0.0) <= TOL, r
-        expected = {"x", "weight"} | ({"residual"} if case.startswith("add_norm") else set()) | \
+        fn = case.split("_rms_")[0].split("_layer_")[0]
+        expected = {"x", "weight"} | ({"residual"} if fn != "norm" else set()) | \
             ({"bias"} if "_layer_" in case else set())
+        if fn == "norm_add_norm":
+            expected |= {"branch_weight"} | ({"branch_bias"} if "_layer_" in case else set())
         assert set(r["grads"]) == expected and max(r["grads"].values()) <= TOL, r
 
 
@@ -62,10 +67,12 @@ def test_row_sharded_runs_locally_and_leaves_a_partial_weight_gradient(ranks, ca
 @pytest.mark.parametrize("case", [c for c in CASES if c.endswith("2")])
 def test_hidden_sharded_all_reduces_bytes_per_row_and_gathers_nothing(ranks, case):
     per_row = 16 if "_layer_" in case else 8  # fp64 sums: (sum, sum of squares) or the sum of squares alone
+    norms = 2 if case.startswith("norm_add_norm") else 1
     for rank in ranks:
         r = rank[case]
-        assert r["comm_counts"] == {"c10d_functional.all_reduce": 2}, r  # one forward, one backward; no all-gather
-        assert r["collectives"] == [["all_reduce.default", per_row * r["rows"]]] * 2, r
+        # one all-reduce per norm forward, one backward; no all-gather
+        assert r["comm_counts"] == {"c10d_functional.all_reduce": 2 * norms}, r
+        assert r["collectives"] == [["all_reduce.default", per_row * r["rows"]]] * (2 * norms), r
         assert r["weight_grad_placements"] == "(Shard(dim=0),)", r
 
 
@@ -80,7 +87,48 @@ def test_row_sharded_takes_gates_and_groups(ranks):
         assert len(r) == 6 and max(r.values()) <= TOL, r  # out, new_residual; x, residual, gate, weight
 
 
-@pytest.mark.parametrize("case", ["compiled_shard1", "compiled_shard2"])
+@pytest.mark.parametrize("case", ["branch_shard1", "branch_shard2"])
+def test_add_norm_branch_alpha_and_x1_equal_one_process(ranks, case):
+    for rank in ranks:
+        r = rank[case]
+        assert len(r) == 7 and max(r.values()) <= TOL, r  # out, new_residual; x, x1, residual, weight, bias
+
+
+@pytest.mark.parametrize("case", ["dropout_shard1", "dropout_shard2"])
+def test_dropout_draws_each_shard_its_own_masks(ranks, case):
+    """Decoded from new_residual (x = 1, x1 = 3): every element kept or dropped, x's and x1's
+    masks apart, this rank's masks not the other rank's, the same after the same
+    manual_seed; and given those masks, values and every gradient as one process's."""
+    for rank in ranks:
+        r = rank[case]
+        assert r["masks_decoded"] and r["x_and_x1_masks_differ"] and r["reproducible"], r
+        assert r["differs_from_other_rank"], r
+        assert 0.2 <= r["kept"] <= 0.8 and 0.2 <= r["kept_x1"] <= 0.8, r  # p = 0.5 on 48 elements
+        assert max(r[k] for k in ("value", "new_residual", "x", "x1", "residual", "weight", "bias")) <= TOL, r
+    # the ranks decoded the same global masks, so they drew them from one seed sequence
+    assert ranks[0][case]["kept"] == ranks[1][case]["kept"]
+
+
+GATHER = {"c10d_functional.all_gather_into_tensor": 1, "c10d_functional.reduce_scatter_tensor": 1}
+
+
+@pytest.mark.parametrize(("case", "y_placement", "comm"), [("norm_linear_rows", "Shard(dim=1)", {}),
+                                                           ("norm_linear_columns", "Shard(dim=2)", {}),
+                                                           ("norm_linear_sequence", "Shard(dim=2)", GATHER)])
+def test_norm_linear_by_rows_or_with_a_column_parallel_weight(ranks, case, y_placement, comm):
+    """x Shard(1) with the Linear replicated; x replicated with the Linear's weight and bias
+    Shard(0) (column-parallel: y sharded on its last dim, and the gradients at x and at the
+    norm's weight Partial sums, new_residual's own gradient counted once); x Shard(1) with the
+    Linear column-parallel (sequence parallelism: the norm's output all-gathered forward, its
+    gradient reduce-scattered backward; nothing else moves, forward and backward)."""
+    for rank in ranks:
+        r = rank[case]
+        assert r["y_placements"] == f"({y_placement},)" and r["comm_counts"] == comm, r
+        assert max(v for v in r.values() if isinstance(v, float)) <= TOL, r
+        assert len(r) == 10, r  # y, new_residual; x, residual, norm_weight, norm_bias, weight, bias
+
+
+@pytest.mark.parametrize("case", ["compiled_shard1", "compiled_shard2", "compiled_norm_add_norm_shard2"])
 def test_torch_compile_fullgraph_traces_the_dtensor_calls(ranks, case):
     for rank in ranks:
         r = rank[case]
@@ -95,7 +143,12 @@ def test_torch_compile_fullgraph_traces_the_dtensor_calls(ranks, case):
     ("plain_weight", "TypeError", "weight is a Tensor"),
     ("gate_hidden", "ValueError", "gate"),
     ("groups_hidden", "ValueError", "num_groups"),
-    ("norm_linear", "TypeError", "norm_linear does not take DTensors"),
+    ("norm_linear_row_sharded_weight", "ValueError", "weight's placement Shard(dim=1) on mesh dim 0"),
+    ("norm_linear_hidden", "ValueError", "norm_linear is not supported with x sharded on its last dim"),
+    ("norm_linear_bias_placed_otherwise", "ValueError", "bias's placement Shard(dim=0)"),
+    ("norm_add_weight_replicated_x_by_hidden", "ValueError", "branch_weight's placement Replicate()"),
+    ("norm_add_norm_partial_x", "ValueError", "Partial(sum)"),
+    ("norm_add_norm_plain_residual", "TypeError", "residual is a Tensor"),
     ("torch_style_positional_residual", "ValueError", "use fuseblock.parallel.SequenceParallel"),
 ])
 def test_other_placements_are_refused_naming_them(ranks, case, error, names):
@@ -105,14 +158,22 @@ def test_other_placements_are_refused_naming_them(ranks, case, error, names):
         assert got[0] == error and names in got[1] and "\n" not in got[1], got
 
 
-def test_sequence_parallel_plan_on_a_fused_stack_keeps_the_residual(ranks):
+@pytest.mark.parametrize(("case", "params"), [("stack_fuseblock_style", 14), ("stack_sandwich", 18),
+                                              ("stack_prenorm_mlp", 14), ("stack_post_norm", 14)])
+def test_sequence_parallel_plan_on_a_fused_stack_keeps_the_residual(ranks, case, params):
     """Column/row-parallel MLPs and sequence-parallel norms, torchtitan's plan, with
     fuseblock's SequenceParallel on the norms: exact. Gradients: the Linears' sums split
-    across ranks, hence 1e-5."""
+    across ranks, hence 1e-5. The sandwich stack (alpha 0.5) runs norm_add_norm through the
+    style's wrapped `Norm.norm_add_norm` (before: a ValueError, the local x beside the
+    sharded residual). The MLPs that fuse the norm into their first Linear (`fuses_prenorm`,
+    the GPT's) run norm_linear through the wrapped `Norm.add_linear`, sequence-parallel (before:
+    a TypeError, the local x beside DTensor weights). The post-norm stack (norm_add), its
+    blocks' norms with use_local_output=True."""
     for rank in ranks:
-        r = rank["stack_fuseblock_style"]
+        r = rank[case]
         assert r["value"] <= TOL and r["grad_max"] <= 1e-5, r
-        assert len(r["grads"]) == 14, r  # every parameter: 2 blocks x (norm w, b, 2 Linears' w, b) + norm_f's
+        # every parameter: 2 blocks x (norm w, b, 2 Linears' w, b) + norm_f's; sandwich: + 2 branch norms' w, b
+        assert len(r["grads"]) == params, r
 
 
 def test_torchs_sequence_parallel_on_a_fused_stack_is_refused_not_wrong(ranks):

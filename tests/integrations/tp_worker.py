@@ -49,51 +49,138 @@ class Collectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# each op on a dict of tensors: (out or None, new_residual or None); alpha=0.5 for the stream variants
+OPS = {
+    "norm": lambda t, kind: (fuseblock.norm(t["x"], t["weight"], t.get("bias"), kind=kind), None),
+    "add_norm": lambda t, kind: fuseblock.add_norm(t["x"], t["residual"], t["weight"], t.get("bias"), kind=kind),
+    "norm_add": lambda t, kind: (None, fuseblock.norm_add(t["x"], t["residual"], t["weight"], t.get("bias"),
+                                                          kind=kind, alpha=0.5)),
+    "norm_add_norm": lambda t, kind: fuseblock.norm_add_norm(t["x"], t["residual"], t["branch_weight"], t["weight"],
+                                                             t.get("branch_bias"), t.get("bias"), kind=kind,
+                                                             alpha=0.5),
+}
+
+
 def op_case(mesh, fn: str, kind: str, dim: int, shape=(B, T, D)) -> dict:
-    """fuseblock.norm / add_norm on x of `shape` sharded on `dim` (2: the normalized dim, the
-    weight and bias Shard(0) with it; else replicated): values and every gradient against one
-    process, the gradients arriving at out and new_residual both, and what it communicated."""
+    """fuseblock.norm / add_norm / norm_add / norm_add_norm on x of `shape` sharded on `dim`
+    (2: the normalized dim, the weights and biases Shard(0) with it; else replicated): values
+    and every gradient against one process, the gradients arriving at out and new_residual
+    both, and what it communicated."""
     torch.manual_seed(1)
-    x, r, dy, dz = (torch.randn(shape) for _ in range(4))
-    w, b = torch.randn(shape[-1]), torch.randn(shape[-1]) if kind == "layer" else None
-    ones = [t.clone().requires_grad_() for t in (x, r, w, b) if t is not None]
+    names = ["x"] + (["residual"] if fn != "norm" else []) + (["branch_weight"] if fn == "norm_add_norm" else [])
+    names += ["weight"] + (["bias"] + (["branch_bias"] if fn == "norm_add_norm" else []) if kind == "layer" else [])
+    full = {n: torch.randn(shape if n in ("x", "residual") else shape[-1:]) for n in names}
+    dy, dz = torch.randn(shape), torch.randn(shape)
+    ones = {n: t.clone().requires_grad_() for n, t in full.items()}
     place = [Shard(dim)]
     vec = [Shard(0)] if dim == 2 else [Replicate()]
-    shards = [distribute_tensor(t, mesh, place if t.dim() == 3 else vec).requires_grad_()
-              for t in (x, r, w, b) if t is not None]
+    shards = {n: distribute_tensor(t, mesh, place if t.dim() == 3 else vec).requires_grad_() for n, t in full.items()}
     dys, dzs = distribute_tensor(dy, mesh, place), distribute_tensor(dz, mesh, place)
 
-    def run(xx, rr, ww, bb):
-        if fn == "norm":
-            return fuseblock.norm(xx, ww, bb, kind=kind), None
-        return fuseblock.add_norm(xx, rr, ww, bb, kind=kind)
+    def loss(out, new_res, dy, dz):  # Partial sums added: no int 0 to start from, which would reduce them
+        terms = [(t * g).sum() for t, g in ((out, dy), (new_res, dz)) if t is not None]
+        return terms[0] if len(terms) == 1 else terms[0] + terms[1]
 
-    def args(ts):
-        xx, rr, ww = ts[:3]
-        return xx, rr, ww, ts[3] if kind == "layer" else None
-
-    out, new_res = run(*args(ones))
-    (out * dy).sum().add((new_res * dz).sum() if new_res is not None else 0).backward()
+    out, new_res = OPS[fn](ones, kind)
+    loss(out, new_res, dy, dz).backward()
     with CommDebugMode() as comm, Collectives() as coll:
-        got, got_res = run(*args(shards))
-        loss = (got * dys).sum()
-        if got_res is not None:
-            loss = loss + (got_res * dzs).sum()
-        loss.backward()
+        got, got_res = OPS[fn](shards, kind)
+        loss(got, got_res, dys, dzs).backward()
+    first = got if got is not None else got_res
     found = {
-        "out_placements": str(got.placements),
-        "value": rel_diff(got, out),
-        "grads": {n: rel_diff(s.grad, o.grad) for n, s, o in zip(("x", "residual", "weight", "bias"),
-                                                                    shards, ones, strict=False)
-                  if fn == "add_norm" or n != "residual"},
-        "weight_grad_placements": str(shards[2].grad.placements),
+        "out_placements": str(first.placements),
+        "value": rel_diff(first, out if out is not None else new_res),
+        "grads": {n: rel_diff(shards[n].grad, ones[n].grad) for n in names},
+        "weight_grad_placements": str(shards["weight"].grad.placements),
         "comm_counts": {str(k): v for k, v in comm.get_comm_counts().items()},
         "collectives": coll.calls,
-        "rows": got.to_local().numel() // got.to_local().shape[-1],  # this rank's
+        "rows": first.to_local().numel() // first.to_local().shape[-1],  # this rank's
     }
-    if got_res is not None:
+    if got is not None and got_res is not None:
         found["new_residual"] = rel_diff(got_res, new_res)
     return found
+
+
+def branch_case(mesh, dim: int) -> dict:
+    """add_norm's branch on DTensors: new_residual = residual + alpha * (x + x1), layer norm,
+    x and x1 sharded on `dim` (2: the hidden dim), values and every gradient vs one process."""
+    torch.manual_seed(8)
+    full = [torch.randn(B, T, D) for _ in range(3)] + [torch.randn(D), torch.randn(D)]
+    ones = [t.clone().requires_grad_() for t in full]
+    vec = [Shard(0)] if dim == 2 else [Replicate()]
+    shards = [distribute_tensor(t, mesh, [Shard(dim)] if t.dim() == 3 else vec).requires_grad_() for t in full]
+
+    def run(x, x1, r, w, b):
+        return fuseblock.add_norm(x, r, w, b, kind="layer", alpha=-0.7, x1=x1)
+
+    out, res = run(*ones)
+    (out.square().sum() + res.sum()).backward()
+    got, got_res = run(*shards)
+    (got.square().sum() + got_res.sum()).backward()
+    return {"value": rel_diff(got, out), "new_residual": rel_diff(got_res, res),
+            **{n: rel_diff(s.grad, o.grad) for n, s, o in zip(("x", "x1", "residual", "weight", "bias"), shards, ones,
+                                                               strict=True)}}
+
+
+def dropout_case(mesh, dim: int) -> dict:
+    """add_norm with dropout on DTensors sharded on `dim`: x = 1 and x1 = 3 everywhere, so
+    new_residual - residual = alpha * (keep_x + 3 keep_x1) / (1 - p) tells both masks. Against
+    one process given those masks (x and x1 pre-scaled, no dropout): values and every
+    gradient; each rank's masks its own (not another rank's), the same again after the same
+    torch.manual_seed."""
+    p, alpha = 0.5, 0.5
+    torch.manual_seed(9)
+    r, w, b = torch.randn(B, T, D), torch.randn(D), torch.randn(D)
+    vec = [Shard(0)] if dim == 2 else [Replicate()]
+    full = [torch.ones(B, T, D), 3 * torch.ones(B, T, D), r, w, b]
+    shards = [distribute_tensor(t, mesh, [Shard(dim)] if t.dim() == 3 else vec).requires_grad_() for t in full]
+
+    def run():
+        return fuseblock.add_norm(shards[0], shards[2], shards[3], shards[4], kind="layer", alpha=alpha,
+                                  x1=shards[1], dropout_p=p)
+
+    torch.manual_seed(10)
+    got, got_res = run()
+    torch.manual_seed(10)
+    again = run()[1].full_tensor()
+    (got.square().sum() + got_res.sum()).backward()
+    v = ((got_res.full_tensor() - r) * (1 - p) / alpha).round()
+    keep_x, keep_x1 = (v == 1) | (v == 4), v >= 3
+    ones = [t.clone().requires_grad_() for t in full]
+    scaled_x, scaled_x1 = ones[0] * keep_x / (1 - p), ones[1] * keep_x1 / (1 - p)
+    out, res = fuseblock.add_norm(scaled_x, ones[2], ones[3], ones[4], kind="layer", alpha=alpha, x1=scaled_x1)
+    (out.square().sum() + res.sum()).backward()
+    mine = keep_x.chunk(2, dim)[dist.get_rank()]
+    other = keep_x.chunk(2, dim)[1 - dist.get_rank()]
+    return {"masks_decoded": bool(((v == 0) | (v == 1) | (v == 3) | (v == 4)).all()),
+            "kept": keep_x.float().mean().item(), "kept_x1": keep_x1.float().mean().item(),
+            "differs_from_other_rank": bool((mine != other).any()),
+            "x_and_x1_masks_differ": bool((keep_x != keep_x1).any()),
+            "reproducible": bool(torch.equal(again, got_res.full_tensor())),
+            "value": rel_diff(got, out), "new_residual": rel_diff(got_res, res),
+            **{n: rel_diff(s.grad, o.grad) for n, s, o in zip(("x", "x1", "residual", "weight", "bias"), shards, ones,
+                                                               strict=True)}}
+
+
+def norm_linear_case(mesh, x_placement, weight_placement) -> dict:
+    """fuseblock.norm_linear (layer norm, a residual, a Linear with a bias) on x placed
+    `x_placement` and the Linear's weight and bias `weight_placement`: y's placement, values
+    and every gradient vs one process."""
+    torch.manual_seed(11)
+    full = [torch.randn(B, T, D), torch.randn(B, T, D), torch.randn(D), torch.randn(D), torch.randn(2 * D, D),
+            torch.randn(2 * D)]
+    ones = [t.clone().requires_grad_() for t in full]
+    places = [[x_placement]] * 2 + [[Replicate()]] * 2 + [[weight_placement]] * 2
+    shards = [distribute_tensor(t, mesh, pl).requires_grad_() for t, pl in zip(full, places, strict=True)]
+    y, res = fuseblock.norm_linear(*ones, kind="layer")
+    (y.square().sum() + res.sum()).backward()
+    with CommDebugMode() as comm:  # the loss, Partial sums added, communicates nothing itself
+        got, got_res = fuseblock.norm_linear(*shards, kind="layer")
+        (got.square().sum() + got_res.sum()).backward()
+    return {"y_placements": str(got.placements), "comm_counts": {str(k): v for k, v in comm.get_comm_counts().items()},
+            "value": rel_diff(got, y), "new_residual": rel_diff(got_res, res),
+            **{n: rel_diff(s.grad, o.grad) for n, s, o in zip(("x", "residual", "norm_weight", "norm_bias",
+                                                                "weight", "bias"), shards, ones, strict=True)}}
 
 
 def gate_case(mesh) -> dict:
@@ -113,18 +200,24 @@ def gate_case(mesh) -> dict:
                                                                strict=True)}}
 
 
-def compile_case(mesh, dim: int) -> dict:
-    """add_norm (layer) on DTensors under torch.compile(fullgraph=True): no graph break,
-    values and every gradient as one process's."""
+def compile_case(mesh, dim: int, fn: str = "add_norm") -> dict:
+    """add_norm (or norm_add_norm, alpha 0.5) of layer norms on DTensors under
+    torch.compile(fullgraph=True): no graph break, values and every gradient as one process's."""
     torch.manual_seed(7)
     x, r, w, b = torch.randn(B, T, D), torch.randn(B, T, D), torch.randn(D), torch.randn(D)
+
+    def call(x, r, w, b):
+        if fn == "add_norm":
+            return fuseblock.add_norm(x, r, w, b, kind="layer")
+        return fuseblock.norm_add_norm(x, r, b, w, w, b, kind="layer", alpha=0.5)
+
     ones = [t.clone().requires_grad_() for t in (x, r, w, b)]
-    out, res = fuseblock.add_norm(*ones, kind="layer")
+    out, res = call(*ones)
     (out.square().sum() + res.sum()).backward()
     vec = [Shard(0)] if dim == 2 else [Replicate()]
     shards = [distribute_tensor(t, mesh, [Shard(dim)] if t.dim() == 3 else vec).requires_grad_() for t in (x, r, w, b)]
     torch._dynamo.reset()
-    got, got_res = torch.compile(lambda *a: fuseblock.add_norm(*a, kind="layer"), fullgraph=True)(*shards)
+    got, got_res = torch.compile(call, fullgraph=True)(*shards)
     (got.square().sum() + got_res.sum()).backward()
     return {"value": rel_diff(got, out), "new_residual": rel_diff(got_res, res),
             **{n: rel_diff(s.grad, o.grad) for n, s, o in zip(("x", "residual", "weight", "bias"), shards, ones,
@@ -157,6 +250,9 @@ def refusals(mesh) -> dict:
     w_rep = distribute_tensor(torch.ones(D), mesh, [Replicate()])
     w_sh = distribute_tensor(torch.ones(D), mesh, [Shard(0)])
     partial = DTensor.from_local(torch.randn(B, T, D), mesh, [Partial()])
+    lin_rep = distribute_tensor(torch.ones(2 * D, D), mesh, [Replicate()])
+    lin_sh = distribute_tensor(torch.ones(2 * D, D), mesh, [Shard(0)])
+    lin_rows = distribute_tensor(torch.ones(2 * D, D), mesh, [Shard(1)])
     torch_style = parallelize_module(fuseblock.AddNorm(D), mesh, TorchSequenceParallel())
     x_local, r_local = torch.randn(B, T // 2, D), torch.randn(B, T // 2, D)
     calls = {
@@ -167,8 +263,14 @@ def refusals(mesh) -> dict:
         "plain_weight": lambda: fuseblock.norm(x, torch.ones(D)),
         "gate_hidden": lambda: fuseblock.norm(xh, w_sh, gate=xh),
         "groups_hidden": lambda: fuseblock.norm(xh, w_sh, num_groups=2),
-        "norm_linear": lambda: fuseblock.norm_linear(x, None, w_rep, None, distribute_tensor(torch.ones(3, D), mesh,
-                                                                                            [Replicate()])),
+        "norm_linear_row_sharded_weight": lambda: fuseblock.norm_linear(x, None, w_rep, None, lin_rows),
+        "norm_linear_hidden": lambda: fuseblock.norm_linear(xh, None, w_sh, None, lin_sh),
+        "norm_linear_bias_placed_otherwise": lambda: fuseblock.norm_linear(x, None, w_rep, None, lin_rep,
+                                                                           distribute_tensor(torch.ones(2 * D), mesh,
+                                                                                             [Shard(0)])),
+        "norm_add_weight_replicated_x_by_hidden": lambda: fuseblock.norm_add(xh, xh, w_rep),
+        "norm_add_norm_partial_x": lambda: fuseblock.norm_add_norm(partial, partial, w_rep, w_rep),
+        "norm_add_norm_plain_residual": lambda: fuseblock.norm_add_norm(x, torch.randn(B, T, D), w_rep, w_rep),
         # torch's style keeps the first input only: the residual must not vanish silently
         "torch_style_positional_residual": lambda: torch_style(x_local, r_local),
     }
@@ -182,25 +284,44 @@ def refusals(mesh) -> dict:
     return found
 
 
-def mlp_stack(seed: int) -> fuseblock.ResidualStack:
+class PrenormMLP(nn.Module):
+    """An MLP that fuses the block's norm into its first Linear (norm.add_linear), as the GPT's."""
+
+    fuses_prenorm = True
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, x, residual, prenorm):
+        h, residual = prenorm.add_linear(x, residual, self.up)
+        return self.down(nn.functional.gelu(h)), residual
+
+
+def mlp_stack(seed: int, prenorm_mlp: bool = False, **shape) -> fuseblock.ResidualStack:
     torch.manual_seed(seed)
-    mixers = [nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D)) for _ in range(2)]
-    return fuseblock.ResidualStack(mixers, D, kind="layer")
+    mixers = [PrenormMLP() if prenorm_mlp else nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+              for _ in range(2)]
+    return fuseblock.ResidualStack(mixers, D, kind="layer", **shape)
 
 
-def stack_case(mesh, style) -> dict:
-    """A torchtitan-style plan on a fused ResidualStack: column/row-parallel MLPs, the norms
-    under `style` (torch's SequenceParallel, or fuseblock's); x is this rank's sequence shard."""
-    one, tp = mlp_stack(3), mlp_stack(3)
+def stack_case(mesh, style, local_blocks: bool = False, **shape) -> dict:
+    """A torchtitan-style plan on a fused ResidualStack (of `shape`: sandwich, post_norm, alpha):
+    column/row-parallel MLPs, the norms under `style` (torch's SequenceParallel, or
+    fuseblock's; the blocks' with use_local_output=local_blocks); x is this rank's sequence shard."""
+    one, tp = mlp_stack(3, **shape), mlp_stack(3, **shape)
     with torch.no_grad():
         for p in one.parameters():  # norms away from ones and zeros: their gradients tell
             p.add_(0.1 * torch.randn(p.shape))
         tp.load_state_dict(one.state_dict())
-    plan = {"norm_f": style()}
-    for i in range(len(tp.blocks)):
-        plan[f"blocks.{i}.norm"] = style()
-        plan[f"blocks.{i}.mixer.0"] = ColwiseParallel(input_layouts=Shard(1))
-        plan[f"blocks.{i}.mixer.2"] = RowwiseParallel(output_layouts=Shard(1))
+    plan = {"norm_f": style()} if tp.norm_f is not None else {}
+    for i, block in enumerate(tp.blocks):
+        for norm in ("norm", "branch_norm"):
+            if getattr(block, norm, None) is not None:
+                plan[f"blocks.{i}.{norm}"] = style(use_local_output=local_blocks)
+        up, down = ("up", "down") if shape.get("prenorm_mlp") else ("0", "2")
+        plan[f"blocks.{i}.mixer.{up}"] = ColwiseParallel(input_layouts=Shard(1))
+        plan[f"blocks.{i}.mixer.{down}"] = RowwiseParallel(output_layouts=Shard(1))
     parallelize_module(tp, mesh, plan)
     torch.manual_seed(4)
     x = torch.randn(B, T, D)
@@ -248,21 +369,32 @@ def main():
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     mine = {"kernel_path": fuseblock.ops.dispatch.uses_triton(torch.empty(1))}
-    for fn in ("norm", "add_norm"):
+    for fn in ("norm", "add_norm", "norm_add", "norm_add_norm"):
         for kind in ("rms", "layer"):
             for dim in (0, 1, 2):
                 mine[f"{fn}_{kind}_shard{dim}"] = op_case(mesh, fn, kind, dim)
+    for dim in (1, 2):
+        mine[f"branch_shard{dim}"] = branch_case(mesh, dim)
+        mine[f"dropout_shard{dim}"] = dropout_case(mesh, dim)
+    mine["norm_linear_rows"] = norm_linear_case(mesh, Shard(1), Replicate())
+    mine["norm_linear_columns"] = norm_linear_case(mesh, Replicate(), Shard(0))
+    mine["norm_linear_sequence"] = norm_linear_case(mesh, Shard(1), Shard(0))
     for dim in (1, 2):  # 5 rows split 3 + 2, 7 columns 4 + 3
         mine[f"add_norm_layer_uneven_shard{dim}"] = op_case(mesh, "add_norm", "layer", dim, (2, 5, 7))
     mine["module_hidden"] = module_case(mesh)
     mine["gate_groups_rows"] = gate_case(mesh)
     mine["compiled_shard1"], mine["compiled_shard2"] = compile_case(mesh, 1), compile_case(mesh, 2)
+    mine["compiled_norm_add_norm_shard2"] = compile_case(mesh, 2, "norm_add_norm")
     mine["refusals"] = refusals(mesh)
     try:  # the stream calls its norms' `add`, which torch's forward hooks never see: refused, not wrong
         mine["stack_torch_style"] = stack_case(mesh, TorchSequenceParallel)
     except TypeError as e:
         mine["stack_torch_style"] = {"error": [type(e).__name__, str(e).splitlines()[0]]}
     mine["stack_fuseblock_style"] = stack_case(mesh, SequenceParallel)
+    mine["stack_sandwich"] = stack_case(mesh, SequenceParallel, sandwich=True, alpha=0.5)
+    mine["stack_prenorm_mlp"] = stack_case(mesh, SequenceParallel, prenorm_mlp=True)
+    # post-norm: the stream is the blocks' output, which the stack checks against its local input
+    mine["stack_post_norm"] = stack_case(mesh, SequenceParallel, local_blocks=True, post_norm=True)
     mine["addnorm_sequence_style"] = addnorm_style_case(mesh, SequenceParallel, 1)
     mine["addnorm_hidden_style"] = addnorm_style_case(mesh, HiddenParallel, 2)
     mine["addnorm_sequence_style_add"] = addnorm_style_case(mesh, SequenceParallel, 1, via_add=True)
