@@ -15,9 +15,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from torch import Tensor
-from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, BaseModelOutputWithPastAndCrossAttentions
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
 
 from .layers import PRE_NORM, SANDWICH, Shape
+from .model import FUSED_MODEL_FORWARD, _model_forward
 
 
 def embed_tokens(base, input_ids: Tensor) -> Tensor:
@@ -59,6 +62,8 @@ class Family:
     rotary: "shared" (one rotary embedding for all layers), "by_layer_type" (Gemma3's, one
         per config.layer_types entry) or None.
     output: the inner model's output class (MoE families return router logits in theirs).
+    model_forward: the inner model's fused forward, bound to it by fuse: model.py's, or a
+        family's own where its model's signature differs (GPT-2's), mapping onto model.py's.
     """
     shape: Shape
     parts: Mapping[str, str] = field(default_factory=lambda: LLAMA_PARTS)
@@ -70,6 +75,7 @@ class Family:
     prepare: Callable = no_change
     rotary: str | None = "shared"
     output: type = BaseModelOutputWithPast
+    model_forward: Callable = FUSED_MODEL_FORWARD
     norms: tuple = field(init=False)
 
     def __deepcopy__(self, memo):  # a copied model shares its family, as its layers' classes do
@@ -85,6 +91,67 @@ class Family:
         object.__setattr__(self, "norms", tuple(r for r in self.parts if r.startswith(("norm_", "post_"))))
 
 
+# ---------------------------------------------------------------- phi3, gpt2
+
+
+def _gpt2_embed(base, input_ids: Tensor) -> Tensor:
+    return base.wte(input_ids)
+
+
+def _gpt2_prepare(base, inputs_embeds: Tensor, position_ids: Tensor) -> Tensor:
+    """GPT-2's absolute position embeddings added to the token embeddings, then its
+    embedding dropout (config.embd_pdrop), as GPT2Model.forward does."""
+    return base.drop(inputs_embeds + base.wpe(position_ids).to(inputs_embeds.device))
+
+
+def _gpt2_model_forward(self, input_ids=None, past_key_values=None, attention_mask=None, token_type_ids=None,
+                        position_ids=None, inputs_embeds=None, encoder_hidden_states=None,
+                        encoder_attention_mask=None, use_cache=None, **kwargs):
+    """GPT2Model.forward's signature (past_key_values second, positionally) on model.py's
+    forward. Token type embeddings and cross-attention inputs are refused: the first would
+    be summed into the stream between the position embeddings and the dropout, the second
+    needs the cross-attention blocks fuse refuses. Like GPT2Model, ids of more than two
+    dims (GPT2DoubleHeadsModel's choices) run as one batch and come back in their shape."""
+    for name, value in (("token_type_ids", token_type_ids), ("encoder_hidden_states", encoder_hidden_states),
+                        ("encoder_attention_mask", encoder_attention_mask)):
+        if value is not None:
+            raise ValueError(f"{type(self).__name__} on the fused stream takes no {name} (fuse does not fuse GPT-2's "
+                             f"token types or cross-attention); call it without {name}, or unfused")
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    if input_ids is not None:
+        shape = input_ids.shape
+        self.warn_if_padding_and_no_attention_mask(input_ids, attention_mask)
+        input_ids = input_ids.view(-1, shape[-1])
+    else:
+        shape = inputs_embeds.shape[:-1]
+    if attention_mask is not None and attention_mask.ndim < 4:
+        attention_mask = attention_mask.view((input_ids if inputs_embeds is None else inputs_embeds).shape[0], -1)
+    out = _model_forward(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
+                         **kwargs)
+    out.last_hidden_state = out.last_hidden_state.view(-1, *shape[1:], out.last_hidden_state.shape[-1])
+    return out
+
+
+# Phi3: Llama's layer with nn.Dropout on each branch before its add (config.resid_pdrop),
+# which the fused add_norm applies (dropout_p) in training. Phi3Model never applies
+# config.embd_pdrop (transformers' forward has no embedding dropout), so neither does the
+# fused forward: reading it means leaving it unused, as the unfused model does.
+_PHI3_DROPOUT = {"attn": "resid_attn_dropout", "mlp": "resid_mlp_dropout"}
+_PHI3 = Family(PRE_NORM, {**LLAMA_PARTS, "attn_drop": "resid_attn_dropout", "mlp_drop": "resid_mlp_dropout"},
+               dropout=_PHI3_DROPOUT, reads=frozenset({"resid_pdrop", "embd_pdrop"}))
+# GPT-2: pre-norm with LayerNorms (bias), Conv1D projections and the residual dropout
+# (config.resid_pdrop) inside its attention and MLP modules, which fuse leaves untouched;
+# learned absolute positions and the embedding dropout (config.embd_pdrop) before layer 0
+# (prepare); no rotary embedding. add_cross_attention (a cross-attention block in each
+# layer) is refused by the check: extra modules, and a block scalar away from neutral.
+_GPT2 = Family(PRE_NORM, {"norm_1": "ln_1", "attn": "attn", "norm_2": "ln_2", "mlp": "mlp"},
+               {"embed": "wte", "layers": "h", "norm": "ln_f", "position": "wpe", "dropout": "drop"},
+               reads=frozenset({"resid_pdrop", "embd_pdrop"}), embed=_gpt2_embed, prepare=_gpt2_prepare,
+               rotary=None, output=BaseModelOutputWithPastAndCrossAttentions,
+               model_forward=merge_with_config_defaults(capture_outputs(_gpt2_model_forward)))
+
+
 _GEMMA2_PARTS = {**LLAMA_PARTS, "post_attn": "post_attention_layernorm", "norm_2": "pre_feedforward_layernorm",
                  "post_mlp": "post_feedforward_layernorm"}
 
@@ -95,5 +162,8 @@ FAMILIES: Mapping[str, Family] = {
     "qwen3": Family(PRE_NORM),
     "gemma": Family(PRE_NORM),
     "gemma2": Family(SANDWICH, _GEMMA2_PARTS),
+    # phi3, gpt2 (issue 25)
+    "phi3": _PHI3,
+    "gpt2": _GPT2,
 }
 SUPPORTED = tuple(FAMILIES)

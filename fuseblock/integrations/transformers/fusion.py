@@ -32,7 +32,6 @@ from ...modules import Norm
 from ...ops.checks import check_float_dtype
 from .check import refusals
 from .families import FAMILIES, SUPPORTED, Family
-from .model import FUSED_MODEL_FORWARD
 from .refused import REFUSED
 
 _FUSED_LAYER_CLASSES: dict[tuple[type, Family], type] = {}
@@ -152,7 +151,7 @@ def fuse(model: PreTrainedModel, *, residual_dtype: torch.dtype | None = None) -
         for layer in layers:
             layer.__class__ = _fused_layer_class(type(layer), family)
         base.fuseblock_family = family
-        base.forward = types.MethodType(FUSED_MODEL_FORWARD, base)
+        base.forward = types.MethodType(family.model_forward, base)
     for layer in layers:
         layer.fuseblock_residual_dtype = residual_dtype
     base.fuseblock_residual_dtype = residual_dtype
