@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from torch import Tensor
-from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, MoeModelOutputWithPast
 
 from .layers import PRE_NORM, SANDWICH, Shape
 
@@ -89,6 +89,14 @@ class Family:
 _GEMMA2_PARTS = {**LLAMA_PARTS, "post_attn": "post_attention_layernorm", "norm_2": "pre_feedforward_layernorm",
                  "post_mlp": "post_feedforward_layernorm"}
 
+
+
+def granite_embeddings(base, inputs_embeds: Tensor, position_ids: Tensor) -> Tensor:
+    """GraniteModel.forward's first p: inputs_embeds * the model's embedding_multiplier (given
+    embeddings too), the product in its order."""
+    return inputs_embeds * base.embedding_multiplier
+
+
 FAMILIES: Mapping[str, Family] = {
     "llama": Family(PRE_NORM),
     "mistral": Family(PRE_NORM),
@@ -96,6 +104,18 @@ FAMILIES: Mapping[str, Family] = {
     "qwen3": Family(PRE_NORM),
     "gemma": Family(PRE_NORM),
     "gemma2": Family(SANDWICH, _GEMMA2_PARTS),
+    # ministral, mixtral, qwen2_moe, qwen3_moe, smollm3, helium, granite: pre-norm under Llama's
+    # names. A MoE block (router, experts, Qwen2-MoE's gated shared expert) is its layer's mlp,
+    # untouched: transformers' hooks on its router record the router logits (output_router_logits).
+    # SmolLM3's NoPE layers and the sliding windows are the attention's and the masks' (model.py).
+    "ministral": Family(PRE_NORM),
+    "mixtral": Family(PRE_NORM, output=MoeModelOutputWithPast),
+    "qwen2_moe": Family(PRE_NORM, output=MoeModelOutputWithPast),
+    "qwen3_moe": Family(PRE_NORM, output=MoeModelOutputWithPast),
+    "smollm3": Family(PRE_NORM),
+    "helium": Family(PRE_NORM),
+    "granite": Family(PRE_NORM, reads=frozenset({"residual_multiplier", "embedding_multiplier"}),
+                      alpha="residual_multiplier", prepare=granite_embeddings),
 }
 SUPPORTED = tuple(FAMILIES)
 
