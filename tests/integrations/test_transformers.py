@@ -372,7 +372,7 @@ def test_compile_fullgraph_forward_and_backward(arch):
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "ministral", "granite", "mixtral"])
 def test_kernel_path_matches_the_unfused_model(arch):
     unfused, fused = pair(arch)
     ids, mask, labels = batch(t=6)
