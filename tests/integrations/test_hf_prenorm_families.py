@@ -83,6 +83,31 @@ def test_router_logits_aux_loss_and_total_loss_match_the_unfused_model(arch, whe
         assert torch.equal(plain.loss, unfused(input_ids=ids, attention_mask=mask, labels=labels).loss)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("arch", MOE)
+def test_router_logits_under_gradient_checkpointing(arch, reentrant):
+    """Checkpointed layers in training: the recomputation records no second set of router
+    logits (the hooks record inside the forward only), on the fused model as on the
+    unfused one: the same count, aux loss, loss and gradients, bitwise."""
+    import warnings
+
+    unfused, fused = pair(arch, layers=3, router_aux_loss_coef=1.0)
+    ids, mask, labels = batch()
+    out = []
+    for model in (unfused, fused):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # 5.23 renames it activation_checkpointing_enable
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.train()
+        o = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+        o.loss.backward()
+        out.append((o, {n: p.grad for n, p in model.named_parameters()}))
+    (a, ga), (b, gb) = out
+    assert len(a.router_logits) == len(b.router_logits) == len(sparse_blocks(unfused))
+    assert torch.equal(a.aux_loss, b.aux_loss) and torch.equal(a.loss, b.loss)
+    assert all(torch.equal(ga[n], gb[n]) for n in ga)
+
+
 def test_qwen2_moe_shared_expert_and_gate_are_the_mlps_own():
     """Qwen2-MoE's shared expert and its sigmoid gate live inside the layer's mlp (fuse leaves
     it whole): the layer holds Llama's four modules and nothing else, the MoE block is the
