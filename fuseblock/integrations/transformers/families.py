@@ -90,7 +90,6 @@ _GEMMA2_PARTS = {**LLAMA_PARTS, "post_attn": "post_attention_layernorm", "norm_2
                  "post_mlp": "post_feedforward_layernorm"}
 
 
-
 def granite_embeddings(base, inputs_embeds: Tensor, position_ids: Tensor) -> Tensor:
     """GraniteModel.forward's first p: inputs_embeds * the model's embedding_multiplier (given
     embeddings too), the product in its order."""
