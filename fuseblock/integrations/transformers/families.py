@@ -15,7 +15,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from torch import Tensor
-from transformers.modeling_outputs import BaseModelOutputWithPast, BaseModelOutputWithPastAndCrossAttentions
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    BaseModelOutputWithPastAndCrossAttentions,
+    MoeModelOutputWithPast,
+)
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
@@ -155,6 +159,13 @@ _GPT2 = Family(PRE_NORM, {"norm_1": "ln_1", "attn": "attn", "norm_2": "ln_2", "m
 _GEMMA2_PARTS = {**LLAMA_PARTS, "post_attn": "post_attention_layernorm", "norm_2": "pre_feedforward_layernorm",
                  "post_mlp": "post_feedforward_layernorm"}
 
+
+def granite_embeddings(base, inputs_embeds: Tensor, position_ids: Tensor) -> Tensor:
+    """GraniteModel.forward's first p: inputs_embeds * the model's embedding_multiplier (given
+    embeddings too), the product in its order."""
+    return inputs_embeds * base.embedding_multiplier
+
+
 FAMILIES: Mapping[str, Family] = {
     "llama": Family(PRE_NORM),
     "mistral": Family(PRE_NORM),
@@ -165,5 +176,17 @@ FAMILIES: Mapping[str, Family] = {
     # phi3, gpt2 (issue 25)
     "phi3": _PHI3,
     "gpt2": _GPT2,
+    # ministral, mixtral, qwen2_moe, qwen3_moe, smollm3, helium, granite: pre-norm under Llama's
+    # names. A MoE block (router, experts, Qwen2-MoE's gated shared expert) is its layer's mlp,
+    # untouched: transformers' hooks on its router record the router logits (output_router_logits).
+    # SmolLM3's NoPE layers and the sliding windows are the attention's and the masks' (model.py).
+    "ministral": Family(PRE_NORM),
+    "mixtral": Family(PRE_NORM, output=MoeModelOutputWithPast),
+    "qwen2_moe": Family(PRE_NORM, output=MoeModelOutputWithPast),
+    "qwen3_moe": Family(PRE_NORM, output=MoeModelOutputWithPast),
+    "smollm3": Family(PRE_NORM),
+    "helium": Family(PRE_NORM),
+    "granite": Family(PRE_NORM, reads=frozenset({"residual_multiplier", "embedding_multiplier"}),
+                      alpha="residual_multiplier", prepare=granite_embeddings),
 }
 SUPPORTED = tuple(FAMILIES)

@@ -30,6 +30,20 @@ TINY: dict[str, dict] = {
     # they compare bitwise; tests/integrations/test_hf_gpt2_phi3.py trains with it)
     "phi3": dict(resid_pdrop=0.1, sliding_window=5),
     "gpt2": dict(n_inner=128, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1),
+    # ministral, mixtral, qwen2_moe, qwen3_moe, smollm3, helium, granite
+    "ministral": dict(head_dim=16, sliding_window=5),  # every layer sliding (layer_types fix the depth)
+    "mixtral": dict(head_dim=16, sliding_window=5, num_local_experts=4, num_experts_per_tok=2),
+    # a sliding layer then a full one; layer 1 a dense MLP, layer 0 experts and the gated shared expert
+    "qwen2_moe": dict(use_sliding_window=True, sliding_window=5, max_window_layers=1, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                      mlp_only_layers=[1]),
+    "qwen3_moe": dict(head_dim=16, use_sliding_window=True, sliding_window=5, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True),
+    # layer 1 without rotary embedding (NoPE) and sliding
+    "smollm3": dict(use_sliding_window=True, sliding_window=5, no_rope_layer_interval=2),
+    "helium": dict(head_dim=16),
+    "granite": dict(residual_multiplier=0.22, embedding_multiplier=12.0, attention_multiplier=0.25,
+                    logits_scaling=4.0),
 }
 
 
