@@ -1,11 +1,14 @@
 """`norm_from`: a fuseblock `Norm` that computes what an existing norm module computes.
 
-Sources: torch's `nn.LayerNorm` and `nn.RMSNorm`, and the Hugging Face `*RMSNorm`
-classes, which are recognised by what they hold and what they compute rather than by
-name: a 1-d `weight`, an eps in `variance_epsilon` or `eps`, and a forward that is
-x / rms(x) * w (Llama, Mistral, Qwen) or x / rms(x) * (1 + w) (Gemma, which stores w
-around 0). The second becomes `weight_offset=1.0` with the stored weight kept as is, so
-checkpoints and state_dict keys do not change.
+Sources: torch's `nn.LayerNorm` and `nn.RMSNorm`, and the Hugging Face norm classes,
+which are recognised by what they hold and what they compute rather than by name: a 1-d
+`weight` (and optionally a `bias` of its size) or no parameters at all and a 1-d
+`normalized_shape`, no submodules, an eps in `variance_epsilon` or `eps` (or none stored:
+then it is solved from the forward), and a forward that is x / rms(x) * w (Llama,
+Mistral, Qwen), x / rms(x) * (1 + w) (Gemma, which stores w around 0), or a LayerNorm
+(x - mean) / std(x) * w + b with or without w and b (Cohere's weight-only one, OLMo's
+parameter-free one). 1 + w becomes `weight_offset=1.0` with the stored weight kept as
+is, so checkpoints and state_dict keys do not change.
 
 The Norm holds the source module's own Parameter objects, not copies: an optimizer
 built before the conversion, and parameters tied to other modules, stay valid.
@@ -22,7 +25,7 @@ from .modules import Norm
 
 # Hugging Face's RMSNorms store eps under either name (LlamaRMSNorm: variance_epsilon, GemmaRMSNorm: eps)
 _EPS_NAMES = ("variance_epsilon", "eps")
-# The weight offsets a Hugging Face RMSNorm is checked for: w (Llama and most) and 1 + w (Gemma)
+# The weight offsets a Hugging Face norm is checked for: w (Llama and most) and 1 + w (Gemma)
 _OFFSETS = (0.0, 1.0)
 
 
@@ -30,7 +33,8 @@ def norm_from(module: nn.Module) -> Norm:
     """A fuseblock Norm computing what `module` computes, sharing its parameters.
 
     Supported: nn.LayerNorm and nn.RMSNorm over one (the last) dim, and Hugging Face
-    style RMSNorms (see the module docstring). Anything else is a TypeError naming it.
+    style RMSNorms and LayerNorms (see the module docstring). Anything else is a TypeError
+    naming it.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"norm_from needs an nn.Module, got {type(module).__name__}")
@@ -38,13 +42,35 @@ def norm_from(module: nn.Module) -> Norm:
         return _shared(module, "layer", module.normalized_shape, module.eps, 0.0)
     if isinstance(module, nn.RMSNorm):
         return _shared(module, "rms", module.normalized_shape, module.eps, 0.0)
-    weight, eps = getattr(module, "weight", None), _hf_eps(module)
-    if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or eps is None \
-            or getattr(module, "bias", None) is not None:
+    d = _hf_dim(module)
+    if d is None:
         raise TypeError(
             f"norm_from: unsupported module {type(module).__name__}: expected nn.LayerNorm, nn.RMSNorm or a "
-            f"Hugging Face style RMSNorm (a 1-d `weight` Parameter, no bias, eps in `variance_epsilon` or `eps`)")
-    return _shared(module, "rms", weight.shape[0], eps, _weight_offset(module, weight, eps))
+            f"Hugging Face style RMSNorm or LayerNorm (a 1-d `weight` Parameter, optionally a `bias` of its size, "
+            f"or no parameters and a 1-d `normalized_shape`; no submodules)")
+    kind, offset, eps = _probe(module, d, _hf_eps(module))
+    return _shared(module, kind, d, eps, offset)
+
+
+def _hf_dim(module: nn.Module) -> int | None:
+    """The normalized width of a module shaped like a Hugging Face norm: what it holds is a
+    1-d `weight` Parameter and optionally a `bias` of its shape (Llama's RMSNorm, Cohere's
+    LayerNorm), or nothing and a 1-d `normalized_shape` (OLMo's LayerNorm); None for
+    anything else (other parameters, submodules)."""
+    if next(module.children(), None) is not None:
+        return None
+    params = dict(module.named_parameters(recurse=False))
+    weight, bias = params.pop("weight", None), params.pop("bias", None)
+    if params or (weight is None and bias is not None):
+        return None
+    if weight is None:
+        shape = getattr(module, "normalized_shape", None)
+        shape = (shape,) if isinstance(shape, int) else shape
+        ok = isinstance(shape, (tuple, list)) and len(shape) == 1 and isinstance(shape[0], int) and shape[0] > 0
+        return int(shape[0]) if ok else None
+    if weight.dim() != 1 or (bias is not None and bias.shape != weight.shape):
+        return None
+    return weight.shape[0]
 
 
 def _hf_eps(module: nn.Module) -> float | None:
@@ -55,35 +81,63 @@ def _hf_eps(module: nn.Module) -> float | None:
     return None
 
 
-def _weight_offset(module: nn.Module, weight: nn.Parameter, eps: float) -> float:
-    """Which of x/rms(x) * (offset + w) the module computes, found by running its forward
-    on CPU with a known weight (torch.func.functional_call: the module's own weight is
-    neither read nor copied, so a weight on a GPU or the meta device is fine). The probe
-    runs under torch.device("cpu"), so that inside a `with torch.device("meta")` block
-    (where from_pretrained builds models) neither the probe nor any tensor the forward
-    makes is meta. One row is small enough that eps matters, so a misread eps fails the
-    check too."""
-    d = weight.shape[0]
+def _probe(module: nn.Module, d: int, eps: float | None) -> tuple[str, float, float]:
+    """(kind, weight_offset, eps) of the function the module computes: found by running its
+    forward on CPU with a known weight and bias (torch.func.functional_call: the module's
+    own parameters are neither read nor copied, so parameters on a GPU or the meta device
+    are fine) and comparing it with N(x) * (offset + w) + b for each kind (RMS, Layer) and
+    offset (`_OFFSETS`). The probe runs under torch.device("cpu"), so that inside a `with
+    torch.device("meta")` block (where from_pretrained builds models) neither the probe
+    nor any tensor the forward makes is meta. One row is small enough that eps matters, so
+    a misread eps fails the check too. An eps the module does not store (OLMo's LayerNorm
+    writes 1e-5 in its forward) is solved from that row and rounded to 3 digits; the
+    comparison then checks it on every row."""
     with torch.device("cpu"):
         gen = torch.Generator().manual_seed(0)
-        x = torch.randn(2, d, generator=gen, dtype=torch.float32)
+        x = torch.randn(3, d, generator=gen, dtype=torch.float32) + 0.5  # a mean away from 0 tells Layer from RMS
         x[1] *= 1e-3  # mean(x^2) ~ 1e-6: comparable to the usual eps
-        w = torch.rand(d, generator=gen, dtype=torch.float32) + 0.5
+        params = {name: torch.rand(d, generator=gen, dtype=torch.float32) + 0.5
+                  for name, _ in module.named_parameters(recurse=False)}
         try:
             with torch.no_grad():
-                out = torch.func.functional_call(module, {"weight": w}, (x,))
+                out = torch.func.functional_call(module, params, (x,))
         # what a forward raises on an input or weight it does not take: not a module this
         # converter understands (anything else, an interrupt or torch's own control flow, passes)
         except (RuntimeError, TypeError, ValueError, AttributeError, IndexError, KeyError) as e:
             raise TypeError(f"norm_from: unsupported module {type(module).__name__}: its forward failed on a probe "
                             f"input ({type(e).__name__}: {e})") from e
-        base = F.rms_norm(x, (d,), None, eps)
-    for offset in _OFFSETS:
-        if isinstance(out, torch.Tensor) and out.shape == x.shape and \
-                torch.allclose(out.float(), base * (offset + w), rtol=1e-4, atol=1e-5):
-            return offset
-    raise TypeError(f"norm_from: unsupported module {type(module).__name__}: its forward is neither "
-                    f"x/rms(x) * w nor x/rms(x) * (1 + w) with eps={eps}")
+        if not isinstance(out, torch.Tensor) or out.shape != x.shape:
+            raise TypeError(f"norm_from: unsupported module {type(module).__name__}: its forward does not return "
+                            f"a tensor of its input's shape")
+        out = out.float()
+        w, b = params.get("weight"), params.get("bias")
+        for kind in ("rms", "layer"):
+            for offset in _OFFSETS if w is not None else (0.0,):
+                scale = 1.0 if w is None else offset + w
+                shift = 0.0 if b is None else b
+                e = eps if eps is not None else _solve_eps(x[1], (out[1] - shift) / scale, kind)
+                if e is None:
+                    continue
+                fn = F.layer_norm if kind == "layer" else F.rms_norm
+                if torch.allclose(out, fn(x, (d,), None, eps=e) * scale + shift, rtol=1e-4, atol=1e-5):
+                    return kind, offset, e
+    terms = "x/rms(x) * w, x/rms(x) * (1 + w), (x - mean)/std(x) * w (each + b where it has a bias)"
+    raise TypeError(f"norm_from: unsupported module {type(module).__name__}: its forward is neither of "
+                    f"{terms}" + (f" with eps={eps}" if eps is not None else " for any eps"))
+
+
+def _solve_eps(x: torch.Tensor, z: torch.Tensor, kind: str) -> float | None:
+    """The eps for which z = c / sqrt(mean(c^2) + eps), c = x centred for a LayerNorm: c = s z
+    in least squares gives s^2 = mean(c^2) + eps. Rounded to 3 significant digits (eps is a
+    written constant: 1e-5 comes back exactly); None where no eps >= 0 fits."""
+    c = x.double() - x.double().mean() if kind == "layer" else x.double()
+    z = z.double()
+    zz = (z * z).sum()
+    if not torch.isfinite(zz) or zz == 0:
+        return None
+    eps = ((c * z).sum() / zz) ** 2 - (c * c).mean()
+    eps = float(f"{eps.item():.2e}")
+    return max(eps, 0.0) if eps > -1e-9 else None
 
 
 def _shared(module: nn.Module, kind: str, normalized_shape, eps, weight_offset: float) -> Norm:
