@@ -19,7 +19,9 @@ T = 12  # sequence length
 def make(arch, *, layers=LAYERS, seed=0, **overrides):
     """The unfused model with random weights (fuseblock's tiny config of the family): every
     norm weight perturbed too (transformers initializes them to the identity), so a
-    misplaced or missing norm shows."""
+    misplaced or missing norm shows. In eval mode: the tiny configs set their dropouts
+    above 0, and the comparisons of fused and unfused models are of one function (tests
+    of training mode call .train() and compare statistics, or zero the dropouts)."""
     config = tiny_config(arch, num_hidden_layers=layers, **overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
@@ -27,7 +29,7 @@ def make(arch, *, layers=LAYERS, seed=0, **overrides):
         for p in model.parameters():
             if p.dim() == 1:
                 p.add_(0.3 * torch.randn_like(p))
-    return model
+    return model.eval()
 
 
 def pair(arch, **kw):

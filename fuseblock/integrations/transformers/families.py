@@ -15,10 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import torch.nn.functional as F
 from torch import Tensor
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from .layers import PRE_NORM, SANDWICH, Shape
+from .layers import PARALLEL, PARALLEL_RESIDUAL_FIRST, PRE_NORM, SANDWICH, Shape
 
 
 def embed_tokens(base, input_ids: Tensor) -> Tensor:
@@ -60,6 +61,10 @@ class Family:
     rotary: "shared" (one rotary embedding for all layers), "by_layer_type" (Gemma3's, one
         per config.layer_types entry) or None.
     output: the inner model's output class (MoE families return router logits in theirs).
+    cache_keyword: the keyword under which the decoder layers (and their attention) take
+        the KV cache: "past_key_values", GPT-NeoX's "layer_past".
+    variant: config -> the entry a model of that config takes, where a config flag changes
+        the layout (GPT-NeoX's and StableLM's use_parallel_residual pick their shape), or None.
     """
     shape: Shape
     parts: Mapping[str, str] = field(default_factory=lambda: LLAMA_PARTS)
@@ -71,6 +76,8 @@ class Family:
     prepare: Callable = no_change
     rotary: str | None = "shared"
     output: type = BaseModelOutputWithPast
+    cache_keyword: str = "past_key_values"
+    variant: Callable | None = None
     norms: tuple = field(init=False)
 
     def __deepcopy__(self, memo):  # a copied model shares its family, as its layers' classes do
@@ -97,6 +104,69 @@ FAMILIES: Mapping[str, Family] = {
     "gemma": Family(PRE_NORM),
     "gemma2": Family(SANDWICH, _GEMMA2_PARTS),
 }
+
+# olmo, stablelm, starcoder2, gpt_neox, cohere, phi: LayerNorms (with bias, weight only,
+# none), parallel branches, dropout modules and model-level embedding dropout
+
+
+def _embed_in(base, input_ids: Tensor) -> Tensor:
+    """GPT-NeoX's token embeddings (its `embed_in`)."""
+    return base.embed_in(input_ids)
+
+
+def _emb_dropout(base, inputs_embeds: Tensor, position_ids: Tensor) -> Tensor:
+    """GPT-NeoX's embedding dropout module (its own training flag)."""
+    return base.emb_dropout(inputs_embeds)
+
+
+def _embed_dropout(base, inputs_embeds: Tensor, position_ids: Tensor) -> Tensor:
+    """Phi's embedding dropout module."""
+    return base.embed_dropout(inputs_embeds)
+
+
+def _embedding_dropout(base, inputs_embeds: Tensor, position_ids: Tensor) -> Tensor:
+    """Starcoder2's embedding dropout: a probability the model holds, applied with its training flag."""
+    return F.dropout(inputs_embeds, p=base.embedding_dropout, training=base.training)
+
+
+def _by_parallel_residual(variants: Mapping[bool, Family]) -> Callable:
+    return lambda config: variants[bool(config.use_parallel_residual)]
+
+
+_NEOX_DROPOUT = {"attn": "post_attention_dropout", "mlp": "post_mlp_dropout"}
+_NEOX = dict(parts={"norm_1": "input_layernorm", "attn": "attention", "norm_2": "post_attention_layernorm",
+                    "mlp": "mlp", "attn_drop": "post_attention_dropout", "mlp_drop": "post_mlp_dropout"},
+             model_parts={"embed": "embed_in", "layers": "layers", "norm": "final_layer_norm",
+                          "rotary": "rotary_emb", "embed_dropout": "emb_dropout"},
+             reads=frozenset({"hidden_dropout", "use_parallel_residual"}), dropout=_NEOX_DROPOUT, embed=_embed_in,
+             prepare=_emb_dropout, cache_keyword="layer_past")
+_GPT_NEOX: dict[bool, Family] = {}
+_GPT_NEOX.update({True: Family(PARALLEL, **_NEOX, variant=_by_parallel_residual(_GPT_NEOX)),
+                  False: Family(PRE_NORM, **_NEOX, variant=_by_parallel_residual(_GPT_NEOX))})
+# StableLM drops its MLP's output alone (hidden_dropout); its parallel layers have one norm
+_STABLELM = dict(reads=frozenset({"hidden_dropout", "use_parallel_residual"}), dropout={"mlp": "dropout"})
+_STABLELM_LAYERS: dict[bool, Family] = {}
+_STABLELM_LAYERS.update({
+    True: Family(PARALLEL_RESIDUAL_FIRST, {"norm_1": "input_layernorm", "attn": "self_attn", "mlp": "mlp",
+                                           "mlp_drop": "dropout"},
+                 **_STABLELM, variant=_by_parallel_residual(_STABLELM_LAYERS)),
+    False: Family(PRE_NORM, {**LLAMA_PARTS, "mlp_drop": "dropout"}, **_STABLELM,
+                  variant=_by_parallel_residual(_STABLELM_LAYERS)),
+})
+FAMILIES.update({
+    "olmo": Family(PRE_NORM),
+    "stablelm": _STABLELM_LAYERS[False],
+    # residual_dropout acts inside its attention and MLP, which fuse leaves as they are
+    "starcoder2": Family(PRE_NORM, reads=frozenset({"residual_dropout", "embedding_dropout"}),
+                         prepare=_embedding_dropout),
+    "gpt_neox": _GPT_NEOX[True],
+    "cohere": Family(PARALLEL_RESIDUAL_FIRST, {"norm_1": "input_layernorm", "attn": "self_attn", "mlp": "mlp"}),
+    "phi": Family(PARALLEL, {"norm_1": "input_layernorm", "attn": "self_attn", "mlp": "mlp", "drop": "resid_dropout"},
+                  {**LLAMA_MODEL, "norm": "final_layernorm", "embed_dropout": "embed_dropout"},
+                  reads=frozenset({"resid_pdrop", "embd_pdrop"}),
+                  dropout={"attn": "resid_dropout", "mlp": "resid_dropout"}, prepare=_embed_dropout),
+})
+
 SUPPORTED = tuple(FAMILIES)
 
 # Families fuse knows and refuses: model_type -> why. Every other causal LM is refused as

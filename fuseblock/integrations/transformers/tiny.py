@@ -26,6 +26,14 @@ TINY: dict[str, dict] = {
     "qwen3": dict(head_dim=16),  # q_norm / k_norm
     "gemma": dict(head_dim=16),
     "gemma2": dict(head_dim=16, sliding_window=5, query_pre_attn_scalar=16),
+    # olmo, stablelm, starcoder2, gpt_neox, cohere, phi: every dropout the fused forward
+    # reads at 0.1 (training tests; eval ignores it); the flag's other setting in tests
+    "olmo": dict(clip_qkv=8.0),
+    "stablelm": dict(hidden_dropout=0.1, qk_layernorm=True),  # per-head LayerNorms inside the attention
+    "starcoder2": dict(residual_dropout=0.1, embedding_dropout=0.1, sliding_window=5),
+    "gpt_neox": dict(hidden_dropout=0.1, rotary_pct=0.5),
+    "cohere": dict(),
+    "phi": dict(resid_pdrop=0.1, embd_pdrop=0.1),
 }
 
 
