@@ -65,6 +65,8 @@ class Family:
         the KV cache: "past_key_values", GPT-NeoX's "layer_past".
     variant: config -> the entry a model of that config takes, where a config flag changes
         the layout (GPT-NeoX's and StableLM's use_parallel_residual pick their shape), or None.
+    requires: config key -> the value this entry's forward computes with (each variant's
+        use_parallel_residual): the check refuses any other value.
     """
     shape: Shape
     parts: Mapping[str, str] = field(default_factory=lambda: LLAMA_PARTS)
@@ -78,6 +80,7 @@ class Family:
     output: type = BaseModelOutputWithPast
     cache_keyword: str = "past_key_values"
     variant: Callable | None = None
+    requires: Mapping[str, object] = field(default_factory=dict)
     norms: tuple = field(init=False)
 
     def __deepcopy__(self, memo):  # a copied model shares its family, as its layers' classes do
@@ -138,21 +141,20 @@ _NEOX = dict(parts={"norm_1": "input_layernorm", "attn": "attention", "norm_2": 
                     "mlp": "mlp", "attn_drop": "post_attention_dropout", "mlp_drop": "post_mlp_dropout"},
              model_parts={"embed": "embed_in", "layers": "layers", "norm": "final_layer_norm",
                           "rotary": "rotary_emb", "embed_dropout": "emb_dropout"},
-             reads=frozenset({"hidden_dropout", "use_parallel_residual"}), dropout=_NEOX_DROPOUT, embed=_embed_in,
+             reads=frozenset({"hidden_dropout"}), dropout=_NEOX_DROPOUT, embed=_embed_in,
              prepare=_emb_dropout, cache_keyword="layer_past")
 _GPT_NEOX: dict[bool, Family] = {}
-_GPT_NEOX.update({True: Family(PARALLEL, **_NEOX, variant=_by_parallel_residual(_GPT_NEOX)),
-                  False: Family(PRE_NORM, **_NEOX, variant=_by_parallel_residual(_GPT_NEOX))})
+_GPT_NEOX.update({flag: Family(PARALLEL if flag else PRE_NORM, **_NEOX, variant=_by_parallel_residual(_GPT_NEOX),
+                               requires={"use_parallel_residual": flag}) for flag in (True, False)})
 # StableLM drops its MLP's output alone (hidden_dropout); its parallel layers have one norm
-_STABLELM = dict(reads=frozenset({"hidden_dropout", "use_parallel_residual"}), dropout={"mlp": "dropout"})
 _STABLELM_LAYERS: dict[bool, Family] = {}
 _STABLELM_LAYERS.update({
-    True: Family(PARALLEL_RESIDUAL_FIRST, {"norm_1": "input_layernorm", "attn": "self_attn", "mlp": "mlp",
-                                           "mlp_drop": "dropout"},
-                 **_STABLELM, variant=_by_parallel_residual(_STABLELM_LAYERS)),
-    False: Family(PRE_NORM, {**LLAMA_PARTS, "mlp_drop": "dropout"}, **_STABLELM,
-                  variant=_by_parallel_residual(_STABLELM_LAYERS)),
-})
+    flag: Family(PARALLEL_RESIDUAL_FIRST if flag else PRE_NORM,
+                 {"norm_1": "input_layernorm", "attn": "self_attn", "mlp": "mlp", "mlp_drop": "dropout"} if flag
+                 else {**LLAMA_PARTS, "mlp_drop": "dropout"},
+                 reads=frozenset({"hidden_dropout"}), dropout={"mlp": "dropout"},
+                 variant=_by_parallel_residual(_STABLELM_LAYERS), requires={"use_parallel_residual": flag})
+    for flag in (True, False)})
 FAMILIES.update({
     "olmo": Family(PRE_NORM),
     "stablelm": _STABLELM_LAYERS[False],

@@ -185,8 +185,8 @@ def _parallel(self, hidden_states: Tensor, residual: Tensor | None = None, hidde
     enter = self.fuseblock_family.shape.enter
     normed, residual = enter(self, hidden_states, residual, module(self, "norm_1"), rdtype, hidden_1)
     attn = module(self, "attn")(hidden_states=normed, **kwargs)[0]
-    if "norm_2" in self.fuseblock_family.parts:
-        normed = module(self, "norm_2")(residual)
+    if "norm_2" in self.fuseblock_family.parts:  # in the activations' dtype, as norm_1's (an fp32 stream's is fp32)
+        normed = module(self, "norm_2")(residual).to(normed.dtype)
     hidden = module(self, "mlp")(normed)
     drops = self.fuseblock_family.dropout
     if drops and self.training and not _shared_dropout(self):  # the add cannot drop them: the layer's own modules do
