@@ -36,6 +36,8 @@ def test_both_parallel_residual_settings_are_bitwise_the_unfused_model(arch, par
     unfused, fused = pair(arch, use_parallel_residual=parallel)
     family = fused.base_model.fuseblock_family
     assert family.shape.name == ("parallel" if parallel else "pre-norm")
+    if arch == "stablelm":  # its per-head LayerNorms inside the attention stay as they are
+        assert type(_layers(fused)[0].self_attn.q_layernorm.norms[0]) is torch.nn.LayerNorm
     assert family.requires == {"use_parallel_residual": parallel}
     ids, mask, labels = batch()
     a, b = run(unfused, ids, mask, labels), run(fused, ids, mask, labels)
@@ -232,6 +234,30 @@ def test_the_fused_add_drops_each_branch_with_p_independently(arch, overrides, m
     if seen[0][1] is not None:
         assert abs(frac[:, 0].sum() - p) < 5 * sd, frac  # x1 dropped
         assert abs(frac[0, 0] - p * p) < 5 * math.sqrt(p * p * (1 - p * p) / n), frac  # both: independent
+
+
+@pytest.mark.parametrize("arch", ["stablelm", "gpt_neox"])
+def test_branch_dropouts_the_add_cannot_share_are_the_layers_own_exactly(arch):
+    """add_norm takes one dropout_p for x and x1. StableLM's parallel layer drops its MLP's
+    output alone, and a GPT-NeoX whose two branch dropouts differ (0.1 and 0.2) cannot share
+    one: the fused layer applies its own dropout modules, in the unfused layer's order of
+    random draws, so training mode is bitwise the unfused model under one seed, hidden
+    states included."""
+    unfused, fused = pair(arch, use_parallel_residual=True)
+    if arch == "gpt_neox":
+        for model in (unfused, fused):
+            for layer in _layers(model):
+                layer.post_mlp_dropout.p = 0.2
+    unfused.train(), fused.train()
+    ids, mask, labels = batch()
+    torch.manual_seed(3)
+    a = run(unfused, ids, mask, labels)
+    torch.manual_seed(3)
+    b = run(fused, ids, mask, labels)
+    assert not torch.equal(a[0], run(unfused.eval(), ids, mask, labels)[0])  # dropout acted
+    assert torch.equal(b[0], a[0]) and torch.equal(b[1], a[1])
+    assert all(torch.equal(b[2][n], a[2][n]) for n in a[2])
+    assert all(torch.equal(x, y) for x, y in zip(b[3], a[3], strict=True))
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
