@@ -20,7 +20,9 @@ def make(arch, *, layers=LAYERS, seed=0, **overrides):
     """The unfused model with random weights (fuseblock's tiny config of the family): every
     norm weight perturbed too (transformers initializes them to the identity), so a
     misplaced or missing norm shows. In eval mode, as from_pretrained gives it: the tiny
-    configs drop branches (phi3, gpt2), and a fused op draws its masks its own way."""
+    configs set their dropouts above 0, and the comparisons of fused and unfused models are
+    of one function (tests of training mode call .train() and compare statistics, or zero
+    the dropouts)."""
     config = tiny_config(arch, num_hidden_layers=layers, **overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)

@@ -49,6 +49,38 @@ class GemmaNamedRMSNorm(LlamaStyleRMSNorm):
     """Named like Gemma's, computing Llama's: found by what it computes, not its name."""
 
 
+class Centered(LlamaStyleRMSNorm):
+    """Llama's RMSNorm of the centred input: a LayerNorm with a weight and no bias (Cohere's)."""
+
+    def forward(self, x):
+        return super().forward(x - x.mean(-1, keepdim=True))
+
+
+class BiasLayerNorm(nn.Module):
+    """A LayerNorm with weight and bias written out in fp32, eps under `eps`."""
+
+    def __init__(self, d, eps=1e-5):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.ones(d)), nn.Parameter(torch.zeros(d))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.float()
+        h = (h - h.mean(-1, keepdim=True)) * torch.rsqrt(h.var(-1, unbiased=False, keepdim=True) + self.eps)
+        return (h * self.weight.float() + self.bias.float()).to(x.dtype)
+
+
+class BareLayerNorm(nn.Module):
+    """OLMo's form: no parameters, eps written in the forward and stored nowhere."""
+
+    def __init__(self, d, eps=1e-5):
+        super().__init__()
+        self.normalized_shape, self._e = (d,), eps
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x.float(), self.normalized_shape, None, None, self._e).to(x.dtype)
+
+
 def _sources():
     out = {
         "nn.RMSNorm": lambda: nn.RMSNorm(D),
@@ -60,6 +92,10 @@ def _sources():
         "llama-style": lambda: LlamaStyleRMSNorm(D, eps=1e-5),
         "offset": lambda: OffsetNorm(D),
         "gemma-named": lambda: GemmaNamedRMSNorm(D),
+        "centered": lambda: Centered(D),
+        "layer-norm-bias": lambda: BiasLayerNorm(D, eps=1e-4),
+        "layer-norm-bare": lambda: BareLayerNorm(D),
+        "layer-norm-bare eps": lambda: BareLayerNorm(D, eps=1e-6),
     }
     try:
         from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
@@ -69,11 +105,19 @@ def _sources():
         return out
     out.update({"LlamaRMSNorm": lambda: LlamaRMSNorm(D, eps=1e-5), "Qwen3RMSNorm": lambda: Qwen3RMSNorm(D),
                 "GemmaRMSNorm": lambda: GemmaRMSNorm(D)})
+    try:
+        from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+        from transformers.models.olmo.modeling_olmo import OlmoLayerNorm
+    except ImportError:
+        return out
+    out.update({"CohereLayerNorm": lambda: CohereLayerNorm(D, eps=1e-5), "OlmoLayerNorm": lambda: OlmoLayerNorm(D)})
     return out
 
 
 SOURCES = _sources()
 OFFSET = {"offset": 1.0, "GemmaRMSNorm": 1.0}
+LAYER = {"nn.LayerNorm", "nn.LayerNorm no bias", "nn.LayerNorm no affine", "centered", "layer-norm-bias",
+         "layer-norm-bare", "layer-norm-bare eps", "CohereLayerNorm", "OlmoLayerNorm"}
 
 
 @pytest.mark.kernel
@@ -83,6 +127,7 @@ def test_values_and_gradients_equal_the_source_modules_own(name, dtype):
     source = _randomize(SOURCES[name]()).to(dtype)
     norm = norm_from(source)
     assert isinstance(norm, Norm) and norm.weight_offset == OFFSET.get(name, 0.0)
+    assert norm.kind == ("layer" if name in LAYER else "rms")
     x = torch.randn(3, 5, D, dtype=dtype) * 3
     x[0, 0] *= 1e-3  # a row whose size is near sqrt(eps): eps matters
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -116,6 +161,18 @@ def test_eps_is_read_from_each_place():
     assert norm_from(LlamaStyleRMSNorm(D, eps=1e-5)).eps == 1e-5
     assert norm_from(OffsetNorm(D, eps=1e-4)).eps == 1e-4
     assert norm_from(nn.LayerNorm(D)).kind == "layer" and norm_from(nn.RMSNorm(D)).kind == "rms"
+    assert norm_from(BiasLayerNorm(D, eps=1e-4)).eps == 1e-4
+    # stored nowhere: solved from the probe, exactly the written constant
+    assert norm_from(BareLayerNorm(D)).eps == 1e-5 and norm_from(BareLayerNorm(D, eps=3e-6)).eps == 3e-6
+
+
+def test_a_parameter_free_norm_converts_exactly():
+    """OLMo's LayerNorm (F.layer_norm in fp32, cast back): the converted Norm runs the same
+    op, so its fp32 output is bitwise the source's; it holds no parameters."""
+    source, x = BareLayerNorm(D), torch.randn(4, D) * 3 + 1
+    norm = norm_from(source)
+    assert norm.weight is None and norm.bias is None and list(norm.parameters()) == []
+    assert torch.equal(norm(x), source(x))
 
 
 def test_device_and_dtype_follow_the_source_meta_included():
@@ -141,9 +198,39 @@ class Scaled(LlamaStyleRMSNorm):
         return 2 * super().forward(x)
 
 
-class Centered(LlamaStyleRMSNorm):
+class Shifted(LlamaStyleRMSNorm):
+    """Llama's RMSNorm plus 1: a bias it does not hold."""
+
     def forward(self, x):
-        return super().forward(x - x.mean(-1, keepdim=True))
+        return super().forward(x) + 1
+
+
+class MeanOnly(nn.Module):
+    """Parameter-free, centres without scaling: no eps makes it a LayerNorm."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.normalized_shape = (d,)
+
+    def forward(self, x):
+        return x - x.mean(-1, keepdim=True)
+
+
+class HoldsMore(LlamaStyleRMSNorm):
+    """An RMSNorm holding a parameter besides its weight (and ignoring it): not a norm by what it holds."""
+
+    def __init__(self, d):
+        super().__init__(d)
+        self.gain = nn.Parameter(torch.ones(1))
+
+
+class BiasOnly(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.bias, self.eps = nn.Parameter(torch.zeros(d)), 1e-5
+
+    def forward(self, x):
+        return x + self.bias
 
 
 class Broken(LlamaStyleRMSNorm):
@@ -165,6 +252,11 @@ class WrongEps(LlamaStyleRMSNorm):
     (nn.GroupNorm(2, 4), "GroupNorm"),
     (nn.LayerNorm((4, 8)), "LayerNorm.*last dim"),
     (Scaled(D), "Scaled.*neither"),
+    (Shifted(D), "Shifted.*neither"),
+    (MeanOnly(D), "MeanOnly.*neither"),
+    (HoldsMore(D), "HoldsMore.*no submodules"),
+    (BiasOnly(D), "BiasOnly.*no submodules"),
+    (nn.Sequential(nn.LayerNorm(D)), "Sequential.*no submodules"),
     (WrongEps(D), "WrongEps.*neither"),
     (Broken(D), "Broken.*forward failed"),
     ("RMSNorm", "str"),

@@ -71,6 +71,8 @@ def refusals(base: nn.Module, family: Family) -> list[str]:
             found.append(f"{name} is no norm fuseblock computes ({e})")
             break
     found += _same_across_layers(layers, family)
+    found += [f"config.{key} = {getattr(base.config, key, None)!r}, where its fused forward ({family.shape.name}) "
+              f"takes {value!r}" for key, value in family.requires.items() if getattr(base.config, key, None) != value]
     found += _unread_scalars(base.config, family)
     return found
 
@@ -102,6 +104,7 @@ def _unread_scalars(config, family: Family) -> list[str]:
     fuse does not touch, with a value that changes the block."""
     found = []
     for key, value in sorted(config.to_dict().items()):
-        if _BLOCK_SCALAR.search(key) and key not in _INSIDE and key not in family.reads and not _neutral(value):
+        if (_BLOCK_SCALAR.search(key) and key not in _INSIDE and key not in family.reads and key not in family.requires
+                and not _neutral(value)):
             found.append(f"config.{key} = {value!r}, which its fused forward does not read")
     return found

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import torch.nn.functional as F
 from torch import Tensor
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
@@ -23,7 +24,7 @@ from transformers.modeling_outputs import (
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .layers import PRE_NORM, SANDWICH, Shape
+from .layers import PARALLEL, PARALLEL_RESIDUAL_FIRST, PRE_NORM, SANDWICH, Shape
 from .model import FUSED_MODEL_FORWARD, _model_forward
 
 
@@ -68,6 +69,12 @@ class Family:
     output: the inner model's output class (MoE families return router logits in theirs).
     model_forward: the inner model's fused forward, bound to it by fuse: model.py's, or a
         family's own where its model's signature differs (GPT-2's), mapping onto model.py's.
+    cache_keyword: the keyword under which the decoder layers (and their attention) take
+        the KV cache: "past_key_values", GPT-NeoX's "layer_past".
+    variant: config -> the entry a model of that config takes, where a config flag changes
+        the layout (GPT-NeoX's and StableLM's use_parallel_residual pick their shape), or None.
+    requires: config key -> the value this entry's forward computes with (each variant's
+        use_parallel_residual): the check refuses any other value.
     """
     shape: Shape
     parts: Mapping[str, str] = field(default_factory=lambda: LLAMA_PARTS)
@@ -80,6 +87,9 @@ class Family:
     rotary: str | None = "shared"
     output: type = BaseModelOutputWithPast
     model_forward: Callable = FUSED_MODEL_FORWARD
+    cache_keyword: str = "past_key_values"
+    variant: Callable | None = None
+    requires: Mapping[str, object] = field(default_factory=dict)
     norms: tuple = field(init=False)
 
     def __deepcopy__(self, memo):  # a copied model shares its family, as its layers' classes do
@@ -189,4 +199,66 @@ FAMILIES: Mapping[str, Family] = {
     "granite": Family(PRE_NORM, reads=frozenset({"residual_multiplier", "embedding_multiplier"}),
                       alpha="residual_multiplier", prepare=granite_embeddings),
 }
+
+# olmo, stablelm, starcoder2, gpt_neox, cohere, phi: LayerNorms (with bias, weight only,
+# none), parallel branches, dropout modules and model-level embedding dropout
+
+
+def _embed_in(base, input_ids: Tensor) -> Tensor:
+    """GPT-NeoX's token embeddings (its `embed_in`)."""
+    return base.embed_in(input_ids)
+
+
+def _emb_dropout(base, inputs_embeds: Tensor, position_ids: Tensor) -> Tensor:
+    """GPT-NeoX's embedding dropout module (its own training flag)."""
+    return base.emb_dropout(inputs_embeds)
+
+
+def _embed_dropout(base, inputs_embeds: Tensor, position_ids: Tensor) -> Tensor:
+    """Phi's embedding dropout module."""
+    return base.embed_dropout(inputs_embeds)
+
+
+def _embedding_dropout(base, inputs_embeds: Tensor, position_ids: Tensor) -> Tensor:
+    """Starcoder2's embedding dropout: a probability the model holds, applied with its training flag."""
+    return F.dropout(inputs_embeds, p=base.embedding_dropout, training=base.training)
+
+
+def _by_parallel_residual(variants: Mapping[bool, Family]) -> Callable:
+    return lambda config: variants[bool(config.use_parallel_residual)]
+
+
+_NEOX_DROPOUT = {"attn": "post_attention_dropout", "mlp": "post_mlp_dropout"}
+_NEOX = dict(parts={"norm_1": "input_layernorm", "attn": "attention", "norm_2": "post_attention_layernorm",
+                    "mlp": "mlp", "attn_drop": "post_attention_dropout", "mlp_drop": "post_mlp_dropout"},
+             model_parts={"embed": "embed_in", "layers": "layers", "norm": "final_layer_norm",
+                          "rotary": "rotary_emb", "embed_dropout": "emb_dropout"},
+             reads=frozenset({"hidden_dropout"}), dropout=_NEOX_DROPOUT, embed=_embed_in,
+             prepare=_emb_dropout, cache_keyword="layer_past")
+_GPT_NEOX: dict[bool, Family] = {}
+_GPT_NEOX.update({flag: Family(PARALLEL if flag else PRE_NORM, **_NEOX, variant=_by_parallel_residual(_GPT_NEOX),
+                               requires={"use_parallel_residual": flag}) for flag in (True, False)})
+# StableLM drops its MLP's output alone (hidden_dropout); its parallel layers have one norm
+_STABLELM_LAYERS: dict[bool, Family] = {}
+_STABLELM_LAYERS.update({
+    flag: Family(PARALLEL_RESIDUAL_FIRST if flag else PRE_NORM,
+                 {"norm_1": "input_layernorm", "attn": "self_attn", "mlp": "mlp", "mlp_drop": "dropout"} if flag
+                 else {**LLAMA_PARTS, "mlp_drop": "dropout"},
+                 reads=frozenset({"hidden_dropout"}), dropout={"mlp": "dropout"},
+                 variant=_by_parallel_residual(_STABLELM_LAYERS), requires={"use_parallel_residual": flag})
+    for flag in (True, False)})
+FAMILIES.update({
+    "olmo": Family(PRE_NORM),
+    "stablelm": _STABLELM_LAYERS[False],
+    # residual_dropout acts inside its attention and MLP, which fuse leaves as they are
+    "starcoder2": Family(PRE_NORM, reads=frozenset({"residual_dropout", "embedding_dropout"}),
+                         prepare=_embedding_dropout),
+    "gpt_neox": _GPT_NEOX[True],
+    "cohere": Family(PARALLEL_RESIDUAL_FIRST, {"norm_1": "input_layernorm", "attn": "self_attn", "mlp": "mlp"}),
+    "phi": Family(PARALLEL, {"norm_1": "input_layernorm", "attn": "self_attn", "mlp": "mlp", "drop": "resid_dropout"},
+                  {**LLAMA_MODEL, "norm": "final_layernorm", "embed_dropout": "embed_dropout"},
+                  reads=frozenset({"resid_pdrop", "embd_pdrop"}),
+                  dropout={"attn": "resid_dropout", "mlp": "resid_dropout"}, prepare=_embed_dropout),
+})
+
 SUPPORTED = tuple(FAMILIES)

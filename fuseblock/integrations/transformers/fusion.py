@@ -59,7 +59,10 @@ def _is_rms_norm(module: nn.Module) -> bool:
 
 
 def _convert_norms(base: nn.Module, family: Family) -> None:
-    """The stream norms of family, and every RMSNorm inside the layers, become fuseblock
+    """The stream norms of family (found by role: RMSNorms and LayerNorms, with or without
+    parameters, whatever their class; check.py has converted each before), and every
+    RMSNorm inside the layers (Qwen3's q_norm / k_norm; LayerNorms there, StableLM's per-head
+    ones, stay as they are), become fuseblock
     Norms with the same parameters; a module reachable under several names stays one
     module. A norm transformers has initialised (the flag its init_weights sets, and skips
     a module by) stays marked so: a later init_weights or post_init leaves it alone, as it
@@ -115,6 +118,8 @@ def family_of(model: PreTrainedModel) -> tuple[str, Family]:
         raise ValueError(f"fuse: {type(model).__name__} (model_type {model_type!r}) is refused: {why}. "
                          f"fuse takes {', '.join(SUPPORTED)}; docs/transformers.md lists every family")
     family = FAMILIES[model_type]
+    if family.variant is not None:  # a config flag picks the layout (use_parallel_residual)
+        family = family.variant(base.config)
     found = refusals(base, family)
     if found:
         raise ValueError(f"fuse: {type(base).__name__} (model_type {model_type!r}) is not the layout fuse fuses as "

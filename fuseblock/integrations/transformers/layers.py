@@ -43,7 +43,7 @@ def branch(layer: nn.Module, role: str) -> dict:
     family, kw = layer.fuseblock_family, {}
     if family.alpha is not None:
         kw["alpha"] = float(getattr(layer, family.alpha))
-    if family.dropout is not None and layer.training:
+    if family.dropout is not None and layer.training and role in family.dropout:  # (StableLM drops its MLP's alone)
         p = getattr(layer, family.dropout[role]).p
         if p:
             kw["dropout_p"] = p
@@ -113,7 +113,9 @@ class Shape(NamedTuple):
     forward, `enter(layer, p, r, norm, rdtype) -> (norm(r'), r')` (the add that takes a
     layer's output p into the stream at `norm`, with `layer`'s branch; the model's final
     norm calls it with the last layer), and the roles the forward reads
-    (families.Family.parts holds them)."""
+    (families.Family.parts holds them). A shape whose stream holds more than (p, r) (the
+    parallel one's p1) takes and returns the rest after r, positionally, and its enter
+    takes it after rdtype."""
     name: str
     forward: Callable
     enter: Callable
@@ -122,3 +124,88 @@ class Shape(NamedTuple):
 
 PRE_NORM = Shape("pre-norm", _pre_norm, _enter, frozenset({"norm_1", "attn", "norm_2", "mlp"}))
 SANDWICH = Shape("sandwich", _sandwich, _enter, frozenset({"norm_1", "attn", "post_attn", "norm_2", "mlp", "post_mlp"}))
+
+
+# ------------------------------------------------------------------------- parallel
+
+
+def _shared_dropout(layer) -> bool:
+    """Whether the two branches drop with one probability (or neither drops), which the
+    add applies: one add_norm draws x's and x1's masks with one dropout_p. Where they
+    differ (StableLM drops its MLP's output alone) the layer applies its own dropout
+    modules to its outputs, exactly as the unfused layer does, and the add drops nothing."""
+    family = layer.fuseblock_family
+    drops = family.dropout or {}
+    return len({getattr(layer, drops[r]).p if r in drops else 0.0 for r in ("attn", "mlp")}) == 1
+
+
+def _parallel_branch(layer) -> dict:
+    """add_norm's branch keywords for the add of `layer`'s two branch outputs."""
+    kw = branch(layer, "mlp")
+    if not _shared_dropout(layer):
+        kw.pop("dropout_p", None)
+    return kw
+
+
+def _enter_parallel(layer, hidden: Tensor, residual: Tensor | None, norm, rdtype, hidden_1: Tensor | None = None):
+    """norm(r') and r' = r + b(p) + b(p1) in one add_norm (x = p, x1 = p1), which sums them
+    as (p + p1) + r on the torch path: GPT-NeoX's mlp + attn + r and Phi's attn + mlp + r
+    (a + b = b + a in floating point, so both are bitwise); the embeddings (residual None)
+    enter as they are."""
+    if residual is None:
+        return norm.add(hidden, None, residual_dtype=rdtype)
+    return norm.add(hidden, residual, residual_dtype=rdtype, x1=hidden_1, **_parallel_branch(layer))
+
+
+def _enter_parallel_residual_first(layer, hidden: Tensor, residual: Tensor | None, norm, rdtype,
+                                   hidden_1: Tensor | None = None):
+    """As _enter_parallel for families that sum (r + attn) + mlp (Cohere, StableLM): r goes
+    in add_norm's x slot and p (the MLP's output) in its residual slot, so the torch path's
+    (x + x1) + residual is that order, bitwise. Only for a plain add of one dtype: x is what
+    the branch scale and dropout apply to, and x1 takes x's dtype (an fp32 stream of bf16
+    branches takes _enter_parallel's order, as no unfused sum has its dtypes)."""
+    if residual is None:
+        return norm.add(hidden, None, residual_dtype=rdtype)
+    kw = _parallel_branch(layer)
+    if kw or residual.dtype != hidden_1.dtype:
+        return norm.add(hidden, residual, residual_dtype=rdtype, x1=hidden_1, **kw)
+    return norm.add(residual, hidden, residual_dtype=rdtype, x1=hidden_1)
+
+
+def _parallel(self, hidden_states: Tensor, residual: Tensor | None = None, hidden_1: Tensor | None = None,
+              **kwargs):
+    """GPT-NeoX (use_parallel_residual), Phi, Cohere, StableLM (use_parallel_residual): both
+    branches read the same stream, r' = r + b(attn(N1(r))) + b(mlp(N2(r))), N2 the layer's
+    "norm_2" where it has one (GPT-NeoX), else N2 = N1 (one normed input feeds both). The
+    two outputs go on un-added: the stream is (p, r, p1), p the MLP's output and p1 the
+    attention's, and the next layer's input norm (or the final norm) adds both in its
+    add_norm (the shape's enter). So a layer is one add_norm with x1, plus GPT-NeoX's
+    second norm of r, where the unfused layer is two norms and two adds."""
+    want_sum, rdtype = kwargs.pop(SUM, False), self.fuseblock_residual_dtype
+    enter = self.fuseblock_family.shape.enter
+    normed, residual = enter(self, hidden_states, residual, module(self, "norm_1"), rdtype, hidden_1)
+    attn = module(self, "attn")(hidden_states=normed, **kwargs)[0]
+    if "norm_2" in self.fuseblock_family.parts:  # in the activations' dtype, as norm_1's (an fp32 stream's is fp32)
+        normed = module(self, "norm_2")(residual).to(normed.dtype)
+    hidden = module(self, "mlp")(normed)
+    drops = self.fuseblock_family.dropout
+    if drops and self.training and not _shared_dropout(self):  # the add cannot drop them: the layer's own modules do
+        attn = getattr(self, drops["attn"])(attn) if "attn" in drops else attn
+        hidden = getattr(self, drops["mlp"])(hidden) if "mlp" in drops else hidden
+    return (_parallel_total(self, hidden, residual, attn) if want_sum else None), hidden, residual, attn
+
+
+def _parallel_total(layer, hidden: Tensor, residual: Tensor, hidden_1: Tensor) -> Tensor:
+    """The unfused layer's output, its three terms summed in the order its shape's enter
+    sums them (a dropout in the add is refused by _plain_branch: its masks are the op's)."""
+    alpha = _plain_branch(layer, "mlp") if _shared_dropout(layer) else branch(layer, "mlp").get("alpha")
+    if alpha is not None:
+        return residual + (hidden + hidden_1) * alpha
+    if layer.fuseblock_family.shape.enter is _enter_parallel_residual_first and residual.dtype == hidden_1.dtype:
+        return residual + hidden_1 + hidden
+    return hidden + hidden_1 + residual
+
+
+_PARALLEL_ROLES = frozenset({"norm_1", "attn", "mlp"})
+PARALLEL = Shape("parallel", _parallel, _enter_parallel, _PARALLEL_ROLES)
+PARALLEL_RESIDUAL_FIRST = Shape("parallel", _parallel, _enter_parallel_residual_first, _PARALLEL_ROLES)

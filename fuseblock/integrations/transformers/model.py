@@ -51,17 +51,21 @@ def _rotary(base, family, hidden: Tensor, position_ids: Tensor, n: int) -> list:
     return [made[k] for k in kinds]
 
 
-def _final_norm(base, family, last, hidden: Tensor, residual: Tensor | None) -> Tensor:
+def _final_norm(base, family, last, hidden: Tensor, residual: Tensor | None, *rest: Tensor) -> Tensor:
     """norm_f(r + b(p)) in one op (the shape's enter). Its output has the first argument's
     dtype; by default the stream's, as the unfused model's norm of its stream (an fp32
     stream under autocast gives an fp32 last_hidden_state); with an explicit residual_dtype
     the activations' (a bf16 model with an fp32 stream feeds its bf16 head bf16). Where the
-    branch is plain the two may swap places to give the wider dtype: the sum is the same."""
+    branch is plain the two may swap places to give the wider dtype: the sum is the same.
+    A stream with more terms (`rest`: the parallel shape's p1) has its branch outputs cast
+    to the wider dtype instead (x1 takes x's dtype), exactly."""
     rdtype, norm = base.fuseblock_residual_dtype, getattr(base, family.model_parts["norm"])
-    if (rdtype is None and residual is not None and not branch(last, "mlp")
-            and torch.promote_types(hidden.dtype, residual.dtype) != hidden.dtype):
-        hidden, residual = residual, hidden
-    return family.shape.enter(last, hidden, residual, norm, rdtype)[0]
+    if (rdtype is None and residual is not None and torch.promote_types(hidden.dtype, residual.dtype) != hidden.dtype):
+        if rest:
+            hidden, rest = hidden.to(residual.dtype), tuple(t.to(residual.dtype) for t in rest)
+        elif not branch(last, "mlp"):
+            hidden, residual = residual, hidden
+    return family.shape.enter(last, hidden, residual, norm, rdtype, *rest)[0]
 
 
 def _model_forward(
@@ -92,13 +96,14 @@ def _model_forward(
     # transformers' capture_outputs records hidden states when this is truthy (its own test)
     if kwargs.get("output_hidden_states", getattr(self.config, "output_hidden_states", False)):
         kwargs[SUM] = True
-    residual, layers = None, getattr(self, family.model_parts["layers"])[:n]
+    stream, layers = (hidden, None), getattr(self, family.model_parts["layers"])[:n]
+    cache = {family.cache_keyword: past_key_values}
     for i, layer in enumerate(layers):
-        # hidden and residual positional: reentrant gradient checkpointing passes gradients to positional tensors only
-        _, hidden, residual = layer(hidden, residual, attention_mask=masks[i], position_embeddings=rotary[i],
-                                    position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
-                                    **kwargs)
-    hidden = _final_norm(self, family, layers[-1], hidden, residual)
+        # the stream (p, r, and any more a shape carries) positional: reentrant gradient
+        # checkpointing passes gradients to positional tensors only
+        stream = layer(*stream, attention_mask=masks[i], position_embeddings=rotary[i], position_ids=position_ids,
+                       use_cache=use_cache, **cache, **kwargs)[1:]
+    hidden = _final_norm(self, family, layers[-1], *stream)
     return family.output(last_hidden_state=hidden, past_key_values=past_key_values if use_cache else None)
 
 

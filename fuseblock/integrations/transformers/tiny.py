@@ -44,6 +44,14 @@ TINY: dict[str, dict] = {
     "helium": dict(head_dim=16),
     "granite": dict(residual_multiplier=0.22, embedding_multiplier=12.0, attention_multiplier=0.25,
                     logits_scaling=4.0),
+    # olmo, stablelm, starcoder2, gpt_neox, cohere, phi: every dropout the fused forward
+    # reads at 0.1 (training tests; eval ignores it); the flag's other setting in tests
+    "olmo": dict(clip_qkv=8.0),
+    "stablelm": dict(hidden_dropout=0.1, qk_layernorm=True),  # per-head LayerNorms inside the attention
+    "starcoder2": dict(residual_dropout=0.1, embedding_dropout=0.1, sliding_window=5),
+    "gpt_neox": dict(hidden_dropout=0.1, rotary_pct=0.5),
+    "cohere": dict(),
+    "phi": dict(resid_pdrop=0.1, embd_pdrop=0.1),
 }
 
 
