@@ -129,7 +129,12 @@ def test_two_n_plus_one_stream_ops_and_no_separate_residual_add(arch, monkeypatc
     # 2n of the stream's ops take a residual; plain norms (Qwen3's q/k norms per head) take none
     with_residual = [c for c in calls if c[2]]
     assert [c[1:] for c in with_residual] == [(shape, True)] * (2 * n)
-    assert {c[0] for c in with_residual} == ({"add_norm", "norm_add_norm"} if arch == "gemma2" else {"add_norm"})
+    assert {c[0] for c in with_residual} == STREAM_OPS[FAMILIES[arch].shape.name]
+
+
+# The fused ops that take a residual, per stream shape: a sandwich's attention post-norm,
+# add and MLP pre-norm are one norm_add_norm; a post-norm layer's two adds are norm_adds
+STREAM_OPS = {"pre-norm": {"add_norm"}, "sandwich": {"add_norm", "norm_add_norm"}, "post-norm": {"norm_add"}}
 
 
 # ---------------------------------------------------------------------------- bf16
@@ -368,7 +373,7 @@ def test_compile_fullgraph_forward_and_backward(arch):
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3_text", "glm4", "olmo2"])
 def test_kernel_path_matches_the_unfused_model(arch):
     unfused, fused = pair(arch)
     ids, mask, labels = batch(t=6)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from .layers import PRE_NORM, SANDWICH, Shape
+from .layers import POST_NORM, PRE_NORM, SANDWICH, Shape
 
 
 def embed_tokens(base, input_ids: Tensor) -> Tensor:
@@ -89,6 +89,13 @@ class Family:
 _GEMMA2_PARTS = {**LLAMA_PARTS, "post_attn": "post_attention_layernorm", "norm_2": "pre_feedforward_layernorm",
                  "post_mlp": "post_feedforward_layernorm"}
 
+# GLM4's sandwich: its post_attention_layernorm is the MLP's pre-norm
+_GLM4_PARTS = {**LLAMA_PARTS, "post_attn": "post_self_attn_layernorm", "norm_2": "post_attention_layernorm",
+               "post_mlp": "post_mlp_layernorm"}
+# OLMo2 normalizes each branch's output only (q_norm / k_norm sit inside its attention)
+_OLMO2_PARTS = {"attn": "self_attn", "post_attn": "post_attention_layernorm", "mlp": "mlp",
+                "post_mlp": "post_feedforward_layernorm"}
+
 FAMILIES: Mapping[str, Family] = {
     "llama": Family(PRE_NORM),
     "mistral": Family(PRE_NORM),
@@ -96,6 +103,11 @@ FAMILIES: Mapping[str, Family] = {
     "qwen3": Family(PRE_NORM),
     "gemma": Family(PRE_NORM),
     "gemma2": Family(SANDWICH, _GEMMA2_PARTS),
+    # gemma3_text, glm4, olmo2 (issue 25): Gemma3 is Gemma2's layer with one rotary
+    # embedding per layer type; GLM4 the sandwich under other names; OLMo2 post-norm only
+    "gemma3_text": Family(SANDWICH, _GEMMA2_PARTS, rotary="by_layer_type"),
+    "glm4": Family(SANDWICH, _GLM4_PARTS),
+    "olmo2": Family(POST_NORM, _OLMO2_PARTS),
 }
 SUPPORTED = tuple(FAMILIES)
 
