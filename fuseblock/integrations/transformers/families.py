@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
@@ -30,6 +31,15 @@ def embed_tokens(base, input_ids: Tensor) -> Tensor:
 def no_change(base, inputs_embeds: Tensor, position_ids: Tensor) -> Tensor:
     """The stream's first p is the embeddings as they are."""
     return inputs_embeds
+
+
+def positions(base, position_ids: Tensor | None, inputs_embeds: Tensor, past_key_values) -> tuple[Tensor, Tensor]:
+    """(the rotary embedding's position ids, the masks' and layers'): both the given ones,
+    or 0 .. T-1 after the cached tokens, (1, T)."""
+    if position_ids is None:
+        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
+    return position_ids, position_ids
 
 
 # A decoder layer's roles as Llama names its modules
@@ -59,6 +69,8 @@ class Family:
         the first layer (Granite's embedding_multiplier), each given the inner model.
     rotary: "shared" (one rotary embedding for all layers), "by_layer_type" (Gemma3's, one
         per config.layer_types entry) or None.
+    positions: the rotary embedding's and the masks' / layers' position ids from the
+        position_ids given (Qwen2-VL's M-RoPE takes 3-D ones), given the inner model.
     output: the inner model's output class (MoE families return router logits in theirs).
     """
     shape: Shape
@@ -71,6 +83,7 @@ class Family:
     prepare: Callable = no_change
     rotary: str | None = "shared"
     output: type = BaseModelOutputWithPast
+    positions: Callable = positions
     norms: tuple = field(init=False)
 
     def __deepcopy__(self, memo):  # a copied model shares its family, as its layers' classes do
@@ -110,6 +123,37 @@ FAMILIES: Mapping[str, Family] = {
     "olmo2": Family(POST_NORM, _OLMO2_PARTS),
 }
 SUPPORTED = tuple(FAMILIES)
+
+def mrope_positions(base, position_ids: Tensor | None, inputs_embeds: Tensor, past_key_values):
+    """Qwen2-VL's language model (Qwen2VLTextModel.forward): its rotary embedding (M-RoPE)
+    takes (3, B, T) position ids, temporal, height and width, equal for text tokens (the
+    wrapper computes them for images); 2-D ones are taken for all three. (4, B, T) ids carry
+    the text positions first (packed sequences), which the masks and the layers take;
+    otherwise they take none."""
+    if position_ids is None:
+        position_ids = positions(base, None, inputs_embeds, past_key_values)[0]
+        position_ids = position_ids.view(1, 1, -1).expand(3, inputs_embeds.shape[0], -1)
+    elif position_ids.ndim == 2:
+        position_ids = position_ids[None, ...].expand(3, position_ids.shape[0], -1)
+    if position_ids.ndim == 3 and position_ids.shape[0] == 4:
+        return position_ids[1:], position_ids[0]
+    return position_ids, None
+
+
+# Language models transformers ships only inside a multimodal wrapper (no causal-LM class
+# of their own, so no tiny config and none of FAMILIES' generic tests: the wrapper's test
+# covers them): model_type -> Family, as FAMILIES
+WRAPPED: Mapping[str, Family] = {"qwen2_vl_text": Family(PRE_NORM, positions=mrope_positions)}
+
+# Multimodal wrappers (issue 25): the wrapper's config.model_type -> the attribute of its
+# base model holding the language model. fuse fuses that language model as its own family
+# (it must be one of FAMILIES) and leaves the rest (vision tower, projector, their norms)
+# as it is (FAMILIES or WRAPPED): the wrapper's forward merges the image features into inputs_embeds and calls
+# the language model with them, its attention mask (Gemma3's: a dict per layer type, with
+# the images' bidirectional blocks) and its position ids, all of which the fused model
+# forward takes as the unfused one does.
+WRAPPERS: Mapping[str, str] = {"llava": "language_model", "gemma3": "language_model", "mistral3": "language_model",
+                               "qwen2_vl": "language_model"}
 
 # Families fuse knows and refuses: model_type -> why. Every other causal LM is refused as
 # not checked (fuse's error says so).

@@ -82,13 +82,11 @@ def _model_forward(
         inputs_embeds = family.embed(self, input_ids)
     if use_cache and past_key_values is None:
         past_key_values = DynamicCache(config=self.config)
-    if position_ids is None:
-        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
-        position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
+    rotary_ids, position_ids = family.positions(self, position_ids, inputs_embeds, past_key_values)
     n = self.config.num_hidden_layers
     masks = _layer_masks(self.config, attention_mask, inputs_embeds, past_key_values, position_ids)
     hidden = family.prepare(self, inputs_embeds, position_ids)
-    rotary = _rotary(self, family, hidden, position_ids, n)
+    rotary = _rotary(self, family, hidden, rotary_ids, n)
     # transformers' capture_outputs records hidden states when this is truthy (its own test)
     if kwargs.get("output_hidden_states", getattr(self.config, "output_hidden_states", False)):
         kwargs[SUM] = True
