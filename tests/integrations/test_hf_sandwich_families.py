@@ -132,6 +132,20 @@ def test_post_norm_layer_takes_no_residual():
         fused.model.layers[0](x, x)
 
 
+@pytest.mark.parametrize("arch", ["glm4", "olmo2", "llama", "gemma", "mistral"])
+def test_a_window_in_the_config_masks_as_the_unfused_model_does(arch):
+    """A config holding sliding_window (configs carry stray keys): GLM4, OLMo2, Llama and
+    Gemma build a causal mask whatever it says, Mistral a sliding-window one; the fused
+    model builds what its unfused model does (before Family.window_mask it slid for all,
+    7 to 11 off on these logits)."""
+    unfused, fused = pair(arch, sliding_window=3)
+    ids, mask, _ = batch()
+    a = unfused(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(fused(input_ids=ids, attention_mask=mask).logits, a)
+    causal = make(arch, sliding_window=None)(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(a, causal) != (arch == "mistral")  # the window is read by Mistral alone
+
+
 # ---------------------------------------------------------------------------- multimodal wrappers
 
 IMAGE_TOKEN, IMAGE_TOKENS = 3, 4  # the image placeholder id and the tokens one 8 x 8 image makes

@@ -71,6 +71,9 @@ class Family:
         per config.layer_types entry) or None.
     positions: the rotary embedding's and the masks' / layers' position ids from the
         position_ids given (Qwen2-VL's M-RoPE takes 3-D ones), given the inner model.
+    window_mask: for a model without config.layer_types, whether its one mask for all
+        layers is sliding-window where config.sliding_window is set (Mistral); else it is
+        causal whatever the config holds (Llama, Gemma, GLM4, OLMo2 ignore a stray window).
     output: the inner model's output class (MoE families return router logits in theirs).
     """
     shape: Shape
@@ -84,6 +87,7 @@ class Family:
     rotary: str | None = "shared"
     output: type = BaseModelOutputWithPast
     positions: Callable = positions
+    window_mask: bool = False
     norms: tuple = field(init=False)
 
     def __deepcopy__(self, memo):  # a copied model shares its family, as its layers' classes do
@@ -111,7 +115,7 @@ _OLMO2_PARTS = {"attn": "self_attn", "post_attn": "post_attention_layernorm", "m
 
 FAMILIES: Mapping[str, Family] = {
     "llama": Family(PRE_NORM),
-    "mistral": Family(PRE_NORM),
+    "mistral": Family(PRE_NORM, window_mask=True),
     "qwen2": Family(PRE_NORM),
     "qwen3": Family(PRE_NORM),
     "gemma": Family(PRE_NORM),
