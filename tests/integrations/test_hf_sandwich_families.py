@@ -150,7 +150,8 @@ def test_a_window_in_the_config_masks_as_the_unfused_model_does(arch):
 
 IMAGE_TOKEN, IMAGE_TOKENS = 3, 4  # the image placeholder id and the tokens one 8 x 8 image makes
 TEXT = {"llava": ("llama", transformers.LlamaConfig), "gemma3": ("gemma3_text", transformers.Gemma3TextConfig),
-        "mistral3": ("mistral", transformers.MistralConfig), "qwen2_vl": ("qwen2", transformers.Qwen2VLTextConfig)}
+        "mistral3": ("mistral", transformers.MistralConfig), "qwen2_vl": ("qwen2", transformers.Qwen2VLTextConfig),
+        "qwen2_5_vl": ("qwen2", transformers.Qwen2_5_VLTextConfig)}
 # Qwen2-VL's M-RoPE splits a head's 8 rotary frequencies into temporal, height and width sections
 MROPE = dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]))
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=8)
@@ -160,7 +161,7 @@ def wrapper_config(kind):
     """A tiny config of the wrapper: fuseblock's tiny text config of its language model's
     family and a 2-layer vision tower making IMAGE_TOKENS tokens of an 8 x 8 image."""
     family, text_class = TEXT[kind]
-    text = text_class(**{**SIZES, **TINY[family], **(MROPE if kind == "qwen2_vl" else {})}).to_dict()
+    text = text_class(**{**SIZES, **TINY[family], **(MROPE if kind.startswith("qwen") else {})}).to_dict()
     if kind == "llava":  # CLIP: 4 patches of 4 x 4 and a CLS token, which the default strategy drops
         vision = transformers.CLIPVisionConfig(**VISION, patch_size=4).to_dict()
         return transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN,
@@ -174,6 +175,13 @@ def wrapper_config(kind):
                                                   spatial_merge_size=2, temporal_patch_size=2).to_dict()
         return transformers.Qwen2VLConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN,
                                           video_token_id=4, vision_start_token_id=5, vision_end_token_id=6)
+    if kind == "qwen2_5_vl":  # the same, with windowed attention over 2 x 2 merged tokens in its first layer
+        vision = transformers.Qwen2_5_VLVisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                     patch_size=2, spatial_merge_size=2, temporal_patch_size=2,
+                                                     window_size=8, out_hidden_size=HIDDEN,
+                                                     fullatt_block_indexes=[1]).to_dict()
+        return transformers.Qwen2_5_VLConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN,
+                                             video_token_id=4, vision_start_token_id=5, vision_end_token_id=6)
     # Pixtral: 16 patches of 2 x 2, merged 2 x 2 into 4 tokens
     vision = transformers.PixtralVisionConfig(**VISION, patch_size=2, head_dim=16).to_dict()
     return transformers.Mistral3Config(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN,
@@ -203,10 +211,11 @@ def image_batch(kind, b=2, t=12):
     mask[0, :2] = 0
     ids[0, :2] = SIZES["pad_token_id"]
     kw = dict(input_ids=ids, attention_mask=mask, pixel_values=torch.randn(b, 3, 8, 8, generator=g))
-    if kind == "qwen2_vl":  # flattened patches (3 channels x 2 frames x 2 x 2) of a 1 x 4 x 4 grid per image
+    if kind.startswith("qwen"):  # flattened patches (3 channels x 2 frames x 2 x 2) of a 1 x 4 x 4 grid per image
         kw["pixel_values"] = torch.randn(b * 16, 3 * 2 * 2 * 2, generator=g)
         kw["image_grid_thw"] = torch.tensor([[1, 4, 4]] * b)
-        if "mm_token_type_ids" in inspect.signature(transformers.Qwen2VLModel.forward).parameters:
+        base = transformers.Qwen2VLModel if kind == "qwen2_vl" else transformers.Qwen2_5_VLModel
+        if "mm_token_type_ids" in inspect.signature(base.forward).parameters:
             kw["mm_token_type_ids"] = (ids == IMAGE_TOKEN).long()  # where transformers asks which tokens are images
     if kind == "mistral3":
         kw["image_sizes"] = torch.tensor([[8, 8]] * b)
@@ -305,13 +314,14 @@ def test_wrapper_init_weights_gives_the_language_model_norms_what_the_unfused_wr
     assert torch.equal(fused.model.language_model.norm.weight, torch.zeros(HIDDEN))
 
 
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
 @pytest.mark.parametrize("layout", ["none", "1-d", "3-d", "text + 3-d"])
-def test_qwen2_vl_language_model_takes_its_position_ids_as_the_unfused_one(layout):
+def test_qwen2_vl_language_model_takes_its_position_ids_as_the_unfused_one(layout, kind):
     """Qwen2VLTextModel's position ids, each layout its forward takes: none (0 .. T-1 for all
     three M-RoPE sections), (B, T) (the same), (3, B, T) (temporal, height, width: what the
     wrapper gives for images), and (4, B, T), the text positions first (packed sequences,
     which the masks read): the fused language model's output equals the unfused one's."""
-    unfused = wrapper("qwen2_vl").model.language_model
+    unfused = wrapper(kind).model.language_model
     fused = fuse(copy.deepcopy(unfused))
     ids, mask, _ = batch()
     b, t = ids.shape
@@ -337,6 +347,7 @@ def test_a_wrapper_fuse_has_not_checked_is_refused():
     model = transformers.PaliGemmaForConditionalGeneration(
         transformers.PaliGemmaConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN))
     with pytest.raises(ValueError, match=r"PaliGemmaForConditionalGeneration \(model_type 'paligemma'\) is refused: a "
-                                         r"multimodal wrapper fuse has not checked.*llava, gemma3, mistral3, qwen2_vl"):
+                                         r"multimodal wrapper fuse has not checked.*llava, gemma3, mistral3, qwen2_vl, "
+                                         r"qwen2_5_vl"):
         fuse(model)
     assert not any(isinstance(m, Norm) for m in model.modules())

@@ -129,7 +129,7 @@ FAMILIES: Mapping[str, Family] = {
 SUPPORTED = tuple(FAMILIES)
 
 def mrope_positions(base, position_ids: Tensor | None, inputs_embeds: Tensor, past_key_values):
-    """Qwen2-VL's language model (Qwen2VLTextModel.forward): its rotary embedding (M-RoPE)
+    """Qwen2-VL's and Qwen2.5-VL's language model (Qwen2VLTextModel.forward): its rotary embedding (M-RoPE)
     takes (3, B, T) position ids, temporal, height and width, equal for text tokens (the
     wrapper computes them for images); 2-D ones are taken for all three. (4, B, T) ids carry
     the text positions first (packed sequences), which the masks and the layers take;
@@ -147,7 +147,8 @@ def mrope_positions(base, position_ids: Tensor | None, inputs_embeds: Tensor, pa
 # Language models transformers ships only inside a multimodal wrapper (no causal-LM class
 # of their own, so no tiny config and none of FAMILIES' generic tests: the wrapper's test
 # covers them): model_type -> Family, as FAMILIES
-WRAPPED: Mapping[str, Family] = {"qwen2_vl_text": Family(PRE_NORM, positions=mrope_positions)}
+WRAPPED: Mapping[str, Family] = {"qwen2_vl_text": Family(PRE_NORM, positions=mrope_positions),
+                                  "qwen2_5_vl_text": Family(PRE_NORM, positions=mrope_positions)}
 
 # Multimodal wrappers (issue 25): the wrapper's config.model_type -> the attribute of its
 # base model holding the language model. fuse fuses that language model as its own family
@@ -157,7 +158,7 @@ WRAPPED: Mapping[str, Family] = {"qwen2_vl_text": Family(PRE_NORM, positions=mro
 # the images' bidirectional blocks) and its position ids, all of which the fused model
 # forward takes as the unfused one does.
 WRAPPERS: Mapping[str, str] = {"llava": "language_model", "gemma3": "language_model", "mistral3": "language_model",
-                               "qwen2_vl": "language_model"}
+                               "qwen2_vl": "language_model", "qwen2_5_vl": "language_model"}
 
 # Families fuse knows and refuses: model_type -> why. Every other causal LM is refused as
 # not checked (fuse's error says so).

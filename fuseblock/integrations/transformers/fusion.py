@@ -102,7 +102,7 @@ def _init_weights(self: PreTrainedModel, module: nn.Module) -> None:
 
 def language_model(model: PreTrainedModel) -> PreTrainedModel:
     """The inner model fuse puts on the fused stream: model's base model (LlamaModel and its
-    kin), or in a multimodal wrapper (families.WRAPPERS: Llava, Gemma3, Mistral3) the
+    kin), or in a multimodal wrapper (families.WRAPPERS: Llava, Gemma3, Mistral3, Qwen2-VL, Qwen2.5-VL) the
     language model inside it. A wrapper fuse has not checked is a ValueError naming it."""
     base = model.base_model
     model_type = getattr(base.config, "model_type", None)
