@@ -265,6 +265,28 @@ def test_wrapper_fuses_its_language_model_bitwise_on_text_and_image(kind):
     assert not torch.equal(fused(**kw).logits, b[0])
 
 
+@pytest.mark.kernel
+@pytest.mark.parametrize("kind", list(WRAPPERS))
+def test_wrapper_on_the_kernel_path_matches_the_unfused_one(kind):
+    """As test_transformers.py's kernel-path test, on a text + image batch: the language
+    model's norms on fuseblock's kernels (bitwise on the torch path, above)."""
+    unfused = wrapper(kind)
+    fused = fuse(copy.deepcopy(unfused))
+    kw, labels = image_batch(kind)
+    outs = []
+    for model in (unfused, fused):
+        out = model(**kw, labels=labels)
+        out.loss.backward()
+        outs.append((out.logits, out.loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    a, b = outs
+    torch.testing.assert_close(b[0], a[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(b[1], a[1], rtol=1e-5, atol=1e-5)
+    assert b[2].keys() == a[2].keys()
+    for name in a[2]:  # relative to each gradient's scale, as hf_models.rel
+        scale = max(1.0, a[2][name].abs().max().item())
+        torch.testing.assert_close(b[2][name] / scale, a[2][name] / scale, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("kind", list(WRAPPERS))
 def test_wrapper_generates_as_the_unfused_one(kind):
     unfused = wrapper(kind)
