@@ -10,9 +10,9 @@ rather than a silently different model.
 
 Block scalars: the config entries whose names mark them as changing the residual block
 (`_BLOCK_SCALAR`: dropouts, multipliers, parallel / post-norm / sandwich flags, scales,
-cross-attention, bidirectional attention). Those consumed inside modules fuse leaves as they are (the attention,
-the head; `_INSIDE`) need no check; the rest must be neutral (None, False, 0 or 1) unless
-the family reads them.
+cross-attention, bidirectional attention). Those consumed inside modules fuse leaves as
+they are (the attention, the head; `_INSIDE`) need no check; the rest must be neutral
+(None, False, 0 or 1) unless the family reads them.
 """
 from __future__ import annotations
 

@@ -128,12 +128,13 @@ FAMILIES: Mapping[str, Family] = {
 }
 SUPPORTED = tuple(FAMILIES)
 
+
 def mrope_positions(base, position_ids: Tensor | None, inputs_embeds: Tensor, past_key_values):
-    """Qwen2-VL's and Qwen2.5-VL's language model (Qwen2VLTextModel.forward): its rotary embedding (M-RoPE)
-    takes (3, B, T) position ids, temporal, height and width, equal for text tokens (the
-    wrapper computes them for images); 2-D ones are taken for all three. (4, B, T) ids carry
-    the text positions first (packed sequences), which the masks and the layers take;
-    otherwise they take none."""
+    """Qwen2-VL's and Qwen2.5-VL's language model (Qwen2VLTextModel.forward): its rotary
+    embedding (M-RoPE) takes (3, B, T) position ids, temporal, height and width, equal for
+    text tokens (the wrapper computes them for images); 2-D ones are taken for all three.
+    (4, B, T) ids carry the text positions first (packed sequences), which the masks and
+    the layers take; otherwise they take none."""
     if position_ids is None:
         position_ids = positions(base, None, inputs_embeds, past_key_values)[0]
         position_ids = position_ids.view(1, 1, -1).expand(3, inputs_embeds.shape[0], -1)
@@ -145,15 +146,15 @@ def mrope_positions(base, position_ids: Tensor | None, inputs_embeds: Tensor, pa
 
 
 # Language models transformers ships only inside a multimodal wrapper (no causal-LM class
-# of their own, so no tiny config and none of FAMILIES' generic tests: the wrapper's test
-# covers them): model_type -> Family, as FAMILIES
+# of their own, so no tiny config and none of FAMILIES' generic tests: the wrappers' tests
+# cover them): model_type -> Family, as FAMILIES
 WRAPPED: Mapping[str, Family] = {"qwen2_vl_text": Family(PRE_NORM, positions=mrope_positions),
                                   "qwen2_5_vl_text": Family(PRE_NORM, positions=mrope_positions)}
 
 # Multimodal wrappers (issue 25): the wrapper's config.model_type -> the attribute of its
 # base model holding the language model. fuse fuses that language model as its own family
-# (it must be one of FAMILIES) and leaves the rest (vision tower, projector, their norms)
-# as it is (FAMILIES or WRAPPED): the wrapper's forward merges the image features into inputs_embeds and calls
+# (one of FAMILIES or WRAPPED) and leaves the rest (vision tower, projector, their norms)
+# as it is: the wrapper's forward merges the image features into inputs_embeds and calls
 # the language model with them, its attention mask (Gemma3's: a dict per layer type, with
 # the images' bidirectional blocks) and its position ids, all of which the fused model
 # forward takes as the unfused one does.

@@ -102,8 +102,9 @@ def _init_weights(self: PreTrainedModel, module: nn.Module) -> None:
 
 def language_model(model: PreTrainedModel) -> PreTrainedModel:
     """The inner model fuse puts on the fused stream: model's base model (LlamaModel and its
-    kin), or in a multimodal wrapper (families.WRAPPERS: Llava, Gemma3, Mistral3, Qwen2-VL, Qwen2.5-VL) the
-    language model inside it. A wrapper fuse has not checked is a ValueError naming it."""
+    kin), or in a multimodal wrapper (families.WRAPPERS: Llava, Gemma3, Mistral3, Qwen2-VL,
+    Qwen2.5-VL) the language model inside it. A wrapper fuse has not checked (a base model
+    holding a language_model) is a ValueError naming it."""
     base = model.base_model
     model_type = getattr(base.config, "model_type", None)
     if model_type in WRAPPERS:
@@ -143,8 +144,8 @@ def fuse(model: PreTrainedModel, *, residual_dtype: torch.dtype | None = None) -
     model: a PreTrainedModel of a supported family (`SUPPORTED`, by config.model_type),
     the bare model (LlamaModel) or one with a head (LlamaForCausalLM, ...), or a
     multimodal wrapper (`WRAPPERS`: LlavaForConditionalGeneration, ...) of one, whose
-    language model it fuses, leaving the vision tower and projector as they are. Its state_dict
-    keys do not change: its save_pretrained output loads into the unfused class, and
+    language model it fuses, leaving the vision tower and projector as they are. Its
+    state_dict keys do not change: its save_pretrained output loads into the unfused class, and
     checkpoints of the unfused class load into it. A model whose structure differs from
     what its family's fused forward computes is a ValueError saying what differs.
 
