@@ -36,8 +36,8 @@ if tuple(int(v) for v in transformers.__version__.split(".")[:2]) < (5, 17):  # 
     raise ImportError(f"fuseblock.integrations.transformers needs transformers >= 5.17, found "
                       f"{transformers.__version__}")
 
-from .families import FAMILIES, SUPPORTED, Family  # noqa: E402
+from .families import FAMILIES, SUPPORTED, WRAPPERS, Family  # noqa: E402
 from .fusion import fuse  # noqa: E402
 from .refused import REFUSED  # noqa: E402
 
-__all__ = ["fuse", "SUPPORTED", "FAMILIES", "REFUSED", "Family"]
+__all__ = ["fuse", "SUPPORTED", "FAMILIES", "REFUSED", "WRAPPERS", "Family"]

@@ -10,9 +10,9 @@ rather than a silently different model.
 
 Block scalars: the config entries whose names mark them as changing the residual block
 (`_BLOCK_SCALAR`: dropouts, multipliers, parallel / post-norm / sandwich flags, scales,
-cross-attention). Those consumed inside modules fuse leaves as they are (the attention,
-the head; `_INSIDE`) need no check; the rest must be neutral (None, False, 0 or 1) unless
-the family reads them.
+cross-attention, bidirectional attention). Those consumed inside modules fuse leaves as
+they are (the attention, the head; `_INSIDE`) need no check; the rest must be neutral
+(None, False, 0 or 1) unless the family reads them.
 """
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ from torch import nn
 from ...convert import norm_from
 from .families import Family
 
-_BLOCK_SCALAR = re.compile(r"dropout|pdrop|multiplier|parallel|residual|sandwich|post_norm|post_layernorm|scal|cross")
+# (bidirectional: Gemma3's use_bidirectional_attention, masks the model forward does not build)
+_BLOCK_SCALAR = re.compile(r"dropout|pdrop|multiplier|parallel|residual|sandwich|post_norm|post_layernorm|scal|cross"
+                           r"|bidirectional")
 # Block-scalar names that act inside modules fuse leaves untouched in every family
 # (attention, rotary embedding, head), not on the residual stream
 _INSIDE = frozenset({

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 from transformers.modeling_outputs import (
@@ -24,7 +25,7 @@ from transformers.modeling_outputs import (
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .layers import PARALLEL, PARALLEL_RESIDUAL_FIRST, PRE_NORM, SANDWICH, Shape
+from .layers import PARALLEL, PARALLEL_RESIDUAL_FIRST, POST_NORM, PRE_NORM, SANDWICH, Shape
 from .model import FUSED_MODEL_FORWARD, _model_forward
 
 
@@ -37,6 +38,15 @@ def embed_tokens(base, input_ids: Tensor) -> Tensor:
 def no_change(base, inputs_embeds: Tensor, position_ids: Tensor) -> Tensor:
     """The stream's first p is the embeddings as they are."""
     return inputs_embeds
+
+
+def positions(base, position_ids: Tensor | None, inputs_embeds: Tensor, past_key_values) -> tuple[Tensor, Tensor]:
+    """(the rotary embedding's position ids, the masks' and layers'): both the given ones,
+    or 0 .. T-1 after the cached tokens, (1, T)."""
+    if position_ids is None:
+        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
+    return position_ids, position_ids
 
 
 # A decoder layer's roles as Llama names its modules
@@ -66,6 +76,11 @@ class Family:
         the first layer (Granite's embedding_multiplier), each given the inner model.
     rotary: "shared" (one rotary embedding for all layers), "by_layer_type" (Gemma3's, one
         per config.layer_types entry) or None.
+    positions: the rotary embedding's and the masks' / layers' position ids from the
+        position_ids given (Qwen2-VL's M-RoPE takes 3-D ones), given the inner model.
+    window_mask: for a model without config.layer_types, whether its one mask for all
+        layers is sliding-window where config.sliding_window is set (Mistral); else it is
+        causal whatever the config holds (Llama, Gemma, GLM4, OLMo2 ignore a stray window).
     output: the inner model's output class (MoE families return router logits in theirs).
     model_forward: the inner model's fused forward, bound to it by fuse: model.py's, or a
         family's own where its model's signature differs (GPT-2's), mapping onto model.py's.
@@ -90,6 +105,8 @@ class Family:
     cache_keyword: str = "past_key_values"
     variant: Callable | None = None
     requires: Mapping[str, object] = field(default_factory=dict)
+    positions: Callable = positions
+    window_mask: bool = False
     norms: tuple = field(init=False)
 
     def __deepcopy__(self, memo):  # a copied model shares its family, as its layers' classes do
@@ -153,7 +170,7 @@ def _gpt2_model_forward(self, input_ids=None, past_key_values=None, attention_ma
 # fused forward: reading it means leaving it unused, as the unfused model does.
 _PHI3_DROPOUT = {"attn": "resid_attn_dropout", "mlp": "resid_mlp_dropout"}
 _PHI3 = Family(PRE_NORM, {**LLAMA_PARTS, "attn_drop": "resid_attn_dropout", "mlp_drop": "resid_mlp_dropout"},
-               dropout=_PHI3_DROPOUT, reads=frozenset({"resid_pdrop", "embd_pdrop"}))
+               dropout=_PHI3_DROPOUT, reads=frozenset({"resid_pdrop", "embd_pdrop"}), window_mask=True)
 # GPT-2: pre-norm with LayerNorms (bias), Conv1D projections and the residual dropout
 # (config.resid_pdrop) inside its attention and MLP modules, which fuse leaves untouched;
 # learned absolute positions and the embedding dropout (config.embd_pdrop) before layer 0
@@ -175,10 +192,16 @@ def granite_embeddings(base, inputs_embeds: Tensor, position_ids: Tensor) -> Ten
     embeddings too), the product in its order."""
     return inputs_embeds * base.embedding_multiplier
 
+# GLM4's sandwich: its post_attention_layernorm is the MLP's pre-norm
+_GLM4_PARTS = {**LLAMA_PARTS, "post_attn": "post_self_attn_layernorm", "norm_2": "post_attention_layernorm",
+               "post_mlp": "post_mlp_layernorm"}
+# OLMo2 normalizes each branch's output only (q_norm / k_norm sit inside its attention)
+_OLMO2_PARTS = {"attn": "self_attn", "post_attn": "post_attention_layernorm", "mlp": "mlp",
+                "post_mlp": "post_feedforward_layernorm"}
 
 FAMILIES: Mapping[str, Family] = {
     "llama": Family(PRE_NORM),
-    "mistral": Family(PRE_NORM),
+    "mistral": Family(PRE_NORM, window_mask=True),
     "qwen2": Family(PRE_NORM),
     "qwen3": Family(PRE_NORM),
     "gemma": Family(PRE_NORM),
@@ -191,13 +214,18 @@ FAMILIES: Mapping[str, Family] = {
     # untouched: transformers' hooks on its router record the router logits (output_router_logits).
     # SmolLM3's NoPE layers and the sliding windows are the attention's and the masks' (model.py).
     "ministral": Family(PRE_NORM),
-    "mixtral": Family(PRE_NORM, output=MoeModelOutputWithPast),
+    "mixtral": Family(PRE_NORM, output=MoeModelOutputWithPast, window_mask=True),
     "qwen2_moe": Family(PRE_NORM, output=MoeModelOutputWithPast),
-    "qwen3_moe": Family(PRE_NORM, output=MoeModelOutputWithPast),
+    "qwen3_moe": Family(PRE_NORM, output=MoeModelOutputWithPast, window_mask=True),
     "smollm3": Family(PRE_NORM),
     "helium": Family(PRE_NORM),
     "granite": Family(PRE_NORM, reads=frozenset({"residual_multiplier", "embedding_multiplier"}),
                       alpha="residual_multiplier", prepare=granite_embeddings),
+    # gemma3_text, glm4, olmo2 (issue 25): Gemma3 is Gemma2's layer with one rotary
+    # embedding per layer type; GLM4 the sandwich under other names; OLMo2 post-norm only
+    "gemma3_text": Family(SANDWICH, _GEMMA2_PARTS, rotary="by_layer_type"),
+    "glm4": Family(SANDWICH, _GLM4_PARTS),
+    "olmo2": Family(POST_NORM, _OLMO2_PARTS),
 }
 
 # olmo, stablelm, starcoder2, gpt_neox, cohere, phi: LayerNorms (with bias, weight only,
@@ -252,7 +280,7 @@ FAMILIES.update({
     "stablelm": _STABLELM_LAYERS[False],
     # residual_dropout acts inside its attention and MLP, which fuse leaves as they are
     "starcoder2": Family(PRE_NORM, reads=frozenset({"residual_dropout", "embedding_dropout"}),
-                         prepare=_embedding_dropout),
+                         prepare=_embedding_dropout, window_mask=True),
     "gpt_neox": _GPT_NEOX[True],
     "cohere": Family(PARALLEL_RESIDUAL_FIRST, {"norm_1": "input_layernorm", "attn": "self_attn", "mlp": "mlp"}),
     "phi": Family(PARALLEL, {"norm_1": "input_layernorm", "attn": "self_attn", "mlp": "mlp", "drop": "resid_dropout"},
@@ -262,3 +290,35 @@ FAMILIES.update({
 })
 
 SUPPORTED = tuple(FAMILIES)
+
+def mrope_positions(base, position_ids: Tensor | None, inputs_embeds: Tensor, past_key_values):
+    """Qwen2-VL's and Qwen2.5-VL's language model (Qwen2VLTextModel.forward): its rotary
+    embedding (M-RoPE) takes (3, B, T) position ids, temporal, height and width, equal for
+    text tokens (the wrapper computes them for images); 2-D ones are taken for all three.
+    (4, B, T) ids carry the text positions first (packed sequences), which the masks and
+    the layers take; otherwise they take none."""
+    if position_ids is None:
+        position_ids = positions(base, None, inputs_embeds, past_key_values)[0]
+        position_ids = position_ids.view(1, 1, -1).expand(3, inputs_embeds.shape[0], -1)
+    elif position_ids.ndim == 2:
+        position_ids = position_ids[None, ...].expand(3, position_ids.shape[0], -1)
+    if position_ids.ndim == 3 and position_ids.shape[0] == 4:
+        return position_ids[1:], position_ids[0]
+    return position_ids, None
+
+
+# Language models transformers ships only inside a multimodal wrapper (no causal-LM class
+# of their own, so no tiny config and none of FAMILIES' generic tests: the wrappers' tests
+# cover them): model_type -> Family, as FAMILIES
+WRAPPED: Mapping[str, Family] = {"qwen2_vl_text": Family(PRE_NORM, positions=mrope_positions),
+                                  "qwen2_5_vl_text": Family(PRE_NORM, positions=mrope_positions)}
+
+# Multimodal wrappers (issue 25): the wrapper's config.model_type -> the attribute of its
+# base model holding the language model. fuse fuses that language model as its own family
+# (one of FAMILIES or WRAPPED) and leaves the rest (vision tower, projector, their norms)
+# as it is: the wrapper's forward merges the image features into inputs_embeds and calls
+# the language model with them, its attention mask (Gemma3's: a dict per layer type, with
+# the images' bidirectional blocks) and its position ids, all of which the fused model
+# forward takes as the unfused one does.
+WRAPPERS: Mapping[str, str] = {"llava": "language_model", "gemma3": "language_model", "mistral3": "language_model",
+                               "qwen2_vl": "language_model", "qwen2_5_vl": "language_model"}

@@ -31,7 +31,7 @@ from ...convert import norm_from
 from ...modules import Norm
 from ...ops.checks import check_float_dtype
 from .check import refusals
-from .families import FAMILIES, SUPPORTED, Family
+from .families import FAMILIES, SUPPORTED, WRAPPED, WRAPPERS, Family
 from .refused import REFUSED
 
 _FUSED_LAYER_CLASSES: dict[tuple[type, Family], type] = {}
@@ -108,16 +108,36 @@ def refusal(model_type: str) -> str:
     return REFUSED.get(model_type, "not compared with fuseblock's stream shapes yet")
 
 
-def family_of(model: PreTrainedModel) -> tuple[str, Family]:
-    """model's family (config.model_type) and its entry, or a ValueError naming the family
-    and why fuse refuses it: unknown, known and refused, or not what its entry says."""
+def language_model(model: PreTrainedModel) -> PreTrainedModel:
+    """The inner model fuse puts on the fused stream: model's base model (LlamaModel and its
+    kin), or in a multimodal wrapper (families.WRAPPERS: Llava, Gemma3, Mistral3, Qwen2-VL,
+    Qwen2.5-VL) the language model inside it. A wrapper fuse has not checked (a base model
+    holding a language_model) is a ValueError naming it."""
     base = model.base_model
     model_type = getattr(base.config, "model_type", None)
-    if model_type not in FAMILIES:
-        why = refusal(model_type)
-        raise ValueError(f"fuse: {type(model).__name__} (model_type {model_type!r}) is refused: {why}. "
+    if model_type in WRAPPERS:
+        inner = getattr(base, WRAPPERS[model_type], None)
+        if not isinstance(inner, PreTrainedModel):
+            raise ValueError(f"fuse: {type(model).__name__} (model_type {model_type!r}) holds no language model in "
+                             f"{WRAPPERS[model_type]!r}")
+        return inner
+    if model_type not in FAMILIES and isinstance(getattr(base, "language_model", None), nn.Module):
+        why = REFUSED.get(model_type, "a multimodal wrapper fuse has not checked")
+        raise ValueError(f"fuse: {type(model).__name__} (model_type {model_type!r}) is refused: {why}. fuse takes "
+                         f"the language model of the wrappers {', '.join(WRAPPERS)}; docs/transformers.md lists them")
+    return base
+
+
+def family_of(model: PreTrainedModel) -> tuple[str, Family]:
+    """model's family (config.model_type of its language model, `language_model`) and its
+    entry, or a ValueError naming the family and why fuse refuses it: unknown, known and
+    refused, or not what its entry says."""
+    base = language_model(model)
+    model_type = getattr(base.config, "model_type", None)
+    family = FAMILIES.get(model_type) or WRAPPED.get(model_type)
+    if family is None:
+        raise ValueError(f"fuse: {type(model).__name__} (model_type {model_type!r}) is refused: {refusal(model_type)}. "
                          f"fuse takes {', '.join(SUPPORTED)}; docs/transformers.md lists every family")
-    family = FAMILIES[model_type]
     if family.variant is not None:  # a config flag picks the layout (use_parallel_residual)
         family = family.variant(base.config)
     found = refusals(base, family)
@@ -131,8 +151,10 @@ def fuse(model: PreTrainedModel, *, residual_dtype: torch.dtype | None = None) -
     """Put a transformers model on the fused residual stream, in place; returns it.
 
     model: a PreTrainedModel of a supported family (`SUPPORTED`, by config.model_type),
-    the bare model (LlamaModel) or one with a head (LlamaForCausalLM, ...). Its state_dict
-    keys do not change: its save_pretrained output loads into the unfused class, and
+    the bare model (LlamaModel) or one with a head (LlamaForCausalLM, ...), or a
+    multimodal wrapper (`WRAPPERS`: LlavaForConditionalGeneration, ...) of one, whose
+    language model it fuses, leaving the vision tower and projector as they are. Its
+    state_dict keys do not change: its save_pretrained output loads into the unfused class, and
     checkpoints of the unfused class load into it. A model whose structure differs from
     what its family's fused forward computes is a ValueError saying what differs.
 
@@ -144,14 +166,15 @@ def fuse(model: PreTrainedModel, *, residual_dtype: torch.dtype | None = None) -
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     check_float_dtype("residual_dtype", residual_dtype)
-    base = model.base_model
+    base = language_model(model)
     layers = getattr(base, "fuseblock_family", None) and getattr(base, base.fuseblock_family.model_parts["layers"])
     if layers is None:
         _, family = family_of(model)
         _convert_norms(base, family)
-        for module in model.modules():
-            if isinstance(module, PreTrainedModel):  # the model and its base model each initialise their own modules
-                module._init_weights = types.MethodType(_init_weights, module)
+        # the model, its base model and a wrapper's language model each initialise their own
+        # modules; a wrapper's vision tower holds no Norm and keeps its own method
+        for module in {id(m): m for m in (model, model.base_model, base)}.values():
+            module._init_weights = types.MethodType(_init_weights, module)
         layers = getattr(base, family.model_parts["layers"])
         for layer in layers:
             layer.__class__ = _fused_layer_class(type(layer), family)

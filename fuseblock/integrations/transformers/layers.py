@@ -209,3 +209,40 @@ def _parallel_total(layer, hidden: Tensor, residual: Tensor, hidden_1: Tensor) -
 _PARALLEL_ROLES = frozenset({"norm_1", "attn", "mlp"})
 PARALLEL = Shape("parallel", _parallel, _enter_parallel, _PARALLEL_ROLES)
 PARALLEL_RESIDUAL_FIRST = Shape("parallel", _parallel, _enter_parallel_residual_first, _PARALLEL_ROLES)
+# ------------------------------------------------------------------------- post-norm
+
+
+def _activations(layer, stream: Tensor) -> Tensor:
+    """What a post-norm layer's sublayers read: the stream itself, in the dtype of the
+    layer's weights where residual_dtype keeps the stream wider (a bf16 model with an fp32
+    stream feeds its attention, MLP and head bf16, as the unfused bf16 model does)."""
+    if layer.fuseblock_residual_dtype is None:
+        return stream
+    return stream.to(next(module(layer, "attn").parameters()).dtype)
+
+
+def _post_norm(self, hidden_states: Tensor, residual: Tensor | None = None, **kwargs):
+    """OLMo2 and its kin: no pre-norm; r' = r + b(N_a(attn(r))), r'' = r' + b(N_m(mlp(r'))),
+    each norm and its add one norm_add. Every add completes in its own layer, so no branch
+    output is carried: the layer takes the whole stream as p (r None, as the embeddings
+    enter the first layer) and returns (r'', r'', None) or (None, r'', None); the model's
+    final norm is then a plain norm of p (`_post_enter`)."""
+    if residual is not None:
+        raise ValueError(f"{type(self).__name__}: a post-norm layer takes the whole stream as its first argument, "
+                         f"and no residual")
+    want_sum, rdtype = kwargs.pop(SUM, False), self.fuseblock_residual_dtype
+    attn = module(self, "attn")(hidden_states=_activations(self, hidden_states), **kwargs)[0]
+    stream = module(self, "post_attn").norm_add(attn, hidden_states, residual_dtype=rdtype, **branch(self, "attn"))
+    hidden = module(self, "mlp")(_activations(self, stream))
+    stream = module(self, "post_mlp").norm_add(hidden, stream, residual_dtype=rdtype, **branch(self, "mlp"))
+    return (stream if want_sum else None), stream, None
+
+
+def _post_enter(layer, hidden: Tensor, residual: Tensor | None, norm, rdtype):
+    """The final norm after a post-norm layer: the whole stream is p (residual None), so a
+    plain norm of it, in the activations' dtype (`_activations`)."""
+    normed, stream = norm.add(hidden, residual, residual_dtype=rdtype)
+    return _activations(layer, normed), stream
+
+
+POST_NORM = Shape("post-norm", _post_norm, _post_enter, frozenset({"attn", "post_attn", "mlp", "post_mlp"}))

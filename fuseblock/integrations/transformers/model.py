@@ -21,18 +21,18 @@ from .layers import SUM, branch
 _MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
 
-def _layer_masks(config, attention_mask, inputs_embeds, past_key_values, position_ids) -> list:
+def _layer_masks(config, family, attention_mask, inputs_embeds, past_key_values, position_ids) -> list:
     """One attention mask per decoder layer. Models with config.layer_types (Qwen2, Qwen3,
     Gemma2) use one mask per layer type, which generate() may have prepared as a dict;
-    the others one mask for all layers, sliding-window where the config has a window
-    (Mistral)."""
+    the others one mask for all layers, sliding-window where the family's model reads the
+    config's window (Mistral: family.window_mask), else causal."""
     n, kinds = config.num_hidden_layers, getattr(config, "layer_types", None)
     if kinds is not None and isinstance(attention_mask, dict):
         return [attention_mask[k] for k in kinds[:n]]
     kw = dict(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
               past_key_values=past_key_values, position_ids=position_ids)
     if kinds is None:
-        sliding = getattr(config, "sliding_window", None) is not None
+        sliding = family.window_mask and getattr(config, "sliding_window", None) is not None
         return [(create_sliding_window_causal_mask if sliding else create_causal_mask)(**kw)] * n
     made = {k: _MASKS[k](**kw) for k in dict.fromkeys(kinds[:n])}
     return [made[k] for k in kinds[:n]]
@@ -86,13 +86,11 @@ def _model_forward(
         inputs_embeds = family.embed(self, input_ids)
     if use_cache and past_key_values is None:
         past_key_values = DynamicCache(config=self.config)
-    if position_ids is None:
-        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
-        position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
+    rotary_ids, position_ids = family.positions(self, position_ids, inputs_embeds, past_key_values)
     n = self.config.num_hidden_layers
-    masks = _layer_masks(self.config, attention_mask, inputs_embeds, past_key_values, position_ids)
+    masks = _layer_masks(self.config, family, attention_mask, inputs_embeds, past_key_values, position_ids)
     hidden = family.prepare(self, inputs_embeds, position_ids)
-    rotary = _rotary(self, family, hidden, position_ids, n)
+    rotary = _rotary(self, family, hidden, rotary_ids, n)
     # transformers' capture_outputs records hidden states when this is truthy (its own test)
     if kwargs.get("output_hidden_states", getattr(self.config, "output_hidden_states", False)):
         kwargs[SUM] = True

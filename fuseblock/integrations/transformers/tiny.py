@@ -52,6 +52,11 @@ TINY: dict[str, dict] = {
     "gpt_neox": dict(hidden_dropout=0.1, rotary_pct=0.5),
     "cohere": dict(),
     "phi": dict(resid_pdrop=0.1, embd_pdrop=0.1),
+    # gemma3_text, glm4, olmo2: Gemma3's layers alternate sliding and full attention, each
+    # type with its own rope theta (10^4, 10^6); GLM4 rotates half of each head
+    "gemma3_text": dict(head_dim=16, sliding_window=5, query_pre_attn_scalar=16, sliding_window_pattern=2),
+    "glm4": dict(head_dim=16),
+    "olmo2": {},
 }
 
 
