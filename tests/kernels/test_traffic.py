@@ -213,6 +213,28 @@ def test_wide_rows_read_each_row_twice_never_more(kind):
 
 @pytest.mark.kernel
 @kernel_only
+def test_wide_sandwich_rows_move_the_minimum_in_two_launches():
+    """norm_add_norm on rows past the tile (the loop kernels, the real block sizes): every
+    activation byte once per pass, the re-reads inside a launch only; backward one loop
+    kernel and the partial rows' sum (issue 24.5: it was four launches, 1.83x)."""
+    from fuseblock.kernels.norm_add import LOOP_ROWS
+
+    rows, d = 2 * LOOP_ROWS, 16400  # two row blocks for the one program (64 rows a program at least)
+    fwd, bwd, _ = op_traffic.measure_residual_traffic("norm_add_norm", rows, d, torch.bfloat16)
+    assert (fwd["launches"], bwd["launches"], fwd["glue_ops"], bwd["glue_ops"]) == (1, 2, 0, 0)
+    assert fwd["act_over_min"] == bwd["act_over_min"] == 1.0
+    # besides: the two weights read and their gradients written (bf16), both norms' rstd
+    # read, and the program's two fp32 partial rows, written and read by _bwd_sum4
+    assert bwd["other_MB"] * 1e6 == pytest.approx(2 * 2 * d * 2 + 2 * rows * 4 + 2 * d * 4 * 2)
+    # with no cache: p and dout read twice, x twice, dresidual written and read back
+    # (10 row-size accesses of 6), rstd once per norm, and each partial row stored
+    # (first block), read and stored (second), read by _bwd_sum4, then dw written
+    act, stats, parts = 10 * rows * d * 2, 2 * rows * 4, 2 * (4 * d * 4 + d * 2)
+    assert bwd["uncached_over_min"] * bwd["min_MB"] * 1e6 == pytest.approx(act + stats + parts)
+
+
+@pytest.mark.kernel
+@kernel_only
 @pytest.mark.parametrize("op", ["norm", "add_norm", "add_norm_layer", "add_norm_fp32_residual", "pre_gate", "post_gate",
                                 "post_gate_residual"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
