@@ -211,6 +211,8 @@ def test_wide_rows(op, wide_loops):
         _check(op, x, residual, bw, bb, w, b, kind="layer", alpha=0.9, graded=(0,))
         _check(op, x, residual, bw, bb, w, b, kind="layer", alpha=0.9, graded=(1,))
     _check(op, x[:1], residual[:1], bw, bb, w, b, kind="layer", alpha=0.9)  # one row: one program, one block
+    strided = torch.randn(12, 50)[:, 4:47]  # rows 50 apart: the kernels index by row stride
+    _check(op, strided, residual.t().contiguous().t(), bw, None, w, None, kind="rms", alpha=0.5)
 
 
 @pytest.mark.kernel
