@@ -137,6 +137,7 @@ class AllLaunches(contextlib.AbstractContextManager):
         self.kernels = self._launches.total()
         eager = self._kernel.glue if self._kernel is not None else self._counter
         self.ops = [name for name, _, _ in eager.ops]
+        self.host_ops = eager.host_ops  # host arithmetic, no launch (traffic.EagerTraffic)
         self.launches = None if self._kernel is None else self._kernel.launches  # with bytes per argument
         self.names = None if self._kernel is None else [ln.kernel for ln in self.launches]
         return False

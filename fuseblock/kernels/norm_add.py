@@ -5,21 +5,21 @@
 
 One kernel each way serves both (SECOND: the second norm N is applied). The tile
 kernels hold whole rows in registers, [BR rows, BD columns] per block, up to
-MAX_TILE_BWD columns (`fits`); `_fwd_loop` serves wider rows in column chunks.
+MAX_TILE_BWD columns (`fits`); wider rows take the loop kernels, which sweep a row (a
+block of rows, backward) in column chunks: `_fwd_loop`, `_bwd_loop`.
 
-Launches: one forward at any width; a backward of one (`_bwd_tile`) plus, when more
-than one program ran and a weight or bias needs a gradient, `_bwd_sum4` adding up the
-per-program fp32 partial rows of the four parameter gradients in one launch.
-
-The backward of rows wider than MAX_TILE_BWD is not fused: the launcher composes it from
-the norm's own backward (`fuseblock.kernels.norm.norm_bwd`, two launches each for such
-rows): N's backward (norm_add_norm), then N_b's (`_wide_bwd`).
+Launches: one forward at any width; a backward of one (`_bwd_tile`, `_bwd_loop`) plus,
+when a weight or bias needs a gradient and the backward left per-program fp32 partial
+rows (several tile programs, or the loop kernel), `_bwd_sum4` adding up those of the
+four parameter gradients in one launch.
 
 Traffic: forward reads x and residual once and writes new_residual (and out) once, plus
-the row statistics (rstd, and mean for a layer norm) of each norm (`_fwd_loop`: x and
-new_residual read twice). Backward reads x, the saved new_residual (only with the second
-norm), the gradients arriving at out and at new_residual, and writes dx and dresidual
-once.
+the row statistics (rstd, and mean for a layer norm) of each norm. Backward reads x, the
+saved new_residual (only with the second norm), the gradients arriving at out and at
+new_residual, and writes dx and dresidual once. The loop kernels read some of these
+twice (or three times), always rows the same program has just read or written:
+`_fwd_loop` x and new_residual, `_bwd_loop` p, dout and x, and dresidual back. The
+launch's distinct bytes stay the minimum; docs/performance.md counts the re-reads.
 
 Names as in `fuseblock.kernels.norm`: X input, R residual, RO new_residual, O out, BW/BB
 the branch norm's weight and bias, W/B the second norm's; RSTDB/MEANB and RSTD/MEAN their
@@ -28,26 +28,25 @@ row statistics (fp32); a D prefix is a gradient, a P suffix a partial-row buffer
 # No `from __future__ import annotations`: Triton 3.1's interpreter reads the string
 # "tl.constexpr" as no annotation (see fuseblock.kernels.norm).
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
 
 from ..spec import NormSpec
 from . import launch
-from . import norm as norm_kernels
 from .launch import LAUNCHES, Layout, cdiv, fwd_layout, loop_layout, num_sms, pow2, stride, sum_rows, vec
 from .launch import rows as as_rows
 from .norm import _mean, _prod, _rstd, _weight
 from .occupancy import learn, programs_per_sm
 
 MIN_ROWS_PER_PROGRAM = 64  # as the norm's backward: keeps the partial rows small next to the activations
+LOOP_ROWS = 4  # _bwd_loop's rows per block: a program's partial rows are updated once per block
+LOOP_TILE = 2048  # and elements per [LOOP_ROWS, columns] chunk, 8 a thread as in bwd_tile_layout
 
 
 def fits(d: int) -> bool:
-    """Whether rows of d columns take the tile kernels, else `_fwd_loop` and the composed
-    backward (read at call time: tests shrink it)."""
+    """Whether rows of d columns take the tile kernels, else the loop kernels (read at
+    call time: tests shrink it)."""
     return pow2(d) <= launch.MAX_TILE_BWD
 
 
@@ -63,6 +62,15 @@ def bwd_tile_layout(d: int) -> Layout:
     warps = min(32, max(4, br * bd // 256))
     return Layout(True, 1, bd, br, warps, max(1, 64 // warps))  # an SM runs 64 warps at most
 
+
+
+def bwd_loop_layout(d: int) -> Layout:
+    """`_bwd_loop`'s chunk: LOOP_ROWS rows by LOOP_TILE // LOOP_ROWS columns, 8 warps.
+    Rows per block trade the partial rows' updates (one read and one write of each
+    parameter's chunk per block) against the rows a program re-reads within a block
+    (more rows, further apart in time, less likely still in L2). Not tuned on a GPU."""
+    bd = min(pow2(d), max(1, LOOP_TILE // LOOP_ROWS))
+    return Layout(False, 1, bd, LOOP_ROWS, 8, launch.LOOP_PROGRAMS_PER_SM)
 
 @triton.jit
 def _stats(b_s, mask, D, eps, BR: tl.constexpr, BD: tl.constexpr, CENTER: tl.constexpr, EXACT_SQ: tl.constexpr):
@@ -290,6 +298,145 @@ def _bwd_tile(
         tl.store(DBP + o_part, b_db.to(DBP.dtype.element_ty), mask=m_d)
 
 
+@triton.jit
+def _normalized(S, o_s, mask, b_rstd, b_mean, CENTER: tl.constexpr):
+    """r = (s - mean) * rstd on a [BR, BD] chunk of rows, from their (BR,) statistics."""
+    b_s = tl.load(S + o_s, mask=mask, other=0.0).to(tl.float32)
+    if CENTER:
+        b_s = tl.where(mask, b_s - b_mean[:, None], 0.0)
+    return b_s * b_rstd[:, None]
+
+
+@triton.jit
+def _add_part(PART, o_part, m_d, m_old, b_add):
+    """PART[o_part] += b_add on one chunk of a program's fp32 partial row. m_old is False
+    on the program's first row block, whose sums are stored over whatever the new buffer
+    held: no zero-filling launch, and no read."""
+    tl.store(PART + o_part, tl.load(PART + o_part, mask=m_d & m_old, other=0.0) + b_add, mask=m_d)
+
+
+@triton.jit(do_not_specialize=["M", "scale", "woff_b", "woff", "alpha"])
+def _bwd_loop(
+    X, P, BW, W, RSTDB, MEANB, RSTD, MEAN, DO, DRO, DX, DR, DBWP, DBBP, DWP, DBP,
+    s_x, s_p, s_do, s_dro, s_dx, s_dr,
+    M, D, scale, woff_b, woff, alpha,
+    BR: tl.constexpr, BD: tl.constexpr,
+    HAS_DO: tl.constexpr, HAS_DRO: tl.constexpr, HAS_BW: tl.constexpr, HAS_BB: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, SECOND: tl.constexpr, CENTER: tl.constexpr,
+):
+    # Rows too wide for registers, in one launch: program i_p handles blocks of BR rows
+    # i_p, i_p + n_p, ..., three sweeps over each block's column chunks, since each norm's
+    # backward needs a whole-row sum before any of its dx (docs/math.md):
+    #   1. N's row constants mean(r * dr) and mean(dq), from p and dout (SECOND);
+    #   2. dp = N's backward + dresidual, stored as dresidual; from it and x the branch
+    #      norm's row constants; every parameter's gradient terms;
+    #   3. dx, from x and dp read back.
+    # Each sweep re-reads rows this program has just touched (a cache hit where they are
+    # still in L2), where two launches (the norm's _bwd_dots + _bwd_cols) re-read them
+    # from memory. The parameters' column sums go to this program's fp32 partial rows,
+    # updated once per block, and _bwd_sum4 adds those up.
+    i_p = tl.program_id(0)
+    n_p = tl.num_programs(0)
+    o_d = tl.arange(0, BD)
+    N_BWD: tl.constexpr = SECOND and HAS_DO  # dp has N's backward in it
+    for i_b in range(i_p, tl.cdiv(M, BR), n_p):
+        o_m = (i_b * BR + tl.arange(0, BR)).to(tl.int64)
+        m_m = o_m < M
+        row = o_m[:, None]
+        # the partial rows hold an earlier block's sums (a [BD] block: Triton's
+        # interpreter refuses a mask made with a scalar)
+        m_old = tl.full([BD], i_b, tl.int32) > i_p
+        if N_BWD:
+            b_rstd = tl.load(RSTD + o_m, mask=m_m, other=0.0)
+            b_mean = tl.load(MEAN + o_m, mask=m_m, other=0.0) if CENTER else None
+            b_c1 = tl.zeros([BR], dtype=tl.float32)  # sum r * dr
+            b_c2 = tl.zeros([BR], dtype=tl.float32)  # sum dr
+            b_c3 = tl.zeros([BR], dtype=tl.float32)  # sum r
+            for i_d in range(0, D, BD):
+                o_col = i_d + o_d
+                m_d = o_col < D
+                mask = m_m[:, None] & m_d[None, :]
+                col = o_col[None, :]
+                b_r = _normalized(P, row * s_p + col, mask, b_rstd, b_mean, CENTER)
+                b_dr = tl.load(DO + row * s_do + col, mask=mask, other=0.0).to(tl.float32) * scale
+                if HAS_W:
+                    b_dr *= _weight(W, o_col, m_d, woff)[None, :]
+                b_c1 += tl.sum(b_r * b_dr, 1)
+                if CENTER:
+                    b_c2 += tl.sum(b_dr, 1)
+                    b_c3 += tl.sum(b_r, 1)
+            b_c1 = _mean(b_c1, D)
+            if CENTER:  # mean(dq) = rstd * (mean(dr) - c1 * mean(r)), as the norm's _bwd_dots
+                b_c2 = (_mean(b_c2, D) - b_c1 * _mean(b_c3, D)) * b_rstd
+        b_rstdb = tl.load(RSTDB + o_m, mask=m_m, other=0.0)
+        b_meanb = tl.load(MEANB + o_m, mask=m_m, other=0.0) if CENTER else None
+        b_e1 = tl.zeros([BR], dtype=tl.float32)  # the branch's sums, as b_c1 .. b_c3
+        b_e2 = tl.zeros([BR], dtype=tl.float32)
+        b_e3 = tl.zeros([BR], dtype=tl.float32)
+        for i_d in range(0, D, BD):
+            o_col = i_d + o_d
+            m_d = o_col < D
+            mask = m_m[:, None] & m_d[None, :]
+            col = o_col[None, :]
+            o_part = i_p.to(tl.int64) * D + o_col
+            b_dp = tl.zeros([BR, BD], dtype=tl.float32)
+            if N_BWD:
+                b_r = _normalized(P, row * s_p + col, mask, b_rstd, b_mean, CENTER)
+                b_do = tl.load(DO + row * s_do + col, mask=mask, other=0.0).to(tl.float32)
+                b_dr = b_do * scale
+                if HAS_W:
+                    b_dr *= _weight(W, o_col, m_d, woff)[None, :]
+                    _add_part(DWP, o_part, m_d, m_old, tl.sum(b_do * b_r, 0) * scale)
+                if HAS_B:
+                    _add_part(DBP, o_part, m_d, m_old, tl.sum(b_do, 0))
+                b_dp = (b_dr - b_r * b_c1[:, None]) * b_rstd[:, None]
+                if CENTER:
+                    b_dp = tl.where(mask, b_dp - b_c2[:, None], 0.0)
+            else:  # no gradient reaches out: N's parameters get zeros, as from the tile kernel
+                if HAS_W:
+                    _add_part(DWP, o_part, m_d, m_old, tl.zeros([BD], dtype=tl.float32))
+                if HAS_B:
+                    _add_part(DBP, o_part, m_d, m_old, tl.zeros([BD], dtype=tl.float32))
+            if HAS_DRO:
+                b_dp += tl.load(DRO + row * s_dro + col, mask=mask, other=0.0).to(tl.float32)
+            # dresidual rounded once; the branch takes that stored value (as the unfused
+            # form, and as sweep 3, which reads it back)
+            b_dpr = b_dp.to(DR.dtype.element_ty)
+            tl.store(DR + row * s_dr + col, b_dpr, mask=mask)
+            b_dy = alpha * b_dpr.to(tl.float32)
+            b_rb = _normalized(X, row * s_x + col, mask, b_rstdb, b_meanb, CENTER)
+            b_dyw = b_dy * scale
+            if HAS_BW:
+                b_dyw *= _weight(BW, o_col, m_d, woff_b)[None, :]
+                _add_part(DBWP, o_part, m_d, m_old, tl.sum(b_dy * b_rb, 0) * scale)
+            if HAS_BB:
+                _add_part(DBBP, o_part, m_d, m_old, tl.sum(b_dy, 0))
+            b_e1 += tl.sum(b_rb * b_dyw, 1)
+            if CENTER:
+                b_e2 += tl.sum(b_dyw, 1)
+                b_e3 += tl.sum(b_rb, 1)
+        b_e1 = _mean(b_e1, D)
+        if CENTER:
+            b_e2 = (_mean(b_e2, D) - b_e1 * _mean(b_e3, D)) * b_rstdb
+        # sweep 3 reads dp back, and the next block's updates the partial rows, which
+        # other threads of this program may have stored: a barrier orders them
+        tl.debug_barrier()
+        for i_d in range(0, D, BD):
+            o_col = i_d + o_d
+            m_d = o_col < D
+            mask = m_m[:, None] & m_d[None, :]
+            col = o_col[None, :]
+            b_dyw = alpha * scale * tl.load(DR + row * s_dr + col, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BW:
+                b_dyw *= _weight(BW, o_col, m_d, woff_b)[None, :]
+            b_rb = _normalized(X, row * s_x + col, mask, b_rstdb, b_meanb, CENTER)
+            b_dx = (b_dyw - b_rb * b_e1[:, None]) * b_rstdb[:, None]
+            if CENTER:
+                b_dx = tl.where(mask, b_dx - b_e2[:, None], 0.0)
+            tl.store(DX + row * s_dx + col, b_dx.to(DX.dtype.element_ty), mask=mask)
+        tl.debug_barrier()
+
+
 @triton.jit(do_not_specialize=["n_rows"])
 def _bwd_sum4(DBWP, DBBP, DWP, DBP, DBW, DBB, DW, DB, n_rows, D, BR: tl.constexpr, BD: tl.constexpr,
               HAS_BW: tl.constexpr, HAS_BB: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
@@ -356,11 +503,9 @@ def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rst
                  branch_spec: NormSpec, spec: NormSpec, alpha: float, residual_grad_dtype, second: bool):
     """(dx, dresidual, dbranch_weight, dbranch_bias, dweight, dbias), the absent ones None.
     dout (the gradient at out) and dres (at new_residual) may each be None. At most two
-    launches: `_bwd_tile`, then `_bwd_sum4` when several programs wrote partial rows."""
+    launches: `_bwd_tile` (or `_bwd_loop` for rows wider than the tile), then `_bwd_sum4`
+    when programs left partial rows: several tile programs, or any loop kernel."""
     d = x.shape[-1]
-    if not fits(d):
-        return _wide_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b, mean_b, rstd, mean,
-                         branch_spec, spec, alpha, residual_grad_dtype, second)
     x2, p2, do2, dro2 = as_rows(x, d), as_rows(p, d), as_rows(dout, d), as_rows(dres, d)
     branch_weight, weight = vec(branch_weight), vec(weight)
     M = x2.shape[0]
@@ -371,20 +516,23 @@ def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rst
     if M == 0:
         return (dx, dr, *(None if t is None else torch.zeros((d,), dtype=t.dtype, device=dev) for t in params))
     grads = [None if t is None else torch.empty((d,), dtype=t.dtype, device=dev) for t in params]
-    lay = bwd_tile_layout(d)
+    lay = bwd_tile_layout(d) if fits(d) else bwd_loop_layout(d)
+    kernel = _bwd_tile if lay.tile else _bwd_loop
     n_items = cdiv(M, lay.br)
     flags = dict(HAS_DO=do2 is not None, HAS_DRO=dro2 is not None, HAS_BW=params[0] is not None,
                  HAS_BB=params[1] is not None, HAS_W=params[2] is not None, HAS_B=params[3] is not None,
                  SECOND=second, CENTER=spec.center)
-    variant = lay.variant("norm_add._bwd_tile", (x2, p2, branch_weight, weight, do2, dro2), flags)
+    variant = lay.variant(f"norm_add.{kernel.fn.__name__}", (x2, p2, branch_weight, weight, do2, dro2), flags)
     slots = num_sms(dev) * programs_per_sm(dev, variant, lay.per_sm)
     n_prog = max(1, min(slots, n_items, cdiv(M, MIN_ROWS_PER_PROGRAM)))
-    sum_parts = n_prog > 1 and any(g is not None for g in grads)
+    # a lone tile program writes the gradients themselves; the loop kernel adds a
+    # program's blocks up in fp32 partial rows, always summed (and cast) by _bwd_sum4
+    sum_parts = (n_prog > 1 or not lay.tile) and any(g is not None for g in grads)
     parts = [None if g is None else (torch.empty((n_prog, d), dtype=torch.float32, device=dev) if sum_parts else g)
              for g in grads]
     dx2, dr2 = dx.view(M, d), dr.view(M, d)
     p_arg = p2 if second else None  # the second norm's input
-    compiled = _bwd_tile[(n_prog,)](
+    compiled = kernel[(n_prog,)](
         x2, p_arg, branch_weight, weight, rstd_b, mean_b, rstd, mean, do2, dro2, dx2, dr2, *parts,
         x2.stride(0), stride(p_arg), stride(do2), stride(dro2),
         dx2.stride(0), dr2.stride(0),
@@ -400,30 +548,3 @@ def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rst
                                   HAS_W=grads[2] is not None, HAS_B=grads[3] is not None, num_warps=4)
         LAUNCHES["bwd"] += 1
     return (dx, dr, *grads)
-
-
-# --------------------------------------------------------------------------- wide rows
-def _col(t):
-    return None if t is None else t.view(-1, 1)  # these kernels' (M,) statistics as the norm's (M, 1)
-
-
-def _wide_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b, mean_b, rstd, mean,
-              branch_spec, spec, alpha, residual_grad_dtype, second):
-    """norm_add_bwd for rows wider than the tile: the norm's backward launchers, composed.
-    dp = dN(do; p) + dres comes out of N's backward in the residual's dtype, being
-    dresidual (as in the unfused form, N_b's backward then reads that rounded value); alpha
-    rides in N_b's scale (dq and dw are linear in scale * dp), so only db_b needs it apart."""
-    if second and dout is not None:
-        dp, _, _, dw, db, _ = norm_kernels.norm_bwd(dout, dres, p, None, weight, bias, _col(rstd), _col(mean), spec,
-                                                    residual_grad_dtype, None)
-    else:
-        # a copy: dresidual is dp, and a custom op's output must not alias an input
-        dp = dres.to(residual_grad_dtype, copy=True) if dres is not None else \
-            x.new_zeros(x.shape, dtype=residual_grad_dtype)
-        dw, db = (None if t is None or not second else torch.zeros_like(t) for t in (weight, bias))
-    scaled = dataclasses.replace(branch_spec, scale=branch_spec.scale * alpha)
-    dx, _, _, dbw, dbb, _ = norm_kernels.norm_bwd(dp, None, x, None, branch_weight, branch_bias, _col(rstd_b),
-                                                  _col(mean_b), scaled, x.dtype, None)
-    if dbb is not None and alpha != 1.0:
-        dbb = dbb * alpha
-    return dx, dp, dbw, dbb, (dw if second else None), (db if second else None)

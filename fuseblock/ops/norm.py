@@ -48,8 +48,16 @@ def _fwd(
     x1: Optional[Tensor] = None, seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     launch = kernels("norm", x).norm_fwd
-    out = launch(x, residual, gate, weight, bias, NormSpec.unpack(spec), residual_dtype, need_stats, x1, seed)
+    out = launch(x, residual, gate, weight, bias, NormSpec.unpack(spec), residual_dtype, need_stats, x1,
+                 _seed_arg(seed))
     return tuple(t if t is not None else _empty(x) for t in out)
+
+
+def _seed_arg(seed: Optional[Tensor]):
+    """The dropout key as the launchers take it: a host seed (in CPU memory) as an int,
+    read here at no cost; a device one (drawn while a CUDA graph was captured) as the
+    tensor, which the kernel reads."""
+    return int(seed) if seed is not None and seed.is_cpu else seed
 
 
 def _fwd_fake(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1=None, seed=None):
@@ -71,7 +79,7 @@ def _bwd(
     has_x1: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     grads = kernels("norm", p).norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, NormSpec.unpack(spec), x_dtype,
-                                        residual_grad_dtype, seed, has_x1)
+                                        residual_grad_dtype, _seed_arg(seed), has_x1)
     return tuple(t if t is not None else _empty(p) for t in grads)
 
 
@@ -149,9 +157,9 @@ def _dropout_scales(ctx, p: Tensor, seed: Tensor) -> tuple[Tensor, Optional[Tens
     and of x = 0, x1 = 1): for the double backward only, which needs them as tensors."""
     spec = ctx.spec.with_branch(1.0, ctx.spec.dropout_p)
     one, zero = torch.ones(p.shape, device=p.device), torch.zeros(p.shape, device=p.device)
-    launch = kernels("norm", p).norm_fwd
-    sx = launch(one, None, None, None, None, spec, torch.float32, False, zero if ctx.has_x1 else None, seed)[1]
-    sx1 = launch(zero, None, None, None, None, spec, torch.float32, False, one, seed)[1] if ctx.has_x1 else None
+    launch, key = kernels("norm", p).norm_fwd, _seed_arg(seed)
+    sx = launch(one, None, None, None, None, spec, torch.float32, False, zero if ctx.has_x1 else None, key)[1]
+    sx1 = launch(zero, None, None, None, None, spec, torch.float32, False, one, key)[1] if ctx.has_x1 else None
     return sx, sx1
 
 
@@ -205,9 +213,24 @@ def apply_norm(x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], we
         return reference.norm_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1)
     need_stats = need_stats or (torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, residual, gate, weight, bias, x1)))
-    # the dropout masks' key, from torch's generator of x's device: manual_seed reproduces a call
-    seed = torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64) if spec.dropout_p > 0 else None
+    seed = _draw_seed(x) if spec.dropout_p > 0 else None
     return norm_op(x, residual, gate, weight, bias, spec.pack(), residual_dtype, need_stats, x1, seed)
+
+
+def _draw_seed(x: Tensor) -> Tensor:
+    """The dropout masks' key, one int64 from torch's default generator (torch.manual_seed
+    reproduces a call), kept for backward as the only trace of the masks.
+
+    Drawn on the host, from the CPU generator, and passed to the kernel by value: no launch
+    on x's device, so the forward is one launch (a draw there would be a second). While a
+    CUDA graph is being captured it is drawn on x's device instead, a node of the graph:
+    a host draw would run once, at capture, and every replay would reuse its masks, where
+    the device generator gives each replay new ones. Compiled code takes the host draw,
+    as an op of its graph (no graph break); Inductor leaves a graph with CPU ops out of its
+    CUDA graphs, so the masks stay fresh there too."""
+    if x.is_cuda and not is_compiling() and torch.cuda.is_current_stream_capturing():
+        return torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64)
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64)
 
 
 _F32, _F64 = torch.float32, torch.float64
@@ -303,7 +326,7 @@ def add_norm(
     residual_multiplier, parallel attention and MLP branches, branch dropout). alpha a
     finite float; x1 of x's shape and dtype; dropout_p in [0, 1): independent masks for x
     and x1, kept elements scaled by 1/(1 - dropout_p), drawn from torch's default
-    generator of x's device (torch.manual_seed reproduces a call). Set dropout_p=0 in eval.
+    generator (torch.manual_seed reproduces a call). Set dropout_p=0 in eval.
     The backward returns dx = alpha * keep_x/(1 - dropout_p) * dp, dx1 likewise, and
     dresidual = dp (dp: the gradient at new_residual).
     """

@@ -7,9 +7,8 @@
 Dispatch as `fuseblock.ops.norm`'s: the Triton kernels (`fuseblock.kernels.norm_add`,
 one forward launch that holds both norms, a backward of at most two) registered through
 `FusedOp`; the torch path (`fuseblock.reference.norm_add_fwd`) as plain differentiable
-torch ops. For rows wider than the kernels' tile (more than MAX_TILE_BWD columns) the
-forward is still one launch (a loop kernel), and the backward is composed from the norm's
-backward launchers inside the same custom op (see `fuseblock.kernels.norm_add`).
+torch ops. Rows wider than the kernels' tile (more than MAX_TILE_BWD columns) take loop
+kernels with the same launch counts (see `fuseblock.kernels.norm_add`).
 """
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ each activation output once (forward: x, x1, residual, gate in; out, new_residua
 Backward: the saved p, gate, grad_out, grad_new_residual in; dx, a separate dresidual
 when its dtype differs or dx is not dp (alpha != 1, dropout), a dx1 apart from dx with
 dropout (its own mask), dgate out). The dropout masks are no bytes: the kernels
-regenerate them from a seed (an int64: "other"). Weights, biases, row statistics, the per-program
+regenerate them from a seed, drawn on the host and passed by value (read from the device,
+as "other", only while a CUDA graph is captured). Weights, biases, row statistics, the per-program
 dw/db partial rows (written by one launch, summed by the next or by the last program of
 the same launch: kernel bytes either way) and dw/db themselves are reported apart, as
 "other".

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..spec import new_residual_dtype, residual_grad_dtype
+from ..spec import new_residual_dtype, residual_grad_dtype, stored_dtype
 
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
            torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.bool: "i1"}
@@ -151,10 +151,17 @@ def resource_usage(kernel) -> dict[str, int]:
     return {"registers": int(found.group(1)), "stack": int(found.group(2)), "shared": int(kernel.metadata.shared)}
 
 
+# A dropout seed as the launchers get it from the host (an int64 past 2**31: the i64 variant)
+HOST_SEED = 0x1234_5678_9ABC
+
+
 def norm_launches(x, residual=None, weight=None, bias=None, gate=None, *, kind="rms", residual_dtype=None,
-                  gate_position="post", gate_act="silu", num_groups=1, compiled=None) -> list[CapturedLaunch]:
+                  gate_position="post", gate_act="silu", num_groups=1, alpha=1.0, x1=None, dropout_p=0.0,
+                  seed=HOST_SEED, compiled=None) -> list[CapturedLaunch]:
     """The kernel launches of one add_norm forward and backward on these inputs (CPU
-    tensors are fine: nothing runs). compiled: as for `captured_launches`."""
+    tensors are fine: nothing runs). alpha, x1, dropout_p: add_norm's branch, its seed
+    an int (drawn on the host) or a one-element int64 tensor (drawn on the device while
+    a CUDA graph is captured). compiled: as for `captured_launches`."""
     from ..kernels import launch
     from ..kernels import norm as kernels
     from ..ops.checks import resolve
@@ -163,10 +170,38 @@ def norm_launches(x, residual=None, weight=None, bias=None, gate=None, *, kind="
                    gate_position=gate_position, num_groups=num_groups, residual_dtype=residual_dtype)
     rin = None if residual is None else residual.dtype
     rdtype = new_residual_dtype(x.dtype, rin, residual_dtype)  # what add_norm stores: None, or its dtype
+    rgrad = residual_grad_dtype(x.dtype, rin)
+    branch = x1 is not None or alpha != 1.0 or dropout_p > 0
+    if branch:  # as add_norm: new_residual always stored, dresidual apart from dx when scaled
+        spec = spec.with_branch(alpha, dropout_p)
+        rdtype = stored_dtype(x.dtype, rin, residual_dtype)
+        if alpha != 1.0 or dropout_p > 0:
+            rgrad = rin
+    seed = seed if dropout_p > 0 else None
     with captured_launches(kernels, launch, compiled=compiled) as out:  # launch: the partial-row sum
-        _, new_res, rstd, mean = kernels.norm_fwd(x, residual, gate, weight, bias, spec, rdtype, True)
+        _, new_res, rstd, mean = kernels.norm_fwd(x, residual, gate, weight, bias, spec, rdtype, True, x1, seed)
         p = x if new_res is None else new_res
         dres = None if new_res is None else torch.empty_like(p)
-        kernels.norm_bwd(torch.empty_like(x), dres, p, gate, weight, bias, rstd, mean, spec, x.dtype,
-                         residual_grad_dtype(x.dtype, rin))
+        kernels.norm_bwd(torch.empty_like(x), dres, p, gate, weight, bias, rstd, mean, spec, x.dtype, rgrad, seed,
+                         x1 is not None)
+    return out
+
+
+def norm_add_launches(x, residual, branch_weight, weight=None, *, kind="rms", second=True, alpha=0.5,
+                      compiled=None) -> list[CapturedLaunch]:
+    """The kernel launches of one norm_add_norm (second) or norm_add forward and backward,
+    the branch bias and the second norm's bias given where kind="layer"."""
+    from ..kernels import launch
+    from ..kernels import norm_add as kernels
+    from ..spec import NormSpec
+
+    spec = NormSpec.of(x.shape[-1], kind=kind, c=None, eps=1e-6, num_groups=1, gate_act=None, gate_position=None)
+    layer = kind == "layer"  # a bias each, the weights' tensors standing in (nothing runs)
+    bb, b, w = branch_weight if layer else None, weight if layer and second else None, weight if second else None
+    rdtype = stored_dtype(x.dtype, residual.dtype, None)
+    with captured_launches(kernels, launch, compiled=compiled) as out:
+        new_res, _, rstd_b, mean_b, rstd, mean = kernels.norm_add_fwd(x, residual, branch_weight, bb, w, b, spec,
+                                                                      spec, alpha, rdtype, second, True)
+        kernels.norm_add_bwd(torch.empty_like(x) if second else None, torch.empty_like(new_res), x, new_res,
+                             branch_weight, bb, w, b, rstd_b, mean_b, rstd, mean, spec, spec, alpha, rdtype, second)
     return out

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -256,12 +257,21 @@ def charge(name: str, inputs, outputs) -> None:
 
 
 class EagerTraffic(TorchDispatchMode):
-    """Bytes each aten op reads (distinct tensor inputs) and writes (outputs), views free."""
+    """Bytes each aten op reads (distinct tensor inputs) and writes (outputs), views free.
+
+    Host arithmetic is listed apart, in `host_ops`: a CPU tensor read back by `.item()`
+    (`_local_scalar_dense`), and the op that made it when that op read no tensor (a draw
+    such as the dropout seed's `torch.randint`, or a constant). On a GPU machine such a
+    value never leaves the CPU: no launch, no device bytes. (Under the interpreter every
+    tensor is a CPU tensor; a value computed from tensors, as `x.sum().item()`, stays an op.)
+    """
 
     def __init__(self):
         super().__init__()
         self.ops: list[tuple[str, int, int]] = []
+        self.host_ops: list[str] = []
         self.paused = 0
+        self._made: dict[int, tuple] = {}  # id of a CPU tensor an op made from no tensor -> (weakref, its entry)
 
     def __enter__(self):
         _EAGER.append(self)
@@ -275,12 +285,29 @@ class EagerTraffic(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         if not self.paused and not func.is_view and name not in FREE_OPS:
+            if name == "_local_scalar_dense" and args[0].is_cpu:
+                self._to_host(args[0])
+                return out
             leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-            tensors = (t for t in leaves if isinstance(t, torch.Tensor))
+            tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
             ins = {(t.data_ptr(), t.dtype, tuple(t.shape), t.stride()): t for t in tensors}
             outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-            self.ops.append((name, sum(map(distinct_bytes, ins.values())), sum(t.nbytes for t in outs)))
+            entry = (name, sum(map(distinct_bytes, ins.values())), sum(t.nbytes for t in outs))
+            self.ops.append(entry)
+            if not tensors and len(outs) == 1 and outs[0].is_cpu:
+                self._made[id(outs[0])] = (weakref.ref(outs[0]), entry)
         return out
+
+    def _to_host(self, t: torch.Tensor) -> None:
+        """`t.item()` on a CPU tensor: host work, and so is the op that made t from no tensor."""
+        ref, entry = self._made.pop(id(t), (None, None))
+        if ref is not None and ref() is t:
+            for i in range(len(self.ops) - 1, -1, -1):
+                if self.ops[i] is entry:
+                    del self.ops[i]
+                    self.host_ops.append(entry[0])
+                    break
+        self.host_ops.append("_local_scalar_dense")
 
     @property
     def bytes(self) -> int:

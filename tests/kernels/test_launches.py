@@ -117,6 +117,30 @@ def test_wide_row_kernels_launch_once_forward_at_most_twice_backward(case, dtype
 
 
 @pytest.mark.parametrize("layout", ["tile", "wide"])
+@pytest.mark.parametrize("p", [0.0, 0.3], ids=["no_dropout", "dropout"])
+def test_branch_launches_once_forward_at_most_twice_backward(layout, p, request):
+    # add_norm's branch (alpha, x1, dropout): with dropout the seed is drawn on the host
+    # and passed by value, so the device runs the kernel alone (issue 24: a torch.randint
+    # on x's device was a second launch); its masks are regenerated in backward from it
+    if layout == "wide":
+        request.getfixturevalue("small_wide_rows")
+    rows, d = (130, 40) if layout == "tile" else (29, 20)
+    x, x1, r = (torch.randn(rows, d, requires_grad=True) for _ in range(3))
+    w = torch.randn(d, requires_grad=True)
+    with AllLaunches() as fwd:
+        out, new_res = fuseblock.add_norm(x, r, w, alpha=0.7, x1=x1, dropout_p=p)
+    grads = (torch.randn_like(out), torch.randn_like(new_res))
+    with AllLaunches() as bwd:
+        torch.autograd.grad((out, new_res), (x, x1, r, w), grads)
+    assert (fwd.total, fwd.ops) == (1, []) and (bwd.total, bwd.ops) == (2, [])
+    assert fwd.host_ops == (["randint", "_local_scalar_dense"] if p else [])
+    assert bwd.host_ops == (["_local_scalar_dense"] if p else [])
+    if fwd.names is not None:
+        assert fwd.names == ["_fwd_tile" if layout == "tile" else "_fwd_loop"]
+        assert bwd.names == (["_bwd_tile", "_bwd_sum"] if layout == "tile" else ["_bwd_dots", "_bwd_cols"])
+
+
+@pytest.mark.parametrize("layout", ["tile", "wide"])
 def test_empty_batch_backward_fills_zeros_in_the_parameter_dtypes(layout, request):
     if layout == "wide":
         request.getfixturevalue("small_wide_rows")

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from fuseblock.kernels.occupancy import H100_SM, resident_programs
-from fuseblock.testing.sm90 import captured_launches, compile_sm90, norm_launches, resource_usage
+from fuseblock.testing.sm90 import (
+    captured_launches,
+    compile_sm90,
+    norm_add_launches,
+    norm_launches,
+    resource_usage,
+)
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton's compiler")
 
@@ -20,6 +26,8 @@ CONFIGS = {  # name: (kwargs for norm_launches, residual dtype or None)
     "pre_gate_layer": (dict(kind="layer", gate_position="pre", gate_act="sigmoid"), "same"),
     "post_gate_rms": (dict(kind="rms", gate_position="post"), "same"),
     "groups": (dict(kind="layer", num_groups=4), None),
+    # add_norm's branch: alpha, x1 and dropout, the seed by value (drawn on the host)
+    "branch_dropout": (dict(kind="layer", alpha=0.5, dropout_p=0.1), "same"),
 }
 
 
@@ -29,7 +37,8 @@ def _launches(config, d, dtype, rows=512, compiled=None):
     w = torch.empty(d, dtype=dtype)
     residual = torch.empty_like(x) if res else None
     gate = torch.empty_like(x) if "gate_position" in kw else None
-    return norm_launches(x, residual, w, w if kw["kind"] == "layer" else None, gate, compiled=compiled, **kw)
+    x1 = torch.empty_like(x) if "dropout_p" in kw else None
+    return norm_launches(x, residual, w, w if kw["kind"] == "layer" else None, gate, x1=x1, compiled=compiled, **kw)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -47,6 +56,32 @@ def test_core_kernels_compile_for_h100(config, d):
         # word or two outside the loops at most)
         if ln.name in ("_fwd_loop", "_bwd_dots", "_bwd_cols", "_bwd_sum"):
             assert usage["stack"] <= 16, (ln.name, usage)
+
+
+@pytest.mark.parametrize("d", [1000, 40000])
+def test_dropout_kernels_with_a_device_seed_compile_for_h100(d):
+    """The variant a CUDA graph capture runs: the seed read from a device tensor."""
+    x, w = torch.empty(512, d, dtype=torch.bfloat16), torch.empty(d, dtype=torch.bfloat16)
+    launches = norm_launches(x, torch.empty_like(x), w, x1=torch.empty_like(x), alpha=0.5, dropout_p=0.1,
+                             seed=torch.empty(1, dtype=torch.int64))
+    assert [ln.name for ln in launches][:1] == ["_fwd_tile" if d == 1000 else "_fwd_loop"]
+    for ln in launches:
+        usage = resource_usage(compile_sm90(ln))
+        assert 0 < usage["registers"] <= 255, (ln.name, usage)
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("second", [True, False], ids=["norm_add_norm", "norm_add"])
+def test_norm_add_loop_kernels_compile_for_h100_without_spills(kind, second):
+    """norm_add and norm_add_norm on rows past the tile: `_fwd_loop`, `_bwd_loop` and the
+    partial rows' sum keep everything in registers (tests/ops/test_norm_add.py compiles
+    the tile kernels)."""
+    x, w = torch.empty(512, 20000, dtype=torch.bfloat16), torch.empty(20000, dtype=torch.bfloat16)
+    launches = norm_add_launches(x, torch.empty_like(x), w, w, kind=kind, second=second)
+    assert [ln.name for ln in launches] == ["_fwd_loop", "_bwd_loop", "_bwd_sum4"]
+    for ln in launches:
+        usage = resource_usage(compile_sm90(ln))
+        assert 0 < usage["registers"] <= 255 and usage["stack"] <= 16, (ln.name, usage)
 
 
 def test_fp32_and_embed_norm_kernels_compile_for_h100():

@@ -215,6 +215,7 @@ def test_compile_fullgraph_no_graph_break(p):
     explained = torch._dynamo.explain(fn)(*inputs)
     assert explained.graph_break_count == 0 and explained.graph_count == 1
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(1)
     got = compiled(*inputs)
     grads = torch.autograd.grad(got.square().sum(), inputs)
     if p == 0:  # no randomness: the eager results
@@ -224,6 +225,11 @@ def test_compile_fullgraph_no_graph_break(p):
             torch.testing.assert_close(a, b)
     else:  # dropped elements of x and x1 (those with no gradient) are where neither reaches new_residual
         assert ((grads[0] == 0).float().mean() - p).abs() < 0.2
+        # the seed is drawn when the graph runs, not when it is traced: manual_seed
+        # reproduces a compiled call, and the next call draws new masks
+        torch.manual_seed(1)
+        again, other = compiled(*inputs), compiled(*inputs)
+        assert torch.equal(again, got) and not torch.equal(other, got)
 
 
 @pytest.mark.kernel_only("counts the Triton path's launches")
@@ -234,12 +240,15 @@ def test_one_launch_forward_two_backward(p, kind):
     w = _leaves(torch.randn(40))[0]
     with AllLaunches() as fwd:
         out, new_res = fuseblock.add_norm(x, r, w, kind=kind, alpha=0.9, x1=x1, dropout_p=p)
-    # one kernel; with dropout also the seed's draw (torch.randint, one int64)
-    assert fwd.kernels == 1 and fwd.ops == (["randint"] if p > 0 else [])
+    # one kernel and nothing else on the device: with dropout the seed is drawn on the
+    # host (torch.randint on the CPU) and handed to the kernel by value
+    assert (fwd.kernels, fwd.ops) == (1, [])
+    assert fwd.host_ops == (["randint", "_local_scalar_dense"] if p > 0 else [])
     grads = (torch.randn_like(out), torch.randn_like(new_res))
     with AllLaunches() as bwd:
         torch.autograd.grad((out, new_res), (x, x1, r, w), grads)
-    assert bwd.total <= 2, (bwd.names, bwd.ops)
+    assert bwd.total <= 2 and bwd.ops == [], (bwd.names, bwd.ops)
+    assert bwd.host_ops == (["_local_scalar_dense"] if p > 0 else [])  # the saved seed, read on the host
 
 
 @pytest.mark.kernel_only("the wide-row kernels")
@@ -248,17 +257,20 @@ def test_one_launch_forward_two_backward(p, kind):
 @pytest.mark.parametrize("p", [0.0, 0.3])
 @pytest.mark.parametrize("res", ["none", "same"])
 def test_wide_rows(kind, p, res, launches):
-    d, rows = 37, 29
-    x, x1 = torch.randn(rows, d) * 3 + 2, torch.randn(rows, d)
-    residual = None if res == "none" else torch.randn(rows, d)
+    # 13 rows of 37 (small_wide_rows): 5 column chunks, the last ragged, and 4 row blocks
+    # over 3 programs per chunk, so one program takes two; few rows, as each element's
+    # Philox draw is slow in the interpreter
+    # With a residual, x and x1 (pass 2 of _fwd_loop reads new_residual back); without,
+    # x alone, nothing to add: pass 2 reads x again, regenerating its mask
+    d, rows = 37, 13
+    x = torch.randn(rows, d) * 3 + 2
+    x1, residual = (None, None) if res == "none" else (torch.randn(rows, d), torch.randn(rows, d))
     w = torch.randn(d)
     b = torch.randn(d) if kind == "layer" else None
-    _check(x, x1, residual, w, b, kind=kind, alpha=0.75, p=p, seed=11)
+    _check(x, x1, residual, w, b, kind=kind, alpha=0.75 if res == "same" else 1.25, p=p, seed=11)
     with AllLaunches() as run:
-        fuseblock.add_norm(x, residual, w, b, kind=kind, alpha=0.75, dropout_p=p)
+        fuseblock.add_norm(x, residual, w, b, kind=kind, alpha=0.75, x1=x1, dropout_p=p)
     assert run.names == ["_fwd_loop"]
-    # and with x alone, no residual: pass 2 of _fwd_loop regenerates x's mask
-    _check(torch.randn(rows, d), None, residual, w, b, kind=kind, alpha=1.25, p=p, seed=12)
 
 
 @pytest.mark.parametrize("alpha", [math.inf, -math.inf, math.nan])
@@ -313,6 +325,30 @@ def test_custom_ops_schema_and_fakes_with_the_branch():
     torch.library.opcheck(norm_op.bwd_op, bwd_args, test_utils=("test_schema", "test_faketensor"))
     dx, dr, _, _, _, dx1 = norm_op.bwd_op(*bwd_args)
     assert dx.shape == dr.shape == dx1.shape == x.shape
+
+
+@pytest.mark.kernel_only("the Triton launchers' seed argument")
+def test_seed_by_pointer_gives_the_masks_of_the_seed_by_value():
+    """The kernels take the seed by value (drawn on the host) or, as while a CUDA graph is
+    captured, by pointer to a one-element int64 tensor: the same masks either way, forward
+    and backward."""
+    from fuseblock.ops.dispatch import kernels
+    from fuseblock.spec import Act, Gate, NormSpec
+
+    launch = kernels("norm", torch.empty(0))
+    x, x1, r, w = torch.randn(6, 24), torch.randn(6, 24), torch.randn(6, 24), torch.randn(24)
+    spec = NormSpec(True, 1.0, 1e-6, Gate.NONE, Act.UNUSED, 1, alpha=0.5, dropout_p=0.4)
+    seed = 123456789012345
+    by_value = launch.norm_fwd(x, r, None, w, None, spec, torch.float32, True, x1, seed)
+    by_pointer = launch.norm_fwd(x, r, None, w, None, spec, torch.float32, True, x1, torch.tensor([seed]))
+    assert all(torch.equal(a, b) for a, b in zip(by_value, by_pointer, strict=True))
+    assert not torch.equal(by_value[1], launch.norm_fwd(x, r, None, w, None, spec, torch.float32, True, x1,
+                                                        seed + 1)[1])
+    _, new_res, rstd, mean = by_value  # spec: a layer norm (center)
+    g = torch.randn(6, 24)
+    grads = [launch.norm_bwd(g, g, new_res, None, w, None, rstd, mean, spec, x.dtype, torch.float32, s, True)
+             for s in (seed, torch.tensor([seed]))]
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True) if a is not None)
 
 
 @pytest.mark.kernel_only("what the Triton path's backward keeps")
