@@ -32,16 +32,27 @@ def families() -> list[tuple[str, str, str]]:
     LM of the installed transformers and every family fuse names, sorted by model_type."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from fuseblock.integrations.transformers import FAMILIES
+    from fuseblock.integrations.transformers import FAMILIES, WRAPPERS
     from fuseblock.integrations.transformers.fusion import refusal
 
     rows = []
-    for model_type in sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(FAMILIES)):
+    for model_type in sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(FAMILIES) | set(WRAPPERS)):
         if model_type in FAMILIES:
-            rows.append((model_type, "fused", FAMILIES[model_type].shape.name))
+            rows.append((model_type, "fused", shapes(FAMILIES[model_type])))
+        elif model_type in WRAPPERS:
+            rows.append((model_type, "fused", f"a multimodal wrapper: its `{WRAPPERS[model_type]}` is fused, the "
+                                              f"vision tower and projector left as they are"))
         else:
             rows.append((model_type, "refused", refusal(model_type)))
     return rows
+
+
+def shapes(family) -> str:
+    """A family's stream shape; where a config flag picks the layout, each with its flag."""
+    variants = getattr(family.variant, "variants", None)
+    if variants is None:
+        return family.shape.name
+    return ", ".join(f"{v.shape.name} ({k} = {v.requires[k]})" for v in variants.values() for k in v.requires)
 
 
 def table() -> str:
@@ -51,7 +62,8 @@ def table() -> str:
     fused = sum(1 for _, verdict, _ in rows if verdict == "fused")
     lines = [BEGIN,
              f"Made by `python tools/transformers_table.py --write` for transformers {transformers.__version__}, "
-             f"from `FAMILIES` and `REFUSED`: {fused} fused of {len(rows)} causal-LM families.",
+             f"from `FAMILIES`, `WRAPPERS` and `REFUSED`: {fused} fused of {len(rows)} families (the causal LMs "
+             f"and the multimodal wrappers fuse takes).",
              "",
              "| `model_type` | fuse | stream shape, or why not |",
              "|---|---|---|"]

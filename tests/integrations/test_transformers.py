@@ -176,7 +176,7 @@ def test_two_n_plus_one_stream_ops_and_no_separate_residual_add(arch, monkeypatc
     with_residual = [c for c in calls if c[2]]
     parallel = fused.base_model.fuseblock_family.shape.name == "parallel"
     assert [c[1:] for c in with_residual] == [(shape, True)] * (n if parallel else 2 * n)
-    assert {c[0] for c in with_residual} == STREAM_OPS[FAMILIES[arch].shape.name]
+    assert {c[0] for c in with_residual} == STREAM_OPS[fused.base_model.fuseblock_family.shape.name]
 
 
 # The fused ops that take a residual, per stream shape: a sandwich's attention post-norm,

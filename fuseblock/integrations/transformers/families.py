@@ -252,8 +252,15 @@ def _embedding_dropout(base, inputs_embeds: Tensor, position_ids: Tensor) -> Ten
     return F.dropout(inputs_embeds, p=base.embedding_dropout, training=base.training)
 
 
-def _by_parallel_residual(variants: Mapping[bool, Family]) -> Callable:
-    return lambda config: variants[bool(config.use_parallel_residual)]
+class _ByParallelResidual:
+    """A family's `variant`: config.use_parallel_residual -> the entry of that layout
+    (`variants`, which docs/transformers.md's table lists)."""
+
+    def __init__(self, variants: Mapping[bool, Family]):
+        self.variants = variants
+
+    def __call__(self, config) -> Family:
+        return self.variants[bool(config.use_parallel_residual)]
 
 
 _NEOX_DROPOUT = {"attn": "post_attention_dropout", "mlp": "post_mlp_dropout"}
@@ -264,7 +271,7 @@ _NEOX = dict(parts={"norm_1": "input_layernorm", "attn": "attention", "norm_2": 
              reads=frozenset({"hidden_dropout"}), dropout=_NEOX_DROPOUT, embed=_embed_in,
              prepare=_emb_dropout, cache_keyword="layer_past")
 _GPT_NEOX: dict[bool, Family] = {}
-_GPT_NEOX.update({flag: Family(PARALLEL if flag else PRE_NORM, **_NEOX, variant=_by_parallel_residual(_GPT_NEOX),
+_GPT_NEOX.update({flag: Family(PARALLEL if flag else PRE_NORM, **_NEOX, variant=_ByParallelResidual(_GPT_NEOX),
                                requires={"use_parallel_residual": flag}) for flag in (True, False)})
 # StableLM drops its MLP's output alone (hidden_dropout); its parallel layers have one norm
 _STABLELM_LAYERS: dict[bool, Family] = {}
@@ -273,7 +280,7 @@ _STABLELM_LAYERS.update({
                  {"norm_1": "input_layernorm", "attn": "self_attn", "mlp": "mlp", "mlp_drop": "dropout"} if flag
                  else {**LLAMA_PARTS, "mlp_drop": "dropout"},
                  reads=frozenset({"hidden_dropout"}), dropout={"mlp": "dropout"},
-                 variant=_by_parallel_residual(_STABLELM_LAYERS), requires={"use_parallel_residual": flag})
+                 variant=_ByParallelResidual(_STABLELM_LAYERS), requires={"use_parallel_residual": flag})
     for flag in (True, False)})
 FAMILIES.update({
     "olmo": Family(PRE_NORM),
