@@ -54,6 +54,12 @@ def norm_from(module: nn.Module) -> Norm:
         return _shared(module, "layer", module.normalized_shape, module.eps, 0.0)
     if isinstance(module, nn.RMSNorm) and type(module).forward is nn.RMSNorm.forward:
         return _shared(module, "rms", module.normalized_shape, module.eps, 0.0)
+    # a Norm holds weight and bias only: anything else the module keeps would leave its state_dict
+    extra = sorted({n for n, _ in module.named_parameters(recurse=False)} - {"weight", "bias"}
+                   | {n for n, _ in module.named_buffers(recurse=False)})
+    if extra:
+        raise TypeError(f"norm_from: unsupported module {type(module).__name__}: it holds {', '.join(extra)} "
+                        f"besides weight and bias")
     d = _hf_dim(module)
     if d is None:
         raise TypeError(

@@ -254,7 +254,7 @@ class WrongEps(LlamaStyleRMSNorm):
     (Scaled(D), "Scaled.*neither"),
     (Shifted(D), "Shifted.*neither"),
     (MeanOnly(D), "MeanOnly.*neither"),
-    (HoldsMore(D), "HoldsMore.*no submodules"),
+    (HoldsMore(D), "HoldsMore.*holds gain besides weight and bias"),
     (BiasOnly(D), "BiasOnly.*no submodules"),
     (nn.Sequential(nn.LayerNorm(D)), "Sequential.*no submodules"),
     (WrongEps(D), "WrongEps.*neither"),

@@ -340,7 +340,7 @@ def test_models_gpt_norms_are_fuseblocks_already():
     (DetachedRMSNorm(D), "differs from its forward: d_input"),
     (CountingNorm(D), "holds calls besides weight and bias"),
     (LayerNorm2d(D), "LayerNorm2d: its forward failed"),
-    (ConvNeXtLayerNorm(D, data_format="channels_first"), "ConvNeXtLayerNorm: its forward is neither"),
+    (ConvNeXtLayerNorm(D, data_format="channels_first"), "ConvNeXtLayerNorm: its forward does not return a tensor"),
     (nn.LayerNorm((4, 8)), "last dim only"),
     (nn.GroupNorm(1, D), "GroupNorm: it normalizes over other dims than the last"),
     (nn.BatchNorm1d(D), "BatchNorm1d: it normalizes over other dims than the last"),
@@ -397,22 +397,22 @@ def test_notes_name_the_norms_whose_output_dtype_differs_under_mixed_precision(m
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_nanogpts_own_layernorm_swaps_once_its_eps_is_named(bias):
+def test_nanogpts_own_layernorm_swaps_with_the_eps_its_forward_uses(bias):
+    """nanoGPT's LayerNorm passes a literal 1e-5 and keeps no eps: the probe solves it (and
+    checks it on every row); a wrong eps named on the module is checked, not trusted."""
     untouched = _randomized(TinyLM(lambda d: NanoGPTLayerNorm(d, bias=bias), bias=bias))
     model = copy.deepcopy(untouched)
     report = swap_norms(model)
-    assert report.swapped == () and len(report.left_alone) == 5
-    assert all("set `eps` on it" in why for why in report.left_alone.values())
-    for m in model.modules():
-        if isinstance(m, NanoGPTLayerNorm):
-            m.eps = 1e-4  # a wrong one: the probe's small row tells
-    assert all("differs" in why or "neither" in why for why in swap_norms(model).left_alone.values())
-    for m in model.modules():
-        if isinstance(m, NanoGPTLayerNorm):
-            m.eps = 1e-5
-    assert len(swap_norms(model).swapped) == 5
+    assert len(report.swapped) == 5 and not report.left_alone
+    assert {m.eps for m in model.modules() if isinstance(m, Norm)} == {1e-5}
     _assert_same_function(model, untouched, _lm_input(), dict(rtol=0, atol=0) if not KERNEL_PATH else
                           dict(rtol=1e-5, atol=1e-5))
+    wrong = copy.deepcopy(untouched)
+    for m in wrong.modules():
+        if isinstance(m, NanoGPTLayerNorm):
+            m.eps = 1e-4  # a wrong one: the probe's small row tells
+    report = swap_norms(wrong)
+    assert report.swapped == () and all("neither" in why for why in report.left_alone.values())
 
 
 def test_the_report_reads_as_a_list():
