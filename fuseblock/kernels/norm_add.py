@@ -249,6 +249,7 @@ def _bwd_tile(
     BR: tl.constexpr, BD: tl.constexpr,
     HAS_DO: tl.constexpr, HAS_DRO: tl.constexpr, HAS_BW: tl.constexpr, HAS_BB: tl.constexpr,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, SECOND: tl.constexpr, CENTER: tl.constexpr,
+    STORE_DR: tl.constexpr,
 ):
     # A persistent grid, as the norm's _bwd_tile: program i_p handles row blocks i_p,
     # i_p + n_p, ... and writes its four parameter-gradient sums once, as row i_p of the
@@ -278,7 +279,8 @@ def _bwd_tile(
             b_db += tl.sum(b_do, 0)
         if HAS_DRO:
             b_dp += tl.load(DRO + row * s_dro + col, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DR + row * s_dr + col, b_dp.to(DR.dtype.element_ty), mask=mask)
+        if STORE_DR:
+            tl.store(DR + row * s_dr + col, b_dp.to(DR.dtype.element_ty), mask=mask)
         # the branch: dy = alpha * dp, then the branch norm's backward to x
         b_dy = alpha * b_dp
         b_x = tl.load(X + row * s_x + col, mask=mask, other=0.0).to(tl.float32)
@@ -323,6 +325,7 @@ def _bwd_loop(
     BR: tl.constexpr, BD: tl.constexpr,
     HAS_DO: tl.constexpr, HAS_DRO: tl.constexpr, HAS_BW: tl.constexpr, HAS_BB: tl.constexpr,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, SECOND: tl.constexpr, CENTER: tl.constexpr,
+    STORE_DR: tl.constexpr,
 ):
     # Rows too wide for registers, in one launch: program i_p handles blocks of BR rows
     # i_p, i_p + n_p, ..., three sweeps over each block's column chunks, since each norm's
@@ -401,8 +404,11 @@ def _bwd_loop(
                 b_dp += tl.load(DRO + row * s_dro + col, mask=mask, other=0.0).to(tl.float32)
             # dresidual rounded once; the branch takes that stored value (as the unfused
             # form, and as sweep 3, which reads it back)
-            b_dpr = b_dp.to(DR.dtype.element_ty)
-            tl.store(DR + row * s_dr + col, b_dpr, mask=mask)
+            if STORE_DR:
+                b_dpr = b_dp.to(DR.dtype.element_ty)
+                tl.store(DR + row * s_dr + col, b_dpr, mask=mask)
+            else:  # dp is dres as it came (norm_add_bwd's store_dr), already in its dtype
+                b_dpr = b_dp
             b_dy = alpha * b_dpr.to(tl.float32)
             b_rb = _normalized(X, row * s_x + col, mask, b_rstdb, b_meanb, CENTER)
             b_dyw = b_dy * scale
@@ -426,7 +432,11 @@ def _bwd_loop(
             m_d = o_col < D
             mask = m_m[:, None] & m_d[None, :]
             col = o_col[None, :]
-            b_dyw = alpha * scale * tl.load(DR + row * s_dr + col, mask=mask, other=0.0).to(tl.float32)
+            if STORE_DR:
+                b_dp = tl.load(DR + row * s_dr + col, mask=mask, other=0.0).to(tl.float32)
+            else:
+                b_dp = tl.load(DRO + row * s_dro + col, mask=mask, other=0.0).to(tl.float32)
+            b_dyw = alpha * scale * b_dp
             if HAS_BW:
                 b_dyw *= _weight(BW, o_col, m_d, woff_b)[None, :]
             b_rb = _normalized(X, row * s_x + col, mask, b_rstdb, b_meanb, CENTER)
@@ -500,18 +510,23 @@ def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_s
 
 
 def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b, mean_b, rstd, mean,
-                 branch_spec: NormSpec, spec: NormSpec, alpha: float, residual_grad_dtype, second: bool):
+                 branch_spec: NormSpec, spec: NormSpec, alpha: float, residual_grad_dtype, second: bool,
+                 store_dr: bool = True):
     """(dx, dresidual, dbranch_weight, dbranch_bias, dweight, dbias), the absent ones None.
     dout (the gradient at out) and dres (at new_residual) may each be None. At most two
     launches: `_bwd_tile` (or `_bwd_loop` for rows wider than the tile), then `_bwd_sum4`
-    when programs left partial rows: several tile programs, or any loop kernel."""
+    when programs left partial rows: several tile programs, or any loop kernel.
+    store_dr=False (norm_add, dres given in residual_grad_dtype): dresidual is dres itself,
+    which r' = r + alpha * N(x) passes through, so nothing is written for it and dresidual
+    comes back None; the loop kernel reads dres back where it would read its stored copy."""
     d = x.shape[-1]
     x2, p2, do2, dro2 = as_rows(x, d), as_rows(p, d), as_rows(dout, d), as_rows(dres, d)
     branch_weight, weight = vec(branch_weight), vec(weight)
     M = x2.shape[0]
     dev = x.device
     dx = torch.empty(x.shape, dtype=x.dtype, device=dev)
-    dr = torch.empty(x.shape, dtype=residual_grad_dtype, device=dev)
+    store_dr = store_dr or second or dro2 is None or dres.dtype != residual_grad_dtype
+    dr = torch.empty(x.shape, dtype=residual_grad_dtype, device=dev) if store_dr else None
     params = (branch_weight, branch_bias, weight if second else None, bias if second else None)
     if M == 0:
         return (dx, dr, *(None if t is None else torch.zeros((d,), dtype=t.dtype, device=dev) for t in params))
@@ -521,7 +536,7 @@ def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rst
     n_items = cdiv(M, lay.br)
     flags = dict(HAS_DO=do2 is not None, HAS_DRO=dro2 is not None, HAS_BW=params[0] is not None,
                  HAS_BB=params[1] is not None, HAS_W=params[2] is not None, HAS_B=params[3] is not None,
-                 SECOND=second, CENTER=spec.center)
+                 SECOND=second, CENTER=spec.center, STORE_DR=store_dr)
     variant = lay.variant(f"norm_add.{kernel.fn.__name__}", (x2, p2, branch_weight, weight, do2, dro2), flags)
     slots = num_sms(dev) * programs_per_sm(dev, variant, lay.per_sm)
     n_prog = max(1, min(slots, n_items, cdiv(M, MIN_ROWS_PER_PROGRAM)))
@@ -530,12 +545,12 @@ def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rst
     sum_parts = (n_prog > 1 or not lay.tile) and any(g is not None for g in grads)
     parts = [None if g is None else (torch.empty((n_prog, d), dtype=torch.float32, device=dev) if sum_parts else g)
              for g in grads]
-    dx2, dr2 = dx.view(M, d), dr.view(M, d)
+    dx2, dr2 = dx.view(M, d), (dr.view(M, d) if store_dr else None)
     p_arg = p2 if second else None  # the second norm's input
     compiled = kernel[(n_prog,)](
         x2, p_arg, branch_weight, weight, rstd_b, mean_b, rstd, mean, do2, dro2, dx2, dr2, *parts,
         x2.stride(0), stride(p_arg), stride(do2), stride(dro2),
-        dx2.stride(0), dr2.stride(0),
+        dx2.stride(0), stride(dr2),
         M, d, spec.scale, branch_spec.weight_offset, spec.weight_offset, alpha,
         BR=lay.br, BD=lay.bd, num_warps=lay.warps, **flags,
     )

@@ -62,23 +62,24 @@ def _bwd(
     dout: Optional[Tensor], dres: Optional[Tensor], x: Tensor, p: Optional[Tensor], branch_weight: Optional[Tensor],
     branch_bias: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor], rstd_b: Tensor,
     mean_b: Optional[Tensor], rstd: Optional[Tensor], mean: Optional[Tensor], spec: List[float],  # noqa: UP006
-    residual_grad_dtype: torch.dtype, second: bool,
+    residual_grad_dtype: torch.dtype, second: bool, store_dr: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     bspec, nspec, alpha = _unpack(spec)
     grads = kernels("norm_add", x).norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b,
-                                                mean_b, rstd, mean, bspec, nspec, alpha, residual_grad_dtype, second)
+                                                mean_b, rstd, mean, bspec, nspec, alpha, residual_grad_dtype, second,
+                                                store_dr)
     return tuple(t if t is not None else _empty(x) for t in grads)
 
 
 def _bwd_fake(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b, mean_b, rstd, mean, spec,
-              residual_grad_dtype, second):
+              residual_grad_dtype, second, store_dr):
     d = x.shape[-1]
 
     def param(t, on=True):
         return x.new_empty((d,), dtype=t.dtype) if t is not None and on else _empty(x)
 
-    return (x.new_empty(x.shape), x.new_empty(x.shape, dtype=residual_grad_dtype), param(branch_weight),
-            param(branch_bias), param(weight, second), param(bias, second))
+    return (x.new_empty(x.shape), x.new_empty(x.shape, dtype=residual_grad_dtype) if store_dr else _empty(x),
+            param(branch_weight), param(branch_bias), param(weight, second), param(bias, second))
 
 
 def _setup(ctx, inputs, output):
@@ -101,8 +102,13 @@ def _grads(ctx, grad_outputs, bwd):
     x, p, bw, bb, w, b, rstd_b, mean_b, rstd, mean = ctx.saved_tensors
     if rstd_b.numel() == 0 and x.numel() > 0:
         raise RuntimeError("fuseblock: backward through a norm_add whose forward ran without grad enabled")
+    # norm_add's r' = r + alpha * N(x) passes the gradient at r' through to r: in r's dtype it
+    # is dresidual itself, returned as it came, where a kernel would write a copy of it
+    passed = not ctx.second and dres is not None and dres.dtype == ctx.residual_dtype
     found = bwd(dout if ctx.second else None, dres, x, p, bw, bb, w, b, rstd_b, mean_b, rstd, mean,
-                [*ctx.bspec.pack(), *ctx.spec.pack(), ctx.alpha], ctx.residual_dtype, ctx.second)
+                [*ctx.bspec.pack(), *ctx.spec.pack(), ctx.alpha], ctx.residual_dtype, ctx.second, not passed)
+    if passed:
+        found = (found[0], dres, *found[2:])
     return tuple(g if t is not None else None for g, t in zip(found, (x, x, bw, bb, w, b), strict=True))
 
 

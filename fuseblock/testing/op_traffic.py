@@ -102,9 +102,10 @@ def residual_minimum_bytes(op: str, x) -> tuple[int, int]:
     """Compulsory (forward, backward) bytes of norm_add / norm_add_norm, every activation
     of x's size: forward reads x and residual and writes new_residual (and out); backward
     reads x (and the saved new_residual) and the gradient at each output, and writes dx
-    and dresidual."""
+    and dresidual, except norm_add's, which is the gradient at new_residual passed through
+    (r' = r + alpha * N(x)): nothing to write."""
     if op == "norm_add":
-        return 3 * x.nbytes, 4 * x.nbytes
+        return 3 * x.nbytes, 3 * x.nbytes
     return 4 * x.nbytes, 6 * x.nbytes
 
 

@@ -349,15 +349,13 @@ def test_stream_quick_fused_moves_fewer_hidden_stream_bytes_in_every_shape():
         for r in (fwd, both):
             assert 0 < r["fused_MB"] < r["untouched_MB"], r
         # one launch per join forward: two joins a layer, one for parallel (whose two branches
-        # join at once); dropout adds its seed's torch ops
-        assert fwd["fused_launches"] == {"parallel": 1, "dropout": 4}.get(shape, 2), fwd
+        # join at once); dropout's seed is drawn on the host
+        assert fwd["fused_launches"] == {"parallel": 1}.get(shape, 2), fwd
         assert both["fused_MB"] == pytest.approx(fwd["fused_MB"] + bwd["fused_MB"])
-        if shape != "post-norm":
-            assert bwd["fused_MB"] < bwd["untouched_MB"], bwd
-        else:
-            # untouched, the residual's gradient passes through the add for free; norm_add's
-            # backward writes it out (DR, a copy of the incoming gradient): one hidden state a join
-            assert bwd["fused_hiddens"] - bwd["untouched_hiddens"] < 2 * 1.2, bwd
+        # post-norm's backward is level: norm_add passes the residual's gradient through, as the
+        # untouched add does (it wrote a copy of it: 1.24x the untouched bytes), and its weight
+        # gradient's partial rows are the rest (measured 1.014x at 128 x 256)
+        assert bwd["fused_MB"] < (1.05 if shape == "post-norm" else 1.0) * bwd["untouched_MB"], bwd
 
 
 @pytest.mark.parametrize("shape", ["pre-norm", "scaled", "parallel", "post-norm", "sandwich"])
