@@ -7,6 +7,7 @@ so the many small error-path tests stay fast.
 import contextlib
 import importlib.util
 import io
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
@@ -124,3 +126,32 @@ def saved_tiny_gpt(directory, step: int, *, trained: bool = True):
     rng = {"torch0": torch.get_rng_state()}
     checkpoint.save(directory, step, model, opt, {"model": model.config.to_json()}, rng)
     return model, opt, rng
+
+
+def _header(path) -> bytes:
+    """A safetensors file's header: every tensor's name, dtype, shape and place, and the metadata."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")  # the format's first 8 bytes: the header's length
+        return f.read(size)
+
+
+def compare_checkpoints(a, b) -> float:
+    """Two checkpoints in one format: the same safetensors headers (names, dtypes, shapes,
+    layout, metadata: the tied head stored once, as save_model does) and the same meta.json
+    but for the world size and the accumulation; returns the largest difference of any
+    tensor or loss."""
+    diff = 0.0
+    for f in ("model.safetensors", "optimizer.safetensors"):
+        assert _header(a / f) == _header(b / f), f
+        x, y = load_file(a / f), load_file(b / f)
+        for k in x:
+            diff = max(diff, (x[k].double() - y[k].double()).abs().max().item())
+    ma, mb = (json.loads((c / "meta.json").read_text()) for c in (a, b))
+    assert ma.keys() == mb.keys() and ma["format"] == mb["format"] and ma["step"] == mb["step"]
+    assert ma["config"]["model"] == mb["config"]["model"] and ma["optimizer"] == mb["optimizer"]
+    assert {k: v for k, v in ma["config"]["train"].items() if k != "grad_accum"} == \
+        {k: v for k, v in mb["config"]["train"].items() if k != "grad_accum"}
+    assert len(ma["curve"]) == len(mb["curve"]) == ma["step"]
+    diff = max([diff] + [abs(u - v) for u, v in zip(ma["curve"], mb["curve"], strict=True)])
+    print(f"{a.parent.name}/{a.name} vs {b.parent.name}/{b.name}: largest difference {diff:.3g}")  # pytest -s
+    return diff

@@ -61,9 +61,9 @@ def table() -> str:
     rows = families()
     fused = sum(1 for _, verdict, _ in rows if verdict == "fused")
     lines = [BEGIN,
-             f"Made by `python tools/transformers_table.py --write` for transformers {transformers.__version__}, "
-             f"from `FAMILIES`, `WRAPPERS` and `REFUSED`: {fused} fused of {len(rows)} families (the causal LMs "
-             f"and the multimodal wrappers fuse takes).",
+             "Made by `.venv/bin/python tools/transformers_table.py --write` for transformers "
+             f"{transformers.__version__}, from `FAMILIES`, `WRAPPERS` and `REFUSED`: {fused} fused of "
+             f"{len(rows)} families (the causal LMs and the multimodal wrappers fuse takes).",
              "",
              "| `model_type` | fuse | stream shape, or why not |",
              "|---|---|---|"]
@@ -95,7 +95,7 @@ def stale(doc: Path, readme: Path) -> list[str]:
         print(f"{doc.name}'s table is for transformers {version and version.group(1)}; installed is "
               f"{transformers.__version__}: the table is not compared")
     elif old != table():
-        found.append(f"{doc.name}'s family table is stale: run python tools/transformers_table.py --write")
+        found.append(f"{doc.name}'s family table is stale: run .venv/bin/python tools/transformers_table.py --write")
     return found
 
 

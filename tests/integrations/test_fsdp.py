@@ -12,8 +12,7 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from trainutil import ROOT, TINY, call, train
+from trainutil import ROOT, TINY, call, compare_checkpoints, train
 
 from models.gpt import GPT, GPTConfig
 
@@ -101,35 +100,6 @@ def test_stack_and_gpt_shard_on_two_cpu_ranks_and_match_one_process(tmp_path):
             assert r["grad_max_abs"] > 0.01 and r["grad_max_abs_diff"] <= 1e-6 and r["loss_diff"] <= 1e-6, (name, r)
 
 
-def _header(path) -> bytes:
-    """A safetensors file's header: every tensor's name, dtype, shape and place, and the metadata."""
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")  # the format's first 8 bytes: the header's length
-        return f.read(size)
-
-
-def _compare(a, b) -> float:
-    """Two checkpoints in one format: the same safetensors headers (names, dtypes, shapes,
-    layout, metadata: the tied head stored once, as save_model does) and the same meta.json
-    but for the world size and the accumulation; returns the largest difference of any
-    tensor or loss."""
-    diff = 0.0
-    for f in ("model.safetensors", "optimizer.safetensors"):
-        assert _header(a / f) == _header(b / f), f
-        x, y = load_file(a / f), load_file(b / f)
-        for k in x:
-            diff = max(diff, (x[k].double() - y[k].double()).abs().max().item())
-    ma, mb = (json.loads((c / "meta.json").read_text()) for c in (a, b))
-    assert ma.keys() == mb.keys() and ma["format"] == mb["format"] and ma["step"] == mb["step"]
-    assert ma["config"]["model"] == mb["config"]["model"] and ma["optimizer"] == mb["optimizer"]
-    assert {k: v for k, v in ma["config"]["train"].items() if k != "grad_accum"} == \
-        {k: v for k, v in mb["config"]["train"].items() if k != "grad_accum"}
-    assert len(ma["curve"]) == len(mb["curve"]) == ma["step"]
-    diff = max([diff] + [abs(u - v) for u, v in zip(ma["curve"], mb["curve"], strict=True)])
-    print(f"{a.parent.name}/{a.name} vs {b.parent.name}/{b.name}: largest difference {diff:.3g}")  # pytest -s
-    return diff
-
-
 @pytest.mark.slow
 def test_fsdp_checkpoints_resume_in_one_process_and_back(tmp_path):
     """2 ranks with --fsdp equal one process with 2x accumulation (same data per step, the
@@ -141,12 +111,12 @@ def test_fsdp_checkpoints_resume_in_one_process_and_back(tmp_path):
     shutil.copytree(single, back)
     _torchrun(ROOT / "scripts" / "train.py", "--fsdp", "--out-dir", fsdp, "--max-iters", 2, "--device", "cpu",
               *common, *TINY)
-    assert _compare(fsdp / "ckpt-000002", single / "ckpt-000002") <= 1e-6
+    assert compare_checkpoints(fsdp / "ckpt-000002", single / "ckpt-000002") <= 1e-6
     train(single, 4, "--resume")
     p = call("train.py", "--out-dir", fsdp, "--resume", "--max-iters", "4", "--grad-accum", "2", "--no-progress")
     assert "world_size 2 -> 1" in p.stdout and "iters 2..4" in p.stdout
-    assert _compare(fsdp / "ckpt-000004", single / "ckpt-000004") <= 1e-6
+    assert compare_checkpoints(fsdp / "ckpt-000004", single / "ckpt-000004") <= 1e-6
     p = _torchrun(ROOT / "scripts" / "train.py", "--fsdp", "--out-dir", back, "--resume", "--max-iters", 4,
                   "--grad-accum", 1, "--device", "cpu", "--no-progress")
     assert "world_size 1 -> 2" in p.stdout and "iters 2..4" in p.stdout
-    assert _compare(back / "ckpt-000004", single / "ckpt-000004") <= 1e-6
+    assert compare_checkpoints(back / "ckpt-000004", single / "ckpt-000004") <= 1e-6

@@ -12,8 +12,7 @@ import sys
 
 import pytest
 from helpers import KERNEL_PATH
-from test_fsdp import _compare
-from trainutil import ROOT, TINY, call, train
+from trainutil import ROOT, TINY, call, compare_checkpoints, train
 
 WORKER = str(ROOT / "tests" / "integrations" / "gpt_tp_worker.py")
 TOL = 1e-6  # fp32: the same sums, split across ranks and added in another order
@@ -111,11 +110,11 @@ def test_tp_and_2d_training_equal_one_process_and_resume_across_layouts(tmp_path
     train(single, 4, "--resume")  # the schedule of a 2-step run, as every resumed run below keeps
     run = [ROOT / "scripts" / "train.py", "--device", "cpu", "--out-dir", tp]
     _torchrun(2, *run, "--tp", 2, "--max-iters", 2, "--grad-accum", 2, *common, *TINY)
-    assert _compare(tp / "ckpt-000002", single / "ckpt-000002") <= TOL
+    assert compare_checkpoints(tp / "ckpt-000002", single / "ckpt-000002") <= TOL
     p = _torchrun(4, *run, "--fsdp", "--tp", 2, "--resume", "--max-iters", 4, "--grad-accum", 1, "--no-progress")
     assert "world 4 (dp 2 x tp 2)" in p.stdout and "world_size 1 -> 2" in p.stdout and "iters 2..4" in p.stdout
-    assert _compare(tp / "ckpt-000004", single / "ckpt-000004") <= TOL
+    assert compare_checkpoints(tp / "ckpt-000004", single / "ckpt-000004") <= TOL
     train(single, 5, "--resume")
     p = call("train.py", "--out-dir", tp, "--resume", "--max-iters", "5", "--grad-accum", "2", "--no-progress")
     assert "world_size 2 -> 1" in p.stdout and "iters 4..5" in p.stdout
-    assert _compare(tp / "ckpt-000005", single / "ckpt-000005") <= TOL
+    assert compare_checkpoints(tp / "ckpt-000005", single / "ckpt-000005") <= TOL

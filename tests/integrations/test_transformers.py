@@ -425,7 +425,15 @@ def test_compile_fullgraph_forward_and_backward(arch):
     assert explained.graph_break_count == 0, explained.break_reasons
     compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
     # (output_hidden_states installs transformers' hooks under a lock, which Dynamo cannot trace)
-    a, b = run(unfused, ids, mask, labels, hidden=False), run(compiled, ids, mask, labels, hidden=False)
+    a = run(unfused, ids, mask, labels, hidden=False)
+    try:
+        b = run(compiled, ids, mask, labels, hidden=False)
+    except torch._dynamo.exc.BackendCompilerFailed:
+        try:  # transformers 5.17's MoE experts (grouped_mm's fallback) compile for neither model
+            run(torch.compile(unfused, fullgraph=True, backend="aot_eager"), ids, mask, labels, hidden=False)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            pytest.skip(f"the unfused model does not compile either: {str(e).splitlines()[0]}")
+        raise
     torch.testing.assert_close(b[0], a[0], rtol=1e-5, atol=1e-5)
     for name in a[2]:
         torch.testing.assert_close(b[2][name], a[2][name], rtol=1e-5, atol=1e-5)

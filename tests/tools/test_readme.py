@@ -72,8 +72,8 @@ def _layout_entries() -> dict[str, str]:
 
 def test_readme_layout_names_every_module_of_the_package():
     # A file is named by its own path, or by its name (relative to the folder) in the text of
-    # its folder's entry. The subpackages' __init__.py files are left out: they hold only a
-    # docstring (checked here, so that stays true), and their folder is named.
+    # its folder's entry. The subpackages' __init__.py files are left out where they hold only
+    # a docstring (their folder is named); one that holds code is named like any module.
     entries = _layout_entries()
     package = README.parent / "fuseblock"
     missing = []
@@ -81,8 +81,8 @@ def test_readme_layout_names_every_module_of_the_package():
         rel = path.relative_to(README.parent).as_posix()
         if path.name == "__init__.py" and path.parent != package:
             body = ast.parse(path.read_text()).body
-            assert len(body) == 1 and isinstance(body[0], ast.Expr), f"{rel} holds code: name it in the layout"
-            continue
+            if len(body) == 1 and isinstance(body[0], ast.Expr):
+                continue
         named = rel in entries or any(
             folder.endswith("/") and rel.startswith(folder)
             and re.search(r"(?<![\w/.])" + re.escape(rel[len(folder):]) + r"(?!\w)", text)
