@@ -7,7 +7,9 @@ from contextlib import nullcontext
 
 import torch
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import fuseblock.modules
 from fuseblock.integrations.transformers import fuse
 from fuseblock.integrations.transformers.tiny import SIZES, tiny_config
 
@@ -86,3 +88,48 @@ def differences(arch, dtype=torch.float32, *, residual_dtype=None, autocast=Fals
     return result
 
 
+class StreamOps(TorchDispatchMode):
+    """Counts, outside fuseblock's stream ops, the aten adds with the hidden state's shape
+    (the residual adds) and the rsqrt calls on it (the unfused RMSNorms at hidden width)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.adds, self.norms, self.inside = tuple(shape), 0, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.inside and getattr(out, "shape", None) is not None:
+            if func.overloadpacket is torch.ops.aten.add and tuple(out.shape) == self.shape:
+                self.adds += 1
+            if func.overloadpacket is torch.ops.aten.rsqrt and tuple(out.shape) == (*self.shape[:-1], 1):
+                self.norms += 1
+        return out
+
+
+def stream_ops(unfused, fused, ids, monkeypatch):
+    """(the unfused model's StreamOps, the fused model's, and the fused model's calls of
+    fuseblock's stream ops in order: (op name, x's shape, with a residual)), one forward
+    of each on ids. The ops are what Norm.add, .norm_add and .norm_add_norm call; the
+    unfused model calls none of them."""
+    shape, calls, mode = (*ids.shape, unfused.config.hidden_size), [], None
+
+    def counting(name, real):
+        def op(*args, **kwargs):
+            calls.append((name, args[0].shape, args[1] is not None))
+            mode.inside += 1
+            try:
+                return real(*args, **kwargs)
+            finally:
+                mode.inside -= 1
+        return op
+
+    for name in ("add_norm", "norm_add", "norm_add_norm"):
+        monkeypatch.setattr(fuseblock.modules, name, counting(name, getattr(fuseblock.modules, name)))
+    with torch.no_grad():
+        with StreamOps(shape) as mode:
+            unfused(ids)
+        assert not calls
+        before = mode
+        with StreamOps(shape) as mode:
+            fused(ids)
+    return before, mode, calls

@@ -155,3 +155,16 @@ def compare_checkpoints(a, b) -> float:
     diff = max([diff] + [abs(u - v) for u, v in zip(ma["curve"], mb["curve"], strict=True)])
     print(f"{a.parent.name}/{a.name} vs {b.parent.name}/{b.name}: largest difference {diff:.3g}")  # pytest -s
     return diff
+
+
+def torchrun(n: int, *args, kernel_path: bool = False, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`torch.distributed.run` on n CPU ranks (gloo, one thread each) with args, asserting it
+    succeeds; on the kernel path (TRITON_INTERPRET=1) where kernel_path, else the torch path."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if kernel_path:
+        env["TRITON_INTERPRET"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                        *map(str, args)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"{p.stdout}\n{p.stderr}"
+    return p

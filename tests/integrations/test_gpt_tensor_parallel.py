@@ -6,33 +6,19 @@ Then train.py on the torch path: --tp 2 on 2 ranks and --fsdp --tp 2 on 4, one l
 each, their loss curves and checkpoints against one process's, resuming each other's
 checkpoints and resumed by one process."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 from helpers import KERNEL_PATH
-from trainutil import ROOT, TINY, call, compare_checkpoints, train
+from trainutil import ROOT, TINY, call, compare_checkpoints, torchrun, train
 
 WORKER = str(ROOT / "tests" / "integrations" / "gpt_tp_worker.py")
 TOL = 1e-6  # fp32: the same sums, split across ranks and added in another order
 
 
-def _torchrun(n: int, *args, kernel_path: bool = False):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CPU torch path
-    if kernel_path:
-        env["TRITON_INTERPRET"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-                        *map(str, args)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, f"{p.stdout}\n{p.stderr}"
-    return p
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpt_tp")
-    _torchrun(4, WORKER, out, kernel_path=KERNEL_PATH)
+    torchrun(4, WORKER, out, kernel_path=KERNEL_PATH)
     found = json.loads((out / "gpt_tp.json").read_text())
     assert found["kernel_path"] == KERNEL_PATH  # the path under test ran
     return found
@@ -109,9 +95,9 @@ def test_tp_and_2d_training_equal_one_process_and_resume_across_layouts(tmp_path
     train(single, 2, "--grad-accum", "2", *common)
     train(single, 4, "--resume")  # the schedule of a 2-step run, as every resumed run below keeps
     run = [ROOT / "scripts" / "train.py", "--device", "cpu", "--out-dir", tp]
-    _torchrun(2, *run, "--tp", 2, "--max-iters", 2, "--grad-accum", 2, *common, *TINY)
+    torchrun(2, *run, "--tp", 2, "--max-iters", 2, "--grad-accum", 2, *common, *TINY)
     assert compare_checkpoints(tp / "ckpt-000002", single / "ckpt-000002") <= TOL
-    p = _torchrun(4, *run, "--fsdp", "--tp", 2, "--resume", "--max-iters", 4, "--grad-accum", 1, "--no-progress")
+    p = torchrun(4, *run, "--fsdp", "--tp", 2, "--resume", "--max-iters", 4, "--grad-accum", 1, "--no-progress")
     assert "world 4 (dp 2 x tp 2)" in p.stdout and "world_size 1 -> 2" in p.stdout and "iters 2..4" in p.stdout
     assert compare_checkpoints(tp / "ckpt-000004", single / "ckpt-000004") <= TOL
     train(single, 5, "--resume")

@@ -12,13 +12,11 @@ import inspect
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
-from hf_models import HIDDEN, SIZES, batch, make, max_diff, pair  # noqa: E402
+from hf_models import HIDDEN, SIZES, batch, make, max_diff, pair, stream_ops  # noqa: E402
 
-import fuseblock.modules  # noqa: E402
 from fuseblock import Norm  # noqa: E402
 from fuseblock.integrations.transformers import WRAPPERS, fuse  # noqa: E402
 from fuseblock.integrations.transformers.tiny import TINY  # noqa: E402
@@ -26,53 +24,13 @@ from fuseblock.integrations.transformers.tiny import TINY  # noqa: E402
 # ---------------------------------------------------------------------------- ops per layer
 
 
-class _Stream(TorchDispatchMode):
-    """Counts, outside fuseblock's ops, the aten adds with the hidden state's shape (the
-    residual adds) and the rsqrt calls on it (the unfused RMSNorms at hidden width)."""
-
-    def __init__(self, shape):
-        super().__init__()
-        self.shape, self.adds, self.norms, self.inside = tuple(shape), 0, 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not self.inside and getattr(out, "shape", None) is not None:
-            if func.overloadpacket is torch.ops.aten.add and tuple(out.shape) == self.shape:
-                self.adds += 1
-            if func.overloadpacket is torch.ops.aten.rsqrt and tuple(out.shape) == (*self.shape[:-1], 1):
-                self.norms += 1
-        return out
-
-
 def _ops(arch, n, monkeypatch):
     """(unfused adds, unfused hidden-width norms, fused op calls): fused calls as (op name,
     x's last dim, with a residual), in order."""
     unfused, fused = pair(arch, layers=n)
-    ids = batch()[0]
-    shape = (*ids.shape, HIDDEN)
-    calls = []
-
-    def counting(name, real):
-        def op(*args, **kwargs):
-            calls.append((name, args[0].shape[-1], args[1] is not None))
-            mode.inside += 1
-            try:
-                return real(*args, **kwargs)
-            finally:
-                mode.inside -= 1
-        return op
-
-    for name in ("add_norm", "norm_add", "norm_add_norm"):
-        monkeypatch.setattr(fuseblock.modules, name, counting(name, getattr(fuseblock.modules, name)))
-    with torch.no_grad():
-        with _Stream(shape) as mode:
-            unfused(ids)
-        assert not calls
-        adds, norms = mode.adds, mode.norms
-        with _Stream(shape) as mode:
-            fused(ids)
-    assert mode.adds == 0 and mode.norms == 0  # no residual add and no norm left outside fuseblock's ops
-    return adds, norms, calls
+    u, f, calls = stream_ops(unfused, fused, batch()[0], monkeypatch)
+    assert f.adds == 0 and f.norms == 0  # no residual add and no norm left outside fuseblock's ops
+    return u.adds, u.norms, [(name, shape[-1], res) for name, shape, res in calls]
 
 
 def test_post_norm_makes_one_norm_add_per_residual_add(monkeypatch):

@@ -6,13 +6,10 @@ whole, replicated activations, so they run as in one process. Logits, loss and e
 gradient against one process's fused model on the same checkpoint (fp32, 1e-6 of the
 largest value), with fuse before and after the plan is applied. docs/parallel.md."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 from helpers import KERNEL_PATH
-from trainutil import ROOT
+from trainutil import ROOT, torchrun
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.kernel
@@ -23,13 +20,7 @@ TOL = 1e-6
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_tp")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if KERNEL_PATH:
-        env["TRITON_INTERPRET"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER,
-                        str(out)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, f"{p.stdout}\n{p.stderr}"
+    torchrun(2, WORKER, out, kernel_path=KERNEL_PATH, timeout=240)
     found = json.loads((out / "hf_tp.json").read_text())
     assert len(found) == 2 and all(r["kernel_path"] == KERNEL_PATH for r in found)  # the path under test ran
     return found

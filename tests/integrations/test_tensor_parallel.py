@@ -7,13 +7,10 @@ Shard(0)), and norm_linear by rows or with a column-parallel Linear, values and 
 weight's gradient a Partial sum; what each communicates; the placements refused; and
 the parallel styles on a fused ResidualStack, whose residual must not be dropped."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 from helpers import KERNEL_PATH
-from trainutil import ROOT
+from trainutil import ROOT, torchrun
 
 pytestmark = pytest.mark.kernel
 WORKER = str(ROOT / "tests" / "integrations" / "tp_worker.py")
@@ -26,13 +23,7 @@ CASES += ["add_norm_layer_uneven_shard1", "add_norm_layer_uneven_shard2"]  # (2,
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if KERNEL_PATH:
-        env["TRITON_INTERPRET"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER,
-                        str(out)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, f"{p.stdout}\n{p.stderr}"
+    torchrun(2, WORKER, out, kernel_path=KERNEL_PATH, timeout=240)
     found = json.loads((out / "tp.json").read_text())
     assert len(found) == 2 and all(r["kernel_path"] == KERNEL_PATH for r in found)  # the path under test ran
     return found

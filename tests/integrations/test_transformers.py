@@ -20,13 +20,11 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
-from hf_models import HIDDEN, LAYERS, ROOT, batch, differences, make, max_diff, pair, run  # noqa: E402
+from hf_models import HIDDEN, LAYERS, ROOT, batch, differences, make, max_diff, pair, run, stream_ops  # noqa: E402
 
-import fuseblock.modules  # noqa: E402
 from fuseblock import Norm  # noqa: E402
 from fuseblock.integrations.transformers import FAMILIES, fuse  # noqa: E402
 from fuseblock.integrations.transformers.tiny import SIZES, TINY, tiny_config  # noqa: E402
@@ -126,50 +124,17 @@ def test_output_attentions_match(arch):
 # ---------------------------------------------------------------------------- the fused stream's shape
 
 
-class _HiddenAdds(TorchDispatchMode):
-    """Counts aten adds whose output has the hidden state's shape (B, T, hidden), except
-    inside fuseblock's add_norm: those are the separate residual adds."""
-
-    def __init__(self, shape):
-        super().__init__()
-        self.shape, self.count, self.inside = tuple(shape), 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not self.inside and func.overloadpacket is torch.ops.aten.add and getattr(out, "shape", None) == self.shape:
-            self.count += 1
-        return out
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_two_n_plus_one_stream_ops_and_no_separate_residual_add(arch, monkeypatch):
     n = 3
     unfused, fused = pair(arch, layers=n)
     ids = batch()[0]
-    calls = []
-
-    def counting(name, real):
-        def op(*args, **kwargs):
-            calls.append((name, args[0].shape, args[1] is not None))  # (op, x's shape, with a residual)
-            mode.inside += 1
-            try:
-                return real(*args, **kwargs)
-            finally:
-                mode.inside -= 1
-        return op
-
     # the stream's adds before the first layer, which no norm follows: GPT-2's token + position embeddings
     before = 1 if arch == "gpt2" else 0
-    for name in ("add_norm", "norm_add", "norm_add_norm"):  # what Norm.add, .norm_add, .norm_add_norm call
-        monkeypatch.setattr(fuseblock.modules, name, counting(name, getattr(fuseblock.modules, name)))
     shape = (*ids.shape, HIDDEN)
-    with torch.no_grad():
-        with _HiddenAdds(shape) as mode:
-            unfused(ids)
-        assert mode.count == 2 * n + before and not calls  # the counter sees the unfused model's adds
-        with _HiddenAdds(shape) as mode:
-            fused(ids)
-    assert mode.count == before
+    u, f, calls = stream_ops(unfused, fused, ids, monkeypatch)
+    assert u.adds == 2 * n + before  # the counter sees the unfused model's adds
+    assert f.adds == before
     # every add of the stream but the embedding's (which has none) meets its norms in one op:
     # 2n of the stream's ops take a residual; plain norms (Qwen3's q/k norms per head) take none
     # (a parallel layer's two branch outputs enter in one op: n of them)
