@@ -26,7 +26,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .layers import PARALLEL, PARALLEL_RESIDUAL_FIRST, POST_NORM, PRE_NORM, SANDWICH, Shape
-from .model import FUSED_MODEL_FORWARD, _model_forward
+from .model import FUSED_MODEL_FORWARD, stream_forward
 
 
 def embed_tokens(base, input_ids: Tensor) -> Tensor:
@@ -158,7 +158,7 @@ def _gpt2_model_forward(self, input_ids=None, past_key_values=None, attention_ma
         shape = inputs_embeds.shape[:-1]
     if attention_mask is not None and attention_mask.ndim < 4:
         attention_mask = attention_mask.view((input_ids if inputs_embeds is None else inputs_embeds).shape[0], -1)
-    out = _model_forward(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
+    out = stream_forward(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
                          **kwargs)
     out.last_hidden_state = out.last_hidden_state.view(-1, *shape[1:], out.last_hidden_state.shape[-1])
     return out

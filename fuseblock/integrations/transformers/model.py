@@ -68,7 +68,7 @@ def _final_norm(base, family, last, hidden: Tensor, residual: Tensor | None, *re
     return family.shape.enter(last, hidden, residual, norm, rdtype, *rest)[0]
 
 
-def _model_forward(
+def stream_forward(
     self,
     input_ids: torch.LongTensor | None = None,
     attention_mask: Tensor | dict | None = None,
@@ -108,4 +108,4 @@ def _model_forward(
 # The decorators of the models' own forward: use_cache from the config, and the
 # output_hidden_states / output_attentions / router-logits recording (hooks on the
 # modules) and return_dict
-FUSED_MODEL_FORWARD = merge_with_config_defaults(capture_outputs(_model_forward))
+FUSED_MODEL_FORWARD = merge_with_config_defaults(capture_outputs(stream_forward))
