@@ -157,6 +157,12 @@ class Norm(nn.Module):
                              f"num_groups={self.num_groups}); call add, then the Linear")
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        if linear._forward_pre_hooks or linear._forward_hooks:
+            # the fused op reads linear's parameters and never calls its forward, so its hooks
+            # (torch's ColwiseParallel's input gather, FSDP2's unshard, a user's) would not run
+            raise ValueError(f"add_linear: linear ({linear}) has forward hooks, which the fused norm + Linear would "
+                             f"skip: call add, then the Linear (fuses_prenorm off), or remove them (a tensor-parallel "
+                             f"plan places the weight alone: docs/parallel.md)")
         return norm_linear(x, residual, self.weight, self.bias, linear.weight, linear.bias, kind=self.kind,
                            eps=self.eps, weight_offset=self.weight_offset,
                            residual_dtype=self.residual_dtype if residual_dtype is None else residual_dtype)

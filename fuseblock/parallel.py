@@ -10,7 +10,9 @@ over the ranks. Use it for `blocks.*.norm`, `blocks.*.branch_norm` (sandwich and
 stacks) and `norm_f` of a ResidualStack in a `parallelize_module` plan. `HiddenParallel`
 shards a norm on its normalized dim instead, the weight and bias with it: for a norm whose
 input comes from a column-parallel Linear (a query/key norm over all heads), with no
-gather (fuseblock.ops.dtensor).
+gather (fuseblock.ops.dtensor). `FusedColwiseParallel` places the first Linear of a mixer
+that fuses the norm into it (`fuses_prenorm`, `Norm.add_linear`): column-parallel weights
+and no hooks, since that Linear's forward never runs.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from .modules import Norm
 
-__all__ = ["HiddenParallel", "SequenceParallel"]
+__all__ = ["FusedColwiseParallel", "HiddenParallel", "SequenceParallel"]
 
 
 class _NormStyle(ParallelStyle):
@@ -123,3 +125,33 @@ class HiddenParallel(_NormStyle):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(use_local_output={self.use_local_output})"
+
+
+class FusedColwiseParallel(ParallelStyle):
+    """Column-parallel placement for a Linear that a fuseblock norm fuses (`Norm.add_linear`,
+    a `fuses_prenorm` mixer's first Linear): its weight and bias placed `placement`
+    (Shard(0); or a strided shard of dim 0, such as q | k | v split by heads), and no hooks.
+    Its forward never runs, so torch's ColwiseParallel hooks (the input all-gather, the
+    output made local) would be skipped, and add_linear refuses a Linear with hooks. Here
+    norm_linear does that work: the norm's style (SequenceParallel) all-gathers the normed
+    rows and gives y sharded on its last dim, a DTensor, or its local shard with that
+    style's use_local_output."""
+
+    def __init__(self, placement=None):
+        super().__init__()
+        self.placement = Shard(0) if placement is None else placement
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"fuseblock.parallel.FusedColwiseParallel applies to an nn.Linear, got "
+                            f"{type(module).__name__}")
+
+        def partition(name, mod, mesh):
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                placed = distribute_tensor(param, mesh, [self.placement], src_data_rank=self.src_data_rank)
+                mod.register_parameter(pname, nn.Parameter(placed, requires_grad=param.requires_grad))
+
+        return distribute_module(module, device_mesh, partition)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(placement={self.placement!r})"

@@ -10,25 +10,28 @@ the residual are sharded by sequence (Shard(1)): each rank holds T/tp rows of bo
 - Each block's norm and norm_f: fuseblock.parallel.SequenceParallel, which shards x and
   the residual alike (torch's style would keep x alone) and replicates the weight; the
   norm runs on each rank's rows, unchanged.
-- Attention: c_attn column-parallel by heads: the input all-gathered to T rows, each rank
+- Attention: c_attn column-parallel by heads: the normed input all-gathered to T rows, each rank
   holding the q, k and v rows of its n_head / tp heads; attention runs on those heads
   alone. c_proj row-parallel: its partial sums reduce-scattered back to the sequence
   shards. The MLP likewise: c_fc column-parallel, c_proj row-parallel.
 - lm_head: column-parallel on the sequence-sharded norm_f output; the logits gathered
   whole on every rank (Replicate), so the loss is the one process's.
 
-A block's norm and its first Linear do not fuse here (fuseblock.norm_linear): the norm's
-output is all-gathered between them. Each mixer runs its unfused form (fuses_prenorm off).
+A block's norm and its first Linear stay one op, as in one process (fuseblock.norm_linear,
+the mixers' fuses_prenorm): on DTensors it normalizes each rank's rows, all-gathers the
+normed rows and runs this rank's columns of the Linear on them. The gathered rows are kept
+for the weight's gradient, as the unfused pair keeps them, so the activation that
+norm_linear saves in one process is not saved here.
 """
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fuseblock.parallel import SequenceParallel
+from fuseblock.parallel import FusedColwiseParallel, SequenceParallel
 
 from .gpt import GPT, CausalSelfAttention
 
@@ -39,29 +42,6 @@ __all__ = ["fsdp_placement", "parallelize"]
 # (the one its own view of a (3, C, C) tensor sharded on dim 1 as (3C, C) takes), so
 # full_tensor, distribute_tensor and FSDP2 see the q | k | v order of the checkpoint.
 _HEADS = _StridedShard(0, split_factor=3)
-
-
-class _HeadColwise(ParallelStyle):
-    """c_attn column-parallel by heads: the input (sequence-sharded) all-gathered, the
-    weight and bias placed as _HEADS, and the output this rank's q, k and v columns of
-    its heads, a plain tensor."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def partition(name, mod, mesh):
-            for pname, param in list(mod.named_parameters(recurse=False)):
-                placed = distribute_tensor(param, mesh, [_HEADS], src_data_rank=None)
-                mod.register_parameter(pname, nn.Parameter(placed, requires_grad=param.requires_grad))
-
-        def gather_rows(mod, inputs, mesh):
-            x = inputs[0]
-            if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
-            return x.redistribute(mesh, [Replicate()])
-
-        def local_heads(mod, out, mesh):
-            return out.to_local()
-
-        return distribute_module(module, device_mesh, partition, gather_rows, local_heads)
 
 
 def parallelize(model: GPT, mesh: DeviceMesh) -> GPT:
@@ -92,10 +72,12 @@ def parallelize(model: GPT, mesh: DeviceMesh) -> GPT:
     }
     for i, block in enumerate(model.stack.blocks):
         attention = isinstance(block.mixer, CausalSelfAttention)
-        block.mixer.fuses_prenorm = False  # the norm's output is all-gathered before the Linear
-        plan[f"stack.blocks.{i}.norm"] = SequenceParallel()
-        plan[f"stack.blocks.{i}.mixer.{'c_attn' if attention else 'c_fc'}"] = (
-            _HeadColwise() if attention else ColwiseParallel(input_layouts=Shard(1)))
+        # the norm and the mixer's first Linear in one (add_linear): the mixer gets its
+        # columns of the Linear's output as a plain tensor (its heads' q, k and v), the next
+        # block the residual as this rank's rows, which its norm's style takes as Shard(1)
+        plan[f"stack.blocks.{i}.norm"] = SequenceParallel(use_local_output=True)
+        plan[f"stack.blocks.{i}.mixer.{'c_attn' if attention else 'c_fc'}"] = FusedColwiseParallel(
+            _HEADS if attention else Shard(0))
         plan[f"stack.blocks.{i}.mixer.c_proj"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
     parallelize_module(model, mesh, plan, src_data_rank=None)
     model.lm_head.weight = model.wte.weight  # tied again: both were placed Shard(0), each on its own

@@ -227,16 +227,21 @@ def norm_linear(local_norm_linear: Callable, add_norm: Callable, x, residual, no
     or replicated on each mesh dim (not on its last dim: the Linear would need the whole row);
     the Linear's weight (and its bias, placed as it) on each mesh dim:
     - Replicate: y is placed as x there; the Linear's gradients Partial where x is by rows.
-    - Shard(0), column-parallel, x replicated: y Shard(-1). Each rank's gradient at the
-      norm's output is a part of the sum over the Linear's outputs, so those of x, residual
-      and the norm's weight and bias are Partial there; new_residual's own gradient
-      (replicated) enters that sum on the first rank alone.
-    - Shard(0), x by rows (sequence parallelism: a norm before a ColwiseParallel Linear): the
-      norm runs on each rank's rows (`add_norm`), its output is all-gathered and the Linear
-      runs on DTensors, as the unfused pair under torch's styles does: the gathered output
-      is kept for the weight's gradient, which the fused op saves elsewhere.
+    - column-parallel, Shard(0) or a strided shard of dim 0 (q | k | v split by heads,
+      `_StridedShard(0, sf)`): y sharded on its last dim the same way (Shard(-1),
+      `_StridedShard(-1, sf)`): each rank's Linear is its rows of the weight, whatever their
+      order. With x replicated there, the fused op runs on each rank: each rank's gradient
+      at the norm's output is a part of the sum over the Linear's outputs, so those of x,
+      residual and the norm's weight and bias are Partial there; new_residual's own
+      gradient (replicated) enters that sum on the first rank alone.
+    - column-parallel with x by rows there (sequence parallelism: a norm before a
+      column-parallel Linear): the norm runs on each rank's rows (`add_norm`), its output
+      is all-gathered (one all-gather forward, one reduce-scatter of its gradient backward,
+      as the unfused pair under torch's styles moves) and each rank's Linear runs on the
+      gathered rows: the gathered output is kept for the weight's gradient, which the fused
+      op saves elsewhere.
     """
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Partial, Replicate
 
     at = _Placed(x, {"residual": residual}, {"norm_weight": norm_weight, "norm_bias": norm_bias},
                  {"weight": weight, "bias": bias})
@@ -248,29 +253,58 @@ def norm_linear(local_norm_linear: Callable, add_norm: Callable, x, residual, no
         wp = weight.placements[i]
         if wp == Replicate():
             y_placements.append(p)
-        elif wp == Shard(0):
-            y_placements.append(Shard(x.ndim - 1))
-            (columns if p == Replicate() else gathered).append(i)
         else:
-            raise ValueError(f"weight's placement {wp!r} on mesh dim {i} is not supported by norm_linear: the "
-                             f"Linear's weight must be Replicate() or Shard(0) (column-parallel)")
+            y_placements.append(_column_output(wp, i, x.ndim))
+            (columns if p == Replicate() else gathered).append(i)
         if bias is not None and bias.placements[i] != wp:
             raise ValueError(f"bias's placement {bias.placements[i]!r} on mesh dim {i} differs from weight's {wp!r}: "
                              f"the Linear's bias must be placed as its weight")
+    y_shape = (*x.shape[:-1], weight.shape[0])
     if gathered:
         out, new_res = add_norm(x, residual, norm_weight, norm_bias, **options)
         out = out.redistribute(at.mesh, [Replicate() if i in gathered else p for i, p in enumerate(out.placements)])
-        return torch.nn.functional.linear(out, weight, bias), new_res
+        # each rank's Linear reads every gathered row: the gradient at them a Partial sum over
+        # its columns (reduce-scattered back to the rows), its weight's gradient whole there
+        summed = gathered + columns
+        ol = _plain(out.to_local(grad_placements=[Partial() if i in summed else p
+                                                  for i, p in enumerate(out.placements)]))
+        wl, bl = (None if t is None else _plain(t.to_local(grad_placements=[
+            Partial() if i in at.rows and i not in gathered else p for i, p in enumerate(t.placements)]))
+            for t in (weight, bias))
+        return at.placed(torch.nn.functional.linear(ol, wl, bl), y_placements, y_shape), new_res
     loc = at.unwrap(tuple(columns))
     y, new_res = local_norm_linear(loc["x"], loc["residual"], loc["norm_weight"], loc["norm_bias"], loc["weight"],
                                    loc["bias"], **options)
-    y = at.placed(y, y_placements, (*x.shape[:-1], weight.shape[0]))
+    y = at.placed(y, y_placements, y_shape)
     if new_res is loc["x"]:  # no residual and no dtype change: new_residual is x itself, as norm_linear's
         return y, x
     coordinate = at.mesh.get_coordinate()
     if any(coordinate[i] != 0 for i in columns):
         new_res = _NoGrad.apply(new_res)
     return y, at.placed(new_res)
+
+
+def _column_output(wp, i: int, ndim: int):
+    """The placement of a Linear's output on mesh dim i, its weight placed `wp` there: Shard(0)
+    or _StridedShard(0, sf) (column-parallel) give the output's last dim the same split;
+    anything else (a row-parallel Shard(1), Partial) is refused by name."""
+    from torch.distributed.tensor import Shard
+
+    if type(wp) is Shard and wp.dim == 0:
+        return Shard(ndim - 1)
+    strided = _strided_shard()
+    if strided is not None and type(wp) is strided and wp.dim == 0:
+        return strided(ndim - 1, split_factor=wp.split_factor)
+    raise ValueError(f"weight's placement {wp!r} on mesh dim {i} is not supported by norm_linear: the Linear's weight "
+                     f"must be Replicate() or split by its rows (Shard(0), or _StridedShard(0): column-parallel)")
+
+
+def _strided_shard():
+    """torch's _StridedShard (a private placement: the q | k | v rows split by heads), or None
+    where this torch has none."""
+    from torch.distributed.tensor import placement_types
+
+    return getattr(placement_types, "_StridedShard", None)
 
 
 class _NoGrad(torch.autograd.Function):

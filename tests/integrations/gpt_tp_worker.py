@@ -18,6 +18,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import fuseblock.ops.dispatch  # noqa: E402
+import fuseblock.ops.dtensor  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 from models.tensor_parallel import fsdp_placement, parallelize  # noqa: E402
 
@@ -61,10 +62,21 @@ def case(cfg, mesh, fsdp: bool) -> dict:
     d = mesh["dp"].get_local_rank()
     # tp alone: every replica the same batch (0); FSDP2 averages its two batches' gradients
     mine = d if fsdp else 0
-    comm = CommDebugMode()
-    with comm:
-        logits, loss = model(idx[mine], tgt[mine])
-        loss.backward()
+    comm, fused = CommDebugMode(), []
+    norm_linear = fuseblock.ops.dtensor.norm_linear
+
+    def counted(*args, **kwargs):  # the blocks' norm + first Linear, one op on DTensors
+        fused.append(1)
+        return norm_linear(*args, **kwargs)
+
+    fuseblock.ops.dtensor.norm_linear = counted
+    try:
+        with comm:
+            logits, loss = model(idx[mine], tgt[mine])
+            loss.backward()
+    finally:
+        fuseblock.ops.dtensor.norm_linear = norm_linear
+    out["norm_linear_calls"] = len(fused)
     out["collectives"] = {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}
     used = (0, 1) if fsdp else (0,)
     ref_out = [ref(idx[i], tgt[i]) for i in used]

@@ -36,6 +36,8 @@ def test_values_and_every_gradient_of_a_step_equal_one_process(ranks, case):
           f"largest {r['grad_max_abs']:.3g}; "
           f"logits {r['logits_max_abs_diff']:.3g}; collectives {r['collectives']}")  # pytest -s
     assert r["init_bit_equal"] and r["tied"]  # each rank's parts of GPT(cfg), the head still wte's table
+    # each sublayer's norm and first Linear in one op (fuses_prenorm), as in one process
+    assert r["norm_linear_calls"] == 2 * (1 if case.startswith("layer") else 2)
     assert r["logits_plain"] and r["logits_max_abs_diff"] <= TOL and r["loss_diff"] <= TOL
     assert r["grad_max_abs"] > 0.1 and r["grad_max_abs_diff"] <= TOL
 

@@ -141,6 +141,7 @@ def test_torch_compile_fullgraph_traces_the_dtensor_calls(ranks, case):
     ("norm_add_norm_partial_x", "ValueError", "Partial(sum)"),
     ("norm_add_norm_plain_residual", "TypeError", "residual is a Tensor"),
     ("torch_style_positional_residual", "ValueError", "use fuseblock.parallel.SequenceParallel"),
+    ("torch_colwise_on_a_fused_linear", "ValueError", "has forward hooks, which the fused norm + Linear would skip"),
 ])
 def test_other_placements_are_refused_naming_them(ranks, case, error, names):
     for rank in ranks:

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import fuseblock  # noqa: E402
-from fuseblock.parallel import HiddenParallel, SequenceParallel  # noqa: E402
+from fuseblock.parallel import FusedColwiseParallel, HiddenParallel, SequenceParallel  # noqa: E402
 
 B, T, D = 2, 4, 6  # T and D even: both ranks hold the same number of rows / columns
 
@@ -255,6 +255,8 @@ def refusals(mesh) -> dict:
     lin_rows = distribute_tensor(torch.ones(2 * D, D), mesh, [Shard(1)])
     torch_style = parallelize_module(fuseblock.AddNorm(D), mesh, TorchSequenceParallel())
     x_local, r_local = torch.randn(B, T // 2, D), torch.randn(B, T // 2, D)
+    fusing_norm = parallelize_module(fuseblock.Norm(D), mesh, SequenceParallel())
+    torch_colwise = parallelize_module(nn.Linear(D, 2 * D), mesh, ColwiseParallel(input_layouts=Shard(1)))
     calls = {
         "partial_x": lambda: fuseblock.norm(partial, w_rep),
         "weight_sharded_x_by_rows": lambda: fuseblock.norm(x, w_sh),
@@ -273,6 +275,8 @@ def refusals(mesh) -> dict:
         "norm_add_norm_plain_residual": lambda: fuseblock.norm_add_norm(x, torch.randn(B, T, D), w_rep, w_rep),
         # torch's style keeps the first input only: the residual must not vanish silently
         "torch_style_positional_residual": lambda: torch_style(x_local, r_local),
+        # add_linear never runs the Linear's forward: torch's ColwiseParallel hooks would be skipped
+        "torch_colwise_on_a_fused_linear": lambda: fusing_norm.add_linear(x_local, r_local, torch_colwise),
     }
     found = {}
     for name, call in calls.items():
@@ -320,7 +324,9 @@ def stack_case(mesh, style, local_blocks: bool = False, **shape) -> dict:
             if getattr(block, norm, None) is not None:
                 plan[f"blocks.{i}.{norm}"] = style(use_local_output=local_blocks)
         up, down = ("up", "down") if shape.get("prenorm_mlp") else ("0", "2")
-        plan[f"blocks.{i}.mixer.{up}"] = ColwiseParallel(input_layouts=Shard(1))
+        # a Linear the norm fuses (add_linear) never runs its forward: weights placed, no hooks
+        plan[f"blocks.{i}.mixer.{up}"] = FusedColwiseParallel() if shape.get("prenorm_mlp") else \
+            ColwiseParallel(input_layouts=Shard(1))
         plan[f"blocks.{i}.mixer.{down}"] = RowwiseParallel(output_layouts=Shard(1))
     parallelize_module(tp, mesh, plan)
     torch.manual_seed(4)

@@ -442,3 +442,19 @@ def test_add_linear_refuses_what_norm_linear_cannot_do():
         fuseblock.Norm(D, c=1.0).add_linear(x, None, nn.Linear(D, 4))
     with pytest.raises(TypeError, match="linear must be an nn.Linear"):
         fuseblock.Norm(D).add_linear(x, None, nn.Identity())
+
+
+@pytest.mark.parametrize("hook", ["pre", "post"])
+def test_add_linear_refuses_a_linear_whose_hooks_it_would_skip(hook):
+    """The fused norm + Linear reads the Linear's parameters and never calls its forward: a
+    hook on it (a user's, FSDP2's unshard, torch's ColwiseParallel input gather) would not
+    run, so the call is refused rather than silently different from norm, then Linear."""
+    x, lin = torch.randn(2, D), nn.Linear(D, 4)
+    seen = []
+    if hook == "pre":
+        lin.register_forward_pre_hook(lambda mod, args: seen.append(1))
+    else:
+        lin.register_forward_hook(lambda mod, args, out: out * 2)
+    with pytest.raises(ValueError, match="has forward hooks, which the fused norm"):
+        fuseblock.Norm(D).add_linear(x, None, lin)
+    assert seen == []
