@@ -294,9 +294,14 @@ def _column_output(wp, i: int, ndim: int):
         return Shard(ndim - 1)
     strided = _strided_shard()
     if strided is not None and type(wp) is strided and wp.dim == 0:
-        return strided(ndim - 1, split_factor=wp.split_factor)
+        return strided(ndim - 1, split_factor=_split_factor(wp))
     raise ValueError(f"weight's placement {wp!r} on mesh dim {i} is not supported by norm_linear: the Linear's weight "
                      f"must be Replicate() or split by its rows (Shard(0), or _StridedShard(0): column-parallel)")
+
+
+@torch.compiler.assume_constant_result  # Dynamo cannot read the attribute of this C++ placement
+def _split_factor(p) -> int:
+    return p.split_factor
 
 
 def _strided_shard():

@@ -106,3 +106,18 @@ def test_tp_and_2d_training_equal_one_process_and_resume_across_layouts(tmp_path
     p = call("train.py", "--out-dir", tp, "--resume", "--max-iters", "5", "--grad-accum", "2", "--no-progress")
     assert "world_size 2 -> 1" in p.stdout and "iters 4..5" in p.stdout
     assert compare_checkpoints(tp / "ckpt-000005", single / "ckpt-000005") <= TOL
+
+
+@pytest.mark.kernel
+@pytest.mark.slow
+def test_compiled_tp_training_equals_one_process(tmp_path):
+    """train.py --tp 2 --compile against one process compiled: the sharded model under
+    torch.compile (Dynamo traces fuseblock's DTensor calls, the strided q | k | v columns of
+    the fused norm + c_attn included), the same loss curve, weights and AdamW state after
+    3 steps. Both paths (the kernel path's custom ops traced on DTensors' local shards)."""
+    common = ["--eval-interval", "1000", "--ckpt-interval", "3", "--compile", *TINY]
+    single, tp = tmp_path / "single", tmp_path / "tp"
+    train(single, 3, *common[:-len(TINY)])
+    torchrun(2, ROOT / "scripts" / "train.py", "--device", "cpu", "--out-dir", tp, "--tp", 2, "--max-iters", 3,
+             *common, kernel_path=KERNEL_PATH)
+    assert compare_checkpoints(tp / "ckpt-000003", single / "ckpt-000003") <= TOL
