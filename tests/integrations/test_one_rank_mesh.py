@@ -1,0 +1,82 @@
+"""fuseblock's DTensor calls on a one-rank mesh of the test device, in this process: under
+`make gpu-check` (FUSEBLOCK_TEST_DEVICE=cuda) a CUDA mesh, where the Triton kernels run
+compiled on the DTensors' local shards, eagerly and under torch.compile(fullgraph=True);
+on CPU the same calls through the interpreter (kernel path) or the torch path. One rank
+holds every shard, so each call must equal the plain-tensor call: values and every
+gradient, fp32. The multi-rank cases are test_tensor_parallel.py's (gloo, CPU)."""
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import DEVICE
+
+import fuseblock
+
+pytestmark = pytest.mark.kernel
+B, T, D = 2, 6, 8
+TOL = 1e-6  # relative to max(1, the largest plain value): the hidden-dim path's torch ops
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("cpu:gloo,cuda:nccl" if DEVICE == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1)
+    try:
+        yield init_device_mesh(DEVICE, (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _column_split(mesh, t, strided: bool):
+    """A Linear's weight (or bias) split by rows: Shard(0), or q | k | v by heads as the GPT plan."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return distribute_tensor(t, mesh, [_StridedShard(0, split_factor=3) if strided else Shard(0)])
+
+
+# (call, x's placement dim: 1 by rows, 2 the normalized dim)
+CASES = {
+    "add_norm_rows": (lambda x, r, w, b, lw, lb: fuseblock.add_norm(x, r, w, b, kind="layer"), 1),
+    "add_norm_hidden": (lambda x, r, w, b, lw, lb: fuseblock.add_norm(x, r, w, b, kind="layer"), 2),
+    "add_norm_branch_rows": (lambda x, r, w, b, lw, lb: fuseblock.add_norm(x, r, w, b, kind="rms", alpha=0.5, x1=r),
+                             1),
+    "norm_add_norm_hidden": (lambda x, r, w, b, lw, lb: fuseblock.norm_add_norm(x, r, b, w, w, b, kind="layer",
+                                                                                alpha=0.5), 2),
+    "norm_linear_sequence": (lambda x, r, w, b, lw, lb: fuseblock.norm_linear(x, r, w, b, lw, lb), 1),
+}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_dtensor_calls_on_a_one_rank_mesh_equal_plain_tensors(mesh, case, compiled):
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    call, dim = CASES[case]
+    torch.manual_seed(0)
+    plain = [torch.randn(B, T, D), torch.randn(B, T, D), torch.randn(D), torch.randn(D),
+             torch.randn(3 * D, D), torch.randn(3 * D)]
+    vector = [Shard(0)] if dim == 2 else [Replicate()]
+    strided = case == "norm_linear_sequence"
+    placed = [distribute_tensor(t, mesh, [Shard(dim)]) for t in plain[:2]] + \
+        [distribute_tensor(t, mesh, vector) for t in plain[2:4]] + \
+        [_column_split(mesh, t, strided) for t in plain[4:]]
+    plain = [t.requires_grad_() for t in plain]
+    placed = [t.requires_grad_() for t in placed]
+    want = call(*plain)
+    if compiled:
+        torch._dynamo.reset()
+        call = torch.compile(call, fullgraph=True)
+    got = call(*placed)
+    assert all(isinstance(t, DTensor) for t in got)
+    sum(o.square().sum() for o in want).backward()
+    sum(o.square().sum() for o in got).backward()
+    for what, g, w in [("out", got[0], want[0]), ("new_residual", got[1], want[1])] + [
+            (f"grad {i}", a.grad, b.grad) for i, (a, b) in enumerate(zip(placed, plain, strict=True))
+            if b.grad is not None]:
+        g = g.full_tensor() if isinstance(g, DTensor) else g
+        err = (g.double() - w.double()).abs().max().item() / max(1.0, w.abs().max().item())
+        assert err <= TOL, f"{case}: {what} {err:.3g} off"
