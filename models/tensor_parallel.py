@@ -19,9 +19,9 @@ the residual are sharded by sequence (Shard(1)): each rank holds T/tp rows of bo
 
 A block's norm and its first Linear stay one op, as in one process (fuseblock.norm_linear,
 the mixers' fuses_prenorm): on DTensors it normalizes each rank's rows, all-gathers the
-normed rows and runs this rank's columns of the Linear on them. The gathered rows are kept
-for the weight's gradient, as the unfused pair keeps them, so the activation that
-norm_linear saves in one process is not saved here.
+normed rows and runs this rank's columns of the Linear on them. In backward it gathers
+them again for the weight's gradient, so it keeps this rank's rows alone (the unfused
+pair keeps the gathered ones).
 """
 from __future__ import annotations
 

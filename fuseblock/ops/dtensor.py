@@ -102,15 +102,16 @@ class _Placed:
         self.x, self.groups = x, [(self.mesh, i) for i in self.hidden]  # the all-reduces' (mesh, mesh dim)s
         self._tensors, self._vectors, self._others, self._partial = tensors, set(vectors), set(others), Partial()
 
-    def unwrap(self, partial: tuple[int, ...] = ()) -> dict:
+    def unwrap(self, partial: tuple[int, ...] = (), gathered: tuple[int, ...] = ()) -> dict:
         """Each argument's local tensor by name (None where absent). The vectors' gradients
         are Partial on the row-sharded mesh dims (every rank's rows use the whole vector);
         on the mesh dims in `partial` (where each rank's result is a part of a sum: a
         column-parallel Linear after the norm) those of x, the tensors like it and the norm's
-        vectors are too."""
+        vectors are too. The others' (a Linear's) are Partial on the row-sharded mesh dims
+        but those `gathered` (where the Linear reads every rank's rows)."""
         def grads(name, t):
             if name in self._others:  # the Linear's weight and bias
-                summed = self.rows
+                summed = [i for i in self.rows if i not in gathered]
             elif name in self._vectors:
                 summed = (*self.rows, *partial)
             else:
@@ -235,13 +236,11 @@ def norm_linear(local_norm_linear: Callable, add_norm: Callable, x, residual, no
       residual and the norm's weight and bias are Partial there; new_residual's own
       gradient (replicated) enters that sum on the first rank alone.
     - column-parallel with x by rows there (sequence parallelism: a norm before a
-      column-parallel Linear): the norm runs on each rank's rows (`add_norm`), its output
-      is all-gathered (one all-gather forward, one reduce-scatter of its gradient backward,
-      as the unfused pair under torch's styles moves) and each rank's Linear runs on the
-      gathered rows: the gathered output is kept for the weight's gradient, which the fused
-      op saves elsewhere.
+      column-parallel Linear): the fused op on each rank's rows, its normalized rows
+      all-gathered for this rank's Linear (`_GatheredRows`), and all-gathered again in
+      backward for the weight's gradient rather than kept: only this rank's rows are.
     """
-    from torch.distributed.tensor import Partial, Replicate
+    from torch.distributed.tensor import Replicate
 
     at = _Placed(x, {"residual": residual}, {"norm_weight": norm_weight, "norm_bias": norm_bias},
                  {"weight": weight, "bias": bias})
@@ -261,18 +260,13 @@ def norm_linear(local_norm_linear: Callable, add_norm: Callable, x, residual, no
                              f"the Linear's bias must be placed as its weight")
     y_shape = (*x.shape[:-1], weight.shape[0])
     if gathered:
-        out, new_res = add_norm(x, residual, norm_weight, norm_bias, **options)
-        out = out.redistribute(at.mesh, [Replicate() if i in gathered else p for i, p in enumerate(out.placements)])
-        # each rank's Linear reads every gathered row: the gradient at them a Partial sum over
-        # its columns (reduce-scattered back to the rows), its weight's gradient whole there
-        summed = gathered + columns
-        ol = _plain(out.to_local(grad_placements=[Partial() if i in summed else p
-                                                  for i, p in enumerate(out.placements)]))
-        wl, bl = (None if t is None else _plain(t.to_local(grad_placements=[
-            Partial() if i in at.rows and i not in gathered else p for i, p in enumerate(t.placements)]))
-            for t in (weight, bias))
-        return at.placed(torch.nn.functional.linear(ol, wl, bl), y_placements, y_shape), new_res
-    loc = at.unwrap(tuple(columns))
+        loc = at.unwrap(gathered=tuple(gathered))
+        rows = _GatheredRows(at, loc["x"].shape[:-1], gathered, columns)
+        y, new_res = local_norm_linear(loc["x"], loc["residual"], loc["norm_weight"], loc["norm_bias"], loc["weight"],
+                                       loc["bias"], rows=rows, **options)
+        y = at.placed(y, y_placements, y_shape)
+        return (y, x) if new_res is loc["x"] else (y, at.placed(new_res))
+    loc = at.unwrap(tuple(columns))  # x replicated on every column-parallel mesh dim
     y, new_res = local_norm_linear(loc["x"], loc["residual"], loc["norm_weight"], loc["norm_bias"], loc["weight"],
                                    loc["bias"], **options)
     y = at.placed(y, y_placements, y_shape)
@@ -310,6 +304,71 @@ def _strided_shard():
     from torch.distributed.tensor import placement_types
 
     return getattr(placement_types, "_StridedShard", None)
+
+
+class _GatheredRows:
+    """norm_linear's Linear under sequence parallelism (its `rows`): `gather` all-gathers the
+    normalized rows of every rank on the `gathered` mesh dims, in forward before the Linear
+    and again in backward for the weight's gradient (the gathered rows are not kept: the
+    activation norm_linear spares, T / tp times this rank's rows, as Megatron-LM's sequence
+    parallelism regathers its Linear's input); `scatter` reduce-scatters the gradient at the
+    gathered rows back to this rank's, and all-reduces it over the `columns` mesh dims (x
+    replicated, the Linear split), where it is a part of the sum over the Linear's outputs.
+    Functional collectives, as _HiddenNorm's: traceable. Each gathered dim must divide
+    evenly: all-gather takes equal parts."""
+
+    def __init__(self, at: _Placed, lead: torch.Size, gathered: list[int], columns: list[int]):
+        x, mesh = at.x, at.mesh
+        # nested shards of one dim: DTensor splits by the mesh dims in order, so the parts are
+        # gathered last mesh dim first and scattered first mesh dim first
+        self.steps = [(x.placements[i].dim, mesh.get_group(i)) for i in gathered]
+        lead_all, self.factor = list(lead), 1
+        for i in gathered:
+            lead_all[x.placements[i].dim] *= mesh.size(i)
+            self.factor *= mesh.size(i)
+        for dim, n in enumerate(lead_all):
+            if n != x.shape[dim]:
+                raise ValueError(f"norm_linear sequence-parallel: x's dim {dim} ({x.shape[dim]}) must divide evenly "
+                                 f"over its shards (x's placements {tuple(x.placements)})")
+        self.columns = [mesh.get_group(i) for i in columns]
+        self.lead, self.lead_all = tuple(lead), tuple(lead_all)
+
+    def gathered(self, m: int) -> int:
+        """The gathered row count of m local rows."""
+        return m * self.factor
+
+    def gather(self, t: Tensor) -> Tensor:
+        """This rank's rows (x's local shape, or flattened to 2-D) -> every rank's, in that form."""
+        import torch.distributed._functional_collectives as funcol
+
+        d = t.shape[-1]
+        g = t.reshape(*self.lead, d)
+        for dim, group in reversed(self.steps):
+            g = _waited(_funcol(funcol, "all_gather")(g, dim, group))
+        return g.reshape(-1, d) if t.dim() == 2 else g
+
+    def scatter(self, t: Tensor) -> Tensor:
+        """The gradient at every rank's rows, flattened (rows, d) -> at this rank's, summed."""
+        import torch.distributed._functional_collectives as funcol
+
+        d = t.shape[-1]
+        g = t.reshape(*self.lead_all, d)
+        for dim, group in self.steps:
+            g = _waited(_funcol(funcol, "reduce_scatter")(g, "sum", dim, group))
+        for group in self.columns:
+            g = _waited(funcol.all_reduce(g, "sum", group))
+        return g.reshape(-1, d)
+
+
+def _funcol(funcol, name: str) -> Callable:
+    """funcol's `<name>_single` (torch 2.13 deprecates `<name>_tensor` for it; older torch,
+    2.5 the floor, has only `<name>_tensor`, of the same arguments)."""
+    return getattr(funcol, f"{name}_single", None) or getattr(funcol, f"{name}_tensor")
+
+
+def _waited(t: Tensor) -> Tensor:
+    """A functional collective's result, waited for (it may come as an AsyncCollectiveTensor)."""
+    return t.wait() if _is_async(t) else t
 
 
 class _NoGrad(torch.autograd.Function):
@@ -354,9 +413,7 @@ def _all_reduce(t: Tensor, groups) -> Tensor:
     import torch.distributed._functional_collectives as funcol
 
     for mesh, dim in groups:
-        t = funcol.all_reduce(t, "sum", mesh.get_group(dim))
-        if isinstance(t, funcol.AsyncCollectiveTensor):
-            t = t.wait()
+        t = _waited(funcol.all_reduce(t, "sum", mesh.get_group(dim)))
     return t
 
 

@@ -50,12 +50,17 @@ def _kernel_norm_grads(dout, dres, p, weight, bias, rstd, mean, spec: NormSpec, 
 
 
 class _NormLinear(torch.autograd.Function):
-    """Inputs (x, residual, norm_weight, norm_bias, weight, bias, spec, residual_dtype);
+    """Inputs (x, residual, norm_weight, norm_bias, weight, bias, spec, residual_dtype, rows);
     outputs (y, new_residual or None). residual_dtype None: no residual is stored, and
-    p is x itself (the caller returns x as new_residual, so autograd routes its gradient)."""
+    p is x itself (the caller returns x as new_residual, so autograd routes its gradient).
+
+    rows (fuseblock.ops.dtensor's sequence parallelism, else None): the Linear reads other
+    ranks' rows too. `rows.gather` all-gathers the normalized rows before the Linear, in
+    forward and again in backward for the weight's gradient, so that only this rank's p is
+    kept; `rows.scatter` reduce-scatters the gradient at them back to this rank's rows."""
 
     @staticmethod
-    def forward(ctx, x, residual, norm_weight, norm_bias, weight, bias, spec: NormSpec, residual_dtype):
+    def forward(ctx, x, residual, norm_weight, norm_bias, weight, bias, spec: NormSpec, residual_dtype, rows=None):
         ctx.kernel, ctx.native = uses_triton(x), False
         with torch.no_grad():  # the statistics are wanted here, not a graph of the norm
             if ctx.kernel:
@@ -64,12 +69,12 @@ class _NormLinear(torch.autograd.Function):
             else:
                 out, new_res, rstd, mean, ctx.native = reference.norm_and_stats(x, residual, norm_weight, norm_bias,
                                                                                 spec, residual_dtype)
-            y = F.linear(out, weight, bias)
+            y = F.linear(out if rows is None else rows.gather(out), weight, bias)
         del out  # the point of the op: nothing keeps the normalized rows alive past here
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(new_res if residual_dtype is not None else x, norm_weight, norm_bias, weight, rstd,
                               mean if spec.center else None)
-        ctx.spec = spec
+        ctx.spec, ctx.rows = spec, rows
         ctx.x_dtype, ctx.y_dtype = x.dtype, y.dtype  # y's differs under autocast, which lowers the Linear
         ctx.residual_dtype = None if residual is None else residual.dtype
         ctx.stored = residual_dtype is not None
@@ -85,8 +90,9 @@ class _NormLinear(torch.autograd.Function):
         p, nw, nb, weight, rstd, mean = ctx.saved_tensors
         spec, needs = ctx.spec, ctx.needs_input_grad
         d, n_out = p.shape[-1], weight.shape[0]
-        p2 = p.reshape(-1, d)
-        dy2 = dy.reshape(-1, n_out) if dy is not None else p2.new_zeros((p2.shape[0], n_out), dtype=ctx.y_dtype)
+        p2, rows = p.reshape(-1, d), ctx.rows
+        m = p2.shape[0] if rows is None else rows.gathered(p2.shape[0])  # the Linear's rows
+        dy2 = dy.reshape(-1, n_out) if dy is not None else p2.new_zeros((m, n_out), dtype=ctx.y_dtype)
         dres = dnew_res.reshape(-1, d) if ctx.stored and dnew_res is not None else None
         need_norm = any(needs[:4])
         # The Linear's gradients in y's dtype, cast back to the parameters' and x's, as
@@ -99,6 +105,8 @@ class _NormLinear(torch.autograd.Function):
             else reference.normalized(p2, rstd, mean, spec)
         if need_norm:
             dout = dy2.mm(weight.to(lin)).to(ctx.x_dtype)  # (M, d), the gradient at the norm's output
+            if rows is not None:
+                dout = rows.scatter(dout)
             if ctx.kernel:
                 dx, dr, dnw, dnb = _kernel_norm_grads(dout, dres, p2, nw, nb, rstd, mean, spec, ctx.x_dtype,
                                                       rgrad_dtype)
@@ -114,12 +122,14 @@ class _NormLinear(torch.autograd.Function):
         dweight = None
         if needs[4]:  # the Linear's input, rebuilt (the kernel path: one launch on p; torch: r, in place)
             out = _kernel_out(p2, nw, nb, spec) if ctx.kernel else reference.affine_(r, spec, nw, nb)
+            if rows is not None:
+                out = rows.gather(out)
             dweight = dy2.t().mm(out.to(ctx.x_dtype).to(lin)).to(weight.dtype)  # rounded as the forward's was
         return (
             dx, dresidual,
             dnw.to(nw.dtype) if nw is not None and needs[2] else None,
             dnb.to(nb.dtype) if nb is not None and needs[3] else None,
-            dweight, dy2.sum(0).to(ctx.bias_dtype) if needs[5] else None, None, None,
+            dweight, dy2.sum(0).to(ctx.bias_dtype) if needs[5] else None, None, None, None,
         )
 
 
@@ -161,8 +171,15 @@ def norm_linear(
     """
     check_tensor("x", x)
     if dtensor.has_dtensor(x, residual, norm_weight, norm_bias, weight, bias):  # docs/parallel.md
-        return dtensor.norm_linear(norm_linear, add_norm, x, residual, norm_weight, norm_bias, weight, bias, kind=kind,
-                                   eps=eps, weight_offset=weight_offset, residual_dtype=residual_dtype)
+        return dtensor.norm_linear(_norm_linear, add_norm, x, residual, norm_weight, norm_bias, weight, bias,
+                                   kind=kind, eps=eps, weight_offset=weight_offset, residual_dtype=residual_dtype)
+    return _norm_linear(x, residual, norm_weight, norm_bias, weight, bias, kind=kind, eps=eps,
+                        weight_offset=weight_offset, residual_dtype=residual_dtype)
+
+
+def _norm_linear(x, residual, norm_weight, norm_bias, weight, bias, *, kind, eps, weight_offset, residual_dtype,
+                 rows=None):
+    """norm_linear on plain tensors (a DTensor call's local shards; rows: _NormLinear's)."""
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the normalized last dim)")
     for name, t in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
@@ -176,7 +193,9 @@ def norm_linear(
                    weight_offset=weight_offset)
     rdtype = new_residual_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
     if func_transforms_active():  # vmap, grad, jvp: the plain composition, which they see through
+        if rows is not None:
+            raise ValueError("norm_linear on sequence-sharded DTensors is not supported under torch.func transforms")
         out, new_res, _, _ = reference.norm_fwd(x, residual, None, norm_weight, norm_bias, spec, rdtype, False)
         return F.linear(out, weight, bias), (x if rdtype is None else new_res)
-    y, new_res = _NormLinear.apply(x, residual, norm_weight, norm_bias, weight, bias, spec, rdtype)
+    y, new_res = _NormLinear.apply(x, residual, norm_weight, norm_bias, weight, bias, spec, rdtype, rows)
     return y, (x if rdtype is None else new_res)

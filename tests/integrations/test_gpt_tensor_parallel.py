@@ -60,11 +60,13 @@ def test_the_plan_places_each_layer_as_documented(ranks):
 @pytest.mark.kernel
 @pytest.mark.slow
 def test_one_all_gather_and_one_reduce_scatter_per_sublayer_each_way(ranks):
-    # rms_tp: 2 layers = 4 sublayers. Forward: each sublayer's all-gather of its input and
-    # reduce-scatter of its output, the 2 embeddings' reduce-scatters, the head's all-gathers
-    # of its input and of the logits. Backward: each of those the other way round, but for the
-    # logits' (a slice). The norms move nothing.
-    assert ranks["rms_tp"]["collectives"] == {"all_gather_into_tensor": (4 + 2) + (4 + 2),
+    # rms_tp: 2 layers = 4 sublayers. Forward: each sublayer's all-gather of its normed input
+    # and reduce-scatter of its output, the 2 embeddings' reduce-scatters, the head's
+    # all-gathers of its input and of the logits. Backward: each of those the other way round,
+    # but for the logits' (a slice), and each sublayer's normed input gathered again for its
+    # first Linear's weight gradient (norm_linear keeps this rank's rows alone). The norms'
+    # statistics move nothing.
+    assert ranks["rms_tp"]["collectives"] == {"all_gather_into_tensor": (4 + 2) + (4 + 2 + 4),
                                               "reduce_scatter_tensor": (4 + 2) + (4 + 1)}
 
 

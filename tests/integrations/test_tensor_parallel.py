@@ -100,7 +100,8 @@ def test_dropout_draws_each_shard_its_own_masks(ranks, case):
     assert ranks[0][case]["kept"] == ranks[1][case]["kept"]
 
 
-GATHER = {"c10d_functional.all_gather_into_tensor": 1, "c10d_functional.reduce_scatter_tensor": 1}
+# forward's all-gather of the normed rows, backward's again (for the weight's gradient) and its reduce-scatter
+GATHER = {"c10d_functional.all_gather_into_tensor": 2, "c10d_functional.reduce_scatter_tensor": 1}
 
 
 @pytest.mark.parametrize(("case", "y_placement", "comm"), [("norm_linear_rows", "Shard(dim=1)", {}),
@@ -110,13 +111,19 @@ def test_norm_linear_by_rows_or_with_a_column_parallel_weight(ranks, case, y_pla
     """x Shard(1) with the Linear replicated; x replicated with the Linear's weight and bias
     Shard(0) (column-parallel: y sharded on its last dim, and the gradients at x and at the
     norm's weight Partial sums, new_residual's own gradient counted once); x Shard(1) with the
-    Linear column-parallel (sequence parallelism: the norm's output all-gathered forward, its
-    gradient reduce-scattered backward; nothing else moves, forward and backward)."""
+    Linear column-parallel (sequence parallelism: the norm's output all-gathered forward, and
+    again backward for the weight's gradient rather than kept, its gradient reduce-scattered;
+    nothing else moves). No tensor of the gathered rows' size is kept for backward: the fused
+    op keeps this rank's rows (B, T/2, D) alone (the unfused pair keeps the gathered (B, T, D))."""
+    B, T, D = 2, 4, 6  # tp_worker's
     for rank in ranks:
         r = rank[case]
         assert r["y_placements"] == f"({y_placement},)" and r["comm_counts"] == comm, r
         assert max(v for v in r.values() if isinstance(v, float)) <= TOL, r
-        assert len(r) == 10, r  # y, new_residual; x, residual, norm_weight, norm_bias, weight, bias
+        assert len(r) == 11, r  # y, new_residual; x, residual, norm_weight, norm_bias, weight, bias
+        if case != "norm_linear_columns":  # (there x is replicated: every rank's rows are its own)
+            assert [B, T // 2, D] in r["saved_shapes"], r  # p, this rank's rows
+            assert [B, T, D] not in r["saved_shapes"] and [B * T, D] not in r["saved_shapes"], r
 
 
 @pytest.mark.parametrize("case", ["compiled_shard1", "compiled_shard2", "compiled_norm_add_norm_shard2"])
@@ -141,6 +148,7 @@ def test_torch_compile_fullgraph_traces_the_dtensor_calls(ranks, case):
     ("norm_add_norm_partial_x", "ValueError", "Partial(sum)"),
     ("norm_add_norm_plain_residual", "TypeError", "residual is a Tensor"),
     ("torch_style_positional_residual", "ValueError", "use fuseblock.parallel.SequenceParallel"),
+    ("norm_linear_uneven_sequence", "ValueError", "x's dim 1 (5) must divide evenly over its shards"),
     ("torch_colwise_on_a_fused_linear", "ValueError", "has forward hooks, which the fused norm + Linear would skip"),
 ])
 def test_other_placements_are_refused_naming_them(ranks, case, error, names):

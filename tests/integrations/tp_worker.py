@@ -165,7 +165,7 @@ def dropout_case(mesh, dim: int) -> dict:
 def norm_linear_case(mesh, x_placement, weight_placement) -> dict:
     """fuseblock.norm_linear (layer norm, a residual, a Linear with a bias) on x placed
     `x_placement` and the Linear's weight and bias `weight_placement`: y's placement, values
-    and every gradient vs one process."""
+    and every gradient vs one process, and the shapes of the tensors kept for backward."""
     torch.manual_seed(11)
     full = [torch.randn(B, T, D), torch.randn(B, T, D), torch.randn(D), torch.randn(D), torch.randn(2 * D, D),
             torch.randn(2 * D)]
@@ -174,10 +174,18 @@ def norm_linear_case(mesh, x_placement, weight_placement) -> dict:
     shards = [distribute_tensor(t, mesh, pl).requires_grad_() for t, pl in zip(full, places, strict=True)]
     y, res = fuseblock.norm_linear(*ones, kind="layer")
     (y.square().sum() + res.sum()).backward()
+    saved = []
+
+    def pack(t):
+        saved.append(list(t.shape))
+        return t
+
     with CommDebugMode() as comm:  # the loss, Partial sums added, communicates nothing itself
-        got, got_res = fuseblock.norm_linear(*shards, kind="layer")
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            got, got_res = fuseblock.norm_linear(*shards, kind="layer")
         (got.square().sum() + got_res.sum()).backward()
     return {"y_placements": str(got.placements), "comm_counts": {str(k): v for k, v in comm.get_comm_counts().items()},
+            "saved_shapes": saved,
             "value": rel_diff(got, y), "new_residual": rel_diff(got_res, res),
             **{n: rel_diff(s.grad, o.grad) for n, s, o in zip(("x", "residual", "norm_weight", "norm_bias",
                                                                 "weight", "bias"), shards, ones, strict=True)}}
@@ -275,6 +283,8 @@ def refusals(mesh) -> dict:
         "norm_add_norm_plain_residual": lambda: fuseblock.norm_add_norm(x, torch.randn(B, T, D), w_rep, w_rep),
         # torch's style keeps the first input only: the residual must not vanish silently
         "torch_style_positional_residual": lambda: torch_style(x_local, r_local),
+        "norm_linear_uneven_sequence": lambda: fuseblock.norm_linear(
+            distribute_tensor(torch.randn(B, T + 1, D), mesh, [Shard(1)]), None, w_rep, None, lin_sh),
         # add_linear never runs the Linear's forward: torch's ColwiseParallel hooks would be skipped
         "torch_colwise_on_a_fused_linear": lambda: fusing_norm.add_linear(x_local, r_local, torch_colwise),
     }
