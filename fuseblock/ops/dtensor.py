@@ -15,9 +15,10 @@ For each mesh dim, x's placement decides what runs there:
   are refused there.
 - anything else (Partial, a strided shard, a weight placed otherwise): a ValueError naming it.
 
-Dropout (add_norm's dropout_p) draws each shard's masks from torch's generator seeded for
-that shard (`_Placed.per_shard_rng`): independent across the ranks that hold other rows or
-columns, the same on replicas.
+Dropout (add_norm's dropout_p) is applied here, before the op, as torch integer ops: each
+element's mask is a hash of one key drawn per call and the element's index in the global
+tensor (`_keep`), so the masks are the same whatever the layout (rows, columns, replicas,
+one process), need no generator state per shard, and trace under torch.compile.
 
 The custom ops' sharding is not registered with DTensor (register_sharding): the calls
 are unwrapped here, before any op, which serves both paths (the torch path has no custom
@@ -33,13 +34,12 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import Tensor
 
 from ..spec import acc_dtype, new_residual_dtype, stored_dtype
-from .checks import check_branch, resolve
+from .checks import check_branch, check_tensor, resolve
 
 
 def has_dtensor(x, residual, weight, bias, gate, x1=None) -> bool:
@@ -131,51 +131,116 @@ class _Placed:
         return DTensor.from_local(_plain(t), self.mesh, self.x.placements if placements is None else placements,
                                   run_check=False, shape=shape, stride=stride)
 
-    @contextmanager
-    def per_shard_rng(self):
-        """torch's generators of x's device seeded for this rank's shard, for dropout: from one
-        draw of the CPU generator (which advances alike on every rank, as DTensor's own random
-        ops expect every rank seeded alike) and the rank's coordinates on the mesh dims that
-        shard x (rows or columns), so each shard draws its own masks and replicas the same."""
-        base = int(torch.randint(0, 2**62, (1,)).item())
-        coordinate = self.mesh.get_coordinate()
-        # a tuple of ints hashes alike in every process (PYTHONHASHSEED salts str and bytes only)
-        seed = hash((base, *(coordinate[i] for i in sorted(self.rows + self.hidden)))) % 2**63
-        device = self.x.device
-        accelerator = [] if device.type == "cpu" else [device]
-        with torch.random.fork_rng(devices=accelerator, device_type=device.type):
-            torch.default_generator.manual_seed(seed)
-            if accelerator:
-                module = getattr(torch, device.type)
-                with module.device(device):
-                    module.manual_seed(seed)
-            yield
+    def global_index(self) -> Tensor:
+        """The index in the global x (contiguous) of each element of this rank's local x:
+        int64, of the local shape."""
+        shape, offset = shard_offsets(self.x.shape, self.x.placements, self.mesh.shape, self.mesh.get_coordinate())
+        device, ndim = self.x.device, self.x.ndim
+        # a 0-d start: each term varies along one dim only, so the adds broadcast to the
+        # local shape without a pass of their own (and a 0-d x, which the op refuses, gets one)
+        index = torch.zeros((), dtype=torch.int64, device=device)
+        for d, (n, o) in enumerate(zip(shape, offset, strict=True)):
+            term = (torch.arange(n, dtype=torch.int64, device=device) + o) * math.prod(self.x.shape[d + 1:])
+            index = index + term.view([n if i == d else 1 for i in range(ndim)])
+        return index
+
+
+def shard_offsets(shape, placements, mesh_shape, coordinate) -> tuple[list[int], list[int]]:
+    """(local shape, global offset of the local block) of a tensor of the global `shape`
+    placed `placements` on a mesh of `mesh_shape`, on the rank at `coordinate`: each Shard
+    splits the tensor dim's current extent as torch.chunk does (chunks of ceil(n / k), the
+    last ones shorter or empty), the mesh dims in order, so a second mesh dim on one tensor
+    dim splits the first's chunk; Replicate leaves it. DTensor's own layout (its private
+    compute_local_shape_and_global_offset, which the tests hold this to), in plain ints."""
+    local, offset = list(shape), [0] * len(shape)
+    for i, p in enumerate(placements):
+        if p.is_shard():
+            d = p.dim % len(shape)
+            chunk = -(-local[d] // mesh_shape[i])
+            start = min(coordinate[i] * chunk, local[d])
+            offset[d] += start
+            local[d] = min(local[d] - start, chunk)
+    return local, offset
+
+
+# odd multipliers (murmur2's, and one of lowbias32's) below 2**31: times an h below 2**32
+# the int64 product cannot overflow, so `(h * m) & _LOW32` is h * m mod 2**32 exactly
+_MIX = (0x5BD1E995, 0x7FEB352D)
+_LOW32 = 0xFFFFFFFF
+
+
+def _mix(h: Tensor) -> Tensor:
+    """A bijection of [0, 2**32) (xorshift-multiply rounds) whose output bits each depend on
+    every input bit. In place on h, a temporary of the caller's: eager, each op is a pass over
+    the shard, and fewer allocations save time there (compiled, inductor fuses them)."""
+    h.bitwise_xor_(h >> 16).mul_(_MIX[0]).bitwise_and_(_LOW32)
+    h.bitwise_xor_(h >> 15).mul_(_MIX[1]).bitwise_and_(_LOW32)
+    return h.bitwise_xor_(h >> 16)
+
+
+def _keep(key: Tensor, index: Tensor, dropout_p: float) -> Tensor:
+    """Whether each element of global `index` (int64, >= 0) is kept, for the call's `key`
+    (int64 in [0, 2**62)): a 32-bit hash of both, kept where it is at least
+    round(dropout_p * 2**32). A function of the key and the index alone."""
+    h = _mix((index & _LOW32).bitwise_xor_(key & _LOW32))
+    h = _mix(h.bitwise_xor_(index >> 32).bitwise_xor_(key >> 32))
+    return h >= round(dropout_p * 2**32)
+
+
+def _dropped(at: _Placed, x, residual, x1, loc: dict, options: dict) -> None:
+    """add_norm's dropout on this rank's x and x1 (x1's indices after x's: its masks are
+    others), in place of the op's own: loc's x and x1 become the kept elements scaled by
+    1/(1 - p), in acc_dtype(x's) so the op still rounds new_residual once; options get
+    dropout_p 0 and the residual_dtype the op would have stored new_residual in."""
+    p = options["dropout_p"]
+    check_tensor("x", x)  # the op would refuse an x of no floating dtype; its wide copy would pass
+    check_branch(x, x1, options["alpha"], p)
+    wide, scale = acc_dtype(x.dtype), 1.0 / (1.0 - p)
+    # one draw of the CPU generator, which advances alike on every rank (DTensor expects every
+    # rank seeded alike): the same key everywhere; compiled, an op of the graph. While a CUDA
+    # graph is captured, from x's device instead (as fuseblock.ops.norm's seed): a host draw
+    # would be copied once, at capture, and every replay would reuse its masks
+    device = loc["x"].device
+    if device.type == "cuda" and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
+        key = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+    else:
+        key = torch.randint(0, 2**62, (1,), dtype=torch.int64).to(device)
+    index = at.global_index()
+    loc["x"] = torch.where(_keep(key, index, p), loc["x"].to(wide) * scale, 0.0)
+    if x1 is not None:
+        loc["x1"] = torch.where(_keep(key, index + x.numel(), p), loc["x1"].to(wide) * scale, 0.0)
+    options["residual_dtype"] = stored_dtype(x.dtype, None if residual is None else residual.dtype,
+                                             options["residual_dtype"])
+    options["dropout_p"] = 0.0
 
 
 def add_norm(local_add_norm: Callable, x, residual, weight, bias, gate, x1=None, **options):
     """`local_add_norm(x, residual, weight, bias, gate=gate, **options)` (fuseblock's add_norm)
     on DTensor arguments: (out, new_residual) as DTensors placed as x is. x1 is placed as x;
-    dropout draws each shard's own masks (`_Placed.per_shard_rng`)."""
+    dropout is applied here (`_dropped`), its masks keyed by the global index (`_keep`)."""
     at = _Placed(x, {"residual": residual, "gate": gate, "x1": x1}, {"weight": weight, "bias": bias})
     loc = at.unwrap()
-    xl, rl, gl, x1l, wl, bl = (loc[n] for n in ("x", "residual", "gate", "x1", "weight", "bias"))
-    dropout = options.get("dropout_p", 0.0) != 0.0
-    with at.per_shard_rng() if dropout else nullcontext():
-        if not at.hidden:
-            if x1 is not None:
-                options["x1"] = x1l
-            out, new_res = local_add_norm(xl, rl, wl, bl, gate=gl, **options)
-        else:
-            out, new_res = _hidden_add_norm(at, loc, x, residual, weight, bias, gate, x1, **options)
-    # no residual and no dtype change: new_residual is x itself, as add_norm's
-    return at.placed(out), (x if new_res is xl else at.placed(new_res))
+    xl = loc["x"]
+    if options["dropout_p"] != 0.0:
+        _dropped(at, x, residual, x1, loc, options)
+    if not at.hidden:
+        if x1 is not None:
+            options["x1"] = loc["x1"]
+        out, new_res = local_add_norm(loc["x"], loc["residual"], loc["weight"], loc["bias"], gate=loc["gate"],
+                                      **options)
+    else:
+        out, new_res = _hidden_add_norm(at, loc, x, residual, weight, bias, gate, x1, **options)
+    # no residual and no dtype change: new_residual is x itself, as add_norm's; out in x's
+    # dtype where dropout handed the op a wide x
+    return at.placed(out.to(x.dtype)), (x if new_res is xl else at.placed(new_res))
 
 
 def _hidden_add_norm(at: _Placed, loc: dict, x, residual, weight, bias, gate, x1, *, kind, c, eps, residual_dtype,
                      gate_act, gate_position, num_groups, weight_offset, alpha=1.0, dropout_p=0.0):
     """add_norm on columns: new_residual by the torch path's own sum (reference.residual_sum,
-    or branch_sum for alpha, x1, dropout: torch's dropout on this rank's columns), then the
-    norm of its rows from all-reduced row sums (_HiddenNorm)."""
+    or branch_sum for alpha, x1), then the norm of its rows from all-reduced row sums
+    (_HiddenNorm). dropout_p is 0 here: add_norm applied it (`_dropped`), loc's x and x1
+    then wide, so the dtypes stored follow loc's x as the op's would."""
     if gate is not None or num_groups != 1:
         raise ValueError(f"a gate and num_groups > 1 are not supported with x sharded on its last dim (x's "
                          f"placements {tuple(x.placements)}): shard x by rows, or replicate it")
@@ -187,12 +252,12 @@ def _hidden_add_norm(at: _Placed, loc: dict, x, residual, weight, bias, gate, x1
 
     xl, rl, x1l = loc["x"], loc["residual"], loc["x1"]
     rin = None if residual is None else residual.dtype
-    if x1 is not None or alpha != 1.0 or dropout_p != 0.0:
+    if x1 is not None or alpha != 1.0:
         check_branch(x, x1, alpha, dropout_p)
         spec = spec.with_branch(alpha, dropout_p)
-        new_res = reference.branch_sum(xl, x1l, rl, stored_dtype(x.dtype, rin, residual_dtype), spec)
+        new_res = reference.branch_sum(xl, x1l, rl, stored_dtype(xl.dtype, rin, residual_dtype), spec)
     else:
-        new_res = reference.residual_sum(xl, rl, new_residual_dtype(x.dtype, rin, residual_dtype))
+        new_res = reference.residual_sum(xl, rl, new_residual_dtype(xl.dtype, rin, residual_dtype))
     p = xl if new_res is None else new_res  # differentiable: autograd routes dnew_residual
     out = _HiddenNorm.apply(p, loc["weight"], loc["bias"], spec, x.shape[-1], at.groups)
     return out.to(x.dtype), (xl if new_res is None else new_res)

@@ -4,6 +4,7 @@ both ranks against one process's result on the same data; rank 0 writes the find
 JSON to argv[1] and the test asserts on them."""
 import gc
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -122,44 +123,151 @@ def branch_case(mesh, dim: int) -> dict:
                                                                strict=True)}}
 
 
-def dropout_case(mesh, dim: int) -> dict:
-    """add_norm with dropout on DTensors sharded on `dim`: x = 1 and x1 = 3 everywhere, so
-    new_residual - residual = alpha * (keep_x + 3 keep_x1) / (1 - p) tells both masks. Against
-    one process given those masks (x and x1 pre-scaled, no dropout): values and every
-    gradient; each rank's masks its own (not another rank's), the same again after the same
-    torch.manual_seed."""
-    p, alpha = 0.5, 0.5
+DROP_P, DROP_ALPHA = 0.3, 0.5
+DROP_SHAPE = (2, 32, 64)  # 4096 elements: the kept fraction within 5 binomial sds is +-0.036
+
+
+def placed(mesh, dim):
+    """x's placements and the vectors' for x sharded on `dim` (None: replicated)."""
+    if dim is None:
+        return [Replicate()], [Replicate()]
+    return [Shard(dim)], [Shard(0)] if dim == 2 else [Replicate()]
+
+
+def masks_of(got_res, r):
+    """add_norm's masks decoded from new_residual, x = 1 and x1 = 3 everywhere:
+    (new_residual - residual) (1 - p) / alpha = keep_x + 3 keep_x1, in {0, 1, 3, 4}."""
+    v = ((whole(got_res) - r) * (1 - DROP_P) / DROP_ALPHA).round()
+    return bool(((v == 0) | (v == 1) | (v == 3) | (v == 4)).all()), (v == 1) | (v == 4), v >= 3
+
+
+def dropout_case(mesh, dim: int, compiled: bool = False) -> dict:
+    """add_norm with dropout (layer norm, alpha, x1) on DTensors sharded on `dim`, x = 1 and
+    x1 = 3 so new_residual tells both masks (`masks_of`), eager or under
+    torch.compile(fullgraph=True). Against one process given those masks (x and x1 pre-scaled,
+    no dropout): values and every gradient; the masks: decoded, x's apart from x1's, the kept
+    fraction, the same after the same torch.manual_seed and not after another."""
     torch.manual_seed(9)
-    r, w, b = torch.randn(B, T, D), torch.randn(D), torch.randn(D)
-    vec = [Shard(0)] if dim == 2 else [Replicate()]
-    full = [torch.ones(B, T, D), 3 * torch.ones(B, T, D), r, w, b]
-    shards = [distribute_tensor(t, mesh, [Shard(dim)] if t.dim() == 3 else vec).requires_grad_() for t in full]
+    r, w, b = torch.randn(DROP_SHAPE), torch.randn(DROP_SHAPE[-1]), torch.randn(DROP_SHAPE[-1])
+    full = [torch.ones(DROP_SHAPE), 3 * torch.ones(DROP_SHAPE), r, w, b]
+    place, vec = placed(mesh, dim)
+    shards = [distribute_tensor(t, mesh, place if t.dim() == 3 else vec).requires_grad_() for t in full]
 
-    def run():
-        return fuseblock.add_norm(shards[0], shards[2], shards[3], shards[4], kind="layer", alpha=alpha,
-                                  x1=shards[1], dropout_p=p)
+    def call(x, x1, r, w, b):
+        return fuseblock.add_norm(x, r, w, b, kind="layer", alpha=DROP_ALPHA, x1=x1, dropout_p=DROP_P)
 
+    if compiled:
+        torch._dynamo.reset()
+        call = torch.compile(call, fullgraph=True)
     torch.manual_seed(10)
-    got, got_res = run()
+    got, got_res = call(*shards)
     torch.manual_seed(10)
-    again = run()[1].full_tensor()
+    again = whole(call(*shards)[1])
+    torch.manual_seed(11)
+    other = whole(call(*shards)[1])
     (got.square().sum() + got_res.sum()).backward()
-    v = ((got_res.full_tensor() - r) * (1 - p) / alpha).round()
-    keep_x, keep_x1 = (v == 1) | (v == 4), v >= 3
+    decoded, keep_x, keep_x1 = masks_of(got_res, r)
     ones = [t.clone().requires_grad_() for t in full]
-    scaled_x, scaled_x1 = ones[0] * keep_x / (1 - p), ones[1] * keep_x1 / (1 - p)
-    out, res = fuseblock.add_norm(scaled_x, ones[2], ones[3], ones[4], kind="layer", alpha=alpha, x1=scaled_x1)
+    scaled_x, scaled_x1 = ones[0] * keep_x / (1 - DROP_P), ones[1] * keep_x1 / (1 - DROP_P)
+    out, res = fuseblock.add_norm(scaled_x, ones[2], ones[3], ones[4], kind="layer", alpha=DROP_ALPHA, x1=scaled_x1)
     (out.square().sum() + res.sum()).backward()
-    mine = keep_x.chunk(2, dim)[dist.get_rank()]
-    other = keep_x.chunk(2, dim)[1 - dist.get_rank()]
-    return {"masks_decoded": bool(((v == 0) | (v == 1) | (v == 3) | (v == 4)).all()),
+    return {"masks_decoded": decoded, "numel": keep_x.numel(),
             "kept": keep_x.float().mean().item(), "kept_x1": keep_x1.float().mean().item(),
-            "differs_from_other_rank": bool((mine != other).any()),
             "x_and_x1_masks_differ": bool((keep_x != keep_x1).any()),
-            "reproducible": bool(torch.equal(again, got_res.full_tensor())),
+            "reproducible": bool(torch.equal(again, whole(got_res))),
+            "another_seed_differs": bool(not torch.equal(other, whole(got_res))),
             "value": rel_diff(got, out), "new_residual": rel_diff(got_res, res),
             **{n: rel_diff(s.grad, o.grad) for n, s, o in zip(("x", "x1", "residual", "weight", "bias"), shards, ones,
                                                                strict=True)}}
+
+
+def dropout_layouts(mesh) -> dict:
+    """One dropout call (random fp32 x, x1, residual) on x sharded by rows (Shard(0),
+    Shard(1)), on the hidden dim (Shard(2)) and replicated, each after the same
+    torch.manual_seed: the whole new_residual and out of each against the replicated one's
+    (bit for bit, but the hidden-dim norm's out, whose statistics are all-reduced sums); and
+    the compiled call's masks against the eager one's, with inductor's random ops and with
+    `fallback_random` (torch's)."""
+    torch.manual_seed(12)
+    full = [torch.randn(DROP_SHAPE) for _ in range(3)] + [torch.randn(DROP_SHAPE[-1]) for _ in range(2)]
+
+    def run(dim, fn=fuseblock.add_norm):
+        place, vec = placed(mesh, dim)
+        x, x1, r, w, b = (distribute_tensor(t, mesh, place if t.dim() == 3 else vec) for t in full)
+        torch.manual_seed(13)
+        out, res = fn(x, r, w, b, kind="layer", alpha=DROP_ALPHA, x1=x1, dropout_p=DROP_P)
+        return whole(out), whole(res)
+
+    found = {}
+    want_out, want_res = run(None)
+    for dim in (0, 1, 2):
+        out, res = run(dim)
+        found[f"shard{dim}_new_residual_equal"] = bool(torch.equal(res, want_res))
+        found[f"shard{dim}_out_equal"] = bool(torch.equal(out, want_out))
+        found[f"shard{dim}_out"] = rel_diff(out, want_out)
+    torch._dynamo.reset()
+    found["compiled_new_residual_equal"] = bool(torch.equal(run(1, torch.compile(fuseblock.add_norm,
+                                                                                  fullgraph=True))[1], want_res))
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fallback_random=True):
+        found["compiled_fallback_random_new_residual_equal"] = bool(torch.equal(
+            run(1, torch.compile(fuseblock.add_norm, fullgraph=True))[1], want_res))
+    return found
+
+
+def dropout_bf16(mesh) -> dict:
+    """bf16 x, x1 and residual by rows: new_residual and out against the exact (fp64) value
+    given the masks, in units of a bf16 ulp of it: at most half of one (the sum rounded once,
+    out once from the stored new_residual), where dropping and scaling in bf16 before the sum
+    would round twice. The masks decoded from a call on x = 1, x1 = 3 after the same seed:
+    they depend on the key and the index, not on the values."""
+    torch.manual_seed(14)
+    x, x1, r = (torch.randn(DROP_SHAPE).bfloat16() for _ in range(3))
+    w, b = torch.randn(DROP_SHAPE[-1]).bfloat16(), torch.randn(DROP_SHAPE[-1]).bfloat16()
+
+    def run(x, x1, r):
+        x, x1, r = (distribute_tensor(t, mesh, [Shard(1)]) for t in (x, x1, r))
+        wd, bd = distribute_tensor(w, mesh, [Replicate()]), distribute_tensor(b, mesh, [Replicate()])
+        torch.manual_seed(15)
+        return fuseblock.add_norm(x, r, wd, bd, kind="layer", alpha=DROP_ALPHA, x1=x1, dropout_p=DROP_P)
+
+    zero = torch.zeros(DROP_SHAPE, dtype=torch.bfloat16)
+    _, decoder = run(torch.ones_like(x), 3 * torch.ones_like(x), zero)
+    decoded, keep_x, keep_x1 = masks_of(decoder.float(), zero.float())
+    out, res = (whole(t) for t in run(x, x1, r))
+    exact_res = r.double() + DROP_ALPHA * (x.double() * keep_x + x1.double() * keep_x1) / (1 - DROP_P)
+    exact_out = torch.nn.functional.layer_norm(res.double(), (DROP_SHAPE[-1],), w.double(), b.double())
+
+    def ulps(got, want):  # |got - want| over the bf16 ulp at want (8 significant bits)
+        _, e = torch.frexp(want)
+        return ((got.double() - want).abs() / torch.ldexp(torch.ones_like(want), e - 8)).max().item()
+
+    # the contrast: x and x1 dropped and scaled in bf16, then summed (rounded twice)
+    twice = (r.float() + DROP_ALPHA * ((x * keep_x / (1 - DROP_P)).float() + (x1 * keep_x1 / (1 - DROP_P)).float()))
+    return {"masks_decoded": decoded, "dtypes": [str(out.dtype), str(res.dtype)],
+            "new_residual_ulps": ulps(res, exact_res), "out_ulps": ulps(out, exact_out),
+            "rounded_twice_ulps": ulps(twice.bfloat16(), exact_res)}
+
+
+def offsets_case(mesh) -> dict:
+    """fuseblock's shard_offsets against DTensor's compute_local_shape_and_global_offset on
+    this mesh (even, uneven and empty shards), and the global index of each local element
+    (`_Placed.global_index`) against a global arange distributed as x is."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from fuseblock.ops.dtensor import _Placed, shard_offsets
+
+    found = {}
+    for shape in ((2, 4, 6), (2, 5, 7), (1, 1, 3)):
+        for placements in ([Shard(0)], [Shard(1)], [Shard(2)], [Replicate()]):
+            name = f"{shape}_{placements[0]}"
+            local, offset = shard_offsets(shape, placements, mesh.shape, mesh.get_coordinate())
+            want = compute_local_shape_and_global_offset(shape, mesh, placements)
+            index = distribute_tensor(torch.arange(math.prod(shape)).view(shape), mesh, placements)
+            got = _Placed(index, {}, {}).global_index()
+            found[name] = [(tuple(local), tuple(offset)) == tuple(map(tuple, want)),
+                           torch.equal(got, index.to_local())]
+    return found
 
 
 def norm_linear_case(mesh, x_placement, weight_placement) -> dict:
@@ -392,6 +500,10 @@ def main():
     for dim in (1, 2):
         mine[f"branch_shard{dim}"] = branch_case(mesh, dim)
         mine[f"dropout_shard{dim}"] = dropout_case(mesh, dim)
+        mine[f"dropout_compiled_shard{dim}"] = dropout_case(mesh, dim, compiled=True)
+    mine["dropout_layouts"] = dropout_layouts(mesh)
+    mine["dropout_bf16"] = dropout_bf16(mesh)
+    mine["offsets"] = offsets_case(mesh)
     mine["norm_linear_rows"] = norm_linear_case(mesh, Shard(1), Replicate())
     mine["norm_linear_columns"] = norm_linear_case(mesh, Replicate(), Shard(0))
     mine["norm_linear_sequence"] = norm_linear_case(mesh, Shard(1), Shard(0))
