@@ -26,8 +26,12 @@ sample: $(STAMP)
 # The torch path runs every test; the kernel path reruns the `kernel`-marked tests
 # through the Triton interpreter in a second process (the env var must be set
 # before triton is imported); the floor check reruns the smoke subset on both paths
-# with the oldest torch, triton and numpy that pyproject.toml declares.
-test: lint test-torch test-kernels test-floor
+# with the oldest torch, triton and numpy that pyproject.toml declares. The parts run
+# two at a time (each is one mostly single-threaded pytest process; the two paths
+# share no files), each part's output printed whole when it ends; the first failure
+# fails `make test`.
+test: $(STAMP)
+	$(MAKE) --no-print-directory -j2 --output-sync=target lint test-torch test-kernels test-floor
 
 # ruff, configured in pyproject.toml: a finding fails the run
 lint: $(STAMP)
