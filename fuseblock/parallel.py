@@ -119,9 +119,7 @@ class HiddenParallel(_NormStyle):
         return t.dim() - 1
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        for pname, param in list(module.named_parameters(recurse=False)):
-            module.register_parameter(pname, nn.Parameter(distribute_tensor(param.detach(), mesh, [Shard(0)]),
-                                                          requires_grad=param.requires_grad))
+        _place_parameters(module, mesh, Shard(0), getattr(self, "src_data_rank", 0))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(use_local_output={self.use_local_output})"
@@ -146,12 +144,19 @@ class FusedColwiseParallel(ParallelStyle):
             raise TypeError(f"fuseblock.parallel.FusedColwiseParallel applies to an nn.Linear, got "
                             f"{type(module).__name__}")
 
-        def partition(name, mod, mesh):
-            for pname, param in list(mod.named_parameters(recurse=False)):
-                placed = distribute_tensor(param, mesh, [self.placement], src_data_rank=self.src_data_rank)
-                mod.register_parameter(pname, nn.Parameter(placed, requires_grad=param.requires_grad))
-
-        return distribute_module(module, device_mesh, partition)
+        return distribute_module(module, device_mesh,
+                                 lambda name, mod, mesh: _place_parameters(mod, mesh, self.placement,
+                                                                           getattr(self, "src_data_rank", 0)))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(placement={self.placement!r})"
+
+
+def _place_parameters(module: nn.Module, mesh: DeviceMesh, placement, src_data_rank) -> None:
+    """The module's own parameters made DTensors placed `placement` on `mesh` (from rank
+    `src_data_rank`'s values, or None: each rank keeps its own part, as parallelize_module's
+    src_data_rank says). torch 2.5 (the floor) has no src_data_rank, and takes rank 0's."""
+    source = {} if src_data_rank == 0 else {"src_data_rank": src_data_rank}
+    for pname, param in list(module.named_parameters(recurse=False)):
+        placed = distribute_tensor(param.detach(), mesh, [placement], **source)
+        module.register_parameter(pname, nn.Parameter(placed, requires_grad=param.requires_grad))

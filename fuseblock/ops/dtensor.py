@@ -40,6 +40,7 @@ from torch import Tensor
 
 from ..spec import acc_dtype, new_residual_dtype, stored_dtype
 from .checks import check_branch, check_tensor, resolve
+from .seed import draw_seed
 
 
 def has_dtensor(x, residual, weight, bias, gate, x1=None) -> bool:
@@ -196,15 +197,9 @@ def _dropped(at: _Placed, x, residual, x1, loc: dict, options: dict) -> None:
     check_tensor("x", x)  # the op would refuse an x of no floating dtype; its wide copy would pass
     check_branch(x, x1, options["alpha"], p)
     wide, scale = acc_dtype(x.dtype), 1.0 / (1.0 - p)
-    # one draw of the CPU generator, which advances alike on every rank (DTensor expects every
-    # rank seeded alike): the same key everywhere; compiled, an op of the graph. While a CUDA
-    # graph is captured, from x's device instead (as fuseblock.ops.norm's seed): a host draw
-    # would be copied once, at capture, and every replay would reuse its masks
-    device = loc["x"].device
-    if device.type == "cuda" and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
-        key = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
-    else:
-        key = torch.randint(0, 2**62, (1,), dtype=torch.int64).to(device)
+    # the kernels' key (draw_seed): one draw of the CPU generator, which advances alike on
+    # every rank (DTensor expects every rank seeded alike), so the same key everywhere
+    key = draw_seed(loc["x"]).to(loc["x"].device)
     index = at.global_index()
     loc["x"] = torch.where(_keep(key, index, p), loc["x"].to(wide) * scale, 0.0)
     if x1 is not None:
@@ -395,7 +390,7 @@ class _GatheredRows:
             if n != x.shape[dim]:
                 raise ValueError(f"norm_linear sequence-parallel: x's dim {dim} ({x.shape[dim]}) must divide evenly "
                                  f"over its shards (x's placements {tuple(x.placements)})")
-        self.columns = [mesh.get_group(i) for i in columns]
+        self.columns = [(mesh, i) for i in columns]  # _all_reduce's groups
         self.lead, self.lead_all = tuple(lead), tuple(lead_all)
 
     def gathered(self, m: int) -> int:
@@ -420,9 +415,7 @@ class _GatheredRows:
         g = t.reshape(*self.lead_all, d)
         for dim, group in self.steps:
             g = _waited(_funcol(funcol, "reduce_scatter")(g, "sum", dim, group))
-        for group in self.columns:
-            g = _waited(funcol.all_reduce(g, "sum", group))
-        return g.reshape(-1, d)
+        return _all_reduce(g, self.columns).reshape(-1, d)
 
 
 def _funcol(funcol, name: str) -> Callable:

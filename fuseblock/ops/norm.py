@@ -31,6 +31,7 @@ from . import dtensor
 from .checks import check_branch, default_eps, resolve
 from .dispatch import func_transforms_active, kernels, kernels_take_cpu, uses_triton
 from .registry import FusedOp
+from .seed import draw_seed
 
 
 def _empty(x: Tensor) -> Tensor:
@@ -213,24 +214,8 @@ def apply_norm(x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], we
         return reference.norm_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1)
     need_stats = need_stats or (torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, residual, gate, weight, bias, x1)))
-    seed = _draw_seed(x) if spec.dropout_p > 0 else None
+    seed = draw_seed(x) if spec.dropout_p > 0 else None
     return norm_op(x, residual, gate, weight, bias, spec.pack(), residual_dtype, need_stats, x1, seed)
-
-
-def _draw_seed(x: Tensor) -> Tensor:
-    """The dropout masks' key, one int64 from torch's default generator (torch.manual_seed
-    reproduces a call), kept for backward as the only trace of the masks.
-
-    Drawn on the host, from the CPU generator, and passed to the kernel by value: no launch
-    on x's device, so the forward is one launch (a draw there would be a second). While a
-    CUDA graph is being captured it is drawn on x's device instead, a node of the graph:
-    a host draw would run once, at capture, and every replay would reuse its masks, where
-    the device generator gives each replay new ones. Compiled code takes the host draw,
-    as an op of its graph (no graph break); Inductor leaves a graph with CPU ops out of its
-    CUDA graphs, so the masks stay fresh there too."""
-    if x.is_cuda and not is_compiling() and torch.cuda.is_current_stream_capturing():
-        return torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64)
-    return torch.randint(0, 2**62, (1,), dtype=torch.int64)
 
 
 _F32, _F64 = torch.float32, torch.float64
