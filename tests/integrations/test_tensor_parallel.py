@@ -213,6 +213,7 @@ def test_torch_compile_fullgraph_traces_the_dtensor_calls(ranks, case):
     ("norm_add_norm_plain_residual", "TypeError", "residual is a Tensor"),
     ("torch_style_positional_residual", "ValueError", "use fuseblock.parallel.SequenceParallel"),
     ("norm_linear_uneven_sequence", "ValueError", "x's dim 1 (5) must divide evenly over its shards"),
+    ("fused_colwise_on_a_non_linear", "TypeError", "FusedColwiseParallel applies to an nn.Linear, got GELU"),
     ("torch_colwise_on_a_fused_linear", "ValueError", "has forward hooks, which the fused norm + Linear would skip"),
 ])
 def test_other_placements_are_refused_naming_them(ranks, case, error, names):

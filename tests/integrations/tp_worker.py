@@ -393,6 +393,7 @@ def refusals(mesh) -> dict:
         "torch_style_positional_residual": lambda: torch_style(x_local, r_local),
         "norm_linear_uneven_sequence": lambda: fuseblock.norm_linear(
             distribute_tensor(torch.randn(B, T + 1, D), mesh, [Shard(1)]), None, w_rep, None, lin_sh),
+        "fused_colwise_on_a_non_linear": lambda: parallelize_module(nn.GELU(), mesh, FusedColwiseParallel()),
         # add_linear never runs the Linear's forward: torch's ColwiseParallel hooks would be skipped
         "torch_colwise_on_a_fused_linear": lambda: fusing_norm.add_linear(x_local, r_local, torch_colwise),
     }
