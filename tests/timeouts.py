@@ -1,0 +1,100 @@
+"""One rule for every time limit in the tests.
+
+A limit in the tests is a guard against a hang, never a speed check: each one is written
+as the seconds an idle 2-core machine needs with ample margin, and `limit` scales it by
+FUSEBLOCK_TEST_TIMEOUT_SCALE (default 2). On a busy machine (a load average well above the
+core count, a shared CI runner, one core) raise the factor:
+
+    FUSEBLOCK_TEST_TIMEOUT_SCALE=6 make test
+
+When a limit is hit, the test fails with one line that names the limit, the factor and
+how to raise it, followed by the last lines the process printed (`run`, `wait`,
+`wait_for`), instead of subprocess's TimeoutExpired traceback.
+"""
+import math
+import os
+import subprocess
+import time
+
+import pytest
+
+SCALE_VAR = "FUSEBLOCK_TEST_TIMEOUT_SCALE"
+DEFAULT_SCALE = 2.0
+TAIL_LINES = 20
+
+
+def scale() -> float:
+    """The factor every limit is multiplied by: FUSEBLOCK_TEST_TIMEOUT_SCALE, else 2."""
+    text = os.environ.get(SCALE_VAR, "").strip()
+    if not text:
+        return DEFAULT_SCALE
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise pytest.UsageError(f"{SCALE_VAR}={text!r}: expected a positive number, such as 4")
+    return value
+
+
+def limit(seconds: float) -> float:
+    """The limit for something an idle machine does in well under `seconds`."""
+    return seconds * scale()
+
+
+def _text(data) -> str:
+    if data is None:
+        return ""
+    return data.decode(errors="replace") if isinstance(data, bytes) else data
+
+
+def _tail(*outputs) -> str:
+    lines = "\n".join(_text(o) for o in outputs if o).rstrip().splitlines()
+    return "\n".join(lines[-TAIL_LINES:]) if lines else "(it printed nothing)"
+
+
+def timed_out(what: str, seconds: float, *outputs) -> None:
+    """Fail the test: `what` ran past its limit. One line first, then the output's last lines."""
+    pytest.fail(f"{what} ran past its limit of {limit(seconds):.0f} s ({seconds:g} s x {SCALE_VAR}={scale():g}): "
+                f"a slow or busy machine? Raise {SCALE_VAR} (for example {SCALE_VAR}={2 * scale():g}) to give it "
+                f"longer.\nLast lines it printed:\n{_tail(*outputs)}", pytrace=False)
+
+
+def _name(cmd) -> str:
+    parts = [os.path.basename(str(c)) for c in (cmd if isinstance(cmd, (list, tuple)) else [cmd])]
+    return " ".join(parts[:6]) + (" ..." if len(parts) > 6 else "")
+
+
+def run(cmd, *, seconds: float, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, **kwargs) under limit(seconds)."""
+    try:
+        return subprocess.run(cmd, timeout=limit(seconds), **kwargs)
+    except subprocess.TimeoutExpired as e:
+        timed_out(_name(cmd), seconds, e.stdout, e.stderr)
+
+
+def wait(proc: subprocess.Popen, *, seconds: float, log=None) -> int:
+    """proc.wait() under limit(seconds); on a timeout the process is killed and `log` (a path
+    its output went to) gives the last lines."""
+    try:
+        return proc.wait(timeout=limit(seconds))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        timed_out(_name(proc.args), seconds, _read(log))
+
+
+def _read(path) -> str:
+    try:
+        return open(path, errors="replace").read() if path else ""
+    except OSError:
+        return ""
+
+
+def wait_for(condition, *, seconds: float = 120, what: str = "condition", log=None) -> None:
+    """Poll until condition() is true, under limit(seconds)."""
+    deadline = time.monotonic() + limit(seconds)
+    while not condition():
+        if time.monotonic() > deadline:
+            timed_out(f"waiting for {what}", seconds, _read(log))
+        time.sleep(0.02)
