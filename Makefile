@@ -38,10 +38,10 @@ lint: $(STAMP)
 	.venv/bin/ruff check .
 
 test-torch: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=10
 
 test-kernels: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m kernel
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m kernel --durations=10
 
 # .venv-floor: the declared floors exactly (tools/floor_env.py reads them from pyproject.toml).
 $(FLOOR_STAMP): pyproject.toml tools/floor_env.py

@@ -11,6 +11,7 @@ On a GPU machine, FUSEBLOCK_TEST_DEVICE=cuda makes every test tensor a CUDA tens
 so `pytest -m kernel` runs the compiled kernels for real.
 """
 import os
+import subprocess
 import sys
 
 import pytest
@@ -24,6 +25,25 @@ from helpers import DEVICE, KERNEL_PATH, Launches  # noqa: E402
 
 if DEVICE != "cpu":
     torch.set_default_device(DEVICE)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--busy", type=int, default=0, metavar="N",
+                     help="start N CPU-bound processes for the whole run, to check that the time limits "
+                          "(tests/timeouts.py) hold on a busy machine")
+
+
+def pytest_sessionstart(session):
+    n = session.config.getoption("busy")
+    if n < 0:
+        raise pytest.UsageError(f"--busy {n}: expected a count of processes, 0 or more")
+    session.config.busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def pytest_sessionfinish(session):
+    for proc in getattr(session.config, "busy", []):
+        proc.kill()
+        proc.wait()
 
 
 def pytest_configure(config):

@@ -55,13 +55,15 @@ def _tail(*outputs) -> str:
 
 def timed_out(what: str, seconds: float, *outputs) -> None:
     """Fail the test: `what` ran past its limit. One line first, then the output's last lines."""
-    pytest.fail(f"{what} ran past its limit of {limit(seconds):.0f} s ({seconds:g} s x {SCALE_VAR}={scale():g}): "
+    pytest.fail(f"{what} ran past its limit of {limit(seconds):.4g} s ({seconds:g} s x {SCALE_VAR}={scale():g}): "
                 f"a slow or busy machine? Raise {SCALE_VAR} (for example {SCALE_VAR}={2 * scale():g}) to give it "
                 f"longer.\nLast lines it printed:\n{_tail(*outputs)}", pytrace=False)
 
 
 def _name(cmd) -> str:
-    parts = [os.path.basename(str(c)) for c in (cmd if isinstance(cmd, (list, tuple)) else [cmd])]
+    """The command, short and on one line: file names without their folders, long arguments cut."""
+    parts = [" ".join(os.path.basename(str(c)).split()) for c in (cmd if isinstance(cmd, (list, tuple)) else [cmd])]
+    parts = [p if len(p) <= 40 else p[:37] + "..." for p in parts]
     return " ".join(parts[:6]) + (" ..." if len(parts) > 6 else "")
 
 

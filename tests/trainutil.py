@@ -11,10 +11,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import timeouts
 import torch
 from safetensors.torch import load_file
 
@@ -39,10 +39,11 @@ def command(script, *args, fsize=None):
     return [*head, *map(str, args)]
 
 
-def run(script, *args, timeout=180, check=True, fsize=None):
-    """Run scripts/<script> in a new process; fsize: the largest file it may write, in bytes."""
-    proc = subprocess.run(command(script, *args, fsize=fsize), capture_output=True, text=True, timeout=timeout,
-                          env=env(), cwd=ROOT, check=False)
+def run(script, *args, seconds=180, check=True, fsize=None):
+    """Run scripts/<script> in a new process, under timeouts.limit(seconds); fsize: the largest
+    file it may write, in bytes."""
+    proc = timeouts.run(command(script, *args, fsize=fsize), seconds=seconds, capture_output=True, text=True,
+                        env=env(), cwd=ROOT, check=False)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -52,15 +53,6 @@ def start(script, *args, log, **kw):
     """Start scripts/<script> in a new process, its stdout and stderr into the file `log`."""
     with open(log, "w") as f:
         return subprocess.Popen(command(script, *args), env=env(), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, **kw)
-
-
-def wait_for(condition, timeout=120, what="condition"):
-    """Poll until condition() is true (a busy machine may be slow)."""
-    deadline = time.time() + timeout
-    while not condition():
-        if time.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def _module(script):
@@ -157,14 +149,15 @@ def compare_checkpoints(a, b) -> float:
     return diff
 
 
-def torchrun(n: int, *args, kernel_path: bool = False, timeout: int = 300) -> subprocess.CompletedProcess:
+def torchrun(n: int, *args, kernel_path: bool = False, seconds: float = 300) -> subprocess.CompletedProcess:
     """`torch.distributed.run` on n CPU ranks (gloo, one thread each) with args, asserting it
-    succeeds; on the kernel path (TRITON_INTERPRET=1) where kernel_path, else the torch path."""
+    succeeds, under timeouts.limit(seconds); on the kernel path (TRITON_INTERPRET=1) where
+    kernel_path, else the torch path."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if kernel_path:
         env["TRITON_INTERPRET"] = "1"
     env["OMP_NUM_THREADS"] = "1"
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-                        *map(str, args)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    p = timeouts.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                      *map(str, args)], seconds=seconds, env=env, cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0, f"{p.stdout}\n{p.stderr}"
     return p

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from timeouts import wait_for
 from trainutil import ROOT, TINY, call, saved_tiny_gpt, train
 
 from models import checkpoint
@@ -161,12 +162,12 @@ def test_sigkill_at_random_moments_always_leaves_a_loadable_checkpoint(tmp_path)
         with open(log, "w") as f:
             proc = subprocess.Popen(cmd + (["--resume"] if attempt else []), env=env, cwd=ROOT, stdout=f,
                                     stderr=subprocess.STDOUT)
-            deadline = time.time() + 120
-            while _latest_step(out) <= (steps[-1] if steps else 0) and time.time() < deadline:
-                time.sleep(0.02)  # wait for a new checkpoint (a busy machine may be slow), then kill at random
-            time.sleep(rnd.uniform(0.0, 0.8))
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
+            try:
+                wait_for(lambda: _latest_step(out) > (steps[-1] if steps else 0), what="a new checkpoint", log=log)
+                time.sleep(rnd.uniform(0.0, 0.8))  # then kill at a random moment
+            finally:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
         if attempt:  # it resumed from the checkpoint the previous check loaded
             assert f"iters {steps[-1]}..100000" in log.read_text(), log.read_text()
         ckpt = checkpoint.resolve(out)

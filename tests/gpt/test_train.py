@@ -3,12 +3,12 @@ before any work."""
 import hashlib
 import json
 import lzma
-import subprocess
 import sys
 import textwrap
 
 import numpy as np
 import pytest
+import timeouts
 from safetensors.torch import load_file
 from trainutil import ROOT, TINY, call, env, full_disk_at, run, train
 
@@ -230,8 +230,8 @@ def test_a_real_full_disk_during_the_data_cache_build_leaves_no_partial_file(tmp
     new_xz = lzma.compress(NEW)
     src.write_bytes(new_xz)
     limit = len(_splits(NEW)["train.bin"]) // 2
-    p = subprocess.run([sys.executable, "-c", _PREPARE_UNDER_LIMIT, str(src), str(cache), str(limit)],
-                       capture_output=True, text=True, env=env(), cwd=ROOT, timeout=120, check=False)
+    p = timeouts.run([sys.executable, "-c", _PREPARE_UNDER_LIMIT, str(src), str(cache), str(limit)],
+                     capture_output=True, text=True, env=env(), cwd=ROOT, seconds=120, check=False)
     assert p.returncode == 3 and "cannot write the data cache" in p.stdout and "File too large" in p.stdout, p
     _assert_no_partial_file(cache, new_xz)
     _assert_next_build_completes(src, cache)

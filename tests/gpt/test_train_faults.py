@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from timeouts import wait, wait_for
 from trainutil import (
     ROOT,
     TINY,
@@ -31,7 +32,6 @@ from trainutil import (
     saved_tiny_gpt,
     start,
     train,
-    wait_for,
 )
 
 from models import checkpoint, data
@@ -157,17 +157,18 @@ def test_a_second_run_into_a_busy_out_dir_stops_at_once_and_the_first_goes_on(tm
     first = start("train.py", "--out-dir", out, "--max-iters", 100000, "--eval-interval", 100000,
                   "--ckpt-interval", 1, *TINY, log=tmp_path / "first.log")
     try:
-        wait_for(lambda: _latest_step(out) >= 1, what="the first run's first checkpoint")
+        wait_for(lambda: _latest_step(out) >= 1, what="the first run's first checkpoint", log=tmp_path / "first.log")
         (out / ".lock").unlink(missing_ok=True)  # before: the lock was this file's, and deleting it let a run in
         for extra in ([], ["--resume"]):
             p = call("train.py", "--out-dir", out, "--max-iters", 3, *TINY, *extra, check=False)
             _one_line_error(p, f"--out-dir {out}: another run is writing to it")
             assert "GPT" not in p.stdout  # no training started
         seen = _latest_step(out)
-        wait_for(lambda: _latest_step(out) > seen + 2, what="the first run's next checkpoints")
+        wait_for(lambda: _latest_step(out) > seen + 2, what="the first run's next checkpoints",
+                 log=tmp_path / "first.log")
     finally:
         first.send_signal(signal.SIGTERM)
-        first.wait(timeout=120)
+        wait(first, seconds=120, log=tmp_path / "first.log")
     log = (tmp_path / "first.log").read_text()
     assert first.returncode == 128 + signal.SIGTERM and "warning" not in log and "Traceback" not in log, log
     assert _loads(out)["step"] > seen + 2
@@ -220,11 +221,11 @@ def test_an_unusable_out_dir_is_one_line_before_any_training(case):
 # ----------------------------------------------------------------------------- 11: Ctrl-C and SIGTERM
 
 
-def _stop(proc, sig, out, after):
+def _stop(proc, sig, out, after, log):
     """Send `sig` to a run once it has written a checkpoint past `after`; its exit status."""
-    wait_for(lambda: _latest_step(out) > after, what=f"a checkpoint after step {after}")
+    wait_for(lambda: _latest_step(out) > after, what=f"a checkpoint after step {after}", log=log)
     proc.send_signal(sig)
-    return proc.wait(timeout=120)
+    return wait(proc, seconds=120, log=log)
 
 
 def test_sigint_and_sigterm_write_a_checkpoint_and_resume_bit_exactly(tmp_path):
@@ -238,7 +239,7 @@ def test_sigint_and_sigterm_write_a_checkpoint_and_resume_bit_exactly(tmp_path):
     for n, sig in enumerate((signal.SIGINT, signal.SIGTERM)):
         again = ["--resume", "--threads", 1, "--no-progress"] if n else list(args)
         proc = start("train.py", "--out-dir", out, *again, log=tmp_path / f"{sig.name}.log")
-        code = _stop(proc, sig, out, steps[-1] if steps else 0)
+        code = _stop(proc, sig, out, steps[-1] if steps else 0, tmp_path / f"{sig.name}.log")
         log = (tmp_path / f"{sig.name}.log").read_text()
         steps.append(_latest_step(out))
         assert code == 128 + sig, log
@@ -267,9 +268,9 @@ def test_ctrl_c_under_ddp_stops_every_rank_at_one_step(tmp_path):
     with open(tmp_path / "log", "w") as log:
         proc = subprocess.Popen(cmd, env=e, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            wait_for(lambda: _latest_step(out) >= 3, what="the first checkpoint")
+            wait_for(lambda: _latest_step(out) >= 3, what="the first checkpoint", log=tmp_path / "log")
             os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(timeout=120)
+            wait(proc, seconds=120, log=tmp_path / "log")
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -638,10 +639,10 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path):
         log = tmp_path / f"{n}.log"
         proc = start("train.py", "--out-dir", tmp_path / f"run{n}", "--max-iters", 100000, *TINY, log=log,
                      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        wait_for(lambda p=proc: _importing_torch(p.pid) or p.poll() is not None, what="the import of torch")
+        wait_for(lambda p=proc: _importing_torch(p.pid) or p.poll() is not None, what="the import of torch", log=log)
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=120)
+        code = wait(proc, seconds=120, log=log)
         text = log.read_text()
         lines = [s for s in text.splitlines() if s.startswith(("error", "stopped"))]
         assert code == 130 and "Traceback" not in text and len(lines) == 1, (delay, text)

@@ -2,10 +2,10 @@
 process that accumulates the same 2 micro-batches."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+import timeouts
 import torch
 from safetensors.torch import load_file
 from trainutil import ROOT, TINY
@@ -25,11 +25,11 @@ def test_two_cpu_ranks_match_one_process_with_two_accumulation_steps(tmp_path):
     ddp, single = tmp_path / "ddp", tmp_path / "single"
     ddp.mkdir()
     single.mkdir()
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER,
-                    str(ddp), "--out-dir", str(ddp / "run"), "--device", "cpu", *common],
-                   check=True, env=_env(), cwd=ROOT, capture_output=True, timeout=240)
-    subprocess.run([sys.executable, WORKER, str(single), "--out-dir", str(single / "run"), "--device", "cpu",
-                    "--grad-accum", "2", *common], check=True, env=_env(), cwd=ROOT, capture_output=True, timeout=240)
+    timeouts.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER,
+                  str(ddp), "--out-dir", str(ddp / "run"), "--device", "cpu", *common],
+                 check=True, env=_env(), cwd=ROOT, capture_output=True, seconds=240)
+    timeouts.run([sys.executable, WORKER, str(single), "--out-dir", str(single / "run"), "--device", "cpu",
+                  "--grad-accum", "2", *common], check=True, env=_env(), cwd=ROOT, capture_output=True, seconds=240)
     files = (ddp / "rank0.safetensors", ddp / "rank1.safetensors", single / "rank0.safetensors")
     r0, r1, one = (load_file(str(p)) for p in files)
     assert r0.keys() == r1.keys() == one.keys()

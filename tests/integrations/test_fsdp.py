@@ -7,10 +7,10 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
+import timeouts
 import torch
 from trainutil import ROOT, TINY, call, compare_checkpoints, train
 
@@ -27,8 +27,8 @@ def _env():
 
 
 def _torchrun(*args):
-    p = subprocess.run([*TORCHRUN, *map(str, args)], env=_env(), cwd=ROOT, capture_output=True, text=True,
-                       timeout=240)
+    p = timeouts.run([*TORCHRUN, *map(str, args)], env=_env(), cwd=ROOT, capture_output=True, text=True,
+                     seconds=240)
     assert p.returncode == 0, f"{p.stdout}\n{p.stderr}"
     return p
 

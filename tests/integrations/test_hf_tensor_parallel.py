@@ -20,7 +20,7 @@ TOL = 1e-6
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_tp")
-    torchrun(2, WORKER, out, kernel_path=KERNEL_PATH, timeout=240)
+    torchrun(2, WORKER, out, kernel_path=KERNEL_PATH, seconds=240)
     found = json.loads((out / "hf_tp.json").read_text())
     assert len(found) == 2 and all(r["kernel_path"] == KERNEL_PATH for r in found)  # the path under test ran
     return found

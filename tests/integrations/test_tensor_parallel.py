@@ -24,7 +24,7 @@ CASES += ["add_norm_layer_uneven_shard1", "add_norm_layer_uneven_shard2"]  # (2,
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
-    torchrun(2, WORKER, out, kernel_path=KERNEL_PATH, timeout=240)
+    torchrun(2, WORKER, out, kernel_path=KERNEL_PATH, seconds=240)
     found = json.loads((out / "tp.json").read_text())
     assert len(found) == 2 and all(r["kernel_path"] == KERNEL_PATH for r in found)  # the path under test ran
     return found

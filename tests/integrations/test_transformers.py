@@ -14,7 +14,6 @@ import copy
 import json
 import math
 import os
-import subprocess
 import sys
 import warnings
 
@@ -23,6 +22,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import timeouts  # noqa: E402
 from hf_models import HIDDEN, LAYERS, ROOT, batch, differences, make, max_diff, pair, run, stream_ops  # noqa: E402
 
 from fuseblock import Norm  # noqa: E402
@@ -364,9 +364,9 @@ def test_fsdp2_meta_init_on_two_cpu_ranks_equals_the_unfused_model(tmp_path):
     sharded model's, no NaN left, the norms the identity's, the losses equal and finite."""
     out = tmp_path / "found.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CPU torch path
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        os.path.join(ROOT, "tests", "integrations", "transformers_fsdp_worker.py"), str(out)],
-                       env={**env, "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    p = timeouts.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                      os.path.join(ROOT, "tests", "integrations", "transformers_fsdp_worker.py"), str(out)],
+                     env={**env, "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True, seconds=240)
     assert p.returncode == 0, f"{p.stdout}\n{p.stderr}"
     found = json.loads(out.read_text())
     assert set(found) == {"llama", "gemma2"}
@@ -509,9 +509,9 @@ def test_readme_example_runs_verbatim():
 @pytest.mark.slow
 def test_train_hf_script_smoke():
     """scripts/train_hf.py: fused and unfused loss curves side by side, equal to fp32 noise."""
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_hf.py"), "--iters", "3",
-                        "--eval-every", "1"], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": ROOT})
+    p = timeouts.run([sys.executable, os.path.join(ROOT, "scripts", "train_hf.py"), "--iters", "3",
+                      "--eval-every", "1"], capture_output=True, text=True, seconds=120,
+                     env={**os.environ, "PYTHONPATH": ROOT})
     assert p.returncode == 0, p.stderr
     rows = [ln.split() for ln in p.stdout.splitlines() if ln.split() and ln.split()[0].isdigit()]
     assert [int(r[0]) for r in rows] == [1, 2, 3]

@@ -1,13 +1,13 @@
 """docs/transformers.md's family table and README's count, against the code
 (tools/transformers_table.py): current, complete, and what fuse itself says."""
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 transformers = pytest.importorskip("transformers")
+import timeouts  # noqa: E402
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
 
 from fuseblock.integrations.transformers import FAMILIES, REFUSED, WRAPPERS, fuse  # noqa: E402
@@ -17,8 +17,8 @@ TOOL = ROOT / "tools" / "transformers_table.py"
 
 
 def check(*args):
-    return subprocess.run([sys.executable, str(TOOL), "--check", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    return timeouts.run([sys.executable, str(TOOL), "--check", *map(str, args)], cwd=ROOT, capture_output=True,
+                        text=True, seconds=120)
 
 
 def test_the_table_and_the_count_are_current():

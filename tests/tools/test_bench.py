@@ -1,18 +1,18 @@
 """scripts/bench.py runs in its quick mode and its tables say what the targets say."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+import timeouts
 from trainutil import ROOT
 
 
 def _run_bench(*args, stderr=None):
     """The JSON rows bench.py printed; stderr: a list that gets what it wrote there."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), *args],
-                       capture_output=True, text=True, timeout=600, env=env, cwd=ROOT, check=True)
+    p = timeouts.run([sys.executable, str(ROOT / "scripts" / "bench.py"), *args],
+                     capture_output=True, text=True, seconds=600, env=env, cwd=ROOT, check=True)
     if stderr is not None:
         stderr.append(p.stderr)
     return [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
@@ -75,9 +75,9 @@ def test_gpt_step_quick_on_cpu_times_four_contenders():
 def test_gpu_code_path_smoke_run_on_cpu(tmp_path):
     # the GPU benchmark's own code at toy sizes on the CPU, torch.compile included
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "gpu", "--device", "cpu", "--d", "64",
-                        "--rows", "32", "--out", str(tmp_path), "--json"],
-                       capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    p = timeouts.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "gpu", "--device", "cpu", "--d", "64",
+                      "--rows", "32", "--out", str(tmp_path), "--json"],
+                     capture_output=True, text=True, seconds=600, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     bw = [r for r in rows if r["kind"] in ("rms", "layer")]
@@ -131,8 +131,8 @@ def test_gpu_without_cuda_says_so():
 
     if torch.cuda.is_available():
         pytest.skip("has a GPU")
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "gpu"], capture_output=True, text=True,
-                       timeout=120, cwd=ROOT)
+    p = timeouts.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "gpu"], capture_output=True, text=True,
+                     seconds=120, cwd=ROOT)
     assert p.returncode == 0 and "no CUDA" in p.stdout
 
 
@@ -177,8 +177,8 @@ def test_traffic_options_before_the_subcommand_measure_the_kernels():
 
 
 def test_unknown_ops_are_a_usage_error():
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--ops", "add_norm,nope", "traffic"],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    p = timeouts.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--ops", "add_norm,nope", "traffic"],
+                     capture_output=True, text=True, seconds=120, cwd=ROOT)
     assert p.returncode == 2 and "--ops: unknown ['nope']" in p.stderr
 
 
@@ -293,9 +293,9 @@ def test_gpu_report_writes_one_report_and_fails_on_any_part_or_target(monkeypatc
 def test_make_gpu_check_prints_its_commands():
     # PY given on the command line: no .venv install (the GPU image has no network)
     # --no-print-directory: under a parent make (CI's make test) it would print Entering/Leaving lines
-    p = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check", "PY=python"], capture_output=True, text=True,
-                       timeout=60,
-                       cwd=ROOT, check=True)
+    p = timeouts.run(["make", "--no-print-directory", "-n", "gpu-check", "PY=python"], capture_output=True, text=True,
+                     seconds=60,
+                     cwd=ROOT, check=True)
     lines = p.stdout.splitlines()
     assert not any("pip" in ln or "venv" in ln for ln in lines)
     for command in ("FUSEBLOCK_TEST_DEVICE=cuda python -m pytest -m kernel tests/",
@@ -326,8 +326,8 @@ def test_step_tables_say_what_each_column_is(capsys, monkeypatch):
 
 
 def test_help_says_which_subcommands_take_rows_and_d_and_that_traffic_is_slow():
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--help"], capture_output=True,
-                       text=True, timeout=60, cwd=ROOT, check=True)
+    p = timeouts.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--help"], capture_output=True,
+                     text=True, seconds=60, cwd=ROOT, check=True)
     text = " ".join(p.stdout.split())
     options = text[text.index("options:"):]  # past the usage line, which names them too
     rows_help = options[options.index("--rows ROWS"):options.index("--d D")]

@@ -8,6 +8,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import timeouts
 import torch
 
 from fuseblock.triton_support import interpreter_numpy_problem, missing_triton_error
@@ -73,8 +74,8 @@ API_WITHOUT_TRITON = BLOCK_TRITON + textwrap.dedent("""
 def _python(code: str, **env) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), environ.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=ROOT,
-                          env={**environ, **env}, timeout=300)
+    return timeouts.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=ROOT,
+                        env={**environ, **env}, seconds=300)
 
 
 def test_public_api_and_gpt_run_without_triton():
@@ -143,7 +144,7 @@ def test_wheel_holds_only_fuseblock_and_runs_from_another_directory(tmp_path):
         ".git", ".venv*", "build", "dist", "out", "*.egg-info", "__pycache__", "cache", ".pytest_cache", ".hypothesis"))
 
     def run(*cmd):
-        return subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=900)
+        return timeouts.run(cmd, check=True, capture_output=True, text=True, seconds=900)
 
     run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", str(src), "-w", str(tmp_path / "dist"))
     (wheel,) = (tmp_path / "dist").glob("fuseblock-*.whl")
@@ -164,8 +165,8 @@ def test_wheel_holds_only_fuseblock_and_runs_from_another_directory(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
-    proc = subprocess.run([py, "-c", USE_WHEEL], check=False, cwd=elsewhere, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = timeouts.run([py, "-c", USE_WHEEL], check=False, cwd=elsewhere, env=env, capture_output=True, text=True,
+                        seconds=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("wheel ok") and proc.stdout.split()[-1] == "MIT"
 

@@ -5,6 +5,7 @@ import pathlib
 import re
 
 import pytest
+import timeouts
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
@@ -118,11 +119,10 @@ def test_docs_run_python_from_the_venv(doc):
 def test_script_help_gives_every_options_default(script):
     # README: "--help gives each one's meaning and default"; a switch (no value) has none to
     # give, and a required option says so instead
-    import subprocess
     import sys
 
-    p = subprocess.run([sys.executable, str(README.parent / "scripts" / script), "--help"], capture_output=True,
-                       text=True, timeout=120, check=True)
+    p = timeouts.run([sys.executable, str(README.parent / "scripts" / script), "--help"], capture_output=True,
+                     text=True, seconds=120, check=True)
     options = re.split(r"\n  (?=-)", p.stdout.split("options:", 1)[1])[1:]
     takes_value = [o for o in options if re.match(r"(?:-\w, )?--[\w-]+ [A-Z_{]", o)]
     assert takes_value, p.stdout
