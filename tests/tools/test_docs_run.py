@@ -183,7 +183,7 @@ def test_the_hugging_face_example_runs_the_fused_model(hub):
 @pytest.mark.slow
 def test_train_hf_output_in_the_docs_is_what_the_script_prints():
     # docs/transformers.md prints the default run's output; the loss rows do not depend on
-    # --iters (a constant learning rate), so a 10-step run gives its first two rows as they
+    # --iters (a constant learning rate), so a 5-step run gives the first row as it
     # are, and every other line with its numbers masked
     import sys
 
@@ -191,11 +191,11 @@ def test_train_hf_output_in_the_docs_is_what_the_script_prints():
 
     doc = (ROOT / "docs" / "transformers.md").read_text()
     printed = doc.split("<!-- train_hf output -->\n```\n", 1)[1].split("```", 1)[0].splitlines()
-    p = run_limited([sys.executable, str(ROOT / "scripts" / "train_hf.py"), "--iters", "10"], seconds=120,
+    p = run_limited([sys.executable, str(ROOT / "scripts" / "train_hf.py"), "--iters", "5"], seconds=180,
                     capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": ""}, check=False)
     assert p.returncode == 0, p.stderr
     got = p.stdout.splitlines()
-    assert got[:4] == printed[:4]  # the model line, the header, steps 5 and 10
+    assert got[:3] == printed[:3]  # the model line, the header, step 5
     def shape(lines):
         return [re.sub(r"\d+(\.\d+)?(e[-+]\d+)?", "N", ln) for ln in lines if not re.match(r"\s+\d+\s", ln)]
     assert shape(got) == shape(printed)

@@ -82,6 +82,21 @@ def test_readme_layout_names_every_module_of_the_package():
 DOCS = [README, *sorted((README.parent / "docs").glob("*.md"))]
 
 
+def test_readme_is_the_front_door():
+    # install and the three quick wins first, the reference in docs/ with an index
+    text = README.read_text()
+    assert len(text.splitlines()) <= 400, f"README.md has {len(text.splitlines())} lines: move reference to docs/"
+    sections = re.findall(r"^## (.+)$", text, re.M)
+    assert sections[:2] == ["Install", "Three quick wins"], sections
+    wins = text.split("\n## Three quick wins\n", 1)[1].split("\n## ", 1)[0]
+    for needed in ("fuse(AutoModelForCausalLM.from_pretrained(", "from fuseblock.compat.flash_attn import",
+                   "fuseblock.PreNormBlock("):
+        assert needed in wins, f"the quick wins lack {needed!r}"
+    index = text.split("\n## Documentation\n", 1)[1].split("\n## ", 1)[0]
+    missing = [d.name for d in DOCS[1:] if f"(docs/{d.name})" not in index]
+    assert not missing, f"README's Documentation index lacks {missing}"
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_docs_point_only_into_the_repository(doc):
     # a reader has the repository: no path above it (the spec is docs/math.md), no issue numbers
