@@ -17,11 +17,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[triton,train,test,lint,hf]"
 	touch $(STAMP)
 
+# THREADS=N: the CPU threads torch uses (--threads; default: torch's choice, one per core)
+THREADS_FLAG = $(if $(THREADS),--threads $(THREADS))
+
 train: $(STAMP)
-	$(PY) scripts/train.py --out-dir out/shakespeare --overwrite
+	$(PY) scripts/train.py --out-dir out/shakespeare --overwrite $(THREADS_FLAG)
 
 sample: $(STAMP)
-	$(PY) scripts/sample.py --ckpt out/shakespeare --prompt "ROMEO:" --max-new-tokens 300 --top-k 40
+	$(PY) scripts/sample.py --ckpt out/shakespeare --prompt "ROMEO:" --max-new-tokens 300 --top-k 40 $(THREADS_FLAG)
 
 # The torch path runs every test; the kernel path reruns the `kernel`-marked tests
 # through the Triton interpreter in a second process (the env var must be set

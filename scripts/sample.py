@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sample among the k likeliest bytes only (default: none, all 256)")
     ap.add_argument("--seed", type=int, default=1337, help="seeds the sampling generator (default: 1337)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     return ap
 
 
@@ -52,6 +53,8 @@ def parse_args(argv=None):
         ap.error(f"argument --temperature: must be >= 0, got {args.temperature}")
     if args.top_k is not None and args.top_k < 1:
         ap.error(f"argument --top-k: must be >= 1, got {args.top_k}")
+    if args.threads is not None and args.threads < 1:
+        ap.error(f"argument --threads: must be >= 1, got {args.threads}")
     if not args.prompt:
         ap.error("argument --prompt: must not be empty")
     return args
@@ -59,6 +62,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     ckpt = checkpoint.resolve(args.ckpt)
     meta = checkpoint.read_meta(ckpt)
     model = GPT(checkpoint.read_config(ckpt, meta))

@@ -21,8 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "transformers.md"
 README = DOC.parents[1] / "README.md"
-# the README's count of fused families, which --check holds to FAMILIES as well
+# the README's count of fused families, which --check holds to FAMILIES as well, and its
+# count of the table's rows
 COUNT = re.compile(r"`fuse` takes (\d+) families")
+LISTED = re.compile(r"docs/transformers.md lists all (\d+)")
+ROW = re.compile(r"^\| `[\w-]+` \| (?:fused|refused) \|", re.MULTILINE)
 BEGIN, END = "<!-- family table: begin -->", "<!-- family table: end -->"
 _VERSION = re.compile(r"transformers (\S+), ")
 
@@ -90,6 +93,11 @@ def stale(doc: Path, readme: Path) -> list[str]:
         found.append(f"{readme.name} says `fuse` takes {', '.join(counts) or 'no'} families; FAMILIES has "
                      f"{len(FAMILIES)}")
     old = written(doc)
+    rows = str(len(ROW.findall(old)))
+    listed = LISTED.findall(readme.read_text())
+    if listed != [rows]:
+        found.append(f"{readme.name} says docs/transformers.md lists all {', '.join(listed) or 'no'} families; "
+                     f"its table has {rows} rows")
     version = _VERSION.search(old)
     if version is None or version.group(1) != transformers.__version__:
         print(f"{doc.name}'s table is for transformers {version and version.group(1)}; installed is "

@@ -11,6 +11,7 @@ import timeouts  # noqa: E402
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
 
 from fuseblock.integrations.transformers import FAMILIES, REFUSED, WRAPPERS, fuse  # noqa: E402
+from tools.transformers_table import ROW  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "transformers_table.py"
@@ -37,9 +38,14 @@ def test_a_stale_table_or_count_fails_the_check(tmp_path):
         p = check("--doc", doc, "--readme", readme)
         assert p.returncode == 1 and "family table is stale" in p.stdout
         doc.write_text(text)
-    readme.write_text(readme.read_text().replace(f"`fuse` takes {len(FAMILIES)} families", "`fuse` takes 3 families"))
+    text = readme.read_text()
+    readme.write_text(text.replace(f"`fuse` takes {len(FAMILIES)} families", "`fuse` takes 3 families"))
     p = check("--doc", doc, "--readme", readme)
     assert p.returncode == 1 and f"FAMILIES has {len(FAMILIES)}" in p.stdout
+    rows = len(ROW.findall(doc.read_text()))
+    readme.write_text(text.replace(f"lists all {rows}", "lists all 189"))
+    p = check("--doc", doc, "--readme", readme)
+    assert p.returncode == 1 and f"its table has {rows} rows" in p.stdout
 
 
 def test_every_causal_lm_is_fused_or_refused_with_a_reason():

@@ -1,6 +1,6 @@
 """Bad input gets a ValueError/TypeError naming the argument, before any kernel runs.
 
-Each row here is one row of the README's "Bad input" table.
+Each row here is one row of the "Bad input" table of docs/api.md.
 """
 import pytest
 import torch
