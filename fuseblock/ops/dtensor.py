@@ -226,12 +226,13 @@ def add_norm(local_add_norm: Callable, x, residual, weight, bias, gate, x1=None,
     else:
         out, new_res = _hidden_add_norm(at, loc, x, residual, weight, bias, gate, x1, **options)
     # no residual and no dtype change: new_residual is x itself, as add_norm's; out in x's
-    # dtype where dropout handed the op a wide x
-    return at.placed(out.to(x.dtype)), (x if new_res is xl else at.placed(new_res))
+    # dtype (or out_dtype) where dropout handed the op a wide x
+    out_dtype = options.get("out_dtype") or x.dtype
+    return at.placed(out.to(out_dtype)), (x if new_res is xl else at.placed(new_res))
 
 
 def _hidden_add_norm(at: _Placed, loc: dict, x, residual, weight, bias, gate, x1, *, kind, c, eps, residual_dtype,
-                     gate_act, gate_position, num_groups, weight_offset, alpha=1.0, dropout_p=0.0):
+                     gate_act, gate_position, num_groups, weight_offset, alpha=1.0, dropout_p=0.0, out_dtype=None):
     """add_norm on columns: new_residual by the torch path's own sum (reference.residual_sum,
     or branch_sum for alpha, x1), then the norm of its rows from all-reduced row sums
     (_HiddenNorm). dropout_p is 0 here: add_norm applied it (`_dropped`), loc's x and x1
@@ -254,8 +255,8 @@ def _hidden_add_norm(at: _Placed, loc: dict, x, residual, weight, bias, gate, x1
     else:
         new_res = reference.residual_sum(xl, rl, new_residual_dtype(xl.dtype, rin, residual_dtype))
     p = xl if new_res is None else new_res  # differentiable: autograd routes dnew_residual
-    out = _HiddenNorm.apply(p, loc["weight"], loc["bias"], spec, x.shape[-1], at.groups)
-    return out.to(x.dtype), (xl if new_res is None else new_res)
+    out = _HiddenNorm.apply(p, loc["weight"], loc["bias"], spec, x.shape[-1], at.groups)  # fp32: stored once
+    return out.to(out_dtype or x.dtype), (xl if new_res is None else new_res)
 
 
 def norm_add(local_apply: Callable, x, residual, branch_weight, branch_bias, weight, bias, branch_spec, spec,
