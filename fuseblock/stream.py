@@ -310,7 +310,8 @@ class ResidualStack(nn.Module):
     arguments (masks, rotary embeddings, position ids) its forward accepts, all of them if
     it takes **kwargs; a keyword no mixer accepts is a TypeError. `fused=False` runs the
     naive form with the same parameters and state_dict keys, so one checkpoint serves both;
-    `fused` and `return_extras` may be flipped on a built stack. kind, eps, bias,
+    `fused` and `return_extras` may be flipped on a built stack, and `alpha` and `dropout`
+    set on it reach every block. kind, eps, bias,
     weight_offset and residual_dtype go to every norm (see PreNormBlock), and so do the
     shapes: `alpha`, `dropout`, `sandwich`, `post_norm` to every block, `parallel` an
     iterable of modules, parallel[k] the second mixer of block k. `stack_to_layers` /
