@@ -28,7 +28,7 @@ from ..spec import (
     stored_dtype,
 )
 from . import dtensor
-from .checks import check_branch, check_float_dtype, default_eps, resolve
+from .checks import check_branch, check_float_dtype, default_eps, refuse_positional, resolve
 from .dispatch import func_transforms_active, kernels, kernels_take_cpu, uses_triton
 from .registry import FusedOp
 from .seed import draw_seed
@@ -275,7 +275,7 @@ def add_norm(
     residual: Optional[Tensor] = None,
     weight: Optional[Tensor] = None,
     bias: Optional[Tensor] = None,
-    *,
+    *positional: Tensor,  # none: a fifth is refused by name (refuse_positional)
     kind: str = "rms",
     c: Optional[float] = None,
     eps: Optional[float] = None,
@@ -319,6 +319,8 @@ def add_norm(
     The backward returns dx = alpha * keep_x/(1 - dropout_p) * dp, dx1 likewise, and
     dresidual = dp (dp: the gradient at new_residual).
     """
+    if positional:
+        refuse_positional("add_norm", "x, residual, weight, bias", 4 + len(positional))
     if dtensor.has_dtensor(x, residual, weight, bias, gate, x1):  # per-rank shards: docs/parallel.md
         return dtensor.add_norm(add_norm, x, residual, weight, bias, gate, x1, kind=kind, c=c, eps=eps,
                                 residual_dtype=residual_dtype, gate_act=gate_act, gate_position=gate_position,
@@ -362,7 +364,7 @@ def norm(
     x: Tensor,
     weight: Optional[Tensor] = None,
     bias: Optional[Tensor] = None,
-    *,
+    *positional: Tensor,  # none: a fourth is refused by name (refuse_positional)
     kind: str = "rms",
     c: Optional[float] = None,
     eps: Optional[float] = None,
@@ -379,6 +381,8 @@ def norm(
     kind="rms" equals torch's rms_norm and kind="layer" its layer_norm at the same eps;
     kind="l2" is x / sqrt(x.x + d*eps) * weight + bias.
     """
+    if positional:
+        refuse_positional("norm", "x, weight, bias", 3 + len(positional))
     return add_norm(
         x, None, weight, bias, kind=kind, c=c, eps=eps, gate=gate, gate_act=gate_act,
         gate_position=gate_position, num_groups=num_groups, weight_offset=weight_offset, out_dtype=out_dtype,
