@@ -57,7 +57,7 @@ def has_dtensor(x, residual, weight, bias, gate, x1=None) -> bool:
             or (x1 is not None and isinstance(x1, cls)))
 
 
-def implicitly_replicated(*tensors):
+def _implicitly_replicated(*tensors):
     """The arguments, with each plain tensor among them a Replicate DTensor on the mesh of
     the DTensors inside torch's `implicit_replication()` context, as torch's own ops take
     them there (its gradient, summed over the ranks where it is Partial, comes back to the
@@ -236,7 +236,7 @@ def add_norm(local_add_norm: Callable, x, residual, weight, bias, gate, x1=None,
     """`local_add_norm(x, residual, weight, bias, gate=gate, **options)` (fuseblock's add_norm)
     on DTensor arguments: (out, new_residual) as DTensors placed as x is. x1 is placed as x;
     dropout is applied here (`_dropped`), its masks keyed by the global index (`_keep`)."""
-    x, residual, weight, bias, gate, x1 = implicitly_replicated(x, residual, weight, bias, gate, x1)
+    x, residual, weight, bias, gate, x1 = _implicitly_replicated(x, residual, weight, bias, gate, x1)
     at = _Placed(x, {"residual": residual, "gate": gate, "x1": x1}, {"weight": weight, "bias": bias})
     loc = at.unwrap()
     xl = loc["x"]
@@ -288,7 +288,7 @@ def norm_add(local_apply: Callable, x, residual, branch_weight, branch_bias, wei
     """`local_apply` (fuseblock.ops.norm_add._apply, on validated arguments) on DTensors:
     (new_residual, out or None) placed as x is. On columns each norm is a _HiddenNorm (one
     all-reduce of its row sums each way), the sum as the torch path forms it."""
-    x, residual, branch_weight, branch_bias, weight, bias = implicitly_replicated(
+    x, residual, branch_weight, branch_bias, weight, bias = _implicitly_replicated(
         x, residual, branch_weight, branch_bias, weight, bias)
     at = _Placed(x, {"residual": residual}, {"branch_weight": branch_weight, "branch_bias": branch_bias,
                                               "weight": weight, "bias": bias})
@@ -329,7 +329,7 @@ def norm_linear(local_norm_linear: Callable, add_norm: Callable, x, residual, no
     """
     from torch.distributed.tensor import Replicate
 
-    x, residual, norm_weight, norm_bias, weight, bias = implicitly_replicated(
+    x, residual, norm_weight, norm_bias, weight, bias = _implicitly_replicated(
         x, residual, norm_weight, norm_bias, weight, bias)
     at = _Placed(x, {"residual": residual}, {"norm_weight": norm_weight, "norm_bias": norm_bias},
                  {"weight": weight, "bias": bias})
