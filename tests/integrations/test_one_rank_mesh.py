@@ -116,3 +116,28 @@ def test_plain_parameters_inside_implicit_replication_are_replicate(mesh, op):
     for what, g, w in pairs:
         err = (g.double() - w.double()).abs().max().item() / max(1.0, w.abs().max().item())
         assert err <= TOL, f"{op}: {what} {err:.3g} off"
+
+
+@pytest.mark.parametrize("dim", [1, 2], ids=["rows", "hidden"])
+def test_out_dtype_on_dtensors_equals_the_plain_call(mesh, dim):
+    """add_norm(out_dtype=fp32) of bf16 x: by rows the op on the local rows, on the hidden
+    dim the all-reduced statistics' fp32 result; stored once in fp32 either way, as the
+    plain-tensor call (values and every gradient)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    plain = [torch.randn(B, T, D).bfloat16(), torch.randn(B, T, D), torch.randn(D)]
+    vector = [Shard(0)] if dim == 2 else [Replicate()]
+    given = [distribute_tensor(t, mesh, [Shard(dim)]) for t in plain[:2]] + [distribute_tensor(plain[2], mesh, vector)]
+    plain = [t.requires_grad_() for t in plain]
+    given = [t.requires_grad_() for t in given]
+    want = fuseblock.add_norm(*plain, kind="layer", out_dtype=torch.float32)
+    got = fuseblock.add_norm(*given, kind="layer", out_dtype=torch.float32)
+    assert got[0].dtype == want[0].dtype == torch.float32
+    sum(o.square().sum() for o in want).backward()
+    sum(o.square().sum() for o in got).backward()
+    for what, g, w in [("out", got[0].full_tensor(), want[0]), ("new_residual", got[1].full_tensor(), want[1])] + [
+            (f"grad {i}", a.grad.full_tensor(), b.grad) for i, (a, b) in enumerate(zip(given, plain, strict=True))]:
+        tol = TOL if g.dtype != torch.bfloat16 else 2 ** -8  # x's gradient is rounded to bf16 once
+        err = (g.double() - w.double()).abs().max().item() / max(1.0, w.abs().max().item())
+        assert err <= tol, f"{what} {err:.3g} off"
