@@ -138,6 +138,8 @@ def test_out_dtype_on_dtensors_equals_the_plain_call(mesh, dim):
     sum(o.square().sum() for o in got).backward()
     for what, g, w in [("out", got[0].full_tensor(), want[0]), ("new_residual", got[1].full_tensor(), want[1])] + [
             (f"grad {i}", a.grad.full_tensor(), b.grad) for i, (a, b) in enumerate(zip(given, plain, strict=True))]:
-        tol = TOL if g.dtype != torch.bfloat16 else 2 ** -8  # x's gradient is rounded to bf16 once
+        # x's gradient is rounded to bf16 once, by the kernels or by torch (the hidden dim's ops):
+        # one bf16 ulp apart at most where the interpreter truncates
+        tol = TOL if g.dtype != torch.bfloat16 else 2 ** -7
         err = (g.double() - w.double()).abs().max().item() / max(1.0, w.abs().max().item())
         assert err <= tol, f"{what} {err:.3g} off"
