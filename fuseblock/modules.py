@@ -26,6 +26,7 @@ from .ops.checks import (
     check_options,
     check_weight_offset,
     default_eps,
+    refuse_positional,
     resolve,
 )
 from .ops.dtensor import keeps_inputs
@@ -114,12 +115,15 @@ class Norm(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def forward(self, x: Tensor, *, gate: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, *positional: Tensor, gate: Tensor | None = None) -> Tensor:
+        if positional:  # none: flash-attention's `norm(x, residual)` is refused by name
+            refuse_positional(f"{type(self).__name__}.forward", "x", 1 + len(positional),
+                              "; a residual goes to AddNorm or Norm.add(x, residual)")
         return self.add(x, None, gate=gate)[0]
 
-    def add(self, x: Tensor, residual: Tensor | None = None, *, residual_dtype: torch.dtype | None = None,
-            gate: Tensor | None = None, alpha: float = _NO_SCALE, x1: Tensor | None = None,
-            dropout_p: float = _NO_DROPOUT) -> tuple[Tensor, Tensor]:
+    def add(self, x: Tensor, residual: Tensor | None = None, *positional: Tensor,
+            residual_dtype: torch.dtype | None = None, gate: Tensor | None = None, alpha: float = _NO_SCALE,
+            x1: Tensor | None = None, dropout_p: float = _NO_DROPOUT) -> tuple[Tensor, Tensor]:
         """fuseblock.add_norm with this module's parameters and settings: (N(r'), r') with
         r' = residual + alpha * (drop(x) + drop(x1)). residual_dtype=None keeps new_residual
         in the module's residual_dtype (an AddNorm's), else in the dtype torch's
@@ -129,6 +133,8 @@ class Norm(nn.Module):
         # Written for host time, which is the eager torch path's cost: keywords written out
         # (no dict built per call), and x's width checked up front only where no parameter
         # would catch it; otherwise after the op refuses, to name x rather than the weight.
+        if positional:
+            refuse_positional(f"{type(self).__name__}.add", "x, residual", 2 + len(positional))
         if residual_dtype is None:
             residual_dtype = self.residual_dtype
         weight, bias = self.weight, self.bias
@@ -252,7 +258,9 @@ class AddNorm(Norm):
         check_float_dtype("residual_dtype", residual_dtype)
         self.residual_dtype = residual_dtype
 
-    def forward(self, x: Tensor, residual: Tensor | None = None, *, gate: Tensor | None = None):
+    def forward(self, x: Tensor, residual: Tensor | None = None, *positional: Tensor, gate: Tensor | None = None):
+        if positional:  # none: a gate passed third is refused by name
+            refuse_positional(f"{type(self).__name__}.forward", "x, residual", 2 + len(positional))
         return self.add(x, residual, gate=gate)
 
     def register_forward_pre_hook(self, hook, **kwargs):

@@ -213,13 +213,14 @@ def norm_fwd(
     else:
         new_residual = residual_sum(x, residual, residual_dtype)
     p = x if new_residual is None else new_residual
+    out_dtype = spec.out_dtype_for(x.dtype)  # the fp32 result cast once, to x's dtype or out_dtype
     if not need_stats and plain_ok(p, spec):  # exactly the naive form's ops (see _plain)
-        return _as(_plain(p, weight, bias, spec), x.dtype), new_residual, None, None
+        return _as(_plain(p, weight, bias, spec), out_dtype), new_residual, None, None
     # eps = 0, gates, groups, half-precision p: the composition, in fp32 (fp64 for fp64)
     out, rstd, mean = norm_out(p.to(acc_dtype(p.dtype)), gate, weight, bias, spec)
     if not need_stats:
         rstd = mean = None
-    return out.to(x.dtype), new_residual, rstd, mean
+    return out.to(out_dtype), new_residual, rstd, mean
 
 
 # ---------------------------------------------------------------- a backward from statistics

@@ -104,14 +104,25 @@ class NormSpec:
     # dropout probability (the seed is drawn per call, not part of the spec)
     alpha: float = 1.0
     dropout_p: float = 0.0
+    # the dtype the output is stored in, None for x's: an fp32 out of bf16 x is the fp32
+    # composition stored once (not rounded to x's dtype first), and its gradient is read as
+    # it comes (flash-attention's out_dtype)
+    out_dtype: torch.dtype | None = None
 
     def pack(self) -> list[float]:
-        # .value: torch.compile traces this, and float() of an IntEnum member recurses in Dynamo
-        return [float(v.value if isinstance(v, IntEnum) else v) for v in (getattr(self, name) for name in _NAMES)]
+        return [_pack(getattr(self, name)) for name in _NAMES]
 
     def with_branch(self, alpha: float, dropout_p: float) -> NormSpec:
         """This spec with add_norm's validated branch options."""
         return replace(self, alpha=float(alpha), dropout_p=float(dropout_p))
+
+    def with_out_dtype(self, out_dtype: torch.dtype | None) -> NormSpec:
+        """This spec storing its output in out_dtype (a validated float dtype; None: x's)."""
+        return self if out_dtype is None else replace(self, out_dtype=out_dtype)
+
+    def out_dtype_for(self, x_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the output of a call on x of x_dtype is stored in."""
+        return x_dtype if self.out_dtype is None else self.out_dtype
 
     @classmethod
     def unpack(cls, values: list[float]) -> NormSpec:
@@ -136,7 +147,19 @@ class NormSpec:
         )
 
 
-def _cast(kind: type, value: float):
+def _pack(value) -> float:
+    """A spec field as a float: a dtype as 1 + its index in FLOAT_DTYPES, None as 0."""
+    if value is None:
+        return 0.0
+    if isinstance(value, torch.dtype):
+        return float(FLOAT_DTYPES.index(value) + 1)
+    # .value: torch.compile traces this, and float() of an IntEnum member recurses in Dynamo
+    return float(value.value if isinstance(value, IntEnum) else value)
+
+
+def _cast(name: str, kind, value: float):
+    if name in _DTYPE_FIELDS:
+        return None if value == 0 else FLOAT_DTYPES[int(value) - 1]
     return kind(int(value)) if issubclass(kind, int) else kind(value)  # bool and the IntEnums are ints
 
 
@@ -145,9 +168,10 @@ def _cast(kind: type, value: float):
 # evaluates the string annotations anew, ~50 us). A model has a few specs; they are
 # frozen, so one instance serves every call.
 _NAMES = tuple(f.name for f in fields(NormSpec))
+_DTYPE_FIELDS = ("out_dtype",)  # fields holding a dtype or None, which _pack and _cast encode
 
 
 @functools.lru_cache(maxsize=256)
 def _unpack(values: tuple[float, ...]) -> NormSpec:
     hints = get_type_hints(NormSpec)
-    return NormSpec(*(_cast(hints[name], v) for name, v in zip(_NAMES, values, strict=True)))
+    return NormSpec(*(_cast(name, hints[name], v) for name, v in zip(_NAMES, values, strict=True)))

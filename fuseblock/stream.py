@@ -148,14 +148,33 @@ class PreNormBlock(nn.Module):
         self.norm = None if post_norm else AddNorm(dim, residual_dtype=residual_dtype, **norm_kw)
         self.parallel = parallel
         self.branch_norm = Norm(dim, **norm_kw) if sandwich or post_norm else None
-        self.alpha, self.dropout = float(alpha), float(dropout)
         self.sandwich, self.post_norm = sandwich, post_norm
+        self.alpha, self.dropout = alpha, dropout
         self._keywords_cache = [(None, None), (None, None)]  # (module, its keywords) of the mixer, the parallel
         self._keywords(None)
 
     @property
     def residual_dtype(self) -> torch.dtype | None:
         return None if self.norm is None else self.norm.residual_dtype
+
+    # alpha and dropout may be set on a built block, checked as the constructor checks them
+    @property
+    def alpha(self) -> float:
+        return self._alpha
+
+    @alpha.setter
+    def alpha(self, value: float) -> None:
+        _check_variant(value, getattr(self, "_dropout", 0.0), self.parallel, self.sandwich, self.post_norm)
+        self._alpha = float(value)
+
+    @property
+    def dropout(self) -> float:
+        return self._dropout
+
+    @dropout.setter
+    def dropout(self, value: float) -> None:
+        _check_variant(getattr(self, "_alpha", 1.0), value, self.parallel, self.sandwich, self.post_norm)
+        self._dropout = float(value)
 
     def _has_options(self) -> bool:
         return (self.alpha != 1.0 or self.dropout > 0.0 or self.parallel is not None or self.sandwich
@@ -291,7 +310,8 @@ class ResidualStack(nn.Module):
     arguments (masks, rotary embeddings, position ids) its forward accepts, all of them if
     it takes **kwargs; a keyword no mixer accepts is a TypeError. `fused=False` runs the
     naive form with the same parameters and state_dict keys, so one checkpoint serves both;
-    `fused` and `return_extras` may be flipped on a built stack. kind, eps, bias,
+    `fused` and `return_extras` may be flipped on a built stack, and `alpha` and `dropout`
+    set on it reach every block. kind, eps, bias,
     weight_offset and residual_dtype go to every norm (see PreNormBlock), and so do the
     shapes: `alpha`, `dropout`, `sandwich`, `post_norm` to every block, `parallel` an
     iterable of modules, parallel[k] the second mixer of block k. `stack_to_layers` /
@@ -340,8 +360,32 @@ class ResidualStack(nn.Module):
         self.norm_f = AddNorm(dim, **norm_kw) if final_norm else None
         self.fused, self.return_extras = fused, return_extras
         self.residual_dtype = residual_dtype
-        self.alpha, self.dropout = float(alpha), float(dropout)
         self.sandwich, self.post_norm = sandwich, post_norm
+        self.alpha, self.dropout = alpha, dropout
+
+    # The stack's alpha and dropout are every block's: the fused form applies a block's at
+    # the next block's entry and the stack's at its end, the naive form each block's to
+    # its own branch, so set on a built stack they reach every block, or both forms would
+    # differ. Each block checks the value as the constructor does.
+    @property
+    def alpha(self) -> float:
+        return self._alpha
+
+    @alpha.setter
+    def alpha(self, value: float) -> None:
+        for block in self.blocks:
+            block.alpha = value
+        self._alpha = float(value)
+
+    @property
+    def dropout(self) -> float:
+        return self._dropout
+
+    @dropout.setter
+    def dropout(self, value: float) -> None:
+        for block in self.blocks:
+            block.dropout = value
+        self._dropout = float(value)
 
     @staticmethod
     def _modules_of(name: str, modules) -> list[nn.Module]:

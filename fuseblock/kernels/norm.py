@@ -585,7 +585,7 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
     M, G = x2.shape[0], spec.groups
     # Outputs in x's shape, the kernel writing through (M, d) views of them: a returned
     # view would be one autograd refuses to let users edit in place.
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=spec.out_dtype_for(x.dtype), device=x.device)  # the kernel stores in its dtype
     new_res = torch.empty(x.shape, dtype=residual_dtype, device=x.device) if residual_dtype is not None else None
     o2, ro2 = out.view(M, d), None if new_res is None else new_res.view(M, d)
     rstd = torch.empty((M, G), dtype=torch.float32, device=x.device) if need_stats else None

@@ -39,6 +39,14 @@ def check_tensor(name: str, t, x: torch.Tensor | None = None) -> None:
         raise ValueError(f"{name} is on {t.device} but x is on {x.device}; all tensors must share one device")
 
 
+def refuse_positional(call: str, takes: str, given: int, hint: str = "") -> None:
+    """A call of an op with a gate given more positional arguments than `takes`: Python's
+    own error would only count them, where the mistake is (flash-attention's habit
+    `norm(x, residual)`) a tensor meant for a gate or a residual."""
+    raise TypeError(f"{call}() takes {takes} positionally, got {given} positional arguments: gate is keyword-only "
+                    f"(gate=...), as is every option{hint}")
+
+
 def check_number(name: str, v, *, allow_none: bool = False) -> None:
     if v is None and allow_none:
         return

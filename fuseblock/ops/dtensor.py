@@ -57,6 +57,28 @@ def has_dtensor(x, residual, weight, bias, gate, x1=None) -> bool:
             or (x1 is not None and isinstance(x1, cls)))
 
 
+def _implicitly_replicated(*tensors):
+    """The arguments, with each plain tensor among them a Replicate DTensor on the mesh of
+    the DTensors inside torch's `implicit_replication()` context, as torch's own ops take
+    them there (its gradient, summed over the ranks where it is Partial, comes back to the
+    plain tensor); unchanged outside it, where _Placed refuses a plain tensor by name."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if all(t is None or isinstance(t, DTensor) for t in tensors) or not _implicit_replication():
+        return tensors
+    mesh = next(t.device_mesh for t in tensors if isinstance(t, DTensor))
+    return tuple(DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+                 if isinstance(t, Tensor) and not isinstance(t, DTensor) else t for t in tensors)
+
+
+@torch.compiler.assume_constant_result  # Dynamo cannot trace the C++ flag's read: a constant of the trace
+def _implicit_replication() -> bool:
+    """Whether torch's implicit_replication() context is active (DTensor's dispatcher flag)."""
+    from torch.distributed.tensor import DTensor
+
+    return bool(getattr(DTensor._op_dispatcher, "_allow_implicit_replication", False))
+
+
 class _Placed:
     """An op's DTensor arguments, checked. For each mesh dim, x's placement decides:
     Replicate or Shard on a row dim (the latter recorded in `rows`), or Shard on the last dim
@@ -74,7 +96,8 @@ class _Placed:
             if t is not None and not isinstance(t, DTensor):
                 raise TypeError(f"{name} is a {type(t).__name__}, but another argument is a DTensor: pass every "
                                 f"tensor as a DTensor on one mesh (DTensor.from_local, distribute_tensor; for a "
-                                f"norm's inputs, shard it with fuseblock.parallel.SequenceParallel or HiddenParallel)")
+                                f"norm's inputs, shard it with fuseblock.parallel.SequenceParallel or HiddenParallel), "
+                                f"or call inside torch's implicit_replication(), which takes it as Replicate")
         self.mesh, last = x.device_mesh, x.ndim - 1
         for name, t in tensors.items():
             if t is not None and t.device_mesh != self.mesh:
@@ -213,6 +236,7 @@ def add_norm(local_add_norm: Callable, x, residual, weight, bias, gate, x1=None,
     """`local_add_norm(x, residual, weight, bias, gate=gate, **options)` (fuseblock's add_norm)
     on DTensor arguments: (out, new_residual) as DTensors placed as x is. x1 is placed as x;
     dropout is applied here (`_dropped`), its masks keyed by the global index (`_keep`)."""
+    x, residual, weight, bias, gate, x1 = _implicitly_replicated(x, residual, weight, bias, gate, x1)
     at = _Placed(x, {"residual": residual, "gate": gate, "x1": x1}, {"weight": weight, "bias": bias})
     loc = at.unwrap()
     xl = loc["x"]
@@ -226,12 +250,13 @@ def add_norm(local_add_norm: Callable, x, residual, weight, bias, gate, x1=None,
     else:
         out, new_res = _hidden_add_norm(at, loc, x, residual, weight, bias, gate, x1, **options)
     # no residual and no dtype change: new_residual is x itself, as add_norm's; out in x's
-    # dtype where dropout handed the op a wide x
-    return at.placed(out.to(x.dtype)), (x if new_res is xl else at.placed(new_res))
+    # dtype (or out_dtype) where dropout handed the op a wide x
+    out_dtype = options.get("out_dtype") or x.dtype
+    return at.placed(out.to(out_dtype)), (x if new_res is xl else at.placed(new_res))
 
 
 def _hidden_add_norm(at: _Placed, loc: dict, x, residual, weight, bias, gate, x1, *, kind, c, eps, residual_dtype,
-                     gate_act, gate_position, num_groups, weight_offset, alpha=1.0, dropout_p=0.0):
+                     gate_act, gate_position, num_groups, weight_offset, alpha=1.0, dropout_p=0.0, out_dtype=None):
     """add_norm on columns: new_residual by the torch path's own sum (reference.residual_sum,
     or branch_sum for alpha, x1), then the norm of its rows from all-reduced row sums
     (_HiddenNorm). dropout_p is 0 here: add_norm applied it (`_dropped`), loc's x and x1
@@ -254,8 +279,8 @@ def _hidden_add_norm(at: _Placed, loc: dict, x, residual, weight, bias, gate, x1
     else:
         new_res = reference.residual_sum(xl, rl, new_residual_dtype(xl.dtype, rin, residual_dtype))
     p = xl if new_res is None else new_res  # differentiable: autograd routes dnew_residual
-    out = _HiddenNorm.apply(p, loc["weight"], loc["bias"], spec, x.shape[-1], at.groups)
-    return out.to(x.dtype), (xl if new_res is None else new_res)
+    out = _HiddenNorm.apply(p, loc["weight"], loc["bias"], spec, x.shape[-1], at.groups)  # fp32: stored once
+    return out.to(out_dtype or x.dtype), (xl if new_res is None else new_res)
 
 
 def norm_add(local_apply: Callable, x, residual, branch_weight, branch_bias, weight, bias, branch_spec, spec,
@@ -263,6 +288,8 @@ def norm_add(local_apply: Callable, x, residual, branch_weight, branch_bias, wei
     """`local_apply` (fuseblock.ops.norm_add._apply, on validated arguments) on DTensors:
     (new_residual, out or None) placed as x is. On columns each norm is a _HiddenNorm (one
     all-reduce of its row sums each way), the sum as the torch path forms it."""
+    x, residual, branch_weight, branch_bias, weight, bias = _implicitly_replicated(
+        x, residual, branch_weight, branch_bias, weight, bias)
     at = _Placed(x, {"residual": residual}, {"branch_weight": branch_weight, "branch_bias": branch_bias,
                                               "weight": weight, "bias": bias})
     loc = at.unwrap()
@@ -302,6 +329,8 @@ def norm_linear(local_norm_linear: Callable, add_norm: Callable, x, residual, no
     """
     from torch.distributed.tensor import Replicate
 
+    x, residual, norm_weight, norm_bias, weight, bias = _implicitly_replicated(
+        x, residual, norm_weight, norm_bias, weight, bias)
     at = _Placed(x, {"residual": residual}, {"norm_weight": norm_weight, "norm_bias": norm_bias},
                  {"weight": weight, "bias": bias})
     if at.hidden:

@@ -28,7 +28,7 @@ from ..spec import (
     stored_dtype,
 )
 from . import dtensor
-from .checks import check_branch, default_eps, resolve
+from .checks import check_branch, check_float_dtype, default_eps, refuse_positional, resolve
 from .dispatch import func_transforms_active, kernels, kernels_take_cpu, uses_triton
 from .registry import FusedOp
 from .seed import draw_seed
@@ -66,7 +66,7 @@ def _fwd_fake(x, residual, gate, weight, bias, spec, residual_dtype, need_stats,
     rows = x.numel() // x.shape[-1]
     stat = acc_dtype(x.dtype)
     return (
-        x.new_empty(x.shape),
+        x.new_empty(x.shape, dtype=s.out_dtype_for(x.dtype)),
         x.new_empty(x.shape, dtype=residual_dtype) if residual_dtype is not None else _empty(x),
         x.new_empty((rows, s.groups), dtype=stat) if need_stats else _empty(x),
         x.new_empty((rows, s.groups), dtype=stat) if need_stats and s.center else _empty(x),
@@ -135,7 +135,7 @@ def _grads(ctx, grad_outputs, norm_bwd):
     if rstd.numel() == 0 and p.numel() > 0:
         raise RuntimeError("fuseblock: backward through a norm whose forward ran without grad enabled")
     if dout is None:
-        dout = torch.zeros(p.shape, dtype=ctx.x_dtype, device=p.device)
+        dout = torch.zeros(p.shape, dtype=ctx.spec.out_dtype_for(ctx.x_dtype), device=p.device)
     dres = dnew_res if ctx.stored else None  # else new_residual is x: autograd routes it
     rgrad_dtype = _residual_grad_dtype(ctx)
     dx, dres_sep, dgate, dw, db, dx1 = norm_bwd(
@@ -175,7 +175,8 @@ def _graph_grads(ctx, grad_outputs):
     leaves = [t for t in (p, gate, weight, bias) if t is not None and t.requires_grad]
     found = {}
     if leaves and dout is not None:
-        out = reference.norm_out(p.to(acc_dtype(p.dtype)), gate, weight, bias, ctx.spec)[0].to(ctx.x_dtype)
+        out = reference.norm_out(p.to(acc_dtype(p.dtype)), gate, weight, bias, ctx.spec)[0]
+        out = out.to(ctx.spec.out_dtype_for(ctx.x_dtype))
         got = torch.autograd.grad(out, leaves, dout, create_graph=True, allow_unused=True)
         found = dict(zip(map(id, leaves), got, strict=True))
     dp = found.get(id(p))
@@ -274,7 +275,7 @@ def add_norm(
     residual: Optional[Tensor] = None,
     weight: Optional[Tensor] = None,
     bias: Optional[Tensor] = None,
-    *,
+    *positional: Tensor,  # none: a fifth is refused by name (refuse_positional)
     kind: str = "rms",
     c: Optional[float] = None,
     eps: Optional[float] = None,
@@ -287,6 +288,7 @@ def add_norm(
     alpha: float = _NO_SCALE,
     x1: Optional[Tensor] = None,
     dropout_p: float = _NO_DROPOUT,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor]:
     """Fused residual add + normalize over the last dim: returns (out, new_residual).
 
@@ -305,7 +307,9 @@ def add_norm(
     weight_offset (Gemma's 1 + w) is added to the weight in fp32.
 
     A gate gives out = N(p * g(gate)) (gate_position="pre") or N(p) * g(gate) ("post"),
-    g one of "silu" (alias "swish"), "sigmoid", "identity" (alias "none"). out has x's dtype.
+    g one of "silu" (alias "swish"), "sigmoid", "identity" (alias "none"). out has x's dtype,
+    or out_dtype: the fp32 result stored once in that dtype (an fp32 out of bf16 x is not
+    rounded to bf16 first), and the gradient at out read in it.
 
     The branch: new_residual = residual + alpha * (drop(x) + drop(x1)) (Granite's
     residual_multiplier, parallel attention and MLP branches, branch dropout). alpha a
@@ -315,13 +319,16 @@ def add_norm(
     The backward returns dx = alpha * keep_x/(1 - dropout_p) * dp, dx1 likewise, and
     dresidual = dp (dp: the gradient at new_residual).
     """
+    if positional:
+        refuse_positional("add_norm", "x, residual, weight, bias", 4 + len(positional))
     if dtensor.has_dtensor(x, residual, weight, bias, gate, x1):  # per-rank shards: docs/parallel.md
         return dtensor.add_norm(add_norm, x, residual, weight, bias, gate, x1, kind=kind, c=c, eps=eps,
                                 residual_dtype=residual_dtype, gate_act=gate_act, gate_position=gate_position,
                                 num_groups=num_groups, weight_offset=weight_offset, alpha=alpha,
-                                dropout_p=dropout_p)
+                                dropout_p=dropout_p, out_dtype=out_dtype)
     no_branch = x1 is None and alpha is _NO_SCALE and dropout_p is _NO_DROPOUT  # else checked below
-    if (no_branch and gate is None and c is None and residual_dtype is None and num_groups is _ONE_GROUP
+    if (no_branch and gate is None and c is None and residual_dtype is None and out_dtype is None
+            and num_groups is _ONE_GROUP
             and type(weight_offset) is float and weight_offset == 0.0 and gate_act is DEFAULT_GATE_ACT
             and gate_position is DEFAULT_GATE_POSITION and not is_compiling()):
         try:
@@ -340,6 +347,9 @@ def add_norm(
         gate_position=gate_position, num_groups=num_groups, residual_dtype=residual_dtype,
         weight_offset=weight_offset,
     )
+    if out_dtype is not None:
+        check_float_dtype("out_dtype", out_dtype)
+        spec = spec.with_out_dtype(out_dtype)
     rdtype = new_residual_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
     if not no_branch:
         check_branch(x, x1, alpha, dropout_p)
@@ -354,7 +364,7 @@ def norm(
     x: Tensor,
     weight: Optional[Tensor] = None,
     bias: Optional[Tensor] = None,
-    *,
+    *positional: Tensor,  # none: a fourth is refused by name (refuse_positional)
     kind: str = "rms",
     c: Optional[float] = None,
     eps: Optional[float] = None,
@@ -363,13 +373,17 @@ def norm(
     gate_position: str = DEFAULT_GATE_POSITION,
     num_groups: int = 1,
     weight_offset: float = 0.0,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
-    """Normalize over the last dim: `add_norm` with no residual (see there for the math).
+    """Normalize over the last dim: `add_norm` with no residual (see there for the math
+    and out_dtype).
 
     kind="rms" equals torch's rms_norm and kind="layer" its layer_norm at the same eps;
     kind="l2" is x / sqrt(x.x + d*eps) * weight + bias.
     """
+    if positional:
+        refuse_positional("norm", "x, weight, bias", 3 + len(positional))
     return add_norm(
         x, None, weight, bias, kind=kind, c=c, eps=eps, gate=gate, gate_act=gate_act,
-        gate_position=gate_position, num_groups=num_groups, weight_offset=weight_offset,
+        gate_position=gate_position, num_groups=num_groups, weight_offset=weight_offset, out_dtype=out_dtype,
     )[0]

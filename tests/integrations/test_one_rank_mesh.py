@@ -80,3 +80,66 @@ def test_dtensor_calls_on_a_one_rank_mesh_equal_plain_tensors(mesh, case, compil
         g = g.full_tensor() if isinstance(g, DTensor) else g
         err = (g.double() - w.double()).abs().max().item() / max(1.0, w.abs().max().item())
         assert err <= TOL, f"{case}: {what} {err:.3g} off"
+
+
+@pytest.mark.parametrize("op", ["add_norm", "norm_add_norm"])
+def test_plain_parameters_inside_implicit_replication_are_replicate(mesh, op):
+    """Inside torch's implicit_replication() a plain weight or bias beside a DTensor x is
+    taken as Replicate, as torch's own ops take it: the values and every gradient (the plain
+    ones plain tensors) equal the plain-tensor call. Outside it, a TypeError naming the
+    argument and the context."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    def call(x, r, w, b):
+        if op == "add_norm":
+            return fuseblock.add_norm(x, r, w, b, kind="layer")
+        return fuseblock.norm_add_norm(x, r, w, w, b, b, kind="layer", alpha=0.5)
+
+    torch.manual_seed(0)
+    plain = [torch.randn(B, T, D), torch.randn(B, T, D), torch.randn(D), torch.randn(D)]
+    given = [distribute_tensor(t, mesh, [Shard(1)]) for t in plain[:2]] + [t.clone() for t in plain[2:]]
+    with pytest.raises(TypeError, match="weight is a Tensor, but another argument is a DTensor.*implicit_replication"):
+        call(*given)
+    plain = [t.requires_grad_() for t in plain]
+    given = [t.requires_grad_() for t in given]
+    want = call(*plain)
+    with implicit_replication():
+        got = call(*given)
+        assert all(isinstance(t, DTensor) for t in got)
+        sum(o.square().sum() for o in got).backward()
+    sum(o.square().sum() for o in want).backward()
+    pairs = [("out", got[0].full_tensor(), want[0]), ("new_residual", got[1].full_tensor(), want[1])]
+    pairs += [(f"grad {i}", a.grad.full_tensor() if isinstance(a, DTensor) else a.grad, b.grad)
+              for i, (a, b) in enumerate(zip(given, plain, strict=True))]
+    assert type(given[2].grad) is torch.Tensor and type(given[3].grad) is torch.Tensor
+    for what, g, w in pairs:
+        err = (g.double() - w.double()).abs().max().item() / max(1.0, w.abs().max().item())
+        assert err <= TOL, f"{op}: {what} {err:.3g} off"
+
+
+@pytest.mark.parametrize("dim", [1, 2], ids=["rows", "hidden"])
+def test_out_dtype_on_dtensors_equals_the_plain_call(mesh, dim):
+    """add_norm(out_dtype=fp32) of bf16 x: by rows the op on the local rows, on the hidden
+    dim the all-reduced statistics' fp32 result; stored once in fp32 either way, as the
+    plain-tensor call (values and every gradient)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    plain = [torch.randn(B, T, D).bfloat16(), torch.randn(B, T, D), torch.randn(D)]
+    vector = [Shard(0)] if dim == 2 else [Replicate()]
+    given = [distribute_tensor(t, mesh, [Shard(dim)]) for t in plain[:2]] + [distribute_tensor(plain[2], mesh, vector)]
+    plain = [t.requires_grad_() for t in plain]
+    given = [t.requires_grad_() for t in given]
+    want = fuseblock.add_norm(*plain, kind="layer", out_dtype=torch.float32)
+    got = fuseblock.add_norm(*given, kind="layer", out_dtype=torch.float32)
+    assert got[0].dtype == want[0].dtype == torch.float32
+    sum(o.square().sum() for o in want).backward()
+    sum(o.square().sum() for o in got).backward()
+    for what, g, w in [("out", got[0].full_tensor(), want[0]), ("new_residual", got[1].full_tensor(), want[1])] + [
+            (f"grad {i}", a.grad.full_tensor(), b.grad) for i, (a, b) in enumerate(zip(given, plain, strict=True))]:
+        # x's gradient is rounded to bf16 once, by the kernels or by torch (the hidden dim's ops):
+        # one bf16 ulp apart at most where the interpreter truncates
+        tol = TOL if g.dtype != torch.bfloat16 else 2 ** -7
+        err = (g.double() - w.double()).abs().max().item() / max(1.0, w.abs().max().item())
+        assert err <= tol, f"{what} {err:.3g} off"

@@ -260,3 +260,16 @@ def test_fuseblock_styles_shard_a_bare_addnorm_s_positional_residual(ranks, case
         r = rank[case]
         assert r["local_output"] == "Tensor" and r["weight_placements"] == f"({weight},)", r  # use_local_output=True
         assert max(v for v in r.values() if isinstance(v, float)) <= TOL, r
+
+
+@pytest.mark.parametrize("case", ["implicit_add_norm", "implicit_norm_linear"])
+def test_plain_parameters_inside_implicit_replication_are_replicate(ranks, case):
+    """torch's implicit_replication() takes a plain tensor beside DTensors as Replicate, and
+    so do fuseblock's ops there: x by rows, plain weights and biases, equal to one process;
+    each plain parameter's gradient a plain tensor summed over both ranks' rows (refused
+    outside the context: the refusals' plain_weight)."""
+    for rank in ranks:
+        r = rank[case]
+        assert r["out_placements"] == "(Shard(dim=1),)", r
+        assert set(r["plain_grads"]) == {"Tensor"}, r
+        assert max(v for k, v in r.items() if isinstance(v, float)) <= TOL, r

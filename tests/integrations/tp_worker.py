@@ -359,6 +359,35 @@ def module_case(mesh) -> dict:
             "bias": rel_diff(sharded.bias.grad, one.bias.grad)}
 
 
+def implicit_case(mesh, fn: str) -> dict:
+    """Plain-tensor weights and biases beside x sharded by rows, inside torch's
+    implicit_replication(): taken as Replicate, as torch's own ops take them. add_norm (layer,
+    a residual) or norm_linear (its norm's and its Linear's parameters plain): values and every
+    gradient vs one process; each plain parameter's gradient a plain tensor, the sum over
+    both ranks' rows."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    torch.manual_seed(12)
+    full = [torch.randn(B, T, D), torch.randn(B, T, D), torch.randn(D), torch.randn(D)]
+    names = ["x", "residual", "weight", "bias"]
+    if fn == "norm_linear":
+        full += [torch.randn(2 * D, D), torch.randn(2 * D)]
+        names = ["x", "residual", "norm_weight", "norm_bias", "weight", "bias"]
+    call = (lambda *t: fuseblock.add_norm(*t, kind="layer")) if fn == "add_norm" else \
+        (lambda *t: fuseblock.norm_linear(*t, kind="layer"))
+    ones = [t.clone().requires_grad_() for t in full]
+    given = [distribute_tensor(t, mesh, [Shard(1)]).requires_grad_() for t in full[:2]] + \
+        [t.clone().requires_grad_() for t in full[2:]]
+    out, res = call(*ones)
+    (out.square().sum() + res.sum()).backward()
+    with implicit_replication():
+        got, got_res = call(*given)
+        (got.square().sum() + got_res.sum()).backward()
+    return {"out_placements": str(got.placements), "value": rel_diff(got, out), "new_residual": rel_diff(got_res, res),
+            "plain_grads": [type(t.grad).__name__ for t in given[2:]],
+            **{n: rel_diff(g.grad, o.grad) for n, g, o in zip(names, given, ones, strict=True)}}
+
+
 def refusals(mesh) -> dict:
     """The message of each call fuseblock must refuse: type and first line."""
     x = distribute_tensor(torch.randn(B, T, D), mesh, [Shard(1)])
@@ -515,6 +544,8 @@ def main():
     mine["compiled_shard1"], mine["compiled_shard2"] = compile_case(mesh, 1), compile_case(mesh, 2)
     mine["compiled_norm_add_norm_shard2"] = compile_case(mesh, 2, "norm_add_norm")
     mine["refusals"] = refusals(mesh)
+    mine["implicit_add_norm"], mine["implicit_norm_linear"] = implicit_case(mesh, "add_norm"), \
+        implicit_case(mesh, "norm_linear")
     try:  # the stream calls its norms' `add`, which torch's forward hooks never see: refused, not wrong
         mine["stack_torch_style"] = stack_case(mesh, TorchSequenceParallel)
     except TypeError as e:

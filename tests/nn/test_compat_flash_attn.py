@@ -1,15 +1,17 @@
-"""fuseblock.compat.flash_attn: flash-attention's layer_norm_fn / rms_norm_fn / RMSNorm
-signatures, the calls mamba-style code makes, against an fp64 reference written here
-(values and gradients, both paths); dropout by its statistics; what fuseblock lacks
+"""fuseblock.compat.flash_attn: flash-attention's layer_norm_fn / rms_norm_fn /
+layer_norm_linear_fn / RMSNorm signatures, the calls mamba-style code makes, against an
+fp64 reference written here (values and gradients, both paths); out_dtype wider than x
+computed in fp32 and stored once; dropout by its statistics; what fuseblock lacks
 refused by name."""
 import inspect
 
 import pytest
 import torch
 from helpers import assert_close
-from ref64 import leaf64
+from ref64 import add_norm64, leaf64
+from torch import nn
 
-from fuseblock.compat.flash_attn import RMSNorm, layer_norm_fn, rms_norm_fn
+from fuseblock.compat.flash_attn import RMSNorm, layer_norm_fn, layer_norm_linear_fn, rms_norm_fn
 
 D, ROWS = 16, 6
 
@@ -21,6 +23,12 @@ FLASH_LAYER_NORM_FN = [("x", None), ("weight", None), ("bias", None), ("residual
                        ("residual_out", None)]
 
 
+# flash-attention's layer_norm_linear_fn, in order, with defaults
+FLASH_LAYER_NORM_LINEAR_FN = [("x", None), ("norm_weight", None), ("norm_bias", None), ("linear_weight", None),
+                              ("linear_bias", None), ("residual", None), ("eps", 1e-6), ("prenorm", False),
+                              ("residual_in_fp32", False), ("is_rms_norm", False)]
+
+
 def params(fn):
     return [(p.name, None if p.default is p.empty else p.default) for p in inspect.signature(fn).parameters.values()]
 
@@ -28,6 +36,7 @@ def params(fn):
 def test_the_signatures_are_flash_attentions():
     assert params(layer_norm_fn) == FLASH_LAYER_NORM_FN
     assert params(rms_norm_fn) == [p for p in FLASH_LAYER_NORM_FN if p[0] != "is_rms_norm"]
+    assert params(layer_norm_linear_fn) == FLASH_LAYER_NORM_LINEAR_FN
     assert params(RMSNorm.forward) == [("self", None), ("x", None), ("residual", None), ("prenorm", False),
                                        ("residual_in_fp32", False)]
     assert params(RMSNorm.__init__)[1:] == [("hidden_size", None), ("eps", 1e-5), ("dropout_p", 0.0),
@@ -158,7 +167,7 @@ def test_rms_norm_module():
     (dict(bias1=torch.ones(D)), ValueError, "bias1"),
     (dict(out=torch.empty(ROWS, D)), ValueError, "out"),
     (dict(residual_out=torch.empty(ROWS, D)), ValueError, "residual_out"),
-    (dict(return_dropout_mask=True), ValueError, "return_dropout_mask"),
+    (dict(return_dropout_mask=True, dropout_p=0.1), ValueError, "return_dropout_mask"),
     (dict(prenorm="yes"), TypeError, "prenorm"),
     (dict(is_rms_norm=1), TypeError, "is_rms_norm"),
     (dict(dropout_p=1.0), ValueError, "dropout_p"),
@@ -168,3 +177,153 @@ def test_rms_norm_module():
 def test_what_fuseblock_lacks_is_refused_by_name(kw, error, needle):
     with pytest.raises(error, match=needle):
         layer_norm_fn(torch.randn(ROWS, D), torch.ones(D), None, **kw)
+
+
+# ----------------------------------------------------------------- out_dtype wider than x
+@pytest.mark.kernel
+@pytest.mark.parametrize("case", ["rms-fp32-residual", "layer-bias-residual_in_fp32"])
+def test_out_dtype_wider_than_x_is_computed_in_fp32_and_stored_once(case):
+    """bf16 x, out_dtype fp32: y is the fp32 result stored once (not rounded to bf16 first:
+    it was 7e-3 off), and the gradient at y is read in fp32, so the fp32 residual's and the
+    weight's gradients are fp32-exact (the residual's was 6e-3 off), as flash-attention's."""
+    rms = case.startswith("rms")
+    x = (torch.randn(ROWS, D) * 2).bfloat16().requires_grad_(True)
+    w = (torch.randn(D) * 0.3 + 1.0).requires_grad_(True)
+    b = None if rms else torch.randn(D).requires_grad_(True)
+    r = torch.randn(ROWS, D).requires_grad_(True) if rms else None
+    y, res = layer_norm_fn(x, w, b, residual=r, prenorm=True, residual_in_fp32=not rms, is_rms_norm=rms,
+                           out_dtype=torch.float32)
+    assert y.dtype == torch.float32 and res.dtype == torch.float32
+    leaves = [t for t in (x, w, b, r) if t is not None]
+    leaves64 = [leaf64(t) for t in leaves]
+    x64, w64 = leaves64[:2]
+    b64, r64 = (leaves64[2], None) if b is not None else (None, leaves64[2])
+    y64, p64 = add_norm64(x64, r64, w64, b64, kind="rms" if rms else "layer", eps=1e-6,
+                          residual_dtype=torch.float32)
+    assert_close(y, y64, torch.float32, "y")
+    cot, cot_r = torch.randn(ROWS, D), torch.randn(ROWS, D)
+    got = torch.autograd.grad((y, res), leaves, (cot, cot_r))
+    want = torch.autograd.grad((y64, p64), leaves64, (cot.double(), cot_r.double()))
+    for t, g, e, name in zip(leaves, got, want, ("x", "weight", "bias" if b is not None else "residual"),
+                             strict=True):
+        assert g.dtype == t.dtype  # x's in bf16 (one rounding), the rest fp32-exact
+        assert_close(g, e, t.dtype, f"grad {name}")
+
+
+@pytest.mark.kernel
+def test_out_dtype_narrower_than_x_rounds_once():
+    """fp32 x, out_dtype bf16: the fp32 result rounded once to bf16 (one bf16 rounding off
+    the fp64 reference), its bf16 gradient read as it comes."""
+    x, w = torch.randn(ROWS, D, requires_grad=True), (torch.randn(D) + 1.0).requires_grad_(True)
+    y = rms_norm_fn(x, w, None, out_dtype=torch.bfloat16)
+    assert y.dtype == torch.bfloat16
+    x64, w64 = leaf64(x), leaf64(w)
+    y64 = add_norm64(x64, None, w64, eps=1e-6)[0]
+    assert_close(y, y64, torch.bfloat16, "y")
+    cot = torch.randn(ROWS, D).bfloat16()
+    got = torch.autograd.grad(y, [x, w], cot)
+    want = torch.autograd.grad(y64, [x64, w64], cot.double())
+    for g, e, name in zip(got, want, ("x", "weight"), strict=True):
+        assert_close(g, e, torch.float32, f"grad {name}")
+
+
+# ----------------------------------------------------------------- return_dropout_mask
+@pytest.mark.kernel
+@pytest.mark.parametrize("prenorm", [False, True])
+def test_return_dropout_mask_at_p0_returns_flash_attentions_none_masks(prenorm):
+    """flash-attention allocates no mask at dropout_p=0 (layer_norm.py's _layer_norm_fwd) and
+    returns None for each, after y (and residual_out): the same tuple, y unchanged."""
+    x, r, w = torch.randn(ROWS, D), torch.randn(ROWS, D), torch.randn(D)
+    x1 = torch.randn(ROWS, D)
+    got = layer_norm_fn(x, w, None, residual=r, x1=x1, prenorm=prenorm, return_dropout_mask=True)
+    want = layer_norm_fn(x, w, None, residual=r, x1=x1, prenorm=prenorm)
+    want = want if prenorm else (want,)
+    assert len(got) == len(want) + 2 and got[-2:] == (None, None)
+    for a, e in zip(got, want, strict=False):
+        assert torch.equal(a, e)
+
+
+# ----------------------------------------------------------------- layer_norm_linear_fn
+LINEAR_CASES = {
+    "rms-residual-prenorm": dict(rms=True, residual=True, prenorm=True),
+    "layer-bias-fp32-stream": dict(rms=False, bias=True, prenorm=True, residual_in_fp32=True),
+    "layer-plain": dict(rms=False, bias=True),
+}
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("case", list(LINEAR_CASES))
+def test_layer_norm_linear_fn_against_fp64(case):
+    """F.linear(N(residual + x)) and residual_out, values and every gradient, against fp64."""
+    c = LINEAR_CASES[case]
+    n_out = 5
+    x = (torch.randn(2, ROWS // 2, D) * 2).requires_grad_(True)
+    nw = (torch.randn(D) * 0.3 + 1.0).requires_grad_(True)
+    nb = torch.randn(D).requires_grad_(True) if c.get("bias") else None
+    lw, lb = torch.randn(n_out, D).requires_grad_(True), torch.randn(n_out).requires_grad_(True)
+    r = torch.randn(2, ROWS // 2, D).requires_grad_(True) if c.get("residual") else None
+    got = layer_norm_linear_fn(x, nw, nb, lw, lb, residual=r, eps=1e-5, prenorm=c.get("prenorm", False),
+                               residual_in_fp32=c.get("residual_in_fp32", False), is_rms_norm=c["rms"])
+    leaves = [t for t in (x, nw, nb, lw, lb, r) if t is not None]
+    leaves64 = [leaf64(t) for t in leaves]
+    it = iter(leaves64)
+    x64, nw64, nb64, lw64, lb64, r64 = (next(it) if t is not None else None for t in (x, nw, nb, lw, lb, r))
+    s64 = x64 if r64 is None else x64 + r64
+    out64 = torch.nn.functional.linear(norm64(s64, nw64, nb64, 1e-5, c["rms"], False), lw64, lb64)
+    cot = torch.randn(2, ROWS // 2, n_out)
+    if c.get("prenorm"):
+        out, res = got
+        assert res.dtype == torch.float32
+        assert_close(res, s64, torch.float32, "residual_out")
+        cot_r = torch.randn(x.shape)
+        outs, outs64, cots = (out, res), (out64, s64), (cot, cot_r)
+    else:
+        out = got
+        outs, outs64, cots = (out,), (out64,), (cot,)
+    assert out.dtype == x.dtype
+    assert_close(out, out64, torch.float32, "out")
+    g = torch.autograd.grad(outs, leaves, cots)
+    g64 = torch.autograd.grad(outs64, leaves64, [t.double() for t in cots])
+    for i, (a, e) in enumerate(zip(g, g64, strict=True)):
+        assert_close(a, e, torch.float32, f"grad {i}")
+
+
+@pytest.mark.kernel
+def test_layer_norm_linear_fn_runs_the_linear_in_xs_dtype():
+    """As flash-attention: a linear_weight of another dtype is cast to the norm output's
+    (x's), and its gradient comes back in its own dtype; without prenorm one tensor."""
+    x = torch.randn(ROWS, D).bfloat16()
+    nw, lw = torch.ones(D), torch.randn(3, D, requires_grad=True)
+    out = layer_norm_linear_fn(x, nw, None, lw, None, is_rms_norm=True)
+    assert out.dtype == torch.bfloat16 and out.shape == (ROWS, 3)
+    out.float().sum().backward()
+    assert lw.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("kw,error,needle", [
+    (dict(linear_weight="w"), TypeError, "linear_weight"),
+    (dict(linear_bias=torch.ones(3, dtype=torch.int64)), TypeError, "linear_bias"),
+    (dict(prenorm=1), TypeError, "prenorm"),
+    (dict(norm_weight=torch.ones(D + 1)), ValueError, "norm_weight"),
+])
+def test_layer_norm_linear_fn_refuses_by_name(kw, error, needle):
+    args = dict(x=torch.randn(ROWS, D), norm_weight=torch.ones(D), norm_bias=None, linear_weight=torch.randn(3, D),
+                linear_bias=None)
+    args.update(kw)
+    with pytest.raises(error, match=needle):
+        layer_norm_linear_fn(**args)
+
+
+# ----------------------------------------------------------------- RMSNorm.drop
+@pytest.mark.kernel
+def test_rms_norm_module_has_flash_attentions_drop():
+    """`drop` is an nn.Dropout(dropout_p), or None at 0, as flash-attention's; forward reads
+    drop.p, so code that sets it (or reads it) sees the module follow."""
+    assert RMSNorm(D).drop is None
+    norm = RMSNorm(D, dropout_p=0.25)
+    assert isinstance(norm.drop, nn.Dropout) and norm.drop.p == 0.25
+    assert list(norm.state_dict()) == ["weight"]
+    x, r = torch.randn(ROWS, D), torch.randn(ROWS, D)
+    assert ((norm(x, r, prenorm=True)[1] - r) == 0).any()  # dropout in training
+    norm.drop.p = 0.0
+    assert torch.equal(norm(x, r, prenorm=True)[1], x + r)  # and none once drop.p is 0

@@ -372,12 +372,26 @@ def test_eps_is_the_second_positional_argument_as_in_torch():
 def test_a_residual_passed_positionally_is_never_taken_as_a_gate():
     """flash-attention's habit `norm(x, residual)` must not silently return N(x) * silu(residual)."""
     x, r = torch.randn(2, D), torch.randn(2, D)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"^Norm.forward\(\) takes x positionally, got 2 positional arguments: gate "
+                                        r"is keyword-only .*AddNorm or Norm.add"):
         fuseblock.Norm(D)(x, r)
-    with pytest.raises(TypeError):
-        fuseblock.AddNorm(D)(x, r, r)
     gated = fuseblock.Norm(D)(x, gate=r)  # by keyword it gates
     assert_close(gated, F.rms_norm(x, (D,)) * F.silu(r), torch.float32, "gate=")
+
+
+@pytest.mark.parametrize("call,name", [
+    (lambda x, r: fuseblock.AddNorm(D)(x, r, r), "AddNorm.forward"),
+    (lambda x, r: fuseblock.Norm(D).add(x, r, r), "Norm.add"),
+    (lambda x, r: fuseblock.add_norm(x, r, None, None, r), "add_norm"),
+    (lambda x, r: fuseblock.norm(x, None, None, r), "norm"),
+])
+def test_every_op_with_a_gate_says_gate_is_keyword_only(call, name):
+    """A tensor past the positional arguments (a gate meant, or a residual) gets one line
+    saying so, as the README's bad-input table promises, not Python's bare count."""
+    x, r = torch.randn(2, D), torch.randn(2, D)
+    with pytest.raises(TypeError, match=rf"^{name}\(\) takes .* positionally, got \d positional arguments: "
+                                        r"gate is keyword-only \(gate=\.\.\.\)"):
+        call(x, r)
 
 
 # ----------------------------------------------------------------- new_residual's requires_grad

@@ -409,3 +409,55 @@ def test_a_plain_stack_keeps_add_norms_plain_lane(monkeypatch):
     assert len(calls) == 4
     fuseblock.ResidualStack([nn.Identity() for _ in range(3)], D, dropout=0.1).eval()(torch.randn(SHAPE))
     assert len(calls) == 8  # dropout in eval is the plain call too
+
+
+# ----------------------------------------------------------------- alpha, dropout set on a built stack
+@pytest.mark.kernel
+@pytest.mark.parametrize("shape", ["scaled", "parallel", "sandwich"])
+def test_alpha_set_on_a_built_stack_reaches_every_block(shape):
+    """`stack.alpha = 2.0` is every block's alpha: the fused form (which applies a block's
+    at the next block's entry and the stack's at its end) equals the naive form and the fp64
+    stack built with alpha=2.0 (the fused form's last join alone took it: 1.72 apart)."""
+    fused = make_stack(shape)
+    fused.alpha = 2.0
+    assert fused.alpha == 2.0 and all(b.alpha == 2.0 for b in fused.blocks)
+    naive = copy.deepcopy(fused)
+    naive.fused = False
+    x = torch.randn(SHAPE)
+    ref = stack64(fused, x)
+    assert_close(fused(x), ref, torch.float32, "fused")
+    assert_close(naive(x), ref, torch.float32, "naive")
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "naive"])
+def test_dropout_set_on_a_built_stack_reaches_every_block(fused):
+    """`stack.dropout = 0.0` turns dropout off at every join in training (it stayed on at
+    the blocks' entries), and `stack.dropout = 0.5` on at every one: out = x + one 0-or-2
+    draw per Const branch, as for a stack built with it."""
+    n = 2
+    stack = fuseblock.ResidualStack([Const() for _ in range(n)], D, dropout=0.3, final_norm=False,
+                                    fused=fused).train()
+    x = torch.zeros(64, 32, D)
+    stack.dropout = 0.0
+    assert stack.dropout == 0.0 and all(b.dropout == 0.0 for b in stack.blocks)
+    assert torch.equal(stack(x), torch.full_like(x, float(n)))
+    stack.dropout = 0.5
+    out = stack(x)
+    assert set(torch.unique(out).tolist()) <= {0.0, 2.0, 4.0}
+    assert abs(out.mean().item() - n) < 0.05 and abs(out.var().item() - n) < 0.1 * n
+
+
+@pytest.mark.parametrize("kw,name,value,error", [
+    (dict(), "alpha", float("nan"), ValueError),
+    (dict(), "alpha", "2", TypeError),
+    (dict(), "dropout", 1.0, ValueError),
+    (dict(sandwich=True), "dropout", 0.1, ValueError),
+    (dict(post_norm=True), "dropout", 0.1, ValueError),
+])
+def test_alpha_and_dropout_set_on_a_built_stack_are_checked_as_the_constructors(kw, name, value, error):
+    stack = fuseblock.ResidualStack([nn.Identity(), nn.Identity()], D, **kw)
+    before = [getattr(b, name) for b in stack.blocks]
+    with pytest.raises(error, match=name):
+        setattr(stack, name, value)
+    assert [getattr(b, name) for b in stack.blocks] == before and getattr(stack, name) == before[0]

@@ -116,3 +116,33 @@ def test_backward_fake_gives_dw_db_the_parameters_dtypes():
     torch.library.opcheck(norm_op.bwd_op, args, test_utils=("test_schema", "test_faketensor"))
     dw, db = norm_op.bwd_op(*args)[3:5]
     assert (dw.dtype, db.dtype) == (torch.bfloat16, torch.float16)
+
+
+@pytest.mark.kernel
+@pytest.mark.kernel_only("the custom op serves the Triton path")
+def test_opcheck_fake_stores_out_in_the_specs_out_dtype():
+    """The spec's out_dtype is the output's dtype, in the kernel's store and in the fake."""
+    x, w = torch.randn(3, 16).bfloat16(), torch.randn(16)
+    spec = NormSpec(False, 1.0, 1e-6, Gate.NONE, Act.UNUSED, 1, out_dtype=torch.float32).pack()
+    args = (x, None, None, w, None, spec, None, False)
+    torch.library.opcheck(norm_op.fwd_op, args, test_utils=("test_schema", "test_faketensor"))
+    assert norm_op.fwd_op(*args)[0].dtype == torch.float32
+
+
+@pytest.mark.kernel
+def test_fullgraph_traces_add_norm_with_out_dtype():
+    """add_norm(out_dtype=fp32) on bf16 x under torch.compile(fullgraph=True): one graph,
+    out in fp32, values and gradients equal to eager."""
+    torch._dynamo.reset()
+
+    def fn(x, r, w):
+        out, res = fuseblock.add_norm(x, r, w, out_dtype=torch.float32)
+        return out * 2 + res
+
+    inputs = [torch.randn(3, 16).bfloat16().requires_grad_(), torch.randn(3, 16, requires_grad=True),
+              torch.randn(16, requires_grad=True)]
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    got, want = _grads(compiled, inputs), _grads(fn, inputs)
+    assert got[0].dtype == torch.float32
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)

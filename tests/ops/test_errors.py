@@ -40,6 +40,8 @@ CASES = [
     ("residual", dict(residual=torch.ones(4, 8, dtype=torch.int32)), TypeError),
     ("residual_dtype", dict(residual_dtype=torch.int8), TypeError),
     ("residual_dtype", dict(residual_dtype="float32"), TypeError),
+    ("out_dtype", dict(out_dtype=torch.int8), TypeError),
+    ("out_dtype", dict(out_dtype="float32"), TypeError),
     ("gate", dict(gate=torch.ones(4, 1)), ValueError),
     ("gate_act", dict(gate=torch.ones(4, 8), gate_act="relu"), ValueError),
     ("gate_position", dict(gate=torch.ones(4, 8), gate_position="middle"), ValueError),
