@@ -10,6 +10,7 @@ skipped on the other path.
 On a GPU machine, FUSEBLOCK_TEST_DEVICE=cuda makes every test tensor a CUDA tensor,
 so `pytest -m kernel` runs the compiled kernels for real.
 """
+import importlib.util
 import os
 import sys
 
@@ -25,11 +26,25 @@ from helpers import DEVICE, KERNEL_PATH, Launches  # noqa: E402
 if DEVICE != "cpu":
     torch.set_default_device(DEVICE)
 
+# The interpreter truncates fp32 -> bf16 (and misrounds fp8) where a GPU rounds to nearest
+# even: make it round as a GPU does, so that kernel-path checks hold the kernels to a GPU's
+# accuracy. The kernels are untouched (fuseblock/testing/interpreter_rounding.py says how).
+INTERPRETER_ROUNDING = None  # None, or why the interpreter could not be made to round
+if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
+    from fuseblock.testing.interpreter_rounding import install
+
+    INTERPRETER_ROUNDING = install()
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "kernel_only(reason): a property of the Triton kernels; skipped on the torch "
                                        "path (mark the test `kernel` too)")
     config.addinivalue_line("markers", "torch_only(reason): a property of the torch path; skipped on the kernel path")
+
+
+def pytest_report_header(config):
+    if INTERPRETER_ROUNDING is not None:
+        return f"interpreter rounding not patched: {INTERPRETER_ROUNDING}"
 
 
 def pytest_collection_modifyitems(config, items):
