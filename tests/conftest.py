@@ -10,7 +10,6 @@ skipped on the other path.
 On a GPU machine, FUSEBLOCK_TEST_DEVICE=cuda makes every test tensor a CUDA tensor,
 so `pytest -m kernel` runs the compiled kernels for real.
 """
-import importlib.util
 import os
 import sys
 
@@ -29,11 +28,9 @@ if DEVICE != "cpu":
 # The interpreter truncates fp32 -> bf16 (and misrounds fp8) where a GPU rounds to nearest
 # even: make it round as a GPU does, so that kernel-path checks hold the kernels to a GPU's
 # accuracy. The kernels are untouched (fuseblock/testing/interpreter_rounding.py says how).
-INTERPRETER_ROUNDING = None  # None, or why the interpreter could not be made to round
-if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
-    from fuseblock.testing.interpreter_rounding import install
+from fuseblock.testing.interpreter_rounding import install  # noqa: E402
 
-    INTERPRETER_ROUNDING = install()
+INTERPRETER_ROUNDING = install()  # None, or why the interpreter could not be made to round
 
 
 def pytest_configure(config):

@@ -15,11 +15,14 @@ interpreter converts it with numpy's astype, which rounds to nearest even (overf
 `install()` replaces `_convert_float` with `convert_float` (triton 3.1 through 3.9 have it with the
 same signature), which rounds to nearest even for every conversion between the formats in FORMATS,
 and leaves the others (rtz, fp8e4b15, the fnuz fp8s) to the original. NaN becomes the format's
-canonical NaN, as on a GPU; fp8 saturates. tests/conftest.py installs it when TRITON_INTERPRET=1.
+canonical NaN, as on a GPU; fp8 saturates. tests/conftest.py installs it when TRITON_INTERPRET=1,
+and so do the workers the tests start under torchrun (a new process starts unpatched).
 """
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,9 +130,13 @@ def make_convert_float(original, rtne):
 
 
 def install() -> str | None:
-    """Patch the interpreter in this process (idempotent). None once it rounds as a GPU does,
-    else why it could not be patched (a triton whose interpreter has no `_convert_float` of
-    the known signature): the caller reports it, and the rounding test fails with it."""
+    """Under TRITON_INTERPRET=1, patch this process's interpreter (idempotent; tests/conftest.py
+    calls it, and so do the workers that tests start under torchrun). None once it rounds as a
+    GPU does or where there is no interpreter to patch (no TRITON_INTERPRET=1, or no triton);
+    else why it could not be patched (a triton whose interpreter has no `_convert_float` of the
+    known signature): the caller reports it, and the rounding test fails."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None:
+        return None
     from triton.runtime import interpreter
 
     original = getattr(interpreter, "_convert_float", None)
