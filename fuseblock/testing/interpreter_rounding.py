@@ -108,6 +108,15 @@ def encode(x: np.ndarray, fmt: Format) -> np.ndarray:
     return bits.astype(getattr(np, f"uint{fmt.width}"))
 
 
+def fp32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """encode(x, bf16) for fp32 x, on the bits (the common case, kept fast): adding 0x7FFF plus
+    the last kept bit rounds the low 16 bits to nearest even, carrying into the exponent (and
+    to inf) where it must."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return np.where(np.isnan(x), np.uint16(FORMATS["bf16"].nan_bits), rounded.astype(np.uint16))
+
+
 def to_float64(data: np.ndarray, fmt: Format) -> np.ndarray:
     if data.dtype.kind == "f":  # fp16, fp32, fp64 live in numpy's own types
         with np.errstate(invalid="ignore"):  # signalling NaNs
@@ -123,7 +132,12 @@ def make_convert_float(original, rtne):
         upcast = src is not None and dst is not None and dst.width > src.width
         if src is None or dst is None or not (upcast or rounding_mode is None or rounding_mode == rtne):
             return original(input, input_dtype, output_dtype, rounding_mode)
-        return encode(to_float64(np.asarray(input), src), dst).reshape(np.shape(input))
+        data = np.asarray(input)
+        if (input_dtype.name, output_dtype.name) == ("bf16", "fp32"):  # every bf16 load the kernels widen: exact
+            return data.view(np.uint16).astype(np.uint32) << np.uint32(16)
+        if (input_dtype.name, output_dtype.name) == ("fp32", "bf16"):
+            return fp32_to_bf16(data)
+        return encode(to_float64(data, src), dst).reshape(data.shape)
 
     convert_float.rounds_like_gpu = True
     return convert_float
