@@ -2,9 +2,10 @@
 
 On a GPU this holds by itself; under TRITON_INTERPRET=1 it holds because tests/conftest.py
 installs fuseblock.testing.interpreter_rounding (the interpreter alone truncates fp32 -> bf16
-and misrounds fp8), and so these tests fail without that patch. torch's `.to(dtype)` is the
-reference: it rounds to nearest even too. fp8 as a GPU writes it is saturating
-(cvt.rn.satfinite): torch's fp8 of the value clamped to the largest finite one.
+and misrounds fp8), and so the bf16 and fp8 checks here fail without that patch (fp16 the
+interpreter rounds by itself). torch's `.to(dtype)` is the reference: it rounds to nearest
+even too. fp8 as a GPU writes it is saturating (cvt.rn.satfinite): torch's fp8 of the value
+clamped to the largest finite one.
 """
 import numpy as np
 import pytest
@@ -121,3 +122,42 @@ def test_every_format_round_trips_through_the_replacement():
     with np.errstate(over="ignore"):
         assert np.array_equal(encode(x[finite].astype(np.float64), FORMATS["fp16"]),
                               x[finite].astype(np.float16).view(np.uint16))
+
+
+def ulps_off(got: torch.Tensor, want32: torch.Tensor) -> float:
+    """Largest |got - want32 rounded| in ulps of got's dtype at each value, but no finer than at
+    1/64 of the tensor's largest (fp32 sums in another order may differ by fp32 noise there)."""
+    mant = {torch.bfloat16: 7, torch.float16: 10}[got.dtype]
+    want = want32.to(got.dtype).double()
+    floor = want.abs().max() / 64
+    ulp = torch.exp2(torch.floor(torch.log2(torch.maximum(want.abs(), floor))) - mant)
+    return ((got.double() - want).abs() / ulp).max().item()
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_add_norm_rounds_each_stored_value_once(dtype, kind):
+    """bf16/fp16 add_norm with a residual in x's dtype: out, new_residual and the weight and bias
+    gradients are each one rounding of their fp32 value (torch ops in fp32 from the same
+    inputs), to an ulp (measured: 0 in bf16 on both paths, 1 for fp16's out). The weight
+    gradient sums over rows of the stored residual: when the interpreter truncated that store
+    it was 13 bf16 ulps off (rms; 6 layer) and out 11 (8.5)."""
+    import fuseblock
+
+    m, d, eps = 256, 96, 1e-5
+    x, r = torch.randn(m, d).to(dtype), torch.randn(m, d).to(dtype)
+    w, b = (1 + 0.5 * torch.randn(d)).to(dtype), (0.3 * torch.randn(d)).to(dtype)
+    leaves = [t.requires_grad_(True) for t in (x, r, w, b)]
+    out, new_res = fuseblock.add_norm(x, r, w, b, kind=kind, eps=eps)
+    go = torch.randn_like(out)
+    dw, db = torch.autograd.grad((out.float() * go.float()).sum(), leaves[2:])
+
+    p = x.detach().float() + r.detach().float()
+    q = p.to(dtype).float()  # the norm reads the stored residual
+    if kind == "layer":
+        q = q - q.mean(-1, keepdim=True)
+    xhat = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + eps)
+    want = {"new_residual": (new_res, p), "out": (out, xhat * w.detach().float() + b.detach().float()),
+            "dweight": (dw, (go.float() * xhat).sum(0)), "dbias": (db, go.float().sum(0))}
+    off = {name: ulps_off(got.detach(), ref) for name, (got, ref) in want.items()}
+    assert max(off.values()) <= 1.0, off
