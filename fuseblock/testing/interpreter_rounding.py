@@ -5,18 +5,19 @@ bits. Every such conversion goes through one function, `triton.runtime.interpret
 `cast_impl` calls it for fp32 <-> bf16 with no rounding mode, and that path is `x.to(tl.bfloat16)`,
 `tl.store` of fp32 into a bf16 pointer (the store casts first) and bf16 constants; `create_fp_to_fp`
 calls it for every fp8 conversion. Given a rounding mode of "rtne" it adds the half-ulp bit, which
-rounds ties away from zero, does not carry a rounded-up mantissa into the exponent and neither
-saturates nor keeps NaN. A GPU rounds to nearest, ties to even: cvt.rn.bf16.f32 (overflow to inf)
+rounds ties away from zero, does not always carry a rounded-up mantissa into the exponent, and
+neither saturates nor reliably keeps NaN. A GPU rounds to nearest, ties to even: cvt.rn.bf16.f32 (overflow to inf)
 and, for fp8, cvt.rn.satfinite.{e4m3,e5m2}x2 (overflow and inf to the largest finite value, NaN to
 NaN). So the interpreter's bf16 results drift from torch's and a GPU's by up to an ulp per
 conversion, and more where a truncated value feeds later sums. fp32 -> fp16 needs nothing: the
 interpreter converts it with numpy's astype, which rounds to nearest even (overflow to inf) already.
 
-`install()` replaces `_convert_float` with `convert_float` (triton 3.1 through 3.9 have it with the
-same signature), which rounds to nearest even for every conversion between the formats in FORMATS,
-and leaves the others (rtz, fp8e4b15, the fnuz fp8s) to the original. NaN becomes the format's
-canonical NaN, as on a GPU; fp8 saturates. tests/conftest.py installs it when TRITON_INTERPRET=1,
-and so do the workers the tests start under torchrun (a new process starts unpatched).
+`install()` replaces `_convert_float` with `convert_float`, which rounds to nearest even for every
+conversion between the formats in FORMATS and leaves the others (rtz, fp8e4b15, the fnuz fp8s) to
+the original. NaN becomes the format's canonical NaN, as on a GPU; fp8 saturates. Checked with
+triton 3.1 (the floor) and 3.9, which have that function with one signature; a triton without it
+is reported, not patched. tests/conftest.py installs it when TRITON_INTERPRET=1, and so do the
+workers the tests start under torchrun (a new process starts unpatched).
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ class Format:
         return (1 << (self.exp_bits + self.man_bits)) - 1
 
 
-# Keyed by triton's dtype names (tl.dtype.name), the same in every triton the project supports.
+# Keyed by triton's dtype names (tl.dtype.name), the same in triton 3.1 and 3.9.
 FORMATS = {
     "fp64": Format(11, 52, True, False),
     "fp32": Format(8, 23, True, False),
@@ -162,10 +163,3 @@ def install() -> str | None:
                 "its interpreter still truncates fp32 -> bf16 (see fuseblock/testing/interpreter_rounding.py)")
     interpreter._convert_float = make_convert_float(original, interpreter._ir.ROUNDING_MODE.RTNE)
     return None
-
-
-def installed() -> bool:
-    """Whether this process's interpreter rounds as a GPU does."""
-    from triton.runtime import interpreter
-
-    return getattr(getattr(interpreter, "_convert_float", None), "rounds_like_gpu", False)
