@@ -512,4 +512,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from fuseblock.testing.interpreter_rounding import install
+
+    install()  # under TRITON_INTERPRET=1, round as a GPU does, as the tests do (conftest)
     main()
