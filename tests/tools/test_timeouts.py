@@ -24,7 +24,7 @@ def _first_line_and_tail(excinfo):
     return first, rest
 
 
-@pytest.mark.parametrize("value, seconds", [("", 2 * 240), ("1", 240), ("6", 6 * 240), ("0.5", 120)])
+@pytest.mark.parametrize("value, seconds", [("", 3 * 240), ("1", 240), ("6", 6 * 240), ("0.5", 120)])
 def test_every_limit_is_scaled_by_the_one_factor(monkeypatch, value, seconds):
     monkeypatch.setenv(timeouts.SCALE_VAR, value)
     assert timeouts.limit(240) == seconds
