@@ -3,7 +3,7 @@
 A step's relative update is ||w_after - w_before|| / ||w_before||, over all parameters at
 once (each tied tensor once). AdamW moves each weight by about the learning rate, so in
 training that learns this is small: at most 0.015 in the tiny test model's 300 steps at
-the default lr (0.047 in `make train`'s first 80 steps, warmup peak included), and under 1
+the default lr (0.0093 in `make train`'s first 60 steps, the warmup's peak included), and under 1
 even at lr 3, 1500 times the default. An lr that ruins a run gives thousands at once: lr
 1000 after 10 good steps, 2.4e3. A checkpoint whose weights descend from a step above
 LIMIT is suspect: train.py writes it but does not point `latest` at it (docs/gpt.md).

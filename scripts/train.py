@@ -26,8 +26,8 @@ checkpoint that passed the update check (models/update_check.py: a checkpoint wh
 weights descend from a step that moved them by more than their own size is written as a
 suspect, and `latest` does not move to it) and the command that continues from it. Exit
 status 2: a usage error, a bad checkpoint, an unusable --out-dir, or a last checkpoint
-that could not be written. The settings, their bounds
-and the check of a checkpoint's record are in models/settings.py.
+that could not be written. The settings, their bounds and the check of a checkpoint's
+record are in models/settings.py.
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ import argparse
 import gc
 import math
 import os
+import re
 import shlex
 import signal
 import sys
@@ -713,9 +714,9 @@ def _train(args, dist: Dist, stop: StopSignals, t_start: float) -> dict:
         stopped = f"stopped by {signal.Signals(signum).name} after step {step}, but " if signum else ""
         raise checkpoint.CheckpointError(f"{args.out_dir}: {stopped}{run.unsaved}")
     if signum:
-        how = f"as a suspect; --resume ckpt-{step:06d} continues from it" if run.suspect else "; --resume continues"
+        how = f" as a suspect; --resume ckpt-{step:06d} continues from it" if run.suspect else "; --resume continues"
         run.say(f"stopped by {signal.Signals(signum).name} after step {step}: checkpoint "
-                f"{args.out_dir / f'ckpt-{step:06d}'} written {how}".replace(" ;", ";"), err=True)
+                f"{args.out_dir / f'ckpt-{step:06d}'} written{how}", err=True)
     elif run.suspect:
         held = f"ckpt-{run.last_saved:06d}" if run.last_saved else "none of this run's"
         run.say(f"warning: {args.out_dir}: latest names {held}, not this run's last checkpoint: {run.suspect}; "
@@ -754,7 +755,9 @@ def way_back(run: Run) -> str:
         flags.pop("min_lr", None)
         if base["min_lr"] > lr:
             flags["min_lr"] = lr / 10
-    head = ["--out-dir", str(args.out_dir), *(["--resume", good] if good else ["--overwrite"])]
+    # by name, unless `latest` holds the second name of an interrupted replacement, which --resume cannot name
+    point = ["--resume", good] if good and re.fullmatch(r"ckpt-\d+", good) else ["--resume"]
+    head = ["--out-dir", str(args.out_dir), *(point if good else ["--overwrite"])]
     for k, v in flags.items():
         head += [f"--{k.replace('_', '-')}", str(v)]
     head += ["--fsdp"] * args.fsdp + (["--tp", str(args.tp)] if args.tp > 1 else []) + ["--compile"] * args.compile
