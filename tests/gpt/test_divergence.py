@@ -54,11 +54,10 @@ def test_lr_1000_after_10_good_steps_resumes_from_the_last_good_checkpoint(tmp_p
     at the step-15 checkpoint 5.5452 (uniform predictions, ln 256), and the gradient norm
     of step 18 is NaN. Step 11 moved the weights by about 1.9e3 times their size, so
     ckpt-000015 is written as a suspect and `latest` stays at ckpt-000010 (before: `latest`
-    named step 15, the error said "--resume continues from there, with a lower --lr", and
-    that resume diverged again whatever the lr). The printed command resumes ckpt-000010
-    and ends at step 20 bit-exactly as the run that never saw lr 1000; resuming the
-    suspect instead, at lr 1e-4, gives the loss of uniform predictions, ln 256, at every
-    step: its weights learn nothing more."""
+    named step 15 and the error said "--resume continues from there, with a lower --lr").
+    The printed command resumes ckpt-000010 and ends at step 20 bit-exactly as the run
+    that never saw lr 1000; resuming the suspect instead, at lr 1e-4, gives the loss of
+    uniform predictions, ln 256, at every step: its weights learn nothing more."""
     out, straight = tmp_path / "run", tmp_path / "straight"
     flags = ("--eval-interval", "5", "--ckpt-interval", "5")
     train(out, 10, *flags)
