@@ -46,6 +46,7 @@ from .launch import (
     loop_layout,
     num_sms,
     pow2,
+    row_programs,
     rows,
     stride,
     sum_partial_rows,
@@ -670,7 +671,7 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     # Programs per SM as many as fit at once (one wave), and at least
     # MIN_ROWS_PER_PROGRAM rows each, so the (n_prog, d) partial buffers stay small next
     # to the activations on small batches.
-    slots = num_sms(dev) * programs_per_sm(dev, variant, lay.per_sm)
+    slots = row_programs(dev, variant, lay.per_sm)
     n_prog = max(1, min(slots // n_cols, n_items, cdiv(M, MIN_ROWS_PER_PROGRAM)))
     # With one program its sums are dw and db: it writes them, and nothing is left to add.
     sum_parts = n_prog > 1 and (need_dw or need_db)
