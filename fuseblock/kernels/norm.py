@@ -572,11 +572,14 @@ def _branch(spec: NormSpec) -> tuple[float, float, float]:
     return spec.alpha, p, (1.0 / (1.0 - p) if p > 0 else 1.0)
 
 
-def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, need_stats, x1=None, seed=None):
+def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, need_stats, x1=None, seed=None,
+             out=None, new_res=None):
     """Triton forward, same contract as `fuseblock.reference.norm_fwd`. x1 and seed (the
     dropout masks' key, drawn by the caller when spec.dropout_p > 0: an int, or a one-element
     int64 tensor on x's device that the kernel reads) are add_norm's branch:
-    p = residual + alpha * (drop(x) + drop(x1))."""
+    p = residual + alpha * (drop(x) + drop(x1)). out and new_res: (M, d) tensors to write
+    into (of x's and residual_dtype), for `fuseblock.serve`, which may pass x and the
+    residual themselves; else they are allocated."""
     # The launchers' stride contract: activations may have any strides (rows are passed
     # by stride, columns must be unit-stride or are copied: `rows`); weight and bias are
     # made unit-stride (`vec`). Outputs and statistics are allocated here, contiguous.
@@ -586,8 +589,9 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
     M, G = x2.shape[0], spec.groups
     # Outputs in x's shape, the kernel writing through (M, d) views of them: a returned
     # view would be one autograd refuses to let users edit in place.
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    new_res = torch.empty(x.shape, dtype=residual_dtype, device=x.device) if residual_dtype is not None else None
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        new_res = torch.empty(x.shape, dtype=residual_dtype, device=x.device) if residual_dtype is not None else None
     o2, ro2 = out.view(M, d), None if new_res is None else new_res.view(M, d)
     rstd = torch.empty((M, G), dtype=torch.float32, device=x.device) if need_stats else None
     mean = torch.empty((M, G), dtype=torch.float32, device=x.device) if need_stats and spec.center else None
