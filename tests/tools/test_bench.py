@@ -163,6 +163,7 @@ def test_overhead_quick_times_the_host_side_alone():
     for r in rows:  # the eager step includes both launchers, plus autograd and argument checks
         assert 0 < r["launcher_fwd_us"] and 0 < r["launcher_bwd_us"]
         assert r["eager_fwd_bwd_us"] > r["launcher_fwd_us"] + r["launcher_bwd_us"]
+        assert 0 < r["serve_us"] and 0 < r["train_fwd_us"]
 
 
 def test_traffic_options_before_the_subcommand_measure_the_kernels():
