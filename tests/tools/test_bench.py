@@ -83,7 +83,8 @@ def test_gpu_code_path_smoke_run_on_cpu(tmp_path):
     bw = [r for r in rows if r["kind"] in ("rms", "layer")]
     assert len(bw) == 2 and not any(k.endswith("_error") for r in rows for k in r)
     for r in bw:
-        assert all(r[f"{impl}_{pas}_TBps"] > 0 for impl in ("fuseblock", "eager", "compile") for pas in ("fwd", "bwd"))
+        assert all(r[f"{impl}_{pas}_TBps"] > 0 for impl in ("fuseblock", "fuseblock-deterministic", "eager", "compile")
+                   for pas in ("fwd", "bwd"))
     assert {f.name for f in tmp_path.iterdir()} == {"gpu.md", "gpu.json", "gpu_rms.png", "gpu_layer.png"}
 
 
