@@ -17,7 +17,7 @@ Like NormSpec, the spec crosses the custom-op boundary packed as floats.
 from __future__ import annotations
 
 import functools
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass, fields
 from enum import IntEnum
 
 
@@ -70,11 +70,15 @@ class HyperSpec:
         return self.mode in (Mode.HEAD, Mode.MEAN_HEAD)
 
     def pack(self) -> list[float]:
-        return [float(v) for v in astuple(self)]
+        # .value: torch.compile traces this, and float() of an IntEnum member recurses in Dynamo
+        return [float(v.value if isinstance(v, IntEnum) else v) for v in (getattr(self, f) for f in _NAMES)]
 
     @classmethod
     def unpack(cls, values: list[float]) -> HyperSpec:
         return _unpack(tuple(values))
+
+
+_NAMES = tuple(f.name for f in fields(HyperSpec))
 
 
 @functools.lru_cache(maxsize=256)

@@ -6,13 +6,17 @@ forward, registered as custom ops with their backward), or the torch path
 (`fuseblock.hyper_reference`), plain differentiable torch ops. The math is in
 `fuseblock.hyper_spec` and docs/stream.md.
 """
-from __future__ import annotations
+# No `from __future__ import annotations`: the custom ops' schemas are read from the annotations
+from typing import List, Optional
 
+import torch
 from torch import Tensor
 
 from .. import hyper_reference
 from ..hyper_spec import FORMS, HyperSpec, Mode
 from .checks import check_eps, check_int, check_number, check_tensor
+from .dispatch import func_transforms_active, kernels, uses_triton
+from .registry import FusedOp
 
 MAX_STREAMS = 16
 
@@ -81,7 +85,81 @@ def resolve(streams, branch, post, comb, fn, base, scale, weight, *, iters, hc_e
 
 def apply(streams, branch, post, comb, fn, base, scale, weight, spec: HyperSpec):
     """(y, new_streams, post_next, comb_next) on validated arguments: the kernels or the torch path."""
-    return hyper_reference.hyper_fwd(streams, branch, post, comb, fn, base, scale, weight, spec)
+    if not uses_triton(streams) or func_transforms_active():
+        return hyper_reference.hyper_fwd(streams, branch, post, comb, fn, base, scale, weight, spec)
+    y, hn, post_n, comb_n, _, _ = hc_op(streams, branch, post, comb, fn, base, scale, weight, spec.pack())
+    post_out = spec.mode in (Mode.PRE_POST_COMB, Mode.PRE_POST)
+    return (y, hn if spec.update else streams, post_n if post_out else None,
+            comb_n if spec.mode == Mode.PRE_POST_COMB else None)
+
+
+# ---------------------------------------------------------------- the kernel path's custom ops
+# Absent tensors cross the op boundary as empty placeholders (custom ops return no None).
+def _empty(x: Tensor) -> Tensor:
+    return x.new_empty(0, dtype=torch.float32)
+
+
+def _fwd(streams: Tensor, branch: Optional[Tensor], post: Optional[Tensor], comb: Optional[Tensor],
+         fn: Optional[Tensor], base: Optional[Tensor], scale: Optional[Tensor], weight: Optional[Tensor],
+         spec: List[float]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # noqa: UP006
+    out = kernels("hyper", streams).hyper_fwd(streams, branch, post, comb, fn, base, scale, weight,
+                                               HyperSpec.unpack(spec))
+    return tuple(t if t is not None else _empty(streams) for t in out)
+
+
+def _fwd_fake(streams, branch, post, comb, fn, base, scale, weight, spec):
+    s = HyperSpec.unpack(spec)
+    lead, acc = streams.shape[:-2], torch.float64 if streams.dtype == torch.float64 else torch.float32
+    rows = streams.numel() // (s.n * s.d)
+    return (
+        streams.new_empty((*lead, s.d)),
+        streams.new_empty(streams.shape) if s.update else _empty(streams),
+        streams.new_empty((*lead, s.n), dtype=acc) if s.mode in (Mode.PRE_POST_COMB, Mode.PRE_POST)
+        else _empty(streams),
+        streams.new_empty((*lead, s.n, s.n), dtype=acc) if s.mode == Mode.PRE_POST_COMB else _empty(streams),
+        streams.new_empty((rows, s.m), dtype=torch.float32),
+        streams.new_empty((rows,), dtype=torch.float32),
+    )
+
+
+def _bwd(dy: Optional[Tensor], dhn: Optional[Tensor], dpost_n: Optional[Tensor], dcomb_n: Optional[Tensor],
+         streams: Tensor, branch: Optional[Tensor], post: Optional[Tensor], comb: Optional[Tensor],
+         hn: Optional[Tensor], fn: Optional[Tensor], base: Optional[Tensor], scale: Optional[Tensor],
+         weight: Optional[Tensor], mix: Tensor, rho: Tensor, spec: List[float],  # noqa: UP006
+         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grads = kernels("hyper", streams).hyper_bwd(dy, dhn, dpost_n, dcomb_n, streams, branch, post, comb, hn, fn,
+                                                 base, scale, weight, mix, rho, HyperSpec.unpack(spec))
+    return tuple(t if t is not None else _empty(streams) for t in grads)
+
+
+def _bwd_fake(dy, dhn, dpost_n, dcomb_n, streams, branch, post, comb, hn, fn, base, scale, weight, mix, rho, spec):
+    return tuple(torch.empty_like(t) if t is not None else _empty(streams)
+                 for t in (streams, branch, post, comb, fn, base, scale, weight))
+
+
+def _setup(ctx, inputs, output):
+    streams, branch, post, comb, fn, base, scale, weight, spec = inputs
+    _, hn, _, _, mix, rho = output
+    ctx.spec = HyperSpec.unpack(spec)
+    # H' (an output, the next boundary's input) and the per-token mix and rho: no (m, n*d)
+    # intermediate, no normalized row; the Sinkhorn passes are recomputed
+    ctx.save_for_backward(streams, branch, post, comb, hn if ctx.spec.update else None, fn, base, scale, weight,
+                          mix, rho)
+    ctx.present = tuple(t is not None for t in (branch, post, comb, fn, base, scale, weight))
+
+
+def _grads(ctx, grad_outputs, bwd):
+    dy, dhn, dpost_n, dcomb_n = grad_outputs[:4]
+    spec = ctx.spec
+    streams, branch, post, comb, hn, fn, base, scale, weight, mix, rho = ctx.saved_tensors
+    got = bwd(dy, dhn if spec.update else None,
+              dpost_n if spec.mode in (Mode.PRE_POST_COMB, Mode.PRE_POST) else None,
+              dcomb_n if spec.mode == Mode.PRE_POST_COMB else None,
+              streams, branch, post, comb, hn, fn, base, scale, weight, mix, rho, spec.pack())
+    return (got[0], *(g if present else None for g, present in zip(got[1:], ctx.present, strict=True)))
+
+
+hc_op = FusedOp("hc", _fwd, _fwd_fake, _bwd, _bwd_fake, _setup, _grads, stats=(4, 5))
 
 
 def hc_add_norm(streams: Tensor, branch: Tensor, post: Tensor, comb: Tensor | None, fn: Tensor, base: Tensor,

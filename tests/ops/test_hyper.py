@@ -81,7 +81,7 @@ def _check(got, ref, leaves, dtype, *, cond=1.0):
     outs = [o for o in got if o is not None]
     refs = [r for r in ref if r is not None]
     for i, (o, r) in enumerate(zip(outs, refs, strict=True)):
-        assert_close(o, r, o.dtype, f"output {i}", cond=cond)
+        assert_close(o, r, dtype, f"output {i}", cond=cond)  # post', comb' too: they see the stored H'
     cots = [torch.randn(o.shape, dtype=torch.float64) for o in outs]
     loss = sum((o.double() * c).sum() for o, c in zip(outs, cots, strict=True))
     ref_loss = sum((r * c).sum() for r, c in zip(refs, cots, strict=True))
@@ -114,8 +114,9 @@ def test_hc_add_norm_against_fp64(n, iters, comb, dtype):
 @pytest.mark.kernel
 @pytest.mark.parametrize("comb", [True, False])
 def test_hc_add_norm_wide_rows(comb):
-    """Rows wider than one chunk of the kernels: the looping form."""
-    t = _inputs(4, 3000, lead=(3,), comb=comb, comb_out=comb)
+    """Rows of several column chunks in every pass of the kernels (d = 300: 5 chunks of 64 in the
+    projection pass, 3 of 128 in the collapse passes)."""
+    t = _inputs(4, 300, lead=(3,), comb=comb, comb_out=comb)
     leaves = _leaves(t)
     got = fuseblock.hc_add_norm(t["H"], t["f"], t["post"], t["comb"], t["fn"], t["base"], t["scale"], t["weight"],
                                 iters=5)
@@ -336,3 +337,30 @@ def test_head_forms_equal_the_modeling_code_bitwise(family):
     for a, b in zip(torch.autograd.grad(got, [H, *params, norm.weight], cot),
                     torch.autograd.grad(want, [H, *params, norm.weight], cot), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.kernel
+@pytest.mark.kernel_only("counts the Triton launches")
+@pytest.mark.parametrize("comb", [True, False])
+def test_one_launch_forward_two_backward_and_what_is_saved(launches, comb):
+    """One launch forward; two backward, the fn/base/scale/weight gradients included; kept
+    for backward: the inputs, H' (an output) and per token mix (m) and rho, nothing of n*d."""
+    t = _inputs(4, 48, comb=comb, comb_out=comb)
+    leaves = _leaves(t)
+    saved = []
+
+    def pack(x):
+        saved.append(x)
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = fuseblock.hc_add_norm(t["H"], t["f"], t["post"], t["comb"], t["fn"], t["base"], t["scale"],
+                                    t["weight"], iters=20)
+    assert launches("hc_fwd", "hc_bwd") == (1, 0)
+    loss = sum((o.float() * torch.randn(o.shape)).sum() for o in out if o is not None)
+    torch.autograd.grad(loss, list(leaves.values()))
+    assert launches("hc_fwd", "hc_bwd") == (1, 2)
+    known = {id(x) for x in (*leaves.values(), out[1])}
+    rows, m = 2 * 3, t["fn"].shape[0]
+    extra = [x for x in saved if id(x) not in known]
+    assert extra and all(x.numel() <= rows * m for x in extra), [tuple(x.shape) for x in extra]
