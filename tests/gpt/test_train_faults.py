@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from timeouts import run as run_limited
 from timeouts import wait, wait_for
 from trainutil import (
     ROOT,
@@ -619,9 +620,11 @@ def test_a_fresh_run_into_another_runs_checkpoints_needs_overwrite(tmp_path):
 def test_make_train_twice_works(tmp_path):
     """The Makefile's train command, run twice into one directory (tiny and short here):
     the second run starts over, as the README says."""
-    recipe = next(line for line in (ROOT / "Makefile").read_text().splitlines()
-                  if line.startswith("\t$(PY) scripts/train.py"))
+    printed = run_limited(["make", "--no-print-directory", "-n", "train", "THREADS=1"], seconds=60, cwd=ROOT,
+                          capture_output=True, text=True, check=True).stdout
+    recipe = next(line for line in printed.splitlines() if "scripts/train.py" in line)
     flags = recipe.split("scripts/train.py")[1].split()
+    assert flags[-2:] == ["--threads", "1"], recipe
     out = tmp_path / "run"
     flags[flags.index("--out-dir") + 1] = str(out)
     for seed in (1, 2):
