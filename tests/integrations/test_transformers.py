@@ -23,6 +23,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from helpers import KERNEL_PATH  # noqa: E402
 from hf_models import HIDDEN, LAYERS, ROOT, batch, differences, make, max_diff, pair, run, stream_ops  # noqa: E402
 
 from fuseblock import Norm  # noqa: E402
@@ -119,6 +120,36 @@ def test_output_attentions_match(arch):
     assert len(a) == len(b) == LAYERS
     for x, y in zip(b, a, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+# Block scalars of other families' configs (BERT's, BART's) that no fused family's code
+# reads: configs carry such keys, and fuse once refused every model holding them
+STRAY = dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, activation_dropout=0.1)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("arch", ARCHS)
+def test_config_keys_the_unfused_model_does_not_read_are_no_reason_to_refuse(arch):
+    """A model whose config holds STRAY fuses, and computes what the unfused one does:
+    logits, loss and every gradient, bitwise on the torch path (fp32 rounding for
+    NOT_BITWISE; the kernel path within its 1e-4). The premise, that the unfused model
+    reads none of them, is checked too: its logits are those of the same weights without
+    the keys."""
+    plain = make(arch)
+    unfused, fused = pair(arch, **STRAY)
+    assert all(getattr(fused.config, k) == v for k, v in STRAY.items())
+    assert fused.base_model.fuseblock_family is not None
+    ids, mask, labels = batch(t=6)
+    with torch.no_grad():
+        assert torch.equal(unfused(input_ids=ids, attention_mask=mask).logits,
+                           plain(input_ids=ids, attention_mask=mask).logits)
+    a, b = run(unfused, ids, mask, labels, hidden=False), run(fused, ids, mask, labels, hidden=False)
+    pairs = [*zip(b[:2], a[:2], strict=True), *((b[2][n], a[2][n]) for n in a[2])]
+    if KERNEL_PATH or arch in NOT_BITWISE:
+        for x, y in pairs:
+            torch.testing.assert_close(x, y, **NOT_BITWISE.get(arch, dict(rtol=1e-4, atol=1e-4)))
+    else:
+        assert all(torch.equal(x, y) for x, y in pairs), max(max_diff(x, y) for x, y in pairs)
 
 
 # ---------------------------------------------------------------------------- the fused stream's shape

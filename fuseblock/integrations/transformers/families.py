@@ -167,10 +167,10 @@ def _gpt2_model_forward(self, input_ids=None, past_key_values=None, attention_ma
 # Phi3: Llama's layer with nn.Dropout on each branch before its add (config.resid_pdrop),
 # which the fused add_norm applies (dropout_p) in training. Phi3Model never applies
 # config.embd_pdrop (transformers' forward has no embedding dropout), so neither does the
-# fused forward: reading it means leaving it unused, as the unfused model does.
+# fused forward (check.py passes a key the unfused model does not read).
 _PHI3_DROPOUT = {"attn": "resid_attn_dropout", "mlp": "resid_mlp_dropout"}
 _PHI3 = Family(PRE_NORM, {**LLAMA_PARTS, "attn_drop": "resid_attn_dropout", "mlp_drop": "resid_mlp_dropout"},
-               dropout=_PHI3_DROPOUT, reads=frozenset({"resid_pdrop", "embd_pdrop"}), window_mask=True)
+               dropout=_PHI3_DROPOUT, reads=frozenset({"resid_pdrop"}), window_mask=True)
 # GPT-2: pre-norm with LayerNorms (bias), Conv1D projections and the residual dropout
 # (config.resid_pdrop) inside its attention and MLP modules, which fuse leaves untouched;
 # learned absolute positions and the embedding dropout (config.embd_pdrop) before layer 0
