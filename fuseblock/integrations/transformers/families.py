@@ -26,7 +26,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .layers import PARALLEL, PARALLEL_RESIDUAL_FIRST, POST_NORM, PRE_NORM, SANDWICH, Shape
-from .model import FUSED_MODEL_FORWARD, stream_forward
+from .model import FUSED_MODEL_FORWARD, PREPARE, stream_forward
 
 
 def embed_tokens(base, input_ids: Tensor) -> Tensor:
@@ -73,7 +73,8 @@ class Family:
     dropout: role ("attn", "mlp") -> the layer's dropout module of that branch (Phi3's
         resid_attn_dropout), or None.
     embed / prepare: the token embeddings from ids, then what the model does to them before
-        the first layer (Granite's embedding_multiplier), each given the inner model.
+        the first layer (Granite's embedding_multiplier), each given the inner model; prepare
+        also takes what its family's model forward hands it (GPT-2's token_type_ids).
     rotary: "shared" (one rotary embedding for all layers), "by_layer_type" (Gemma3's, one
         per config.layer_types entry) or None.
     positions: the rotary embedding's and the masks' / layers' position ids from the
@@ -129,25 +130,29 @@ def _gpt2_embed(base, input_ids: Tensor) -> Tensor:
     return base.wte(input_ids)
 
 
-def _gpt2_prepare(base, inputs_embeds: Tensor, position_ids: Tensor) -> Tensor:
-    """GPT-2's absolute position embeddings added to the token embeddings, then its
-    embedding dropout (config.embd_pdrop), as GPT2Model.forward does."""
-    return base.drop(inputs_embeds + base.wpe(position_ids).to(inputs_embeds.device))
+def _gpt2_prepare(base, inputs_embeds: Tensor, position_ids: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
+    """GPT-2's absolute position embeddings added to the token embeddings, then the token
+    types' embeddings (rows of wte) where given, then its embedding dropout
+    (config.embd_pdrop): GPT2Model.forward's adds in its order."""
+    hidden = inputs_embeds + base.wpe(position_ids).to(inputs_embeds.device)
+    if token_type_ids is not None:
+        hidden = hidden + base.wte(token_type_ids)
+    return base.drop(hidden)
 
 
 def _gpt2_model_forward(self, input_ids=None, past_key_values=None, attention_mask=None, token_type_ids=None,
                         position_ids=None, inputs_embeds=None, encoder_hidden_states=None,
                         encoder_attention_mask=None, use_cache=None, **kwargs):
     """GPT2Model.forward's signature (past_key_values second, positionally) on model.py's
-    forward. Token type embeddings and cross-attention inputs are refused: the first would
-    be summed into the stream between the position embeddings and the dropout, the second
-    needs the cross-attention blocks fuse refuses. Like GPT2Model, ids of more than two
-    dims (GPT2DoubleHeadsModel's choices) run as one batch and come back in their shape."""
-    for name, value in (("token_type_ids", token_type_ids), ("encoder_hidden_states", encoder_hidden_states),
+    forward. Token types go to the embedding step (`_gpt2_prepare`); cross-attention inputs
+    are refused: they need the cross-attention blocks fuse refuses. Like GPT2Model, ids of
+    more than two dims (GPT2DoubleHeadsModel's choices) run as one batch and come back in
+    their shape, and so do token types."""
+    for name, value in (("encoder_hidden_states", encoder_hidden_states),
                         ("encoder_attention_mask", encoder_attention_mask)):
         if value is not None:
             raise ValueError(f"{type(self).__name__} on the fused stream takes no {name} (fuse does not fuse GPT-2's "
-                             f"token types or cross-attention); call it without {name}, or unfused")
+                             f"cross-attention); call it without {name}, or unfused")
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
     if input_ids is not None:
@@ -156,6 +161,8 @@ def _gpt2_model_forward(self, input_ids=None, past_key_values=None, attention_ma
         input_ids = input_ids.view(-1, shape[-1])
     else:
         shape = inputs_embeds.shape[:-1]
+    if token_type_ids is not None:
+        kwargs[PREPARE] = {"token_type_ids": token_type_ids.view(-1, shape[-1])}
     if attention_mask is not None and attention_mask.ndim < 4:
         attention_mask = attention_mask.view((input_ids if inputs_embeds is None else inputs_embeds).shape[0], -1)
     out = stream_forward(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
