@@ -19,6 +19,7 @@ import sys
 import warnings
 
 import pytest
+import timeouts
 import torch
 
 transformers = pytest.importorskip("transformers")
@@ -512,6 +513,58 @@ def test_fuse_is_per_instance_and_idempotent():
     assert type(again.model.layers[0]) is type(fused.model.layers[0])
     ids = batch()[0]
     torch.testing.assert_close(again(ids).logits, unfused(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+PICKLED = ["llama", "gpt2", "gpt_neox"]  # Llama's names, GPT-2's own model forward, a variant entry
+# Loads the models the test saved, in a fresh process (none of fuse's classes made yet), and
+# saves their logits on the ids saved beside them, and whether each is still fused
+_LOAD = """
+import sys, torch
+from fuseblock.integrations.transformers.families import registered
+ids = torch.load(sys.argv[1] + "/ids.pt")
+found = {}
+for arch in sys.argv[2:]:
+    model = torch.load(f"{sys.argv[1]}/{arch}.pt", weights_only=False)
+    family = model.base_model.fuseblock_family
+    layers = getattr(model.base_model, family.model_parts["layers"])
+    fused = (any(family is f for f in registered().values()) and all(type(m)._fuseblock_fused for m in layers)
+             and type(model.base_model)._fuseblock_fused)
+    with torch.no_grad():
+        found[arch] = (fused, model(input_ids=ids).logits)
+torch.save(found, sys.argv[1] + "/found.pt")
+"""
+
+
+def test_torch_save_of_a_fused_model_loads_fused(tmp_path):
+    """torch.save(fused) and torch.load(..., weights_only=False), in this process and in a
+    fresh one: the loaded model's layers, inner model and model are fuse's classes (its
+    registered family, the Norms' init), and its logits and gradients are the fused
+    model's, bitwise. (A bare PicklingError before: fuse's classes were not importable.)"""
+    ids, mask, labels = batch()
+    torch.save(ids, tmp_path / "ids.pt")
+    expected = {}
+    for arch in PICKLED:
+        unfused, fused = pair(arch)
+        torch.save(fused, tmp_path / f"{arch}.pt")
+        loaded = torch.load(tmp_path / f"{arch}.pt", weights_only=False)
+        assert type(loaded) is type(fused) and type(loaded).__name__ == type(unfused).__name__
+        assert type(part(loaded, arch)[0]) is type(part(fused, arch)[0])
+        assert type(loaded.base_model) is type(fused.base_model)
+        assert loaded.base_model.fuseblock_family is fused.base_model.fuseblock_family
+        assert loaded._init_weights.__func__ is fused._init_weights.__func__ is not type(unfused)._init_weights
+        a, b = run(fused, ids, mask, labels, hidden=False), run(loaded, ids, mask, labels, hidden=False)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        assert all(torch.equal(a[2][n], b[2][n]) for n in a[2])
+        with torch.no_grad():
+            expected[arch] = fused(input_ids=ids).logits
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    p = timeouts.run([sys.executable, "-c", _LOAD, str(tmp_path), *PICKLED], seconds=120, capture_output=True,
+                     text=True, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    found = torch.load(tmp_path / "found.pt")
+    for arch in PICKLED:
+        assert found[arch][0], arch
+        assert torch.equal(found[arch][1], expected[arch]), max_diff(found[arch][1], expected[arch])
 
 
 def _readme_example():

@@ -113,6 +113,15 @@ class Family:
     def __deepcopy__(self, memo):  # a copied model shares its family, as its layers' classes do
         return self
 
+    def __reduce__(self):
+        """Pickled by its name in FAMILIES or WRAPPED (and its variant's key): a loaded model
+        shares the registered entry, as a copied one does."""
+        for name, entry in registered().items():
+            if entry is self:
+                return registered_family, name
+        raise TypeError("a Family outside FAMILIES and WRAPPED cannot be pickled (it is pickled by its name); save "
+                        "the model's state_dict or use save_pretrained")
+
     def __post_init__(self):
         missing = self.shape.roles - set(self.parts)
         if missing:
@@ -336,3 +345,19 @@ WRAPPED: Mapping[str, Family] = {"qwen2_vl_text": Family(PRE_NORM, positions=mro
 # forward takes as the unfused one does.
 WRAPPERS: Mapping[str, str] = {"llava": "language_model", "gemma3": "language_model", "mistral3": "language_model",
                                "qwen2_vl": "language_model", "qwen2_5_vl": "language_model"}
+
+
+def registered() -> dict[tuple, Family]:
+    """Every entry fuse fuses with, by (model_type, variant key or None): FAMILIES, WRAPPED
+    and their variants' entries (GPT-NeoX's and StableLM's by use_parallel_residual)."""
+    found = {}
+    for model_type, family in (*FAMILIES.items(), *WRAPPED.items()):
+        found[model_type, None] = family
+        for key, entry in getattr(family.variant, "variants", {}).items():
+            found[model_type, key] = entry
+    return found
+
+
+def registered_family(model_type: str, key) -> Family:
+    """The entry `registered()` names (model_type, key): what a pickled Family loads as."""
+    return registered()[model_type, key]
