@@ -63,9 +63,12 @@ def _fused_class(cls: type, family: Family | None, role: str) -> type:
             methods, what = {"forward": family.model_forward, "_init_weights": _init_weights}, "with its fused forward"
         else:
             methods, what = {"_init_weights": _init_weights}, "holding a fused model"
+        # A model class keeps its module too: transformers initialises a class from outside
+        # its package as custom code (PreTrainedModel.is_custom_code), skipping modules whose
+        # parameters it takes as loaded, GPT-2's scaled c_proj init among them
         _FUSED_CLASSES[key] = type(cls.__name__, (cls,), {
             **methods, "_fuseblock_fused": True, "_fuseblock_key": key, "__reduce_ex__": _reduce_fused,
-            "__module__": __name__, "__qualname__": cls.__qualname__,
+            "__module__": __name__ if role == LAYER else cls.__module__, "__qualname__": cls.__qualname__,
             "__doc__": f"{cls.__name__} {what}; see fuseblock.integrations.transformers."})
     return _FUSED_CLASSES[key]
 
@@ -109,7 +112,8 @@ def _convert_norms(base: nn.Module, family: Family) -> None:
 
 
 def _init_weights(self: PreTrainedModel, module: nn.Module) -> None:
-    """`_init_weights` of each PreTrainedModel of a fused model, bound to the instance by fuse.
+    """`_init_weights` of each PreTrainedModel of a fused model: a method of the classes fuse
+    gives them (`_fused_class`).
 
     transformers initialises weights through this one method: init_weights and post_init,
     and the keys from_pretrained finds missing (all of them on a model built on the meta
@@ -120,9 +124,9 @@ def _init_weights(self: PreTrainedModel, module: nn.Module) -> None:
     identity map, weight ones, or zeros where the weight has an offset (Gemma's 1 + w, which
     Gemma's _init_weights zeroes); bias zeros (Norm.reset_parameters' values). Through
     transformers' init functions, which leave a tensor flagged as loaded alone. Every other
-    module goes to the class's own method."""
+    module goes to the method of the class fuse extended."""
     if not isinstance(module, Norm):
-        type(self)._init_weights(self, module)
+        self._fuseblock_key[0]._init_weights(self, module)
         return
     if module.weight is not None:
         (hf_init.zeros_ if module.weight_offset != 0.0 else hf_init.ones_)(module.weight)
