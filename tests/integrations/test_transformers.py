@@ -14,6 +14,7 @@ import copy
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -121,6 +122,41 @@ def test_output_attentions_match(arch):
     assert len(a) == len(b) == LAYERS
     for x, y in zip(b, a, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "gpt_neox", "olmo2", "gemma2"])
+def test_output_attentions_answers_as_the_unfused_model_under_each_implementation(arch):
+    """output_attentions=True, as the forward's argument or the config's, under each attention
+    implementation set after fusing (set_attn_implementation on both models): eager returns
+    one weight tensor per layer, the unfused model's (bitwise on the torch path, within 1e-5
+    on the kernel path); sdpa returns none, as the unfused model does (an empty tuple; its
+    config refuses output_attentions); an implementation the family lacks is the same
+    ValueError on both (Gemma2's sdpa)."""
+    unfused, fused = pair(arch)
+    ids, mask, _ = batch(t=6)
+    for impl in ("eager", "sdpa"):
+        try:
+            unfused.set_attn_implementation(impl)
+        except ValueError as e:
+            with pytest.raises(ValueError, match=re.escape(str(e).split(".")[0])):
+                fused.set_attn_implementation(impl)
+            continue
+        fused.set_attn_implementation(impl)
+        for where in ("argument", "config") if impl == "eager" else ("argument",):  # (sdpa's config refuses it)
+            kw = {"output_attentions": True} if where == "argument" else {}
+            with torch.no_grad():
+                for m in (unfused, fused):
+                    m.config.output_attentions = where == "config"
+                a, b = (m(input_ids=ids, attention_mask=mask, **kw).attentions for m in (unfused, fused))
+                for m in (unfused, fused):
+                    m.config.output_attentions = False
+            assert type(a) is type(b) and len(a) == len(b) == (LAYERS if impl == "eager" else 0), (impl, where)
+            for x, y in zip(b, a, strict=True):
+                if KERNEL_PATH:
+                    torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+                else:
+                    assert torch.equal(x, y), max_diff(x, y)
 
 
 # Block scalars of other families' configs (BERT's, BART's) that no fused family's code
