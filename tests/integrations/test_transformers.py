@@ -544,7 +544,7 @@ def test_fuse_is_per_instance_and_idempotent():
     assert cls.forward is forward and transformers.LlamaModel.forward is model_forward
     assert type(unfused.model.layers[0]) is cls and isinstance(fused.model.layers[0], cls)
     assert type(fused.model.layers[0]).__name__ == cls.__name__  # transformers finds layers by class name
-    copied = copy.deepcopy(fused)  # what fuse bound to the instances is bound to the copies
+    copied = copy.deepcopy(fused)  # what fuse gave the instances the copies have
     assert copied._init_weights.__self__ is copied and copied.model._init_weights.__self__ is copied.model
     assert copied.model.forward.__self__ is copied.model
     again = fuse(copied)

@@ -83,7 +83,7 @@ class Family:
         layers is sliding-window where config.sliding_window is set (Mistral); else it is
         causal whatever the config holds (Llama, Gemma, GLM4, OLMo2 ignore a stray window).
     output: the inner model's output class (MoE families return router logits in theirs).
-    model_forward: the inner model's fused forward, bound to it by fuse: model.py's, or a
+    model_forward: the inner model's fused forward, its class's by fuse: model.py's, or a
         family's own where its model's signature differs (GPT-2's), mapping onto model.py's.
     cache_keyword: the keyword under which the decoder layers (and their attention) take
         the KV cache: "past_key_values", GPT-NeoX's "layer_past".
