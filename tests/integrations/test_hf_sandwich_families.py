@@ -188,9 +188,12 @@ VISION_TOWER = ("model.vision_tower.", "model.visual.")  # (Qwen2-VL's name)
 
 
 def _outside(model, inner):
-    """{name: module class} of every module outside the language model `inner`."""
+    """{name: module class} of every module outside the language model `inner`: for the
+    models around it, which fuse moves to a subclass of their own class (the Norms' init),
+    the class it extends."""
     inside = {id(m) for m in inner.modules()}
-    return {n: type(m) for n, m in model.named_modules() if id(m) not in inside}
+    return {n: getattr(type(m), "_fuseblock_key", (type(m),))[0] for n, m in model.named_modules()
+            if id(m) not in inside}
 
 
 @pytest.mark.parametrize("kind", list(WRAPPERS))
@@ -202,6 +205,9 @@ def test_wrapper_fuses_its_language_model_bitwise_on_text_and_image(kind):
     assert inner.fuseblock_family is not None and isinstance(inner.norm, Norm)
     assert not any(type(m).__name__.endswith("RMSNorm") for m in inner.modules())
     assert _outside(fused, inner) == classes  # vision tower, projector and their norms as they were
+    # fuse moves the wrapper, its base model and its language model (and its layers) to subclasses
+    moved = {n for n, m in fused.named_modules() if getattr(type(m), "_fuseblock_fused", False)}
+    assert {n for n in moved if not n.startswith("model.language_model.")} == {"", "model", "model.language_model"}
     assert list(fused.state_dict()) == list(unfused.state_dict())
     kw, labels = image_batch(kind)
     outs = []
