@@ -106,8 +106,9 @@ class HyperBlock(_HyperParameters):
         if branch is None:
             y, post, comb = hc_norm(streams, self.fn, self.base, self.scale, self.weight, **opts)
         else:
-            y, streams, post, comb = hc_add_norm(streams, branch, post, comb, self.fn, self.base, self.scale,
-                                                 self.weight, **opts)
+            # a mixer under autocast returns a narrower dtype than the streams keep
+            y, streams, post, comb = hc_add_norm(streams, branch.to(streams.dtype), post, comb, self.fn, self.base,
+                                                 self.scale, self.weight, **opts)
         out, rest = split_output(self.mixer(y, **kwargs))
         return (out, streams, post, comb, *rest)
 
@@ -131,7 +132,8 @@ class HyperHead(_HyperParameters):
         self.hc_eps, self.eps = hc_eps, eps
 
     def forward(self, streams: Tensor, branch: Tensor, post: Tensor, comb: Tensor) -> Tensor:
-        return hc_head(streams, self.fn, self.base, self.scale, self.weight, branch=branch, post=post, comb=comb,
+        return hc_head(streams, self.fn, self.base, self.scale, self.weight, branch=branch.to(streams.dtype),
+                       post=post, comb=comb,
                        hc_eps=self.hc_eps, eps=self.eps)[0]
 
     def naive(self, streams: Tensor) -> Tensor:

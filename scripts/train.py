@@ -136,6 +136,10 @@ def parse_args(argv=None):
             setattr(args, k, v)
     if args.n_embd % args.n_head:
         ap.error(f"argument --n-embd: {args.n_embd} is not divisible by --n-head {args.n_head}")
+    if args.hc and args.norm != "rms":
+        ap.error(f"argument --hc: {args.hc} streams normalize with RMS norms; --norm {args.norm} is not supported")
+    if args.hc and args.tp > 1:
+        ap.error(f"argument --hc: tensor parallelism (--tp {args.tp}) splits the plain stack only")
     if not args.resume:
         for k, v in TRAIN_DEFAULTS.items():
             if getattr(args, k) is None:
