@@ -574,7 +574,7 @@ def release_shards() -> None:
 
 
 def main(argv=None) -> dict:
-    """Train; returns {"model", "loss", "history", "curve", "signal"} for tests and
+    """Train; returns {"model", "loss", "history", "curve", "signal", "iters", "times"} for tests and
     notebooks ("signal": the SIGINT or SIGTERM that stopped the run early, else 0;
     "model": None under --fsdp or --tp, whose shards go with the process group: the last
     checkpoint holds the whole model)."""
@@ -630,7 +630,7 @@ def _train(args, dist: Dist, stop: StopSignals, t_start: float) -> dict:
         run.say(f"stopped by {signal.Signals(signum).name} after step {step}: checkpoint "
                 f"{args.out_dir / f'ckpt-{step:06d}'} written; --resume continues", err=True)
     return {"model": None if dist.sharded else run.model, "loss": loss, "history": run.history, "curve": run.curve,
-            "signal": signum}
+            "signal": signum, "iters": n, "times": dict(t)}
 
 
 def cli(argv=None) -> None:
