@@ -39,9 +39,14 @@ from ..hyper_spec import HyperSpec, Mode
 from .launch import LAUNCHES, cdiv, num_sms, pow2, sum_rows
 
 BT = 16  # tokens per block: the dots' row count (a tl.dot needs >= 16)
-FN_TILE = 8192  # elements of a [NP*BD, MP] fn tile (the projection's chunk)
-ROW_TILE = 8192  # elements of a [BT, NP, BD2] block of the collapse passes
-BK = 128  # columns of flat(H') per program of _bwd_params' dfn
+# Sized from sm_90 builds (`fuseblock.testing.sm90`, no GPU needed): registers, spills and
+# shared memory of each kernel at n = 4, 8, 16 and d = 1024, 4096.
+FN_TILE_FWD = 16384  # elements of a [NP*BD, MP] fn tile (the projection's chunk), forward
+FN_TILE_BWD = 4096  # and backward, whose chunk holds more blocks live
+MAX_DOT_K = 512  # NP*BD: the dot's operands pass through shared memory (278 KB at 1024, over sm_90's 227 KB)
+ROW_TILE_FWD = 16384  # elements of a [BT, NP, BD2] block of the collapse passes
+ROW_TILE_BWD = 8192
+PARAMS_TILE = 8192  # elements of _bwd_params' [MP, BK] dfn accumulator
 PROGRAMS_PER_SM = 2
 
 
@@ -432,12 +437,13 @@ def _bwd_params(SRC, DA, MIX, RHO, SCALE, DFN, DBASE, DSCALE, DWP, DW, M, N, D, 
 class _Blocks:
     """The block sizes of one spec: NP, MP, TP, BD (the projection's chunk), BD2."""
 
-    def __init__(self, spec: HyperSpec):
+    def __init__(self, spec: HyperSpec, fn_tile: int, row_tile: int):
         n, d = spec.n, spec.d
         self.np, self.mp = pow2(n), max(16, pow2(max(spec.m, 1)))
         self.tp = pow2(2 * spec.iters - 1) if spec.mode == Mode.PRE_POST_COMB else 1
-        self.bd = max(16 // self.np, min(pow2(d), max(1, FN_TILE // (self.np * self.mp))))  # a dot needs K >= 16
-        self.bd2 = min(pow2(d), max(16, ROW_TILE // (BT * self.np)))
+        bd = min(pow2(d), max(1, fn_tile // (self.np * self.mp)), MAX_DOT_K // self.np)
+        self.bd = max(16 // self.np, bd)  # a dot needs K >= 16
+        self.bd2 = min(pow2(d), max(16, row_tile // (BT * self.np)))
         self.warps = 8 if self.np * self.bd2 * BT >= 4096 else 4
 
     def flags(self, spec: HyperSpec, weight) -> dict:
@@ -471,7 +477,7 @@ def hyper_fwd(streams, branch, post, comb, fn, base, scale, weight, spec: HyperS
     mix = torch.empty(M, m, dtype=torch.float32, device=dev)
     rho = torch.empty(M, dtype=torch.float32, device=dev)
     if M > 0:
-        blk = _Blocks(spec)
+        blk = _Blocks(spec, FN_TILE_FWD, ROW_TILE_FWD)
         _fwd[(cdiv(M, BT),)](
             H, _flat(branch, d), _flat(post, n), _flat(comb, n, n), _c(fn), _c(base), _c(scale), _c(weight), y, hn,
             post_n, comb_n, mix, rho, M, n, d, m, spec.iters, spec.hc_eps, spec.eps, spec.post_mult, spec.post_eps,
@@ -492,7 +498,7 @@ def hyper_bwd(dy, dhn, dpost_n, dcomb_n, streams, branch, post, comb, hn, fn, ba
     H = _flat(streams, n, d)
     M, dev = H.shape[0], streams.device
     has_fn = spec.mode != Mode.MEAN_HEAD
-    blk = _Blocks(spec)
+    blk = _Blocks(spec, FN_TILE_BWD, ROW_TILE_BWD)
     dH = torch.empty(streams.shape, dtype=streams.dtype, device=dev)
     df = torch.empty_like(branch) if spec.update else None
     dpost = torch.empty_like(post) if spec.update else None
@@ -520,12 +526,13 @@ def hyper_bwd(dy, dhn, dpost_n, dcomb_n, streams, branch, post, comb, hn, fn, ba
         M, n, d, m, spec.iters, spec.hc_eps, spec.eps, spec.post_mult, spec.post_eps, n_prog,
         **flags, HAS_DHN=dhn is not None, HAS_DPOST=dpost_n is not None, HAS_DCOMB=dcomb_n is not None,
         num_warps=blk.warps)
-    n_fn = cdiv(n * d, BK) if has_fn else 0
+    bk = max(16, PARAMS_TILE // blk.mp)
+    n_fn = cdiv(n * d, bk) if has_fn else 0
     bw = max(32, min(pow2(d), 1024))
     n_w = cdiv(d, bw) if weight is not None else 0
     _bwd_params[(n_fn + n_w + (1 if has_fn else 0),)](
         src, da, mix, rho, _c(scale), dfn, dbase, dscale, dwp, dw, M, n, d, m, n_prog, n_fn, n_w,
-        MP=blk.mp, BT=BT, BK=BK, BW=bw, BR=max(1, 2048 // bw), HAS_FN=has_fn, POST_OUT=flags["POST_OUT"],
+        MP=blk.mp, BT=BT, BK=bk, BW=bw, BR=max(1, 2048 // bw), HAS_FN=has_fn, POST_OUT=flags["POST_OUT"],
         COMB_OUT=flags["COMB_OUT"], HAS_W=weight is not None, num_warps=4)
     LAUNCHES["hc_bwd"] += 2
     return dH, df, dpost, dcomb, dfn, dbase, dscale, dw
