@@ -4,6 +4,8 @@ compiled on the DTensors' local shards, eagerly and under torch.compile(fullgrap
 on CPU the same calls through the interpreter (kernel path) or the torch path. One rank
 holds every shard, so each call must equal the plain-tensor call: values and every
 gradient, fp32. The multi-rank cases are test_tensor_parallel.py's (gloo, CPU)."""
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -143,3 +145,26 @@ def test_out_dtype_on_dtensors_equals_the_plain_call(mesh, dim):
         tol = TOL if g.dtype != torch.bfloat16 else 2 ** -7
         err = (g.double() - w.double()).abs().max().item() / max(1.0, w.abs().max().item())
         assert err <= tol, f"{what} {err:.3g} off"
+
+
+@pytest.mark.torch_only("the hc ops' custom ops do not unwrap DTensors yet: the kernel path needs fuseblock.ops.hyper "
+                        "to run them on the local rows, as fuseblock.ops.dtensor does for add_norm")
+def test_hyper_connection_stack_on_row_sharded_tokens_equals_plain_tensors(mesh):
+    """HyperConnectionStack with its tokens sharded by sequence (Shard(1)) and its parameters
+    replicated: the torch path's ops run on the DTensors; values and every gradient."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+
+    torch.manual_seed(3)
+    plain = fuseblock.HyperConnectionStack([torch.nn.Linear(D, D), torch.nn.Linear(D, D)], D, streams=2, iters=3,
+                                           init_std=0.3).to(DEVICE)
+    placed = distribute_module(copy.deepcopy(plain), mesh)  # every parameter replicated
+    x = torch.randn(B, T, D, device=DEVICE)
+    want = plain(x)
+    got = placed(distribute_tensor(x, mesh, [Shard(1)]))
+    assert isinstance(got, DTensor) and got.placements == (Shard(1),)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    assert torch.equal(got.full_tensor(), want)
+    for (name, p), q in zip(placed.named_parameters(), plain.parameters(), strict=True):
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        assert (g - q.grad).abs().max().item() <= TOL * max(1.0, q.grad.abs().max().item()), name
