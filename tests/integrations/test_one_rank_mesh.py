@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import DEVICE
+from helpers import DEVICE, KERNEL_PATH
 
 import fuseblock
 
@@ -147,11 +147,10 @@ def test_out_dtype_on_dtensors_equals_the_plain_call(mesh, dim):
         assert err <= tol, f"{what} {err:.3g} off"
 
 
-@pytest.mark.torch_only("the hc ops' custom ops do not unwrap DTensors yet: the kernel path needs fuseblock.ops.hyper "
-                        "to run them on the local rows, as fuseblock.ops.dtensor does for add_norm")
 def test_hyper_connection_stack_on_row_sharded_tokens_equals_plain_tensors(mesh):
     """HyperConnectionStack with its tokens sharded by sequence (Shard(1)) and its parameters
-    replicated: the torch path's ops run on the DTensors; values and every gradient."""
+    replicated: the torch path's ops run on the DTensors (on the kernel path too, where the
+    hc ops' custom ops have no sharding rule); values and every gradient."""
     from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
 
     torch.manual_seed(3)
@@ -164,7 +163,14 @@ def test_hyper_connection_stack_on_row_sharded_tokens_equals_plain_tensors(mesh)
     assert isinstance(got, DTensor) and got.placements == (Shard(1),)
     want.square().sum().backward()
     got.square().sum().backward()
-    assert torch.equal(got.full_tensor(), want)
+    if KERNEL_PATH:  # the plain call ran the kernels, the DTensor call the torch path's ops
+        assert (got.full_tensor() - want).abs().max().item() <= TOL * max(1.0, want.abs().max().item())
+    else:
+        assert torch.equal(got.full_tensor(), want)
+    # fn's and scale's gradients pass through the Sinkhorn passes and are ill-conditioned: in
+    # fp32 either path is up to 2e-5 off the fp64 stack here, so kernels against torch ops
+    # are compared to that, the torch path against itself to TOL
+    tol = 2e-5 if KERNEL_PATH else TOL
     for (name, p), q in zip(placed.named_parameters(), plain.parameters(), strict=True):
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        assert (g - q.grad).abs().max().item() <= TOL * max(1.0, q.grad.abs().max().item()), name
+        assert (g - q.grad).abs().max().item() <= tol * max(1.0, q.grad.abs().max().item()), name
