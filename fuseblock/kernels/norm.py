@@ -51,6 +51,7 @@ from .launch import (
     sum_partial_rows,
     sum_rows,
     vec,
+    warps,
 )
 from .occupancy import learn, programs_per_sm
 
@@ -660,7 +661,7 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
         n_cols = 1
     else:  # the column-chunk kernel's layout: [BR, BD] blocks, BD columns of one group
         bd = min(COLS_BLOCK, pow2(dg))
-        lay = Layout(False, 1, bd, COLS_TILE // bd, 8, COLS_PROGRAMS_PER_SM)
+        lay = Layout(False, 1, bd, COLS_TILE // bd, warps(256), COLS_PROGRAMS_PER_SM)
         n_cols = G * cdiv(dg, bd)
     n_items = cdiv(M, lay.br)
     # The variant's registers are those of its main loop: the partial rows' summing

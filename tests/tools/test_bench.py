@@ -258,6 +258,7 @@ def test_gpu_report_writes_one_report_and_fails_on_any_part_or_target(monkeypatc
     from benchmarks import gpu_report as R
 
     monkeypatch.setattr(R, "environment", lambda: {"GPU": "NVIDIA H100 (fake)", "torch": "2.11.0"})
+    monkeypatch.setattr(R, "gpu_present", lambda: True)
     (tmp_path / "gpu.json").write_text(json.dumps(_fake_bandwidth()))
     (tmp_path / "gpt_step.log").write_text("a warning on stderr\n" + "\n".join(map(json.dumps, _fake_steps())))
     (tmp_path / "tests.log").write_text("tests/ops/test_norm.py ....\n=== short test summary info ===\n"
@@ -297,7 +298,8 @@ def test_make_gpu_check_prints_its_commands():
                        timeout=60,
                        cwd=ROOT, check=True)
     lines = p.stdout.splitlines()
-    assert not any("pip" in ln or "venv" in ln for ln in lines)
+    # the one pip line installs the peers' wheels from a folder, never from an index
+    assert not any(("pip" in ln and "--no-index" not in ln) or "venv" in ln for ln in lines)
     for command in ("FUSEBLOCK_TEST_DEVICE=cuda python -m pytest -m kernel tests/",
                     "python scripts/bench.py gpu --out out/gpu-check",
                     "python scripts/bench.py gpt-step --json"):
@@ -375,3 +377,37 @@ def test_stream_layers_fused_and_untouched_compute_the_same(shape):
     for a, b in zip(torch.autograd.grad(fused, leaves, grads), torch.autograd.grad(untouched, leaves, grads),
                     strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_peer_discovery_says_which_peers_it_found_and_why_one_is_missing(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from benchmarks import peers
+
+    monkeypatch.setattr(peers, "PEERS", {"present": ("json", "a module every Python has"),
+                                         "absent": ("no_such_peer_module_xyz.ops", "a peer not installed")})
+    found = peers.find()
+    assert found["present"]["found"] and found["present"]["module"] == "json"
+    assert not found["absent"]["found"] and "No module named 'no_such_peer_module_xyz'" in found["absent"]["detail"]
+    text = peers.describe(found)
+    assert "present: found" in text and "absent: missing (ModuleNotFoundError" in text
+    assert peers.norm_fns("rms", found) == {}  # neither is a norm peer: nothing to measure
+
+
+@pytest.mark.slow
+def test_make_gpu_check_without_a_gpu_runs_what_it_can_and_exits_3(tmp_path):
+    import torch
+    from timeouts import run
+
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    out = tmp_path / "gpu-check"
+    p = run(["make", "--no-print-directory", "gpu-check", f"PY={sys.executable}", f"GPU_OUT={out}",
+             f"PEER_WHEELS={tmp_path / 'none'}"], seconds=300, capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 2 and "Error 3" in p.stderr  # make's own status; the report step's is 3
+    assert "no kernel test can run" in (out / "tests.log").read_text()
+    assert (out / "tests.rc").read_text().strip() == "3"
+    assert "peers:" in (out / "gpu.log").read_text() and "no CUDA device" in (out / "gpu.log").read_text()
+    text = (out / "report.md").read_text()
+    assert text.startswith("# make gpu-check\n\n**NO GPU**: no CUDA device is present")
+    assert "## Peers found" in text and "| liger |" in text
+    assert "NO GPU: make gpu-check ran as far as it can without one (exit status 3)" in p.stdout
