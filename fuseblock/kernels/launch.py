@@ -39,6 +39,9 @@ BWD_PER_THREAD = 16  # and per thread
 # backward's at 4096 (norm_add.bwd_tile_layout spilled 104 to 584 bytes a thread past it, sm_90)
 MAX_TILE_PAIR_FWD = 16384
 MAX_TILE_PAIR_BWD = 4096
+# rows per tile at most: 64 rows of 64 (layer norm, groups) spilled 8 to 56 bytes a thread on
+# sm_90 and sm_100 in the forward's 128 threads; 32 rows hold 48 registers and no stack
+MAX_ROWS = 32
 SM_THREADS = 2048  # threads an SM runs at once (H100, B200; an MI300X or MI355X CU: 32 wavefronts of 64)
 LOOP_BLOCK = 4096  # column chunk of the row-looping kernels
 H100_SMS = 132  # SM count assumed when there is no GPU (the interpreter; offline compiles set their target's)
@@ -108,18 +111,19 @@ def loop_layout(dg: int) -> Layout:
 def layout(d: int, groups: int, max_tile: int, wide_tile: int = 16384, per_thread: int = 32) -> Layout:
     """The layout for rows of d in `groups`, whole rows in registers up to max_tile elements;
     rows of 4096 and more in tiles of wide_tile elements, per_thread a thread (at most 512
-    threads). Narrow rows: 4096-element tiles.
+    threads). Narrow rows: 4096-element tiles, at most MAX_ROWS rows.
 
-    Measured on an H100 in bf16 (docs/performance.md): narrow rows want small tiles and
-    fewer programs; rows of 4K and more want 16K-element tiles and 8 programs per SM.
+    Measured on an H100 in bf16 (docs/performance.md): narrow rows want small tiles; rows
+    of 4K and more want 16K-element tiles in the forward. The persistent backward starts
+    from as many programs per SM as the threads allow, then what fits (`fit_per_sm`).
     """
     dg = d // groups
     bg, bd = pow2(groups), pow2(dg)
     if bg * bd <= max_tile:
         wide = bg * bd >= 4096
-        br = max(1, min(64, (wide_tile if wide else 4096) // (bg * bd)))
-        threads = min(512, max(128, br * bg * bd // per_thread))
-        return Layout(True, bg, bd, br, warps(threads), 8 if wide else 4)
+        br = max(1, min(MAX_ROWS, (wide_tile if wide else 4096) // (bg * bd)))
+        w = warps(min(512, max(128, br * bg * bd // per_thread)))
+        return Layout(True, bg, bd, br, w, fit_per_sm(w))
     return loop_layout(dg)
 
 

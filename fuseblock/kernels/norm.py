@@ -67,7 +67,9 @@ ACT_SILU = tl.constexpr(int(Act.SILU))
 # The wide-row backward's column pass (read at call time, as launch.py's constants)
 COLS_BLOCK = 2048  # columns per program of the column-chunk kernel
 COLS_TILE = 8192  # and elements per [rows, columns] block it loads
-COLS_PROGRAMS_PER_SM = 2  # what fits of it (91 to 128 registers x 256 threads; bench.py sm90)
+# programs per SM before occupancy is learned: as many as an SM's threads allow; what fits is
+# 1 to 2 on sm_90 (118 to 146 registers x 256 threads), 3 on gfx942 (bench.py targets)
+COLS_PROGRAMS_PER_SM = 8
 MIN_ROWS_PER_PROGRAM = 64  # keeps dw/db partial rows (fp32, written and summed) near 3% of bf16 traffic
 
 
