@@ -29,12 +29,13 @@ LAUNCHES: collections.Counter = collections.Counter()
 MAX_TILE_FWD = 32768  # widest row (elements) the forward tile kernel holds in registers
 # The backward keeps more blocks live. Compiled for sm_90 (bf16) with the forward's layout (32
 # elements a thread; 16K-element tiles and 16 warps from d = 4096) it spilled 24 bytes a thread
-# at d = 2048 (dropout) and 136 to 1368 from 4096 on; with 16 a thread in 8K-element tiles still
-# 16 to 184 at 8192 (gates, dropout, groups). So: 4096-element tiles, 16 elements a thread
-# (8 warps), and rows past 4096 take the column kernels (_bwd_dots + _bwd_cols).
+# at d = 1024 and 2048 (dropout) and 136 to 1368 from 4096 on; with 16 a thread in 8K-element
+# tiles still 16 to 184 at 8192 (gates, dropout, groups), and 8 at 1024 (an fp32 residual).
+# So: 4096-element tiles, 8 elements a thread (16 warps: 95 to 128 registers at d = 1024),
+# and rows past 4096 take the column kernels (_bwd_dots + _bwd_cols).
 MAX_TILE_BWD = 4096
 BWD_WIDE_TILE = 4096  # elements per program of the backward's tile for rows of 4096
-BWD_PER_THREAD = 16  # and per thread
+BWD_PER_THREAD = 8  # and per thread
 # norm_add's kernels hold two norms' blocks: its forward tile stops at rows of 16384, its
 # backward's at 4096 (norm_add.bwd_tile_layout spilled 104 to 584 bytes a thread past it, sm_90)
 MAX_TILE_PAIR_FWD = 16384
