@@ -8,7 +8,7 @@ programs start only when the first ones finish, and the pass takes about 1.5x as
 RMSNorm's at 1.02. Compiled with Triton 3.9, both need 136 to 166 registers per thread,
 so 3 programs fit where the grid launched 4 per SM; register counts change with the
 Triton version and the variant, so they are learned, not tabulated.
-`python scripts/bench.py sm90` shows every variant.)
+`python scripts/bench.py targets` shows every variant on every target.)
 
 Registers per thread are known only once a kernel is compiled, so the first launch of
 each variant records what fits (`learn`), and its later launches cap their grid at that
