@@ -387,14 +387,14 @@ def test_targets_quick_reports_every_kernel_for_both_vendors_without_spills():
         pytest.skip(f"triton cannot compile for both vendors here: {problem}")
     rows = _bench("targets")
     assert {(r["target"], r["d"], r["op"]) for r in rows} == {
-        (t, d, op) for t in ("sm_90", "gfx942") for d in (1024, 65536) for op in ("add_norm", "norm_add_norm")}
+        (t, d, op) for t in ("sm_90", "gfx942") for d in (1024, 65536) for op in ("add_norm_layer", "norm_add_norm")}
     fields = {"target", "kernel", "d", "dtype", "registers", "spill_bytes", "shared", "resident_per_sm", "waves"}
     for r in rows:
         assert fields <= set(r) and r["dtype"] == "bfloat16"
         assert 0 < r["registers"] <= (255 if r["target"] == "sm_90" else 512) and r["resident_per_sm"] >= 1, r
         assert r["spill_bytes"] == 0 and r["fills"], r
-    assert {r["kernel"] for r in rows if r["d"] == 65536 and r["op"] == "add_norm"} == {"_fwd_loop", "_bwd_dots",
-                                                                                      "_bwd_cols"}
+    assert {r["kernel"] for r in rows if r["d"] == 65536 and r["op"] == "add_norm_layer"} == {
+        "_fwd_loop", "_bwd_dots", "_bwd_cols"}
 
 
 def test_peer_discovery_says_which_peers_it_found_and_why_one_is_missing(monkeypatch):
