@@ -1,5 +1,6 @@
 """fuseblock: fused residual-add + normalization kernels and the fused pre-norm residual stream."""
 from .convert import norm_from
+from .fp8 import Quantized
 from .family import (
     BatchNorm,
     InstanceNorm,
@@ -20,5 +21,6 @@ __all__ = ["norm", "add_norm", "Norm", "AddNorm", "PreNormBlock", "ResidualStack
 __all__ += ["norm_add", "norm_add_norm"]
 __all__ += ["norm_linear", "NormLinear"]
 __all__ += ["swap_norms", "SwapReport"]
+__all__ += ["Quantized"]
 __all__ += ["embed_norm", "batch_norm", "group_norm", "instance_norm", "BatchNorm", "InstanceNorm"]
 __version__ = "0.3.0"

@@ -1,0 +1,86 @@
+"""The scaled fp8 output of `norm` / `add_norm` (quant=...): validation and the call.
+
+The quantized forward is one kernel launch on the Triton path (`fuseblock.kernels.fp8`)
+and `fuseblock.fp8.quantize` of the fp32 normed output on the torch path; the two give
+the same codes and scales bit for bit. The codes carry no gradient: training goes through
+`quantized_norm_fwd` / `quantized_norm_bwd`, which keep the forward's row statistics and
+take the gradient at the normed output in high precision (`fuseblock.fp8_linear`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from .. import fp8, reference
+from ..spec import MX_BLOCK, QUANTS, NormSpec, Quant
+from .dispatch import kernels, uses_triton
+
+MX_ROUNDINGS = ("floor", "rceil")
+QUANT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def with_quant(spec: NormSpec, x: Tensor, *, quant, scale, fp8_dtype, mx_rounding, scale_ub, quant_from) -> NormSpec:
+    """spec with validated quantization options; every mistake a ValueError or TypeError
+    naming the argument."""
+    if not isinstance(quant, str) or quant not in QUANTS:
+        raise ValueError(f"quant must be None or one of {sorted(QUANTS)}, got {quant!r}")
+    mode = QUANTS[quant]
+    if fp8_dtype not in fp8.FP8_DTYPES:
+        raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
+    if x.dtype not in QUANT_DTYPES:
+        raise TypeError(f"quant={quant!r} needs x in float16, bfloat16 or float32 (the fp32 normed value is cast), "
+                        f"got x of {x.dtype}")
+    if not isinstance(mx_rounding, str) or mx_rounding not in MX_ROUNDINGS:
+        raise ValueError(f"mx_rounding must be one of {MX_ROUNDINGS}, got {mx_rounding!r}")
+    if quant_from is not None and quant_from not in QUANT_DTYPES:
+        raise TypeError(f"quant_from must be None or one of {QUANT_DTYPES}, got {quant_from!r}")
+    d = x.shape[-1]
+    if mode == Quant.MX and (d % MX_BLOCK or (d // spec.groups) % MX_BLOCK):
+        raise ValueError(f"quant='mxfp8' needs the last dim (and each of num_groups={spec.groups} groups) to be a "
+                         f"multiple of {MX_BLOCK}, got {d}: pad the row to a multiple of {MX_BLOCK}, or use "
+                         f"quant='fp8_row'")
+    if mode == Quant.TENSOR:
+        check_static_scale(scale, x)
+    elif scale is not None:
+        raise ValueError(f"scale= is fp8_tensor's static scale; quant={quant!r} computes its own (scale must be None)")
+    if scale_ub is not None:
+        if mode != Quant.ROW:
+            raise ValueError(f"scale_ub bounds fp8_row's amax; it does nothing for quant={quant!r}")
+        if isinstance(scale_ub, bool) or not isinstance(scale_ub, (int, float)) or not 0 < scale_ub < math.inf:
+            raise ValueError(f"scale_ub must be a positive finite float (an upper bound on each row's amax), "
+                             f"got {scale_ub!r}")
+    return replace(spec, quant=mode, fp8_e5m2=fp8_dtype == torch.float8_e5m2, mx_rceil=mx_rounding == "rceil",
+                   quant_from=quant_from, scale_ub=float(scale_ub or 0.0))
+
+
+def check_static_scale(scale, x: Tensor) -> None:
+    if not isinstance(scale, Tensor):
+        raise TypeError(f"quant='fp8_tensor' needs scale=, a one-element float32 tensor (the static dequantization "
+                        f"scale), got {type(scale).__name__}")
+    if scale.dtype != torch.float32 or scale.numel() != 1:
+        raise ValueError(f"scale must be a one-element float32 tensor, got shape {tuple(scale.shape)} {scale.dtype}")
+    if scale.device != x.device:
+        raise ValueError(f"scale is on {scale.device} but x is on {x.device}")
+    if scale.device.type == "cpu" and not (math.isfinite(scale.item()) and scale.item() > 0):
+        # a device scale is not read back (no host sync): its value is the caller's to keep positive and finite
+        raise ValueError(f"scale must be positive and finite, got {scale.item()}")
+
+
+def quantized_norm_fwd(x: Tensor, residual: Tensor | None, gate: Tensor | None, weight: Tensor | None,
+                       bias: Tensor | None, spec: NormSpec, residual_dtype: torch.dtype | None,
+                       need_stats: bool, x1: Tensor | None = None, scale: Tensor | None = None):
+    """(Quantized, new_residual or None, rstd, mean) with no autograd graph: the kernel
+    launch, or the torch path's norm into fp32 (quant_from's dtype when set) and its cast."""
+    if spec.dropout_p > 0:
+        raise ValueError("quant= does not take add_norm's dropout (dropout_p must be 0)")
+    with torch.no_grad():
+        if uses_triton(x):
+            return kernels("norm", x).norm_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1,
+                                               None, scale)
+        plain = replace(spec, quant=Quant.NONE, out_dtype=spec.quant_from or torch.float32)
+        out, new_res, rstd, mean = reference.norm_fwd(x, residual, gate, weight, bias, plain, residual_dtype,
+                                                      need_stats, x1)
+        return fp8.quantize(out, spec, scale), new_res, rstd, mean
