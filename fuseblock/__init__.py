@@ -1,6 +1,5 @@
 """fuseblock: fused residual-add + normalization kernels and the fused pre-norm residual stream."""
 from .convert import norm_from
-from .fp8 import Quantized
 from .family import (
     BatchNorm,
     InstanceNorm,
@@ -9,6 +8,7 @@ from .family import (
     group_norm,
     instance_norm,
 )
+from .fp8 import Quantized
 from .modules import AddNorm, Norm
 from .norm_linear import NormLinear
 from .ops.norm import add_norm, norm

@@ -238,9 +238,9 @@ def norm_and_stats(x: Tensor, residual: Tensor | None, weight: Tensor | None, bi
     if spec.center and plain_ok(p, spec):
         out, mean, rstd = torch.native_layer_norm(p, (p.shape[-1],), plain_weight(weight, spec, p),
                                                   None if bias is None else bias.to(p.dtype), spec.eps)
-        return out.to(x.dtype), new_res, rstd.reshape(-1, 1), mean.reshape(-1, 1), True
+        return out.to(spec.out_dtype_for(x.dtype)), new_res, rstd.reshape(-1, 1), mean.reshape(-1, 1), True
     out, rstd, mean = norm_out(p.to(acc_dtype(p.dtype)), None, weight, bias, spec)
-    return out.to(x.dtype), new_res, rstd, mean, False
+    return out.to(spec.out_dtype_for(x.dtype)), new_res, rstd, mean, False
 
 
 def normalized(p: Tensor, rstd: Tensor, mean: Tensor | None, spec: NormSpec) -> Tensor:
