@@ -301,8 +301,8 @@ def norm_add_fwd(x: Tensor, residual: Tensor, branch_weight: Tensor | None, bran
                  weight: Tensor | None, bias: Tensor | None, branch_spec: NormSpec, spec: NormSpec, alpha: float,
                  residual_dtype: torch.dtype, second: bool) -> tuple[Tensor, Tensor | None]:
     """(new_residual, out or None): new_residual = residual + alpha * N_b(x) in
-    residual_dtype, and with `second` out = N(new_residual) in x's dtype, N reading the
-    stored new_residual. Plain differentiable torch ops."""
+    residual_dtype, and with `second` out = N(new_residual) in x's dtype (spec.out_dtype's
+    when set), N reading the stored new_residual. Plain differentiable torch ops."""
     y = _norm_acc(x, branch_weight, branch_bias, branch_spec)
     if alpha != 1.0:
         y = y * alpha
@@ -310,4 +310,4 @@ def norm_add_fwd(x: Tensor, residual: Tensor, branch_weight: Tensor | None, bran
     new_residual = _as(_as(residual, wide) + _as(y, wide), residual_dtype)
     if not second:
         return new_residual, None
-    return new_residual, _as(_norm_acc(new_residual, weight, bias, spec), x.dtype)
+    return new_residual, _as(_norm_acc(new_residual, weight, bias, spec), spec.out_dtype_for(x.dtype))

@@ -479,7 +479,7 @@ def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_s
     M = x2.shape[0]
     dev = x.device
     new_res = torch.empty(x.shape, dtype=residual_dtype, device=dev)
-    out = torch.empty(x.shape, dtype=x.dtype, device=dev) if second else None
+    out = torch.empty(x.shape, dtype=spec.out_dtype_for(x.dtype), device=dev) if second else None
     ro2 = new_res.view(M, d)
     o2 = out.view(M, d) if second else None
 

@@ -20,7 +20,7 @@ from torch import Tensor
 from .. import reference
 from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, acc_dtype, stored_dtype
 from . import dtensor
-from .checks import _check_vector, check_number, check_tensor, default_eps, resolve
+from .checks import _check_vector, check_float_dtype, check_number, check_tensor, default_eps, resolve
 from .dispatch import func_transforms_active, kernels, uses_triton
 from .registry import FusedOp
 
@@ -48,13 +48,15 @@ def _fwd(
 
 
 def _fwd_fake(x, residual, branch_weight, branch_bias, weight, bias, spec, residual_dtype, second, need_stats):
-    center = _unpack(spec)[1].center
+    second_spec = _unpack(spec)[1]
+    center = second_spec.center
     rows = x.numel() // x.shape[-1]
 
     def stat(on):
         return x.new_empty((rows,), dtype=torch.float32) if need_stats and on else _empty(x)
 
-    return (x.new_empty(x.shape, dtype=residual_dtype), x.new_empty(x.shape) if second else _empty(x),
+    out = x.new_empty(x.shape, dtype=second_spec.out_dtype_for(x.dtype)) if second else _empty(x)
+    return (x.new_empty(x.shape, dtype=residual_dtype), out,
             stat(True), stat(center), stat(second), stat(second and center))
 
 
@@ -130,7 +132,8 @@ def _graph_grads(ctx, grad_outputs):
     dp = dres
     if ctx.second and dout is not None:
         pp = p if p.requires_grad else p.detach().requires_grad_()
-        out = reference.norm_out(pp.to(acc_dtype(p.dtype)), None, w, b, ctx.spec)[0].to(ctx.x_dtype)
+        out = reference.norm_out(pp.to(acc_dtype(p.dtype)), None, w, b, ctx.spec)[0].to(
+            ctx.spec.out_dtype_for(ctx.x_dtype))
         grad_of(out, (pp, w, b), dout)
         dpn = found.get(id(pp))
         if dpn is not None:
@@ -220,6 +223,7 @@ def norm_add_norm(
     branch_weight_offset: Optional[float] = None,
     alpha: float = 1.0,
     residual_dtype: Optional[torch.dtype] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor]:
     """Sandwich (Peri-LN) residual update, both norms in one kernel: returns (out, new_residual),
 
@@ -230,12 +234,15 @@ def norm_add_norm(
     kind="l2", where None means no weight. branch_eps=None and branch_weight_offset=None
     mean the same as eps and weight_offset; eps=None is torch's default for the dtype each
     norm reads (x's for N_b, new_residual's for N). new_residual's dtype as in `norm_add`
-    (N reads the stored value); out has x's dtype.
+    (N reads the stored value); out has x's dtype, or out_dtype: the fp32 result stored
+    once in that dtype by the kernel (as `add_norm`'s), its gradient read in it.
     """
     check_tensor("x", x)
     check_tensor("residual", residual)
     alpha = _check_alpha(alpha)
     spec = _spec(x, residual, weight, bias, kind, eps, weight_offset, residual_dtype)  # checks x, kind, weight, bias
+    check_float_dtype("out_dtype", out_dtype)
+    spec = spec.with_out_dtype(out_dtype)
     if kind != "l2":
         for name, t in (("branch_weight", branch_weight), ("weight", weight)):
             if t is None:
