@@ -166,3 +166,22 @@ def test_bad_shapes_and_dtypes_say_what_to_do():
     with pytest.raises(ValueError, match="dropout_p"):
         fuseblock.add_norm(torch.randn(2, 64), torch.randn(2, 64), quant="fp8_row", dropout_p=0.1)
 
+
+
+def test_rceil_is_the_exact_ceiling_where_torchaos_eager_log2_rounds():
+    """torchao's eager rceil takes ceil(log2(amax / 448)) of an fp32 log2, which rounds to
+    k for amax / 448 = 2**k * (1 + 2**-23): the scale 2**k then saturates that block's
+    largest value. fuseblock (as the cvt.rp instruction torchao uses when compiled for
+    sm_100) takes the exact ceiling, k + 1; everywhere else the two agree."""
+    from dataclasses import replace
+
+    from fuseblock.fp8 import quantize
+    from fuseblock.spec import NormSpec, Quant
+    spec = replace(NormSpec(False, 1.0, 1e-6, 0, 0, 1), quant=Quant.MX, mx_rceil=True)
+    block = torch.full((1, 32), 0.5)
+    block[0, 0] = 448 * 2.0 ** 60 * (1 + 2 ** -23)
+    ours = quantize(block, spec)
+    scale, _ = to_mx(block, E4, 32, ScaleCalculationMode.RCEIL)
+    assert u8(ours.scale).item() == 127 + 61 and u8(scale).item() == 127 + 60
+    block[0, 0] = 448 * 2.0 ** 60 * 1.5  # away from the power of two: equal
+    assert torch.equal(u8(quantize(block, spec).scale), u8(to_mx(block, E4, 32, ScaleCalculationMode.RCEIL)[0]))
