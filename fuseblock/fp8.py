@@ -52,13 +52,20 @@ def max_pow2(spec: NormSpec) -> int:
     return 15 if spec.fp8_e5m2 else 8
 
 
-def row_tiny(spec: NormSpec) -> tuple[float, float]:
-    """(t, s_t): an fp32 amax < t is one below AMAX_EPS (t: the least fp32 >= AMAX_EPS), and
-    its scale is s_t = fp32(fmax / AMAX_EPS), as torchao's clamp in fp64 gives it."""
+def _row_tiny(dtype: torch.dtype) -> tuple[float, float]:
     t = torch.tensor(AMAX_EPS, dtype=torch.float32)
     if t.item() < AMAX_EPS:
         t = torch.nextafter(t, torch.tensor(1.0))
-    return t.item(), float(torch.tensor(fp8_max(spec) / AMAX_EPS, dtype=torch.float32))
+    return t.item(), float(torch.tensor(torch.finfo(dtype).max / AMAX_EPS, dtype=torch.float32))
+
+
+_ROW_TINY = {dtype: _row_tiny(dtype) for dtype in FP8_DTYPES}  # once: no torch op per call
+
+
+def row_tiny(spec: NormSpec) -> tuple[float, float]:
+    """(t, s_t): an fp32 amax < t is one below AMAX_EPS (t: the least fp32 >= AMAX_EPS), and
+    its scale is s_t = fp32(fmax / AMAX_EPS), as torchao's clamp in fp64 gives it."""
+    return _ROW_TINY[fp8_dtype(spec)]
 
 
 def _sat(v: Tensor, spec: NormSpec) -> Tensor:
