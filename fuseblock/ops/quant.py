@@ -69,6 +69,8 @@ def check_static_scale(scale, x: Tensor) -> None:
         raise ValueError(f"scale must be positive and finite, got {scale.item()}")
 
 
+# Not a registered custom op yet: torch.compile runs it eagerly, between graphs
+@torch.compiler.disable
 def quantized_norm_fwd(x: Tensor, residual: Tensor | None, gate: Tensor | None, weight: Tensor | None,
                        bias: Tensor | None, spec: NormSpec, residual_dtype: torch.dtype | None,
                        need_stats: bool, x1: Tensor | None = None, scale: Tensor | None = None):

@@ -185,3 +185,11 @@ def test_rceil_is_the_exact_ceiling_where_torchaos_eager_log2_rounds():
     assert u8(ours.scale).item() == 127 + 61 and u8(scale).item() == 127 + 60
     block[0, 0] = 448 * 2.0 ** 60 * 1.5  # away from the power of two: equal
     assert torch.equal(u8(quantize(block, spec).scale), u8(to_mx(block, E4, 32, ScaleCalculationMode.RCEIL)[0]))
+
+
+@pytest.mark.kernel
+def test_quant_under_torch_compile_runs_eagerly_and_equals_eager():
+    x, w = case()
+    compiled = torch.compile(lambda x, w: fuseblock.add_norm(x, x, w, quant="mxfp8"))
+    got, want = compiled(x, w)[0], fuseblock.add_norm(x, x, w, quant="mxfp8")[0]
+    assert torch.equal(u8(got.data), u8(want.data)) and torch.equal(u8(got.scale), u8(want.scale))
