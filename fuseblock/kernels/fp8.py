@@ -9,9 +9,14 @@ interpreter and on a GPU. Codes are stored as uint8; the launcher views them as 
 QUANT takes `fuseblock.spec.Quant`'s values; MBITS/BIAS the fp8 format (e4m3fn: 3, 7;
 e5m2: 2, 15); ROUND the rounding of the normed value first (0 none, 1 bf16, 2 fp16).
 """
+import math
+
+import torch
 import triton
 import triton.language as tl
 
+from .. import fp8
+from ..spec import MX_BLOCK as MX_COLS
 from ..spec import Quant
 
 Q_TENSOR = tl.constexpr(int(Quant.TENSOR))
@@ -121,3 +126,33 @@ def store_quantized(O, QS, b_o, o_m, m_m, o_gd, row, mask, s_o, G, DG, fmax, ub,
         tl.store(QS + o_m[:, None, None] * (G * DG // MX_BLOCK) + o_sc[None, :, :], b_e.to(tl.uint8),
                  mask=m_sc[None, :, :] & m_m[:, None, None])
     tl.store(O + row * s_o + col, b_c, mask=mask)
+
+
+# quant_from as store_quantized's ROUND: fp32 (or none) keeps the fp32 value
+ROUNDS = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def quant_buffers(x, spec, qscale):
+    """(codes, scales, the kernels' keyword arguments) of a quantized output of x's shape:
+    codes uint8; scales qscale itself (fp8_tensor), (..., 1) fp32 (fp8_row) or (..., d/32)
+    uint8 exponents (mxfp8)."""
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    lead = x.shape[:-1]
+    if spec.quant == Quant.TENSOR:
+        qs = qscale
+    elif spec.quant == Quant.ROW:
+        qs = torch.empty((*lead, 1), dtype=torch.float32, device=x.device)
+    else:
+        qs = torch.empty((*lead, x.shape[-1] // MX_COLS), dtype=torch.uint8, device=x.device)
+    tiny, tiny_scale = fp8.row_tiny(spec)
+    kw = dict(QS=qs, q_max=fp8.fp8_max(spec), q_ub=spec.scale_ub if spec.scale_ub > 0 else math.inf,
+              q_tiny=tiny, q_tiny_scale=tiny_scale, QUANT=int(spec.quant),
+              Q_MBITS=2 if spec.fp8_e5m2 else 3, Q_BIAS=15 if spec.fp8_e5m2 else 7, Q_MAXPOW2=fp8.max_pow2(spec),
+              Q_RCEIL=spec.mx_rceil, Q_ROUND=ROUNDS[spec.quant_from])
+    return codes, qs, kw
+
+
+def quantized(codes, qs, spec) -> fp8.Quantized:
+    """The launch's buffers as the op returns them: fp8 codes, e8m0 scales for mxfp8."""
+    return fp8.Quantized(codes.view(fp8.fp8_dtype(spec)), qs.view(torch.float8_e8m0fnu) if spec.quant == Quant.MX
+                         else qs)

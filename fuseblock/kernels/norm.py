@@ -32,7 +32,6 @@ p (and dout, in the backward) twice: docs/performance.md counts it.
 # No `from __future__ import annotations`: Triton 3.1's interpreter reads the string
 # "tl.constexpr" as no annotation and passes BR, BD, ... as arrays (tests/tools/test_floor.py).
 
-import math
 from dataclasses import replace
 
 import torch
@@ -40,8 +39,8 @@ import triton
 import triton.language as tl
 
 from .. import fp8
-from ..spec import MX_BLOCK, Act, Gate, NormSpec, Quant
-from .fp8 import store_quantized
+from ..spec import Act, Gate, NormSpec, Quant
+from .fp8 import quant_buffers, quantized, store_quantized
 from .launch import (
     LAUNCHES,
     Layout,
@@ -593,27 +592,10 @@ def _quantized_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_s
         out, new_res, rstd, mean = norm_fwd(x, residual, gate, weight, bias, plain, residual_dtype, need_stats, x1,
                                             seed)
         return fp8.quantize(out, spec, qscale), new_res, rstd, mean
-    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    lead = x.shape[:-1]
-    if spec.quant == Quant.TENSOR:
-        qs = qscale
-    elif spec.quant == Quant.ROW:
-        qs = torch.empty((*lead, 1), dtype=torch.float32, device=x.device)
-    else:
-        qs = torch.empty((*lead, d // MX_BLOCK), dtype=torch.uint8, device=x.device)
-    tiny, tiny_scale = fp8.row_tiny(spec)
-    quant = dict(QS=qs, q_max=fp8.fp8_max(spec), q_ub=spec.scale_ub if spec.scale_ub > 0 else math.inf,
-                 q_tiny=tiny, q_tiny_scale=tiny_scale, QUANT=int(spec.quant),
-                 Q_MBITS=2 if spec.fp8_e5m2 else 3, Q_BIAS=15 if spec.fp8_e5m2 else 7, Q_MAXPOW2=fp8.max_pow2(spec),
-                 Q_RCEIL=spec.mx_rceil, Q_ROUND=_ROUNDS[spec.quant_from])
+    codes, qs, quant = quant_buffers(x, spec, qscale)
     _, new_res, rstd, mean = norm_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1, seed,
                                       _codes=codes, _quant=quant)
-    scale = qs.view(torch.float8_e8m0fnu) if spec.quant == Quant.MX else qs
-    return fp8.Quantized(codes.view(fp8.fp8_dtype(spec)), scale), new_res, rstd, mean
-
-
-# quant_from as store_quantized's ROUND: fp32 (or none) keeps the fp32 value
-_ROUNDS = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+    return quantized(codes, qs, spec), new_res, rstd, mean
 
 
 def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, need_stats, x1=None, seed=None,

@@ -20,6 +20,7 @@ from torch import Tensor
 from .. import reference
 from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, acc_dtype, stored_dtype
 from . import dtensor
+from . import quant as quant_ops
 from .checks import _check_vector, check_float_dtype, check_number, check_tensor, default_eps, resolve
 from .dispatch import func_transforms_active, kernels, uses_triton
 from .registry import FusedOp
@@ -224,6 +225,12 @@ def norm_add_norm(
     alpha: float = 1.0,
     residual_dtype: Optional[torch.dtype] = None,
     out_dtype: Optional[torch.dtype] = None,
+    quant: Optional[str] = None,
+    scale: Optional[Tensor] = None,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    mx_rounding: str = "floor",
+    scale_ub: Optional[float] = None,
+    quant_from: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor]:
     """Sandwich (Peri-LN) residual update, both norms in one kernel: returns (out, new_residual),
 
@@ -236,6 +243,7 @@ def norm_add_norm(
     norm reads (x's for N_b, new_residual's for N). new_residual's dtype as in `norm_add`
     (N reads the stored value); out has x's dtype, or out_dtype: the fp32 result stored
     once in that dtype by the kernel (as `add_norm`'s), its gradient read in it.
+    quant=... returns `Quantized` in place of out, forward only, as `add_norm`'s.
     """
     check_tensor("x", x)
     check_tensor("residual", residual)
@@ -265,5 +273,17 @@ def norm_add_norm(
             raise ValueError(f"branch_weight_offset={branch_weight_offset} needs a branch_weight: it is added to it")
     bspec = _spec(x, residual, branch_weight, branch_bias, kind, branch_eps, branch_weight_offset, residual_dtype)
     rdtype = stored_dtype(x.dtype, residual.dtype, residual_dtype)
+    if quant is not None:
+        spec = quant_ops.with_quant(spec, x, quant=quant, scale=scale, fp8_dtype=fp8_dtype, mx_rounding=mx_rounding,
+                                    scale_ub=scale_ub, quant_from=quant_from)
+        if dtensor.has_dtensor(x, residual, branch_weight, branch_bias, weight, bias):
+            raise ValueError("quant= does not take DTensor inputs yet: quantize each rank's local tensor")
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (x, residual, branch_weight, branch_bias, weight, bias)):
+            raise ValueError(f"quant={quant!r} outputs carry no gradient, and an input requires one: run it under "
+                             "torch.no_grad()")
+        new_res, q = quant_ops.quantized_norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, bspec,
+                                                      spec, alpha, rdtype, scale)
+        return q, new_res
     new_res, out = _apply(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha, rdtype, True)
     return out, new_res

@@ -86,3 +86,19 @@ def quantized_norm_fwd(x: Tensor, residual: Tensor | None, gate: Tensor | None, 
         out, new_res, rstd, mean = reference.norm_fwd(x, residual, gate, weight, bias, plain, residual_dtype,
                                                       need_stats, x1)
         return fp8.quantize(out, spec, scale), new_res, rstd, mean
+
+
+@torch.compiler.disable
+def quantized_norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, bspec: NormSpec, spec: NormSpec,
+                           alpha: float, residual_dtype: torch.dtype, scale: Tensor | None = None):
+    """norm_add_norm's (new_residual, Quantized) with no autograd graph: the second norm's
+    output quantized by the kernel's launch, or on the torch path its fp32 output cast."""
+    with torch.no_grad():
+        if uses_triton(x):
+            new_res, q, *_ = kernels("norm_add", x).norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias,
+                                                                 bspec, spec, alpha, residual_dtype, True, False, scale)
+            return new_res, q
+        plain = replace(spec, quant=Quant.NONE, out_dtype=spec.quant_from or torch.float32)
+        new_res, out = reference.norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, bspec, plain,
+                                              alpha, residual_dtype, True)
+        return new_res, fp8.quantize(out, spec, scale)

@@ -193,3 +193,22 @@ def test_quant_under_torch_compile_runs_eagerly_and_equals_eager():
     compiled = torch.compile(lambda x, w: fuseblock.add_norm(x, x, w, quant="mxfp8"))
     got, want = compiled(x, w)[0], fuseblock.add_norm(x, x, w, quant="mxfp8")[0]
     assert torch.equal(u8(got.data), u8(want.data)) and torch.equal(u8(got.scale), u8(want.scale))
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("quant", ["fp8_row", "mxfp8"])
+def test_norm_add_norm_quantizes_its_second_norm(quant):
+    x, w = case()
+    res, bw = torch.randn_like(x), torch.randn_like(w)
+    q, new_res = fuseblock.norm_add_norm(x, res, bw, w, kind="layer", alpha=0.5, quant=quant)
+    out, want_res = fuseblock.norm_add_norm(x, res, bw, w, kind="layer", alpha=0.5, out_dtype=torch.float32)
+    assert torch.equal(new_res, want_res)
+    if quant == "mxfp8":
+        scale, data = to_mx(out, E4, 32, ScaleCalculationMode.FLOOR)
+        assert torch.equal(u8(q.scale), u8(scale))
+    else:
+        ref = hp_tensor_to_float8_dynamic(out, E4, LinearMMConfig(), scaling_granularity=ScalingGranularity.AXISWISE,
+                                          axiswise_dim=-1)
+        data = ref._data
+        assert torch.equal(q.scale, ref._scale.reciprocal())
+    assert torch.equal(u8(q.data), u8(data))
