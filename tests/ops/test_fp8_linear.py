@@ -78,3 +78,14 @@ def test_norm_linear_quant_bad_input():
         fuseblock.norm_linear(x, None, None, None, w.double(), quant="fp8_row")
     with pytest.raises(ValueError, match="quant must be"):
         fuseblock.NormLinear(64, 8, quant="fp8")
+
+
+def test_norm_linear_quant_attribute_routes_add_linear_to_fp8():
+    """Norm.linear_quant (set by scripts/train.py --fp8 row) makes add_linear the fp8 recipe."""
+    torch.manual_seed(0)
+    x, lin, n = torch.randn(4, 64), torch.nn.Linear(64, 32), fuseblock.Norm(64)
+    plain = n.add_linear(x, None, lin)[0]
+    n.linear_quant = "fp8_row"
+    got = n.add_linear(x, None, lin)[0]
+    want = fuseblock.norm_linear(x, None, n.weight, None, lin.weight, lin.bias, quant="fp8_row")[0]
+    assert torch.equal(got, want) and not torch.equal(got, plain)
