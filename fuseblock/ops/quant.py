@@ -3,8 +3,8 @@
 The quantized forward is one kernel launch on the Triton path (`fuseblock.kernels.fp8`)
 and `fuseblock.fp8.quantize` of the fp32 normed output on the torch path; the two give
 the same codes and scales bit for bit. The codes carry no gradient: training goes through
-`quantized_norm_fwd` / `quantized_norm_bwd`, which keep the forward's row statistics and
-take the gradient at the normed output in high precision (`fuseblock.fp8_linear`).
+`norm_linear(quant="fp8_row")`, which keeps the forward's row statistics and takes the
+gradient at the normed output in high precision.
 """
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ def with_quant(spec: NormSpec, x: Tensor, *, quant, scale, fp8_dtype, mx_roundin
     naming the argument."""
     if not isinstance(quant, str) or quant not in QUANTS:
         raise ValueError(f"quant must be None or one of {sorted(QUANTS)}, got {quant!r}")
+    if spec.out_dtype is not None:
+        raise ValueError(f"out_dtype and quant={quant!r} both say how the output is stored: pass one (quant_from= "
+                         "rounds the normed value to a dtype before it is quantized)")
     mode = QUANTS[quant]
     if fp8_dtype not in fp8.FP8_DTYPES:
         raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")

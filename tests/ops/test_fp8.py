@@ -147,6 +147,7 @@ def test_wide_rows_quantize_the_same():
     (dict(quant="fp8_row", scale_ub=-1.0), ValueError, "scale_ub"),
     (dict(quant="mxfp8", scale_ub=1.0), ValueError, "scale_ub"),
     (dict(quant="fp8_row", quant_from=torch.float64), TypeError, "quant_from"),
+    (dict(quant="fp8_row", out_dtype=torch.float32), ValueError, "out_dtype and quant"),
 ])
 def test_bad_options_name_the_argument(kw, err, says):
     x = torch.randn(2, 64)
