@@ -37,6 +37,8 @@ class Quantized(NamedTuple):
 
     data: Tensor
     scale: Tensor
+    data_t: Tensor | None = None  # mxfp8's columnwise copy: codes of shape (d, rows), blocks of 32 rows
+    scale_t: Tensor | None = None  # and its e8m0 scales, (d, rows/32)
 
 
 def fp8_dtype(spec: NormSpec) -> torch.dtype:
@@ -112,7 +114,14 @@ def quantize(o: Tensor, spec: NormSpec, scale: Tensor | None = None) -> Quantize
             amax = torch.clamp(amax, max=spec.scale_ub)
         s = (fp8_max(spec) / torch.clamp(amax.double(), min=AMAX_EPS)).float()
         return Quantized(_sat(o * s, spec), torch.reciprocal(s))
+    data, scale = _mx(o, spec)
+    if not spec.mx_columnwise:
+        return Quantized(data, scale)
+    return Quantized(data, scale, *_mx(o.reshape(-1, o.shape[-1]).t(), spec))
+
+
+def _mx(o: Tensor, spec: NormSpec) -> tuple[Tensor, Tensor]:
     blocks = o.reshape(*o.shape[:-1], o.shape[-1] // MX_BLOCK, MX_BLOCK)
     biased = mx_exponents(blocks.abs().amax(-1, keepdim=True), spec)
     data = _sat(blocks * mx_multiplier(biased, spec), spec).reshape(o.shape)
-    return Quantized(data, biased.squeeze(-1).to(torch.uint8).view(torch.float8_e8m0fnu))
+    return data, biased.squeeze(-1).to(torch.uint8).view(torch.float8_e8m0fnu)

@@ -130,6 +130,7 @@ class NormSpec:
     mx_rceil: bool = False
     quant_from: torch.dtype | None = None
     scale_ub: float = 0.0
+    mx_columnwise: bool = False  # mxfp8 also down the columns (blocks of 32 rows), the weight gradient's operand
 
     def pack(self) -> list[float]:
         return [_pack(getattr(self, name)) for name in _NAMES]

@@ -96,7 +96,8 @@ def mx_exponent(amax, fmax, MAXPOW2: tl.constexpr, RCEIL: tl.constexpr):
 def store_quantized(O, QS, b_o, o_m, m_m, o_gd, row, mask, s_o, G, DG, fmax, ub, tiny, tiny_scale,
                     QUANT: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, MAXPOW2: tl.constexpr,
                     RCEIL: tl.constexpr, ROUND: tl.constexpr,
-                    BR: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr):
+                    BR: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
+                    OT=None, QST=None, M=0, COLS: tl.constexpr = False):
     """Store the tile kernel's [BR, BG, BD] fp32 output b_o as codes at O (uint8, row
     stride s_o) and its scales at QS: fp8_tensor reads its static scale there, fp8_row
     writes one fp32 per row, mxfp8 one uint8 exponent per 32 columns (row stride G*DG/32)."""
@@ -125,6 +126,16 @@ def store_quantized(O, QS, b_o, o_m, m_m, o_gd, row, mask, s_o, G, DG, fmax, ub,
         m_sc = (tl.arange(0, BG)[:, None] < G) & (o_b[None, :] * MX_BLOCK < DG)
         tl.store(QS + o_m[:, None, None] * (G * DG // MX_BLOCK) + o_sc[None, :, :], b_e.to(tl.uint8),
                  mask=m_sc[None, :, :] & m_m[:, None, None])
+        if COLS:  # the columnwise copy: blocks of 32 rows of this program (BR a multiple of 32)
+            NR: tl.constexpr = BR // MX_BLOCK
+            b_cb = tl.reshape(b_o, [NR, MX_BLOCK, BG, BD])
+            b_ce, b_cmult = mx_exponent(tl.max(tl.abs(b_cb), 1), fmax, MAXPOW2, RCEIL)  # [NR, BG, BD]
+            b_cc = fp8_codes(tl.reshape(b_cb * b_cmult[:, None, :, :], [BR, BG, BD]), fmax, MBITS, BIAS)
+            tl.store(OT + o_gd[None, :, :] * M + row, b_cc, mask=mask)  # data_t[column, row]
+            o_rb = (tl.program_id(0) * BR) // MX_BLOCK + tl.arange(0, NR)
+            m_gd = (tl.arange(0, BG)[:, None] < G) & (tl.arange(0, BD)[None, :] < DG)
+            tl.store(QST + o_gd[None, :, :] * (M // MX_BLOCK) + o_rb[:, None, None], b_ce.to(tl.uint8),
+                     mask=m_gd[None, :, :] & (o_rb[:, None, None] * MX_BLOCK < M))
     tl.store(O + row * s_o + col, b_c, mask=mask)
 
 
@@ -144,15 +155,27 @@ def quant_buffers(x, spec, qscale):
         qs = torch.empty((*lead, 1), dtype=torch.float32, device=x.device)
     else:
         qs = torch.empty((*lead, x.shape[-1] // MX_COLS), dtype=torch.uint8, device=x.device)
+    if spec.mx_columnwise:  # (d, rows) codes and (d, rows/32) scales, written by the same launch
+        m = x.numel() // x.shape[-1]
+        cols = dict(OT=torch.empty((x.shape[-1], m), dtype=torch.uint8, device=x.device),
+                    QST=torch.empty((x.shape[-1], m // MX_COLS), dtype=torch.uint8, device=x.device), M=m, COLS=True)
+    else:
+        cols = {}
     tiny, tiny_scale = fp8.row_tiny(spec)
     kw = dict(QS=qs, q_max=fp8.fp8_max(spec), q_ub=spec.scale_ub if spec.scale_ub > 0 else math.inf,
               q_tiny=tiny, q_tiny_scale=tiny_scale, QUANT=int(spec.quant),
               Q_MBITS=2 if spec.fp8_e5m2 else 3, Q_BIAS=15 if spec.fp8_e5m2 else 7, Q_MAXPOW2=fp8.max_pow2(spec),
-              Q_RCEIL=spec.mx_rceil, Q_ROUND=ROUNDS[spec.quant_from])
+              Q_RCEIL=spec.mx_rceil, Q_ROUND=ROUNDS[spec.quant_from], **cols)
     return codes, qs, kw
 
 
-def quantized(codes, qs, spec) -> fp8.Quantized:
-    """The launch's buffers as the op returns them: fp8 codes, e8m0 scales for mxfp8."""
-    return fp8.Quantized(codes.view(fp8.fp8_dtype(spec)), qs.view(torch.float8_e8m0fnu) if spec.quant == Quant.MX
-                         else qs)
+def quantized(codes, qs, spec, kw=None) -> fp8.Quantized:
+    """The launch's buffers as the op returns them: fp8 codes, e8m0 scales for mxfp8 (and
+    the columnwise copy from kw, quant_buffers' arguments, when asked)."""
+    dtype = fp8.fp8_dtype(spec)
+    if spec.quant != Quant.MX:
+        return fp8.Quantized(codes.view(dtype), qs)
+    if not spec.mx_columnwise:
+        return fp8.Quantized(codes.view(dtype), qs.view(torch.float8_e8m0fnu))
+    return fp8.Quantized(codes.view(dtype), qs.view(torch.float8_e8m0fnu), kw["OT"].view(dtype),
+                         kw["QST"].view(torch.float8_e8m0fnu))

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from .. import fp8
 from ..spec import Act, Gate, NormSpec, Quant
+from . import launch
 from .fp8 import quant_buffers, quantized, store_quantized
 from .launch import (
     LAUNCHES,
@@ -203,7 +204,7 @@ def _fwd_tile(
     # the scaled fp8 output (`fuseblock.kernels.fp8.store_quantized`): O holds its codes
     QS=None, q_max=0.0, q_ub=0.0, q_tiny=0.0, q_tiny_scale=0.0,
     QUANT: tl.constexpr = 0, Q_MBITS: tl.constexpr = 3, Q_BIAS: tl.constexpr = 7, Q_MAXPOW2: tl.constexpr = 8,
-    Q_RCEIL: tl.constexpr = False, Q_ROUND: tl.constexpr = 0,
+    Q_RCEIL: tl.constexpr = False, Q_ROUND: tl.constexpr = 0, OT=None, QST=None, M_T=0, COLS: tl.constexpr = False,
 ):
     _check_modes(GATE, ACT)
     i_m = tl.program_id(0)
@@ -245,7 +246,7 @@ def _fwd_tile(
         tl.store(O + row * s_o + col, b_o.to(O.dtype.element_ty), mask=mask)
     else:
         store_quantized(O, QS, b_o, o_m, m_m, o_gd, row, mask, s_o, G, DG, q_max, q_ub, q_tiny, q_tiny_scale,
-                        QUANT, Q_MBITS, Q_BIAS, Q_MAXPOW2, Q_RCEIL, Q_ROUND, BR, BG, BD)
+                        QUANT, Q_MBITS, Q_BIAS, Q_MAXPOW2, Q_RCEIL, Q_ROUND, BR, BG, BD, OT, QST, M_T, COLS)
     if STORE_STATS:
         o_stat = o_m[:, None] * G + o_g[None, :]
         m_stat = m_m[:, None] & (o_g[None, :] < G)
@@ -587,15 +588,17 @@ def _quantized_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_s
     d = x.shape[-1]
     M = x.numel() // d if d else 0
     lay = fwd_layout(d, spec.groups) if M > 0 else None
-    if lay is not None and not lay.tile:
+    if lay is not None and (not lay.tile or (spec.mx_columnwise and 32 * lay.bg * lay.bd > launch.MAX_TILE_FWD)):
         plain = replace(spec, quant=Quant.NONE, out_dtype=spec.quant_from or torch.float32)
         out, new_res, rstd, mean = norm_fwd(x, residual, gate, weight, bias, plain, residual_dtype, need_stats, x1,
                                             seed)
         return fp8.quantize(out, spec, qscale), new_res, rstd, mean
     codes, qs, quant = quant_buffers(x, spec, qscale)
+    if spec.mx_columnwise:  # 32 rows per program at least: whole blocks down the columns
+        quant["M_T"] = quant.pop("M")
     _, new_res, rstd, mean = norm_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1, seed,
                                       _codes=codes, _quant=quant)
-    return quantized(codes, qs, spec), new_res, rstd, mean
+    return quantized(codes, qs, spec, quant), new_res, rstd, mean
 
 
 def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, need_stats, x1=None, seed=None,
@@ -637,8 +640,9 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
             STORE_STATS=need_stats, EXACT_SQ=spec.eps == 0, num_warps=lay.warps,
         )
         if lay.tile:
-            _fwd_tile[(cdiv(M, lay.br),)](*args, M, G, d // G, spec.eps, spec.scale, spec.weight_offset,
-                                          *_branch(spec), BR=lay.br, BG=lay.bg, BD=lay.bd, **flags, **(_quant or {}))
+            br = max(lay.br, 32) if spec.mx_columnwise else lay.br
+            _fwd_tile[(cdiv(M, br),)](*args, M, G, d // G, spec.eps, spec.scale, spec.weight_offset,
+                                      *_branch(spec), BR=br, BG=lay.bg, BD=lay.bd, **flags, **(_quant or {}))
         else:
             variant = lay.variant("_fwd_loop", (x2, x12, r2, z2, weight, bias, o2, ro2), flags)
             n_prog = min(M * G, num_sms(x.device) * programs_per_sm(x.device, variant, lay.per_sm))

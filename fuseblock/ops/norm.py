@@ -296,6 +296,7 @@ def add_norm(
     mx_rounding: str = "floor",
     scale_ub: Optional[float] = None,
     quant_from: Optional[torch.dtype] = None,
+    mx_columnwise: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Fused residual add + normalize over the last dim: returns (out, new_residual).
 
@@ -331,7 +332,9 @@ def add_norm(
     (e4m3fn or e5m2) with a static scale= (fp8_tensor), a scale per row (fp8_row, its amax
     bounded by scale_ub when given) or e8m0 scales per 32 columns (mxfp8, mx_rounding
     "floor" or "rceil"). The fp32 normed value is cast (one rounding), or first rounded to
-    quant_from as an unfused norm-then-cast pipeline does. The codes carry no gradient:
+    quant_from as an unfused norm-then-cast pipeline does. mx_columnwise=True (mxfp8) also
+    returns data_t, scale_t: blocks of 32 down the columns, of shape (d, rows) and
+    (d, rows/32), from the same fp32 values in the same launch. The codes carry no gradient:
     inputs that require one are refused (train through `fuseblock.Fp8NormLinear`).
     """
     if positional:
@@ -375,7 +378,7 @@ def add_norm(
             rdtype = stored_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
     if quant is not None:
         spec = quant_ops.with_quant(spec, x, quant=quant, scale=scale, fp8_dtype=fp8_dtype, mx_rounding=mx_rounding,
-                                    scale_ub=scale_ub, quant_from=quant_from)
+                                    scale_ub=scale_ub, quant_from=quant_from, mx_columnwise=mx_columnwise)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, residual, gate, weight,
                                                                                         bias, x1)):
             raise ValueError(f"quant={quant!r} outputs carry no gradient, and an input requires one: run it under "
@@ -406,6 +409,7 @@ def norm(
     fp8_dtype: torch.dtype = torch.float8_e4m3fn,
     mx_rounding: str = "floor",
     quant_from: Optional[torch.dtype] = None,
+    mx_columnwise: bool = False,
 ) -> Tensor:
     """Normalize over the last dim: `add_norm` with no residual (see there for the math
     and out_dtype; quant=... returns `Quantized`, as add_norm's).
@@ -419,4 +423,5 @@ def norm(
         x, None, weight, bias, kind=kind, c=c, eps=eps, gate=gate, gate_act=gate_act,
         gate_position=gate_position, num_groups=num_groups, weight_offset=weight_offset, out_dtype=out_dtype,
         quant=quant, scale=scale, fp8_dtype=fp8_dtype, mx_rounding=mx_rounding, quant_from=quant_from,
+        mx_columnwise=mx_columnwise,
     )[0]

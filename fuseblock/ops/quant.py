@@ -22,7 +22,8 @@ MX_ROUNDINGS = ("floor", "rceil")
 QUANT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def with_quant(spec: NormSpec, x: Tensor, *, quant, scale, fp8_dtype, mx_rounding, scale_ub, quant_from) -> NormSpec:
+def with_quant(spec: NormSpec, x: Tensor, *, quant, scale, fp8_dtype, mx_rounding, scale_ub, quant_from,
+               mx_columnwise: bool = False) -> NormSpec:
     """spec with validated quantization options; every mistake a ValueError or TypeError
     naming the argument."""
     if not isinstance(quant, str) or quant not in QUANTS:
@@ -45,6 +46,15 @@ def with_quant(spec: NormSpec, x: Tensor, *, quant, scale, fp8_dtype, mx_roundin
         raise ValueError(f"quant='mxfp8' needs the last dim (and each of num_groups={spec.groups} groups) to be a "
                          f"multiple of {MX_BLOCK}, got {d}: pad the row to a multiple of {MX_BLOCK}, or use "
                          f"quant='fp8_row'")
+    if not isinstance(mx_columnwise, bool):
+        raise TypeError(f"mx_columnwise must be a bool, got {type(mx_columnwise).__name__}")
+    if mx_columnwise:
+        rows = x.numel() // d if d else 0
+        if mode != Quant.MX:
+            raise ValueError(f"mx_columnwise is mxfp8's columnwise copy; quant={quant!r} has none")
+        if rows % MX_BLOCK:
+            raise ValueError(f"mx_columnwise needs the number of rows (x.numel() // d = {rows}) to be a multiple of "
+                             f"{MX_BLOCK}: its blocks run down the columns; pad the batch or leave it off")
     if mode == Quant.TENSOR:
         check_static_scale(scale, x)
     elif scale is not None:
@@ -56,7 +66,7 @@ def with_quant(spec: NormSpec, x: Tensor, *, quant, scale, fp8_dtype, mx_roundin
             raise ValueError(f"scale_ub must be a positive finite float (an upper bound on each row's amax), "
                              f"got {scale_ub!r}")
     return replace(spec, quant=mode, fp8_e5m2=fp8_dtype == torch.float8_e5m2, mx_rceil=mx_rounding == "rceil",
-                   quant_from=quant_from, scale_ub=float(scale_ub or 0.0))
+                   quant_from=quant_from, scale_ub=float(scale_ub or 0.0), mx_columnwise=mx_columnwise)
 
 
 def check_static_scale(scale, x: Tensor) -> None:

@@ -213,3 +213,24 @@ def test_norm_add_norm_quantizes_its_second_norm(quant):
         data = ref._data
         assert torch.equal(q.scale, ref._scale.reciprocal())
     assert torch.equal(u8(q.data), u8(data))
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("rounding", ["floor", "rceil"])
+def test_mxfp8_columnwise_copy_equals_to_mx_of_the_transpose(rounding):
+    x, w = case(rows=64)
+    x[5:40] *= 1e-3  # the first column blocks' amax differ from the second's
+    q, _ = fuseblock.add_norm(x, x, w, quant="mxfp8", mx_rounding=rounding, mx_columnwise=True)
+    o = fuseblock.add_norm(x, x, w, out_dtype=torch.float32)[0]
+    scale, data = to_mx(o, E4, 32, MODES[rounding])
+    scale_t, data_t = to_mx(o.t().contiguous(), E4, 32, MODES[rounding])
+    assert q.data_t.shape == (96, 64) and q.scale_t.shape == (96, 2)
+    assert torch.equal(u8(q.data), u8(data)) and torch.equal(u8(q.scale), u8(scale))
+    assert torch.equal(u8(q.data_t), u8(data_t)) and torch.equal(u8(q.scale_t), u8(scale_t))
+
+
+def test_mx_columnwise_needs_whole_blocks_of_rows():
+    with pytest.raises(ValueError, match="multiple of 32.*pad the batch"):
+        fuseblock.norm(torch.randn(40, 64), quant="mxfp8", mx_columnwise=True)
+    with pytest.raises(ValueError, match="mxfp8's columnwise"):
+        fuseblock.norm(torch.randn(64, 64), quant="fp8_row", mx_columnwise=True)
