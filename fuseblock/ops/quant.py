@@ -94,7 +94,7 @@ def quantized_norm_fwd(x: Tensor, residual: Tensor | None, gate: Tensor | None, 
     with torch.no_grad():
         if uses_triton(x):
             return kernels("norm", x).norm_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1,
-                                               None, scale)
+                                               None, qscale=scale)
         plain = replace(spec, quant=Quant.NONE, out_dtype=spec.quant_from or torch.float32)
         out, new_res, rstd, mean = reference.norm_fwd(x, residual, gate, weight, bias, plain, residual_dtype,
                                                       need_stats, x1)
