@@ -6,7 +6,7 @@ STAMP       := .venv/.installed
 FLOOR_PY    := .venv-floor/bin/python
 FLOOR_STAMP := .venv-floor/.installed
 
-.PHONY: train sample test lint test-torch test-kernels test-floor wheel bench gpu-check clean
+.PHONY: train sample test lint test-torch test-kernels test-floor wheel bench gpu-check hub-repo clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	# (a bare torch requirement on a machine with no torch pulls a multi-GB CUDA build).
 	$(PY) -m pip install --quiet "torch==2.13.0"
 	# triton: the kernel tests run them through its interpreter (the CPU torch brings none)
-	$(PY) -m pip install --quiet -e ".[triton,train,test,lint,hf]"
+	$(PY) -m pip install --quiet -e ".[triton,train,test,lint,hf,hub]"
 	touch $(STAMP)
 
 # THREADS=N: the CPU threads torch uses (--threads; default: torch's choice, one per core)
@@ -87,6 +87,11 @@ gpu-check: $(GPU_CHECK_DEPS)
 	{ $(PY) scripts/bench.py gpu --out $(GPU_OUT); echo $$? >$(GPU_OUT)/gpu.rc; } 2>&1 | tee $(GPU_OUT)/gpu.log
 	{ $(PY) scripts/bench.py gpt-step --json; echo $$? >$(GPU_OUT)/gpt_step.rc; } 2>&1 | tee $(GPU_OUT)/gpt_step.log
 	$(PY) scripts/bench.py gpu-report --out $(GPU_OUT)
+
+# fuseblock's kernel-hub layers (fuseblock.hub.layers) as a local kernel repository, for
+# kernels.LocalLayerRepository(repo_path=Path("out/hub"), layer_name="RMSNorm") (docs/transformers.md)
+hub-repo: $(STAMP)
+	$(PY) -m fuseblock.hub.repository out/hub
 
 clean:
 	rm -rf .venv .venv-floor out build dist *.egg-info

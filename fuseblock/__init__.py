@@ -11,6 +11,7 @@ from .family import (
 from .fp8 import Quantized
 from .modules import AddNorm, Norm
 from .norm_linear import NormLinear
+from .ops.hyper import hc_add_norm, hc_head, hc_norm
 from .ops.norm import add_norm, norm
 from .ops.norm_add import norm_add, norm_add_norm
 from .ops.norm_linear import norm_linear  # after .norm_linear: `fuseblock.norm_linear` is the op, not the module
@@ -22,5 +23,6 @@ __all__ += ["norm_add", "norm_add_norm"]
 __all__ += ["norm_linear", "NormLinear"]
 __all__ += ["swap_norms", "SwapReport"]
 __all__ += ["Quantized"]
+__all__ += ["hc_add_norm", "hc_norm", "hc_head"]
 __all__ += ["embed_norm", "batch_norm", "group_norm", "instance_norm", "BatchNorm", "InstanceNorm"]
 __version__ = "0.3.0"

@@ -16,7 +16,9 @@ renamed) move to it. A crash or a full disk at any moment leaves the previous ch
 and pointer intact; an earlier run's checkpoints are removed only after that. A write
 that fails for space frees the oldest checkpoint but the one `latest` names and tries
 once more. Weights or optimizer state holding NaN or inf are not written at all: the
-loader would refuse them.
+loader would refuse them. A checkpoint the caller marks as not passed (train.py's update
+check, models/update_check.py) is written as a suspect: `latest` stays where it is, and
+neither pruning nor freeing space ever removes the checkpoint `latest` names.
 
 Everything loaded is checked before use: meta.json against its own sha256, the files
 against their recorded size and sha256, meta.json's fields by type and range
@@ -194,7 +196,8 @@ def _all_finite(model, optimizer, whole: tuple[dict, dict] | None) -> bool:
     return all(bool(torch.stack(flags).all()) for flags in by_device.values())
 
 
-def _pointer_target(out_dir: Path) -> str | None:
+def pointer_target(out_dir: Path) -> str | None:
+    """The name `latest` holds, or None when there is none (or it cannot be read)."""
     try:
         name = json.loads((out_dir / "latest").read_text())["checkpoint"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -226,7 +229,7 @@ def _put_in_place(out_dir: Path, tmp: Path, final: Path) -> None:
     it (a fresh run reaching the step an earlier run ended on), `latest` first moves to a
     second name of it, so that at every moment `latest` names a complete checkpoint."""
     if final.exists() or final.is_symlink():
-        if _pointer_target(out_dir) == final.name:
+        if pointer_target(out_dir) == final.name:
             alias = final.with_name(final.name + ".old")
             _second_name(final, alias)
             write_json(out_dir / "latest", {"checkpoint": alias.name}, indent=1)
@@ -244,6 +247,7 @@ def save(
     rng: dict[str, torch.Tensor],
     extra: dict | None = None,
     supersedes: tuple[str, ...] = (),
+    passed: bool = True,
 ) -> Path | None:
     """Write checkpoint `ckpt-{step}` atomically, then point `latest` at it; only then
     remove the checkpoints named in `supersedes` (an earlier run's) and prune old ones.
@@ -255,7 +259,11 @@ def save(
 
     A sharded model (FSDP2, tensor-parallel) is gathered whole first and written as a plain one is, so
     one process loads it: every rank calls save then (the gathers are collectives), rank
-    0 writes, and the others return None."""
+    0 writes, and the others return None.
+
+    passed=False writes a suspect: the directory only, `latest` and the earlier run's
+    checkpoints (`supersedes`) stay. A suspect never replaces the checkpoint `latest`
+    names: when it would have that name, nothing is written and save returns None."""
     whole = None
     if any(sharded.is_shard(p) for p in model.parameters()):
         whole = _gather(model, optimizer)
@@ -265,6 +273,8 @@ def save(
         raise NonFiniteError(f"step {step}: the weights or the optimizer state hold NaN or inf")
     out_dir = Path(out_dir)
     name = f"ckpt-{step:06d}"
+    if not passed and pointer_target(out_dir) == name:
+        return None
     final = out_dir / name
     tmp = out_dir / f".{name}.tmp{os.getpid()}"
     placed, freed = False, ()
@@ -276,7 +286,8 @@ def save(
                     _write_dir(tmp, step, model, optimizer, config, rng, extra, whole)
                     _put_in_place(out_dir, tmp, final)
                     placed = True
-                write_json(out_dir / "latest", {"checkpoint": name}, indent=1)
+                if passed:
+                    write_json(out_dir / "latest", {"checkpoint": name}, indent=1)
                 break
             except (OSError, SafetensorError) as e:
                 reason, code = _write_failure(e)
@@ -288,7 +299,7 @@ def save(
                 raise CheckpointWriteError(reason, final if placed else None, freed) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    for old in supersedes:
+    for old in supersedes if passed else ():
         if old != name:
             _remove(out_dir / old)
     _prune(out_dir, keep=name)
@@ -299,6 +310,21 @@ def _checkpoints(out_dir: Path) -> list[Path]:
     """Complete checkpoint directories, oldest step first (by number: ckpt-1000000 > ckpt-999999)."""
     found = [p for p in Path(out_dir).glob("ckpt-*") if p.is_dir() and _NAME.fullmatch(p.name)]
     return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def kept(out_dir: Path) -> list[tuple[str, bool | None]]:
+    """The complete checkpoints in `out_dir`, oldest first, each with whether it passed the
+    update check as its meta.json records (True for one written before the check; None
+    when meta.json cannot be read: the loader says why)."""
+    out = []
+    for p in _checkpoints(out_dir):
+        try:
+            meta = json.loads((p / "meta.json").read_text())
+            passed = meta.get("update", {"passed": True}).get("passed")
+            out.append((p.name, passed if isinstance(passed, bool) else None))
+        except (OSError, ValueError, AttributeError):
+            out.append((p.name, None))
+    return out
 
 
 def checkpoint_names(out_dir: Path) -> tuple[str, ...]:
@@ -315,7 +341,7 @@ def _step_of(name: str) -> int:
 def _free_oldest(out_dir: Path, keep: str) -> tuple[str, ...]:
     """Remove the oldest checkpoint but `keep` and the one `latest` names, to make room;
     its name, or () when there is none to remove (or it could not be removed)."""
-    spare = sorted(set(checkpoint_names(out_dir)) - {keep, _pointer_target(out_dir)}, key=_step_of)
+    spare = sorted(set(checkpoint_names(out_dir)) - {keep, pointer_target(out_dir)}, key=_step_of)
     if not spare:
         return ()
     try:
@@ -327,11 +353,15 @@ def _free_oldest(out_dir: Path, keep: str) -> tuple[str, ...]:
 
 def _prune(out_dir: Path, keep: str) -> None:
     """Drop all but the newest KEEP checkpoints, second names, and temp files a killed
-    writer left behind (one writer per output directory: its lock says so)."""
+    writer left behind (one writer per output directory: its lock says so); never `keep`
+    nor the checkpoint `latest` names, the last that passed, however many suspects follow it."""
+    spared = {keep, pointer_target(out_dir)}
     for p in _checkpoints(out_dir)[:-KEEP]:
-        if p.name != keep:
+        if p.name not in spared:
             _remove(p)
     for p in [*out_dir.glob("ckpt-*.old"), *out_dir.glob(".*.tmp*")]:
+        if p.name in spared:
+            continue
         try:
             _remove(p)
         except OSError:
@@ -358,7 +388,9 @@ def resolve(path: Path) -> Path:
     return path / name
 
 
-_FIELDS = {"format", "step", "config", "optimizer", "files", "history", "curve", "meta_sha256"}
+# "update": train.py's update check (models/update_check.py); checkpoints written before it
+# have none and count as passed
+_FIELDS = {"format", "step", "config", "optimizer", "files", "history", "curve", "update", "meta_sha256"}
 
 
 def _integrity_problem(meta: dict) -> str | None:

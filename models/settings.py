@@ -7,7 +7,8 @@ setting that no flag accepts is no more accepted from a file; `resume` merges th
 recorded settings with the flags given on --resume.
 
 meta.json's fields: format, step, config {model, train, world_size}, optimizer
-{param_groups, scalars}, files {name: {bytes, sha256}}, history, curve, meta_sha256.
+{param_groups, scalars}, files {name: {bytes, sha256}}, history, curve, update {largest,
+step, limit, passed} (train.py's update check; absent before it), meta_sha256.
 world_size is the data-parallel size, the number of distinct batch streams (a --tp N run
 on N ranks records 1: its tensor-parallel ranks read one stream). This
 module checks the run's record (step, config, history, curve); checkpoint.py the rest,
@@ -192,6 +193,16 @@ def meta_problem(meta: dict) -> str | None:
     if "curve" in meta and (not isinstance(curve, list) or len(curve) != step
                             or not all(is_number(c) and math.isfinite(c) for c in curve)):
         return f"malformed curve (a list of {step} finite numbers, one loss per step)"
+    update = meta.get("update", {})
+    if "update" in meta and not (
+        isinstance(update, dict) and set(update) == {"largest", "step", "limit", "passed"}
+        and is_number(update["largest"]) and math.isfinite(update["largest"]) and update["largest"] >= 0
+        and is_int(update["step"]) and 0 <= update["step"] <= step
+        and is_number(update["limit"]) and math.isfinite(update["limit"]) and update["limit"] > 0
+        and update["passed"] is (update["largest"] <= update["limit"])
+    ):
+        return ("malformed update check (a dict of largest >= 0, its step, the limit, and passed: whether "
+                "largest is within the limit)")
     if not isinstance(config, dict) or not set(config) <= {"model", "train", "world_size"}:
         return "malformed config (a dict of model, and train and world_size when recorded)"
     problem = _model_problem(config.get("model"))

@@ -2,6 +2,7 @@
 
     python scripts/train.py --out-dir out/shakespeare --overwrite  # the `make train` run
     python scripts/train.py --out-dir out/shakespeare --resume   # continue from `latest`
+    python scripts/train.py --out-dir out/shakespeare --resume ckpt-000500  # or from a kept checkpoint
     torchrun --standalone --nproc_per_node=2 scripts/train.py ... # DDP (gloo on CPU, nccl on GPU)
     torchrun --standalone --nproc_per_node=2 scripts/train.py --fsdp ...  # FSDP2: sharded
     torchrun --standalone --nproc_per_node=2 scripts/train.py --tp 2 ...  # tensor parallel
@@ -20,10 +21,13 @@ One run writes to an --out-dir at a time (rank 0 holds its lock), and a fresh ru
 one that holds another run's checkpoints needs --overwrite. Ctrl-C or SIGTERM finishes
 the current step, writes a checkpoint and exits with 130 or 143; --resume then continues
 bit-exactly with the settings the run was started with. A NaN or inf loss or gradient
-norm stops the run before that step lands anywhere: exit 3, and --resume continues from
-the last checkpoint. Exit status 2: a usage error, a bad checkpoint, an unusable
---out-dir, or a last checkpoint that could not be written. The settings, their bounds
-and the check of a checkpoint's record are in models/settings.py.
+norm stops the run before that step lands anywhere: exit 3, and the error names the last
+checkpoint that passed the update check (models/update_check.py: a checkpoint whose
+weights descend from a step that moved them by more than their own size is written as a
+suspect, and `latest` does not move to it) and the command that continues from it. Exit
+status 2: a usage error, a bad checkpoint, an unusable --out-dir, or a last checkpoint
+that could not be written. The settings, their bounds and the check of a checkpoint's
+record are in models/settings.py.
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ import argparse
 import gc
 import math
 import os
+import re
+import shlex
 import signal
 import sys
 import threading
@@ -53,7 +59,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from models import checkpoint, data, plot, settings, sharded  # noqa: E402
+from models import checkpoint, data, plot, settings, sharded, update_check  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 from models.lock import OutDirError, OutDirLock, claim  # noqa: E402
 from models.settings import MODEL_DEFAULTS, TRAIN_DEFAULTS, SettingsError, arg_type  # noqa: E402
@@ -73,18 +79,22 @@ def build_parser() -> argparse.ArgumentParser:
                "change; changing any but --max-iters, --eval-interval, --eval-iters and --ckpt-interval makes a "
                "different run). A longer --max-iters keeps the recorded learning-rate schedule unless "
                "--lr-decay-iters is given. Ctrl-C or SIGTERM: the current step finishes, a checkpoint is "
-               "written, exit 130 / 143. A NaN or inf loss or gradient norm stops the run unsaved, exit 3. "
+               "written, exit 130 / 143. A NaN or inf loss or gradient norm stops the run unsaved, exit 3, and "
+               "prints the command that continues from the last checkpoint that passed the update check. "
                "Exit 2: a usage error, a bad checkpoint, an unusable or busy --out-dir, or a last checkpoint "
                "that could not be written.")
     run = ap.add_argument_group("this invocation (not recorded)")
     run.add_argument("--out-dir", type=Path, default=Path("out/shakespeare"),
                      help="checkpoints, `latest` and loss.png go here; one run at a time (default: out/shakespeare)")
     fresh = run.add_mutually_exclusive_group()
-    fresh.add_argument("--resume", action="store_true",
-                       help="continue from the latest checkpoint in --out-dir (default: off, a fresh run)")
+    fresh.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
+                       help="continue from a checkpoint in --out-dir: the one `latest` names, or a kept one by name "
+                            "(ckpt-000010) or path (default: off, a fresh run)")
     fresh.add_argument("--overwrite", action="store_true",
                        help="let a fresh run replace the checkpoints of another run in --out-dir, once its own first "
                             "one is written (default: off, such a run is refused)")
+    run.add_argument("--resume-step", type=arg_type("count"), default=None, metavar="N",
+                     help="continue from the kept checkpoint of step N in --out-dir; implies --resume (default: off)")
     run.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     run.add_argument("--threads", type=arg_type("count"), default=None, help="CPU threads (default: torch's choice)")
     run.add_argument("--compile", action="store_true", help="torch.compile the model (default: off)")
@@ -113,6 +123,10 @@ def parse_args(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
     args.explicit = {k for k in (*MODEL_DEFAULTS, *TRAIN_DEFAULTS) if getattr(args, k) is not None}
+    if args.resume_step is not None:
+        if args.overwrite:
+            ap.error("argument --resume-step: not allowed with argument --overwrite")
+        args.resume = args.resume or "latest"
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -282,9 +296,11 @@ class Run:
     start: int
     history: list
     curve: list
-    supersedes: tuple  # an earlier run's checkpoints, removed once this run's first is written
-    last_saved: int  # step of the newest checkpoint of this run (the resumed one at first), 0 for none
+    supersedes: tuple  # an earlier run's checkpoints, removed once this run's first that passed is written
+    last_saved: int  # step of the checkpoint `latest` names (the last that passed), 0 for none of this run
+    check: update_check.UpdateCheck
     unsaved: str | None = None  # why the newest checkpoint attempt failed, if it did
+    suspect: str | None = None  # why this run's checkpoints since a step are suspects, once one is
     plotted: int = -1
     bar: object = None
     times: dict = field(default_factory=lambda: {"train": 0.0, "eval": 0.0, "ckpt": 0.0})
@@ -353,14 +369,73 @@ def build_model(cfg: GPTConfig, dist: Dist) -> GPT:
     return model
 
 
+def latest_step(out_dir: Path) -> int:
+    """The step of the checkpoint `latest` names, 0 for none."""
+    name = checkpoint.pointer_target(out_dir)
+    try:
+        return int(name[5:].removesuffix(".old")) if name and name.startswith("ckpt-") else 0
+    except ValueError:
+        return 0
+
+
+def resume_point(args) -> Path:
+    """The checkpoint to resume: the one `latest` names (plain --resume), or a kept one
+    named by --resume (a name in --out-dir, or a path to it) or --resume-step. A name that
+    is no kept checkpoint is a one-line error that lists the kept ones."""
+    out = args.out_dir
+    named = None if args.resume == "latest" else Path(args.resume)
+    if named is not None and len(named.parts) > 1 and named.resolve() == out.resolve():
+        named = None  # the output directory itself: its latest
+    if named is None and args.resume_step is None:
+        return checkpoint.resolve(out)
+    flag = f"--resume {args.resume}" if named is not None else f"--resume-step {args.resume_step}"
+    kept = checkpoint.kept(out)
+
+    def refuse(problem: str):
+        marks = {False: " (suspect)", None: " (unreadable)", True: ""}
+        listing = ", ".join(name + marks[ok] for name, ok in kept) or "none"
+        raise checkpoint.CheckpointError(f"argument {flag}: {problem}; the checkpoints kept in {out}: {listing}")
+
+    names = {name for name, _ in kept}
+    name = None
+    if named is not None:
+        if len(named.parts) > 1 and named.parent.resolve() != out.resolve():
+            refuse(f"{named} is not in --out-dir {out} (a run resumes in its own directory)")
+        name = named.name
+        if name not in names:
+            refuse(f"no checkpoint {name} in {out}")
+    if args.resume_step is not None:
+        by_step = f"ckpt-{args.resume_step:06d}"
+        if name is not None and name != by_step:
+            refuse(f"--resume-step {args.resume_step} names {by_step}, another checkpoint")
+        if by_step not in names:
+            refuse(f"no checkpoint of step {args.resume_step} in {out}")
+        name = by_step
+    return out / name
+
+
+def resume_notes(args, ckpt: Path, meta: dict) -> list[str]:
+    """What a resumed run says of its checkpoint when it is not the one `latest` names."""
+    latest = checkpoint.pointer_target(args.out_dir)
+    if ckpt.name == latest:
+        return []
+    notes = [f"resume: from {ckpt.name}; latest names {latest or 'none'}"]
+    update = meta.get("update")
+    if update and not update["passed"]:
+        notes.append(f"note: {ckpt.name} did not pass the update check (step {update['step']} moved the weights by "
+                     f"{update['largest']:.3g} times their size, limit {update['limit']:g}); resuming from it as asked")
+    return notes
+
+
 def build_run(args, dist: Dist) -> tuple[Run, list[str]]:
     """Model, optimizer and RNGs: fresh from the seed, or restored from the checkpoint."""
     notes, ckpt, meta, recorded = [], None, None, {}
     if args.resume:
-        ckpt = checkpoint.resolve(args.out_dir)
+        ckpt = resume_point(args)
         meta = checkpoint.read_meta(ckpt)
         saved = checkpoint.read_config(ckpt, meta)
-        notes = settings.describe_changes(*settings.resume(args, meta, saved, dist.dp, ckpt))
+        notes = resume_notes(args, ckpt, meta)
+        notes += settings.describe_changes(*settings.resume(args, meta, saved, dist.dp, ckpt))
         recorded = saved.__dict__  # its norm_eps and bias too, which no flag sets
     # the stream stays fp32 under bf16 autocast (a no-op in fp32)
     cfg = GPTConfig(**{**recorded, **{k: getattr(args, k) for k in MODEL_DEFAULTS}, "dropout": args.dropout,
@@ -404,7 +479,8 @@ def build_run(args, dist: Dist) -> tuple[Run, list[str]]:
         train_model = torch.compile(train_model)
     splits = {"train": data.load("train"), "val": data.load("val")}
     run = Run(args, dist, cfg, model, train_model, optimizer, batch_gen, splits, start, history, curve,
-              supersedes, last_saved=start)
+              supersedes, last_saved=latest_step(args.out_dir) if ckpt is not None else 0,
+              check=update_check.UpdateCheck(model))
     return run, notes
 
 
@@ -485,7 +561,9 @@ def train_step(run: Run, it: int, stop: StopSignals) -> tuple[float, int]:
     loss, norm = torch.stack([total, norm.to(total)]).tolist()  # one device sync
     if not (math.isfinite(loss) and math.isfinite(norm)):
         raise Diverged(f"step {it + 1} (loss {loss}, gradient norm {norm})")
+    run.check.before_step()
     run.optimizer.step()
+    run.check.after_step(it + 1)
     run.optimizer.zero_grad(set_to_none=True)
     return loss, int(signum)
 
@@ -494,15 +572,18 @@ def save(run: Run, step: int) -> None:
     """Checkpoint (rank 0; under --fsdp or --tp every rank joins the gathering of the shards), and
     redraw the loss plot when there is a new evaluation or at the end. A failed write (a
     full disk) is a warning and training goes on; `latest` and what it names stay as they
-    were."""
+    were. A checkpoint that fails the update check is written as a suspect: `latest` stays
+    on the last that passed, and the first suspect of a run is a warning."""
     args = run.args
     rng = {"batches": run.batch_gen.get_state(), "torch0": torch.get_rng_state()}
     settings = {k: getattr(args, k) for k in TRAIN_DEFAULTS}
     # the data-parallel world: what the batches depend on (a --tp 2 run on 2 ranks draws one process's)
     config = {"model": run.cfg.to_json(), "train": settings, "world_size": run.dist.dp}
+    verdict = run.check.verdict()
     try:
-        checkpoint.save(args.out_dir, step, run.model, run.optimizer, config, rng,
-                        extra={"history": run.history, "curve": run.curve}, supersedes=run.supersedes)
+        written = checkpoint.save(args.out_dir, step, run.model, run.optimizer, config, rng,
+                                  extra={"history": run.history, "curve": run.curve, "update": verdict},
+                                  supersedes=run.supersedes, passed=verdict["passed"])
     except checkpoint.NonFiniteError:
         raise Diverged(f"step {step} (NaN or inf weights or optimizer state)") from None
     except checkpoint.CheckpointWriteError as e:
@@ -517,7 +598,20 @@ def save(run: Run, step: int) -> None:
         return
     if not run.dist.master:  # under --fsdp or --tp the other ranks only joined the gathering
         return
-    run.unsaved, run.last_saved, run.supersedes = None, step, ()
+    name = f"ckpt-{step:06d}"
+    if not verdict["passed"] and run.suspect is None:
+        run.suspect = (f"step {verdict['step']} moved the weights by {verdict['largest']:.3g} times their size, "
+                       f"above the update check's limit of {verdict['limit']:g}")
+        kept = f"latest stays at ckpt-{run.last_saved:06d}" if run.last_saved else "latest not moved"
+        run.say(f"warning: {args.out_dir}: {run.suspect}: {name} and this run's later checkpoints, whose weights "
+                f"descend from that step, are written as suspects; {kept}", err=True)
+    if written is None:  # a suspect under the name of the checkpoint `latest` names, which it does not replace
+        run.unsaved = f"suspect checkpoint at step {step} not written: {name} is the last that passed"
+        run.say(f"warning: {run.unsaved}", err=True)
+        return
+    run.unsaved = None
+    if verdict["passed"]:
+        run.last_saved, run.supersedes = step, ()
     if len(run.history) != run.plotted or step == args.max_iters:
         try:
             plot.loss_plot(run.curve, run.history, args.out_dir / "loss.png")
@@ -616,10 +710,7 @@ def _train(args, dist: Dist, stop: StopSignals, t_start: float) -> dict:
     try:
         loss, step, signum = train_loop(run, stop)
     except Diverged as e:
-        redo = (f"{args.out_dir}/latest holds step {run.last_saved}: --resume continues from there"
-                if run.last_saved else "this run has no checkpoint: start it again")
-        raise Diverged(f"{args.out_dir}: training diverged at {e}; nothing of it was saved; {redo}, with a lower "
-                       f"--lr than {args.lr:g} to try") from None
+        raise Diverged(f"{args.out_dir}: training diverged at {e}; nothing of it was saved; {way_back(run)}") from None
     finally:
         if run.bar is not None:
             run.bar.close()
@@ -633,10 +724,65 @@ def _train(args, dist: Dist, stop: StopSignals, t_start: float) -> dict:
         stopped = f"stopped by {signal.Signals(signum).name} after step {step}, but " if signum else ""
         raise checkpoint.CheckpointError(f"{args.out_dir}: {stopped}{run.unsaved}")
     if signum:
+        how = f" as a suspect; --resume ckpt-{step:06d} continues from it" if run.suspect else "; --resume continues"
         run.say(f"stopped by {signal.Signals(signum).name} after step {step}: checkpoint "
-                f"{args.out_dir / f'ckpt-{step:06d}'} written; --resume continues", err=True)
+                f"{args.out_dir / f'ckpt-{step:06d}'} written{how}", err=True)
+    elif run.suspect:
+        held = f"ckpt-{run.last_saved:06d}" if run.last_saved else "none of this run's"
+        run.say(f"warning: {args.out_dir}: latest names {held}, not this run's last checkpoint: {run.suspect}; "
+                f"--resume ckpt-{step:06d} continues from it all the same", err=True)
     return {"model": None if dist.sharded else run.model, "loss": loss, "history": run.history, "curve": run.curve,
             "signal": signum}
+
+
+def way_back(run: Run) -> str:
+    """After a divergence: the last checkpoint that passed the update check (the one
+    `latest` names) and the command that continues from it, or, when this run has none,
+    the command that starts it again. The learning rate: the checkpoint's own where the
+    run had raised it, else a tenth of the run's (at most the default)."""
+    args, dist = run.args, run.dist
+    good = checkpoint.pointer_target(args.out_dir) if run.last_saved else None
+    recorded = None
+    if good is not None:
+        try:
+            recorded = checkpoint.read_meta(args.out_dir / good)["config"]["train"]
+        except (checkpoint.CheckpointError, KeyError):
+            good = None
+    if recorded is not None:  # what this run changed of the checkpoint's settings
+        flags = {k: getattr(args, k) for k in TRAIN_DEFAULTS if getattr(args, k) != recorded[k]}
+        base = recorded
+    else:  # a fresh run's every setting that is not the default
+        flags = {k: getattr(args, k) for k in MODEL_DEFAULTS if getattr(args, k) != MODEL_DEFAULTS[k]}
+        flags.update({k: getattr(args, k) for k in TRAIN_DEFAULTS if getattr(args, k) != TRAIN_DEFAULTS[k]})
+        if args.lr_decay_iters == args.max_iters:
+            flags.pop("lr_decay_iters", None)  # what a fresh run sets it to
+        base = TRAIN_DEFAULTS
+    lr = base["lr"] if recorded is not None and args.lr > base["lr"] else min(args.lr / 10, TRAIN_DEFAULTS["lr"])
+    flags.pop("lr", None)
+    if lr != base["lr"]:
+        flags["lr"] = lr
+    if flags.get("min_lr", base["min_lr"]) > lr:
+        flags.pop("min_lr", None)
+        if base["min_lr"] > lr:
+            flags["min_lr"] = lr / 10
+    # by name, unless `latest` holds the second name of an interrupted replacement, which --resume cannot name
+    point = ["--resume", good] if good and re.fullmatch(r"ckpt-\d+", good) else ["--resume"]
+    head = ["--out-dir", str(args.out_dir), *(point if good else ["--overwrite"])]
+    for k, v in flags.items():
+        head += [f"--{k.replace('_', '-')}", str(v)]
+    head += ["--fsdp"] * args.fsdp + (["--tp", str(args.tp)] if args.tp > 1 else []) + ["--compile"] * args.compile
+    head += (["--threads", str(args.threads)] if args.threads else []) + ["--no-progress"] * args.no_progress
+    if args.device != ("cuda" if torch.cuda.is_available() else "cpu"):
+        head += ["--device", args.device]
+    script = os.path.relpath(__file__)
+    script = script if not script.startswith("..") else os.path.abspath(__file__)
+    launch = f"torchrun --standalone --nproc_per_node={dist.world}" if dist.distributed else "python"
+    command = " ".join([launch, shlex.quote(script), *map(shlex.quote, head)])
+    why = f" ({run.suspect})" if run.suspect else ""
+    if good:
+        return (f"{good} is the last checkpoint that passed the update check (latest names it)"
+                f"{'; the ones after it are suspects' + why if why else ''}; to go on: {command}")
+    return f"this run has no checkpoint that passed the update check{why}; to start it again: {command}"
 
 
 def cli(argv=None) -> None:

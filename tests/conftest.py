@@ -26,6 +26,13 @@ from helpers import DEVICE, KERNEL_PATH, Launches  # noqa: E402
 if DEVICE != "cpu":
     torch.set_default_device(DEVICE)
 
+# The interpreter truncates fp32 -> bf16 (and misrounds fp8) where a GPU rounds to nearest
+# even: make it round as a GPU does, so that kernel-path checks hold the kernels to a GPU's
+# accuracy. The kernels are untouched (fuseblock/testing/interpreter_rounding.py says how).
+from fuseblock.testing.interpreter_rounding import install  # noqa: E402
+
+INTERPRETER_ROUNDING = install()  # None, or why the interpreter could not be made to round
+
 
 def pytest_addoption(parser):
     parser.addoption("--busy", type=int, default=0, metavar="N",
@@ -50,6 +57,11 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "kernel_only(reason): a property of the Triton kernels; skipped on the torch "
                                        "path (mark the test `kernel` too)")
     config.addinivalue_line("markers", "torch_only(reason): a property of the torch path; skipped on the kernel path")
+
+
+def pytest_report_header(config):
+    if INTERPRETER_ROUNDING is not None:
+        return f"interpreter rounding not patched: {INTERPRETER_ROUNDING}"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -9,7 +9,13 @@ how activations and parameters are handed to a kernel, and the partial-row sums.
   column stride, parameters unit-stride);
 - `sum_partial_rows` (`_bwd_sum`): the parameters' gradients, in their own dtypes, from
   fp32 partial rows that programs wrote (the norm's tile backward, group norm's per-sample
-  shares); `sum_rows` is also the last step of the norm's wide-row backward.
+  shares); `sum_rows` is also the last step of the norm's wide-row backward;
+- `row_programs`, `sum_cols`: how many partial rows a backward splits its rows into, and
+  how the sum of them is laid out. By default both follow the GPU (its SM count and the
+  programs per SM learned from the compiled kernel), so the weight gradients' bits may
+  differ between GPU models, and between the first call of a variant and the later ones.
+  Under `torch.use_deterministic_algorithms(True)` both are fixed by the shape alone
+  (`DETERMINISTIC_PROGRAMS`, `DETERMINISTIC_SUM_COLS`): the same bits on every GPU.
 
 The constants are read at call time: tests shrink them to reach the wide-row kernels on
 small inputs (tests/conftest.py, `small_wide_rows`).
@@ -24,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .occupancy import programs_per_sm
+
 LAUNCHES: collections.Counter = collections.Counter()
 
 MAX_TILE_FWD = 32768  # widest row (elements) the forward tile kernel holds in registers
@@ -33,6 +41,11 @@ LOOP_BLOCK = 4096  # column chunk of the row-looping kernels
 H100_SMS = 132  # SM count assumed when there is no GPU (the interpreter)
 SUM_TILE = 2048  # _bwd_sum: elements per [partial rows, columns] block it loads
 SUM_MIN_COLS = 32  # and at least 32 columns per program: 128 bytes of each fp32 partial row
+# Deterministic mode: the most programs (partial rows) a backward splits its rows among,
+# whatever the GPU: about one wave of the default on a 132-SM H100 (4 to 8 per SM), each
+# still of at least MIN_ROWS_PER_PROGRAM rows.
+DETERMINISTIC_PROGRAMS = 1024
+DETERMINISTIC_SUM_COLS = 64  # and the sum's columns per program (its reduction order)
 
 
 # Plain-integer helpers: triton.cdiv and triton.next_power_of_2 are constexpr functions
@@ -50,6 +63,31 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return H100_SMS
+
+
+def deterministic() -> bool:
+    """Whether the weight gradients must not depend on the GPU: torch's own switch,
+    `torch.use_deterministic_algorithms(True)`, read per call (a host-side flag)."""
+    return torch.are_deterministic_algorithms_enabled()
+
+
+def row_programs(device: torch.device, variant: tuple, per_sm: int) -> int:
+    """The programs a persistent backward may split its rows among, each summing its rows'
+    weight-gradient terms into one fp32 partial row: as many as the GPU holds at once (one
+    wave), or DETERMINISTIC_PROGRAMS in deterministic mode, whatever the GPU. Program i
+    always sums row blocks i, i + n, i + 2n, ... in that order, so a fixed n fixes the bits."""
+    if deterministic():
+        return DETERMINISTIC_PROGRAMS
+    return num_sms(device) * programs_per_sm(device, variant, per_sm)
+
+
+def sum_cols(d: int, device: torch.device) -> int:
+    """Columns per program of the partial rows' sum (`_bwd_sum`): enough programs to
+    spread over the SMs, at least SUM_MIN_COLS; in deterministic mode a fixed
+    DETERMINISTIC_SUM_COLS, since the block shape sets the order of the sum."""
+    if deterministic():
+        return min(pow2(d), DETERMINISTIC_SUM_COLS)
+    return max(SUM_MIN_COLS, min(pow2(d), pow2(cdiv(d, num_sms(device)))))
 
 
 class Layout(NamedTuple):
@@ -151,6 +189,6 @@ def _bwd_sum(DWP, DBP, DW, DB, n_rows, D, BR: tl.constexpr, BD: tl.constexpr,
 def sum_partial_rows(dw_part, db_part, dw, db, n_rows: int, d: int) -> None:
     """Launch `_bwd_sum`: dw and db (either may be None), in their own dtypes, become the
     column sums of the (n_rows, d) fp32 partial rows dw_part and db_part."""
-    bd = max(SUM_MIN_COLS, min(pow2(d), pow2(cdiv(d, num_sms((dw_part if dw is not None else db_part).device)))))
+    bd = sum_cols(d, (dw_part if dw is not None else db_part).device)
     _bwd_sum[(cdiv(d, bd),)](dw_part, db_part, dw, db, n_rows, d, BR=max(1, SUM_TILE // bd), BD=bd,
                              HAS_W=dw is not None, HAS_B=db is not None, num_warps=4)

@@ -51,6 +51,7 @@ from .launch import (
     loop_layout,
     num_sms,
     pow2,
+    row_programs,
     rows,
     stride,
     sum_partial_rows,
@@ -602,11 +603,13 @@ def _quantized_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_s
 
 
 def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, need_stats, x1=None, seed=None,
-             qscale=None, _codes=None, _quant=None):
+             out=None, new_res=None, qscale=None, _codes=None, _quant=None):
     """Triton forward, same contract as `fuseblock.reference.norm_fwd`. x1 and seed (the
     dropout masks' key, drawn by the caller when spec.dropout_p > 0: an int, or a one-element
     int64 tensor on x's device that the kernel reads) are add_norm's branch:
-    p = residual + alpha * (drop(x) + drop(x1)).
+    p = residual + alpha * (drop(x) + drop(x1)). out and new_res: (M, d) tensors to write
+    into (of x's and residual_dtype), for `fuseblock.serve`, which may pass x and the
+    residual themselves; else they are allocated.
 
     With spec.quant, out is `fuseblock.fp8.Quantized` (qscale: fp8_tensor's static scale),
     written by the tile kernel in its one launch. Rows too wide for a tile are normed into
@@ -622,8 +625,10 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
     M, G = x2.shape[0], spec.groups
     # Outputs in x's shape, the kernel writing through (M, d) views of them: a returned
     # view would be one autograd refuses to let users edit in place.
-    out = torch.empty(x.shape, dtype=spec.out_dtype_for(x.dtype), device=x.device) if _codes is None else _codes
-    new_res = torch.empty(x.shape, dtype=residual_dtype, device=x.device) if residual_dtype is not None else None
+    if out is None:
+        # the kernel stores in its dtype (uint8 codes for a quantized output)
+        out = torch.empty(x.shape, dtype=spec.out_dtype_for(x.dtype), device=x.device) if _codes is None else _codes
+        new_res = torch.empty(x.shape, dtype=residual_dtype, device=x.device) if residual_dtype is not None else None
     o2, ro2 = out.view(M, d), None if new_res is None else new_res.view(M, d)
     rstd = torch.empty((M, G), dtype=torch.float32, device=x.device) if need_stats else None
     mean = torch.empty((M, G), dtype=torch.float32, device=x.device) if need_stats and spec.center else None
@@ -708,7 +713,7 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     # Programs per SM as many as fit at once (one wave), and at least
     # MIN_ROWS_PER_PROGRAM rows each, so the (n_prog, d) partial buffers stay small next
     # to the activations on small batches.
-    slots = num_sms(dev) * programs_per_sm(dev, variant, lay.per_sm)
+    slots = row_programs(dev, variant, lay.per_sm)
     n_prog = max(1, min(slots // n_cols, n_items, cdiv(M, MIN_ROWS_PER_PROGRAM)))
     # With one program its sums are dw and db: it writes them, and nothing is left to add.
     sum_parts = n_prog > 1 and (need_dw or need_db)

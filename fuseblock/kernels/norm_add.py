@@ -38,7 +38,20 @@ from .. import fp8
 from ..spec import NormSpec, Quant
 from . import launch
 from .fp8 import quant_buffers, quantized, store_quantized
-from .launch import LAUNCHES, Layout, cdiv, fwd_layout, loop_layout, num_sms, pow2, stride, sum_rows, vec
+from .launch import (
+    LAUNCHES,
+    Layout,
+    cdiv,
+    fwd_layout,
+    loop_layout,
+    num_sms,
+    pow2,
+    row_programs,
+    stride,
+    sum_cols,
+    sum_rows,
+    vec,
+)
 from .launch import rows as as_rows
 from .norm import _mean, _prod, _rstd, _weight
 from .occupancy import learn, programs_per_sm
@@ -561,7 +574,7 @@ def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rst
                  HAS_BB=params[1] is not None, HAS_W=params[2] is not None, HAS_B=params[3] is not None,
                  SECOND=second, CENTER=spec.center, STORE_DR=store_dr)
     variant = lay.variant(f"norm_add.{kernel.fn.__name__}", (x2, p2, branch_weight, weight, do2, dro2), flags)
-    slots = num_sms(dev) * programs_per_sm(dev, variant, lay.per_sm)
+    slots = row_programs(dev, variant, lay.per_sm)
     n_prog = max(1, min(slots, n_items, cdiv(M, MIN_ROWS_PER_PROGRAM)))
     # a lone tile program writes the gradients themselves; the loop kernel adds a
     # program's blocks up in fp32 partial rows, always summed (and cast) by _bwd_sum4
@@ -580,7 +593,7 @@ def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rst
     learn(dev, variant, compiled, lay.warps)
     LAUNCHES["bwd"] += 1
     if sum_parts:
-        bd = max(launch.SUM_MIN_COLS, min(pow2(d), pow2(cdiv(d, num_sms(dev)))))
+        bd = sum_cols(d, dev)
         _bwd_sum4[(cdiv(d, bd),)](*parts, *grads, n_prog, d, BR=max(1, launch.SUM_TILE // bd), BD=bd,
                                   HAS_BW=grads[0] is not None, HAS_BB=grads[1] is not None,
                                   HAS_W=grads[2] is not None, HAS_B=grads[3] is not None, num_warps=4)

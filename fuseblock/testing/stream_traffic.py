@@ -14,6 +14,8 @@ join's norm is the next mixer's input norm:
     dropout     s' = s + drop(b);  n = N(s')                      add_norm(b, s, dropout_p=p)
     post-norm   s' = s + N_b(b)  (s' is the next mixer's input)   norm_add(b, s)
     sandwich    s' = s + N_b(b);  n = N(s')                       norm_add_norm(b, s)
+    mhc         n = 4 streams H (docs/stream.md): H' = post b + comb^T H,    hc_add_norm(H, b, post, comb, ...)
+                then post', comb', n = N(sum pre_i H'_i)  (DeepSeek-V4's ops; fuseblock.testing.hyper_traffic)
 
 Untouched, every op is counted as a GPU runs it, one kernel each reading its inputs and
 writing its outputs (EagerTraffic): the add and the mul one aten op each, torch's
@@ -30,10 +32,11 @@ import torch.nn.functional as F
 
 import fuseblock
 
+from . import hyper_traffic
 from .cases import OneKernelRMSNorm
 from .traffic import EagerTraffic, KernelTraffic, charge, uncounted
 
-STREAM_SHAPES = ["pre-norm", "scaled", "parallel", "dropout", "post-norm", "sandwich"]
+STREAM_SHAPES = ["pre-norm", "scaled", "parallel", "dropout", "post-norm", "sandwich", "mhc"]
 ALPHA = 0.5  # the scaled shape's branch scale (Granite's residual_multiplier is 0.22)
 DROPOUT_P = 0.1
 EPS = 1e-6  # OneKernelRMSNorm's
@@ -65,7 +68,10 @@ class OneKernelDropout(torch.autograd.Function):
 def layer_inputs(shape: str, rows: int, d: int, dtype) -> tuple[torch.Tensor, list, list[list]]:
     """(stream, branches, weights) of one layer of `shape`: branches[j] the branch (a pair
     for parallel) and weights[j] the norm weights (N_b first where there is one) of join j.
-    Every tensor requires grad."""
+    Every tensor requires grad. mhc: the stream is (H, post, comb) (hyper_traffic.layer_inputs)."""
+    if shape == "mhc":
+        return hyper_traffic.layer_inputs(rows, d, dtype)
+
     def act():
         return torch.randn(rows, d).to(dtype).requires_grad_()
 
@@ -114,6 +120,8 @@ def _fused_join(shape, branch, stream, ws):
 def layer(shape: str, stream, branches, weights, fused: bool, one_kernel: bool = True) -> list[torch.Tensor]:
     """One layer's outputs: each join's norm output (what the next mixer reads; post-norm:
     the new stream itself), then the stream the layer hands on."""
+    if shape == "mhc":
+        return hyper_traffic.layer(stream, branches, weights, fused)
     outs = []
     for branch, ws in zip(branches, weights, strict=True):
         got = _fused_join(shape, branch, stream, ws) if fused else _untouched_join(shape, branch, stream, ws,
@@ -125,7 +133,8 @@ def layer(shape: str, stream, branches, weights, fused: bool, one_kernel: bool =
 
 def _leaves(stream, branches, weights) -> list[torch.Tensor]:
     flat = [t for b in branches for t in (b if isinstance(b, tuple) else (b,))]
-    return [stream, *flat, *(w for ws in weights for w in ws)]
+    streams = list(stream) if isinstance(stream, tuple) else [stream]  # mhc: (H, post, comb)
+    return [*streams, *flat, *(w for ws in weights for w in ws)]
 
 
 def measure_stream_traffic(shape: str, rows: int, d: int, dtype) -> list[dict]:

@@ -29,7 +29,8 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=3,
                     help="speed, gpt-step: independent runs of all the steps (median, min, max; default 3)")
     ap.add_argument("--ops", type=lambda v: v.split(","), default=None,
-                    help="traffic: a comma list of ops (fuseblock.testing.cases.OPS; default all)")
+                    help="traffic: a comma list of ops (fuseblock.testing.cases.OPS, RESIDUAL_OPS, and hc_add_norm, "
+                         "hc_add_norm_nocomb: the mHC boundary at n = 4; default all but these two)")
     ap.add_argument("--rows", type=_ints, default=None,
                     help="traffic: row counts (default 256,2048,16384; --quick 256,2048); gpu: the first is the "
                          "row count (default 32768), capped at 2^29 / d; stream: row counts (default 1024; "

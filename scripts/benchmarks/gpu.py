@@ -1,9 +1,14 @@
 """`bench.py gpu`: bf16 add_norm bandwidth (compulsory bytes / time) against eager torch,
 torch.compile and published kernels; table and plots into --out. (The GPT step is
 `bench.py gpt-step`.) --device cpu runs the same code at toy sizes, a smoke test for
-machines without a GPU."""
+machines without a GPU.
+
+`fuseblock-deterministic` is fuseblock under torch.use_deterministic_algorithms(True):
+the weight gradients' partial rows fixed by the shape, not the GPU (docs/serving.md),
+with torch's fill of uninitialized memory off, so the row measures that order alone."""
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -59,6 +64,22 @@ def _fwd_bwd_TBps(fn, x, r, w, nbytes: int, do_bench) -> tuple[float, float]:
     return nbytes / t_fwd / 1e9, nbytes / t_bwd / 1e9
 
 
+@contextlib.contextmanager
+def _deterministic(on: bool):
+    """torch.use_deterministic_algorithms(on) for the block, without its NaN fill of every
+    torch.empty (a cost of torch's, not of the fixed summation order being measured)."""
+    import torch.utils.deterministic as det
+
+    before = torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(on)
+    det.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        det.fill_uninitialized_memory = before[1]
+
+
 def _empty_cache(dev) -> None:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -90,6 +111,7 @@ def _bandwidth_row(kind: str, d: int, args, dev, do_bench) -> dict:
     # fwd: x, r in; out, p out. bwd: p, dout, dp in; dx (= dr) out. Weights excluded.
     nbytes = 4 * M * d * x.element_size()
     impls = {"fuseblock": lambda x, r, w: fuseblock.add_norm(x, r, w, kind=kind, eps=1e-6),
+             "fuseblock-deterministic": lambda x, r, w: fuseblock.add_norm(x, r, w, kind=kind, eps=1e-6),
              "eager": lambda x, r, w: _naive(x, r, w, kind)}
     if compiled is not None:
         impls["compile"] = lambda x, r, w: compiled(x, r, w, kind)
@@ -97,7 +119,8 @@ def _bandwidth_row(kind: str, d: int, args, dev, do_bench) -> dict:
         impls.update(_others(kind, d, dt))
     for name, fn in impls.items():
         try:
-            row[f"{name}_fwd_TBps"], row[f"{name}_bwd_TBps"] = _fwd_bwd_TBps(fn, x, r, w, nbytes, do_bench)
+            with _deterministic(name == "fuseblock-deterministic"):
+                row[f"{name}_fwd_TBps"], row[f"{name}_bwd_TBps"] = _fwd_bwd_TBps(fn, x, r, w, nbytes, do_bench)
         except Exception as e:  # a contender's failure of any kind (a Triton compile error too): in the table
             row[f"{name}_error"] = _error(e)
     return row

@@ -4,6 +4,10 @@
   autograd work a GPU host also does around each launch, which bounds small kernels (the
   backward at d = 1024 is ~100 us of GPU work on an H100). Measured with tiny CPU
   tensors, so allocation here stands in for the GPU caching allocator.
+  `serve_us`: `fuseblock.serve.fused_add_rms_norm` (or `fused_add_layer_norm`) on the
+  same tensors, against `train_fwd_us`, the training op's forward (`fuseblock.add_norm`,
+  its torch.ops custom op) under torch.inference_mode: what a serving engine pays per
+  norm call either way.
 - Torch-path rows: eager `add_norm` forward + backward at 1 x 1024 fp32 on the torch
   path against the naive form it replaces, `x + r` then `F.rms_norm` (or `F.layer_norm`)
   (form "function"), and `fuseblock.AddNorm` against `x + r` then `nn.RMSNorm` (or
@@ -19,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import fuseblock
+from fuseblock import serve
 from fuseblock.kernels import norm as kernels
 from fuseblock.ops.checks import resolve
 from fuseblock.ops.dispatch import kernels_on_cpu
@@ -57,11 +62,23 @@ def _kind_row(kind: str, reps: int, calls: int) -> dict:
         out, res = fuseblock.add_norm(x, r, w, b, kind=kind)
         torch.autograd.grad((out, res), [t for t in (x, r, w, b) if t is not None], (out, res))
 
+    xs, rs = xd.clone(), rd.clone()
+
+    def serve_call():  # in place, as a serving engine calls it (the launch is recorded, not run)
+        if kind == "rms":
+            serve.fused_add_rms_norm(xs, rs, wd, 1e-6)
+        else:
+            serve.fused_add_layer_norm(xs, rs, wd, bd, 1e-6)
+
+    def train_fwd():
+        with torch.inference_mode():
+            fuseblock.add_norm(xd, rd, wd, bd, kind=kind, eps=1e-6, residual_dtype=rd.dtype)
+
     row = dict(kind=kind, d=1024)
     # The Triton path for CPU tensors, its kernels recorded rather than run.
     with kernels_on_cpu(), captured_launches(kernels):
         for name, fn in (("launcher_fwd_us", launcher_fwd), ("launcher_bwd_us", launcher_bwd),
-                         ("eager_fwd_bwd_us", eager_step)):
+                         ("eager_fwd_bwd_us", eager_step), ("serve_us", serve_call), ("train_fwd_us", train_fwd)):
             row[name] = best_us(fn, reps, calls)
     return row
 

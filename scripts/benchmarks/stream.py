@@ -12,7 +12,8 @@ from fuseblock.testing.stream_traffic import STREAM_SHAPES, measure_stream_traff
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 COLUMNS = {
-    "shape": "the stream shape (docs/stream.md): how a sublayer's branch joins the stream",
+    "shape": "the stream shape (docs/stream.md): how a sublayer's branch joins the stream (mhc: n = 4 "
+             "hyper-connection streams, each boundary one hc_add_norm)",
     "pas": "fwd, bwd, or both: one layer's residual adds and norms, its mixers cut out",
     "untouched_MB": "bytes the torch ops a model writes move, each op one kernel (torch's rms_norm and dropout "
                     "as CUDA runs them)",

@@ -1,5 +1,7 @@
 """`bench.py traffic`: bytes each op moves, Triton kernels (counted by the interpreter)
-against naive eager and the compulsory minimum (`fuseblock.testing.op_traffic`)."""
+against naive eager and the compulsory minimum (`fuseblock.testing.op_traffic`); the
+hyper-connection boundary (n = 4 streams, bf16) against its unfused torch form
+(`fuseblock.testing.hyper_traffic`)."""
 from __future__ import annotations
 
 import sys
@@ -7,20 +9,39 @@ import sys
 import torch
 
 from fuseblock.testing.cases import OPS, RESIDUAL_OPS
+from fuseblock.testing.hyper_traffic import measure_hyper_traffic
 from fuseblock.testing.op_traffic import measure_residual_traffic, measure_traffic
 from fuseblock.testing.quant_traffic import QUANT_OPS, measure_quant_traffic
 
+# the mHC boundary with comb (DeepSeek-V4, GLM-5-next) and without (HY-V4), n = 4 streams
+HYPER_OPS = {"hc_add_norm": True, "hc_add_norm_nocomb": False}
+
 
 def check(args) -> str | None:
-    unknown = sorted(set(args.ops or ()) - set(OPS) - set(RESIDUAL_OPS) - set(QUANT_OPS))
-    return f"--ops: unknown {unknown}; choose from {OPS + RESIDUAL_OPS + QUANT_OPS}" if unknown else None
+    known = OPS + RESIDUAL_OPS + list(HYPER_OPS) + QUANT_OPS
+    unknown = sorted(set(args.ops or ()) - set(known))
+    return f"--ops: unknown {unknown}; choose from {known}" if unknown else None
+
+
+def _hyper(op: str, args) -> list[dict]:
+    """The boundary at n = 4 in bf16: rows 256 (--quick 64), d = 1024 and 4096 (--quick 256)."""
+    out_rows = []
+    for d in [args.d] if args.d else ([256] if args.quick else [1024, 4096]):
+        for rows in args.rows or ([64] if args.quick else [256]):
+            out_rows += measure_hyper_traffic(rows, 4, d, torch.bfloat16, comb=HYPER_OPS[op])
+            if not args.json:
+                print(f"  {op} bfloat16 {rows}x4x{d} done", file=sys.stderr, flush=True)
+    return out_rows
 
 
 def run(args) -> list[dict]:
     rows_list = args.rows or ([256, 2048] if args.quick else [256, 2048, 16384])
     d = args.d or (256 if args.quick else 1024)
     out_rows = []
-    for op in args.ops or OPS + RESIDUAL_OPS + QUANT_OPS:
+    for op in args.ops or OPS + RESIDUAL_OPS + QUANT_OPS:  # the mHC boundary by name only: minutes of interpreter each
+        if op in HYPER_OPS:
+            out_rows += _hyper(op, args)
+            continue
         measure = measure_residual_traffic if op in RESIDUAL_OPS else measure_traffic  # unfused against fused
         if op in QUANT_OPS:  # forward only: the fp8 codes carry no gradient
             measure = measure_quant_traffic

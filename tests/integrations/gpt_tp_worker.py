@@ -19,6 +19,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import fuseblock.ops.dispatch  # noqa: E402
 import fuseblock.ops.dtensor  # noqa: E402
+from fuseblock.testing.interpreter_rounding import install  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 from models.tensor_parallel import fsdp_placement, parallelize  # noqa: E402
 
@@ -119,4 +120,5 @@ def main():
 
 
 if __name__ == "__main__":
+    install()  # the interpreter rounds as a GPU does, as in the tests' own process (conftest)
     main()

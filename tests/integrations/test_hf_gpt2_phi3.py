@@ -240,13 +240,45 @@ def test_gpt2_cross_attention_is_refused():
     assert not any(isinstance(m, Norm) for m in model.modules())
 
 
-def test_gpt2_token_types_and_encoder_states_are_refused_in_one_line():
+@pytest.mark.kernel
+def test_gpt2_token_types_are_added_as_the_unfused_model_adds_them():
+    """token_type_ids: GPT2Model adds their wte rows after the position embeddings, before
+    the embedding dropout; the fused model the same: logits, loss and every gradient (wte's
+    takes the token types' share) bitwise on the torch path, and (batch, choices, T) token
+    types of GPT2DoubleHeadsModel as well."""
     unfused, fused = pair("gpt2")
-    ids = batch()[0]
-    types = torch.ones_like(ids)
-    with torch.no_grad():  # the unfused model adds them: ignoring them would be wrong
+    ids, mask, labels = batch()
+    types = torch.randint(0, 3, ids.shape, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():  # the premise: the unfused model reads them
         assert not torch.equal(unfused(input_ids=ids, token_type_ids=types).logits, unfused(input_ids=ids).logits)
-    for name, value in (("token_type_ids", types), ("encoder_hidden_states", torch.zeros(2, 3, 64))):
+    out = []
+    for model in (unfused, fused):
+        model.zero_grad(set_to_none=True)
+        o = model(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels)
+        o.loss.backward()
+        out.append((o.logits, o.loss, {n: p.grad for n, p in model.named_parameters()}))
+    (la, lossa, ga), (lb, lossb, gb) = out
+    _equal_or_close(lb, la)
+    _equal_or_close(lossb, lossa)
+    assert ga.keys() == gb.keys()
+    for name in ga:
+        _equal_or_close(gb[name], ga[name])
+    config = tiny_config("gpt2")
+    torch.manual_seed(0)
+    heads = transformers.GPT2DoubleHeadsModel(config).eval()
+    fused_heads = fuse(copy.deepcopy(heads))
+    kw = dict(input_ids=ids.view(1, 2, -1), attention_mask=mask.view(1, 2, -1), token_type_ids=types.view(1, 2, -1),
+              mc_token_ids=torch.tensor([[11, 11]]))
+    with torch.no_grad():
+        a, b = heads(**kw), fused_heads(**kw)
+    _equal_or_close(b.logits, a.logits)
+    _equal_or_close(b.mc_logits, a.mc_logits)
+
+
+def test_gpt2_encoder_states_are_refused_in_one_line():
+    _, fused = pair("gpt2")
+    ids = batch()[0]
+    for name, value in (("encoder_hidden_states", torch.zeros(2, 3, 64)), ("encoder_attention_mask", torch.ones(2, 3))):
         with pytest.raises(ValueError, match=f"GPT2Model on the fused stream takes no {name}") as e:
             fused(input_ids=ids, **{name: value})
         assert "\n" not in str(e.value)

@@ -115,11 +115,13 @@ MROPE = dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=8)
 
 
-def wrapper_config(kind):
+def wrapper_config(kind, **text_overrides):
     """A tiny config of the wrapper: fuseblock's tiny text config of its language model's
-    family and a 2-layer vision tower making IMAGE_TOKENS tokens of an 8 x 8 image."""
+    family (then text_overrides) and a 2-layer vision tower making IMAGE_TOKENS tokens of
+    an 8 x 8 image."""
     family, text_class = TEXT[kind]
-    text = text_class(**{**SIZES, **TINY[family], **(MROPE if kind.startswith("qwen") else {})}).to_dict()
+    text = text_class(**{**SIZES, **TINY[family], **(MROPE if kind.startswith("qwen") else {}),
+                         **text_overrides}).to_dict()
     if kind == "llava":  # CLIP: 4 patches of 4 x 4 and a CLS token, which the default strategy drops
         vision = transformers.CLIPVisionConfig(**VISION, patch_size=4).to_dict()
         return transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN,
@@ -146,12 +148,12 @@ def wrapper_config(kind):
                                        spatial_merge_size=2, vision_feature_layer=-1)
 
 
-def wrapper(kind, seed=0):
+def wrapper(kind, seed=0, **text_overrides):
     """The unfused wrapper with random weights, every 1-d parameter perturbed (norm weights
     away from their initial values, as hf_models.make does) and every zero one made random
     (Gemma3's mm_input_projection_weight starts at zeros: no image would reach the logits)."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForImageTextToText.from_config(wrapper_config(kind))
+    model = transformers.AutoModelForImageTextToText.from_config(wrapper_config(kind, **text_overrides))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1 or not p.any():
@@ -186,9 +188,12 @@ VISION_TOWER = ("model.vision_tower.", "model.visual.")  # (Qwen2-VL's name)
 
 
 def _outside(model, inner):
-    """{name: module class} of every module outside the language model `inner`."""
+    """{name: module class} of every module outside the language model `inner`: for the
+    models around it, which fuse moves to a subclass of their own class (the Norms' init),
+    the class it extends."""
     inside = {id(m) for m in inner.modules()}
-    return {n: type(m) for n, m in model.named_modules() if id(m) not in inside}
+    return {n: getattr(type(m), "_fuseblock_key", (type(m),))[0] for n, m in model.named_modules()
+            if id(m) not in inside}
 
 
 @pytest.mark.parametrize("kind", list(WRAPPERS))
@@ -200,6 +205,9 @@ def test_wrapper_fuses_its_language_model_bitwise_on_text_and_image(kind):
     assert inner.fuseblock_family is not None and isinstance(inner.norm, Norm)
     assert not any(type(m).__name__.endswith("RMSNorm") for m in inner.modules())
     assert _outside(fused, inner) == classes  # vision tower, projector and their norms as they were
+    # fuse moves the wrapper, its base model and its language model (and its layers) to subclasses
+    moved = {n for n, m in fused.named_modules() if getattr(type(m), "_fuseblock_fused", False)}
+    assert {n for n in moved if not n.startswith("model.language_model.")} == {"", "model", "model.language_model"}
     assert list(fused.state_dict()) == list(unfused.state_dict())
     kw, labels = image_batch(kind)
     outs = []
@@ -221,6 +229,35 @@ def test_wrapper_fuses_its_language_model_bitwise_on_text_and_image(kind):
     # the image changes the logits: the comparison covers the image path
     kw["pixel_values"] = kw["pixel_values"] + 1
     assert not torch.equal(fused(**kw).logits, b[0])
+
+
+# Block scalars of other families' configs that no fused language model's code reads
+STRAY = dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, activation_dropout=0.1)
+
+
+@pytest.mark.parametrize("kind", list(WRAPPERS))
+def test_wrapper_whose_text_config_holds_keys_nothing_reads_fuses(kind, tmp_path):
+    """A wrapper whose text config holds STRAY fuses (once refused for them) and gives the
+    unfused wrapper's logits and loss, bitwise, on text and image; pickled whole with
+    torch.save it loads fused (its model, base model and language model fuse's classes)
+    with the same logits."""
+    unfused = wrapper(kind, **STRAY)
+    assert all(getattr(unfused.model.language_model.config, k) == v for k, v in STRAY.items())
+    fused = fuse(copy.deepcopy(unfused))
+    assert fused.model.language_model.fuseblock_family is not None
+    # saved before any forward: transformers' output-recording hooks, installed at the first
+    # one, are local functions, which pickle refuses for the unfused model as well
+    torch.save(fused, tmp_path / "fused.pt")
+    loaded = torch.load(tmp_path / "fused.pt", weights_only=False)
+    kw, labels = image_batch(kind)
+    with torch.no_grad():
+        a, b = (m(**kw, labels=labels) for m in (unfused, fused))
+    assert torch.equal(b.logits, a.logits) and torch.equal(b.loss, a.loss), max_diff(b.logits, a.logits)
+    assert all(type(m) is type(n) for m, n in ((loaded, fused), (loaded.model, fused.model),
+                                               (loaded.model.language_model, fused.model.language_model)))
+    assert type(loaded.model.language_model)._fuseblock_fused and type(loaded)._fuseblock_fused
+    with torch.no_grad():
+        assert torch.equal(loaded(**kw).logits, b.logits)
 
 
 @pytest.mark.kernel

@@ -11,18 +11,22 @@ checkpointing; torch.compile(fullgraph=True); the kernel path on two architectur
 docs/transformers.md shows.
 """
 import copy
+import io
 import json
 import math
 import os
+import pickle
+import re
 import sys
 import warnings
 
 import pytest
+import timeouts
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-import timeouts  # noqa: E402
+from helpers import KERNEL_PATH  # noqa: E402
 from hf_models import HIDDEN, LAYERS, ROOT, batch, differences, make, max_diff, pair, run, stream_ops  # noqa: E402
 
 from fuseblock import Norm  # noqa: E402
@@ -119,6 +123,71 @@ def test_output_attentions_match(arch):
     assert len(a) == len(b) == LAYERS
     for x, y in zip(b, a, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "gpt_neox", "olmo2", "gemma2"])
+def test_output_attentions_answers_as_the_unfused_model_under_each_implementation(arch):
+    """output_attentions=True, as the forward's argument or the config's, under each attention
+    implementation set after fusing (set_attn_implementation on both models): eager returns
+    one weight tensor per layer, the unfused model's (bitwise on the torch path, within 1e-5
+    on the kernel path); sdpa returns none, as the unfused model does (an empty tuple; its
+    config refuses output_attentions); an implementation the family lacks is the same
+    ValueError on both (Gemma2's sdpa)."""
+    unfused, fused = pair(arch)
+    ids, mask, _ = batch(t=6)
+    for impl in ("eager", "sdpa"):
+        try:
+            unfused.set_attn_implementation(impl)
+        except ValueError as e:
+            with pytest.raises(ValueError, match=re.escape(str(e).split(".")[0])):
+                fused.set_attn_implementation(impl)
+            continue
+        fused.set_attn_implementation(impl)
+        for where in ("argument", "config") if impl == "eager" else ("argument",):  # (sdpa's config refuses it)
+            kw = {"output_attentions": True} if where == "argument" else {}
+            with torch.no_grad():
+                for m in (unfused, fused):
+                    m.config.output_attentions = where == "config"
+                a, b = (m(input_ids=ids, attention_mask=mask, **kw).attentions for m in (unfused, fused))
+                for m in (unfused, fused):
+                    m.config.output_attentions = False
+            assert type(a) is type(b) and len(a) == len(b) == (LAYERS if impl == "eager" else 0), (impl, where)
+            for x, y in zip(b, a, strict=True):
+                if KERNEL_PATH:
+                    torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+                else:
+                    assert torch.equal(x, y), max_diff(x, y)
+
+
+# Block scalars of other families' configs (BERT's, BART's) that no fused family's code
+# reads: configs carry such keys, and fuse once refused every model holding them
+STRAY = dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, activation_dropout=0.1)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("arch", ARCHS)
+def test_config_keys_the_unfused_model_does_not_read_are_no_reason_to_refuse(arch):
+    """A model whose config holds STRAY fuses, and computes what the unfused one does:
+    logits, loss and every gradient, bitwise on the torch path (fp32 rounding for
+    NOT_BITWISE; the kernel path within its 1e-4). The premise, that the unfused model
+    reads none of them, is checked too: its logits are those of the same weights without
+    the keys."""
+    plain = make(arch)
+    unfused, fused = pair(arch, **STRAY)
+    assert all(getattr(fused.config, k) == v for k, v in STRAY.items())
+    assert fused.base_model.fuseblock_family is not None
+    ids, mask, labels = batch(t=6)
+    with torch.no_grad():
+        assert torch.equal(unfused(input_ids=ids, attention_mask=mask).logits,
+                           plain(input_ids=ids, attention_mask=mask).logits)
+    a, b = run(unfused, ids, mask, labels, hidden=False), run(fused, ids, mask, labels, hidden=False)
+    pairs = [*zip(b[:2], a[:2], strict=True), *((b[2][n], a[2][n]) for n in a[2])]
+    if KERNEL_PATH or arch in NOT_BITWISE:
+        for x, y in pairs:
+            torch.testing.assert_close(x, y, **NOT_BITWISE.get(arch, dict(rtol=1e-4, atol=1e-4)))
+    else:
+        assert all(torch.equal(x, y) for x, y in pairs), max(max_diff(x, y) for x, y in pairs)
 
 
 # ---------------------------------------------------------------------------- the fused stream's shape
@@ -474,13 +543,99 @@ def test_fuse_is_per_instance_and_idempotent():
     assert cls.forward is forward and transformers.LlamaModel.forward is model_forward
     assert type(unfused.model.layers[0]) is cls and isinstance(fused.model.layers[0], cls)
     assert type(fused.model.layers[0]).__name__ == cls.__name__  # transformers finds layers by class name
-    copied = copy.deepcopy(fused)  # what fuse bound to the instances is bound to the copies
+    copied = copy.deepcopy(fused)  # what fuse gave the instances the copies have
     assert copied._init_weights.__self__ is copied and copied.model._init_weights.__self__ is copied.model
     assert copied.model.forward.__self__ is copied.model
     again = fuse(copied)
     assert type(again.model.layers[0]) is type(fused.model.layers[0])
     ids = batch()[0]
     torch.testing.assert_close(again(ids).logits, unfused(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+PICKLED = ["llama", "gpt2", "gpt_neox"]  # Llama's names, GPT-2's own model forward, a variant entry
+# Loads the models the test saved, in a fresh process (none of fuse's classes made yet), and
+# saves their logits on the ids saved beside them, and whether each is still fused
+_LOAD = """
+import sys, torch
+from fuseblock.integrations.transformers.families import registered
+ids = torch.load(sys.argv[1] + "/ids.pt")
+found = {}
+for arch in sys.argv[2:]:
+    model = torch.load(f"{sys.argv[1]}/{arch}.pt", weights_only=False)
+    family = model.base_model.fuseblock_family
+    layers = getattr(model.base_model, family.model_parts["layers"])
+    fused = (any(family is f for f in registered().values()) and all(type(m)._fuseblock_fused for m in layers)
+             and type(model.base_model)._fuseblock_fused)
+    with torch.no_grad():
+        found[arch] = (fused, model(input_ids=ids).logits)
+torch.save(found, sys.argv[1] + "/found.pt")
+"""
+
+
+def test_torch_save_of_a_fused_model_loads_fused(tmp_path):
+    """torch.save(fused) and torch.load(..., weights_only=False), in this process and in a
+    fresh one: the loaded model's layers, inner model and model are fuse's classes (its
+    registered family, the Norms' init), and its logits and gradients are the fused
+    model's, bitwise. (A bare PicklingError before: fuse's classes were not importable.)"""
+    ids, mask, labels = batch()
+    torch.save(ids, tmp_path / "ids.pt")
+    expected = {}
+    for arch in PICKLED:
+        unfused, fused = pair(arch)
+        torch.save(fused, tmp_path / f"{arch}.pt")
+        loaded = torch.load(tmp_path / f"{arch}.pt", weights_only=False)
+        assert type(loaded) is type(fused) and type(loaded).__name__ == type(unfused).__name__
+        assert type(part(loaded, arch)[0]) is type(part(fused, arch)[0])
+        assert type(loaded.base_model) is type(fused.base_model)
+        assert loaded.base_model.fuseblock_family is fused.base_model.fuseblock_family
+        assert loaded._init_weights.__func__ is fused._init_weights.__func__ is not type(unfused)._init_weights
+        a, b = run(fused, ids, mask, labels, hidden=False), run(loaded, ids, mask, labels, hidden=False)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        assert all(torch.equal(a[2][n], b[2][n]) for n in a[2])
+        with torch.no_grad():
+            expected[arch] = fused(input_ids=ids).logits
+            unfused(input_ids=ids)
+        # after a forward as before it, pickling goes as it goes for the unfused model (in
+        # transformers 5.23 both refuse: its output-recording hooks are local functions)
+        outcome = []
+        for model in (unfused, fused):
+            try:
+                torch.save(model, io.BytesIO())
+                outcome.append(None)
+            except (AttributeError, pickle.PicklingError, TypeError) as e:
+                outcome.append((type(e), str(e)))
+        assert outcome[0] == outcome[1], outcome
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    p = timeouts.run([sys.executable, "-c", _LOAD, str(tmp_path), *PICKLED], seconds=120, capture_output=True,
+                     text=True, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    found = torch.load(tmp_path / "found.pt")
+    for arch in PICKLED:
+        assert found[arch][0], arch
+        assert torch.equal(found[arch][1], expected[arch]), max_diff(found[arch][1], expected[arch])
+
+
+def _readme_example():
+    """The one ```python block of the README's section on transformers models."""
+    import re
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    section = re.search(r"^## Hugging Face transformers models\n(.*?)(?=^## )", text, re.S | re.M)
+    assert section, "no section '## Hugging Face transformers models' in README.md"
+    blocks = re.findall(r"```python\n(.*?)```", section.group(1), re.S)
+    assert len(blocks) == 1, f"expected one python block in the section, found {len(blocks)}"
+    return blocks[0]
+
+
+@pytest.mark.kernel
+def test_readme_example_runs_verbatim():
+    ns = {"__name__": "readme_example"}
+    exec(compile(_readme_example(), "README.md (Hugging Face transformers models)", "exec"), ns)
+    # it ran the fused model (not only the unfused one) and generated past the prompt
+    assert type(ns["fused"].model.layers[0]) is not type(ns["llama"].model.layers[0])
+    assert ns["tokens"].shape == (1, 12) and ns["out"].loss.requires_grad
+    assert all(p.grad is not None for p in ns["fused"].parameters())
 
 
 @pytest.mark.slow
@@ -512,4 +667,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from fuseblock.testing.interpreter_rounding import install
+
+    install()  # under TRITON_INTERPRET=1, round as a GPU does, as the tests do (conftest)
     main()

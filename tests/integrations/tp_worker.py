@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import fuseblock  # noqa: E402
 from fuseblock.parallel import FusedColwiseParallel, HiddenParallel, SequenceParallel  # noqa: E402
+from fuseblock.testing.interpreter_rounding import install  # noqa: E402
 
 B, T, D = 2, 4, 6  # T and D even: both ranks hold the same number of rows / columns
 
@@ -567,4 +568,5 @@ def main():
 
 
 if __name__ == "__main__":
+    install()  # the interpreter rounds as a GPU does, as in the tests' own process (conftest)
     main()

@@ -306,3 +306,20 @@ def test_branch_variants_move_the_compulsory_bytes(op, dtype):
     assert fwd["kernel_over_min"] <= 1.05
     partials = 2 * 4 * d * -(-rows // MIN_ROWS_PER_PROGRAM)
     assert bwd["kernel_MB"] <= 1.05 * bwd["min_MB"] + partials / 1e6
+
+
+@pytest.mark.kernel
+@kernel_only
+@pytest.mark.parametrize("comb", [True, False], ids=["comb", "no_comb"])
+def test_hyper_boundary_reads_and_writes_the_streams_once(comb):
+    """hc_add_norm at n = 4: forward, one launch whose activations are the minimum (H, f,
+    post, comb in; H', y, post', comb' out), far fewer bytes than the unfused form;
+    backward, two launches, H' read by both."""
+    from fuseblock.testing.hyper_traffic import measure_hyper_traffic
+
+    fwd, bwd, _ = measure_hyper_traffic(32, 4, 64, torch.bfloat16, comb=comb, iters=3)
+    assert fwd["launches"] == 1 and bwd["launches"] == 2
+    assert fwd["act_over_min"] == pytest.approx(1.0)
+    assert fwd["unfused_over_kernel"] > 3 and bwd["unfused_over_kernel"] > 3
+    assert 1.0 <= bwd["act_over_min"] < 1.25  # H' again in the dfn launch: 1 of 6.5 hidden states
+    assert fwd["kept_MB"] < fwd["unfused_kept_MB"] / 10

@@ -83,7 +83,8 @@ def test_gpu_code_path_smoke_run_on_cpu(tmp_path):
     bw = [r for r in rows if r["kind"] in ("rms", "layer")]
     assert len(bw) == 2 and not any(k.endswith("_error") for r in rows for k in r)
     for r in bw:
-        assert all(r[f"{impl}_{pas}_TBps"] > 0 for impl in ("fuseblock", "eager", "compile") for pas in ("fwd", "bwd"))
+        assert all(r[f"{impl}_{pas}_TBps"] > 0 for impl in ("fuseblock", "fuseblock-deterministic", "eager", "compile")
+                   for pas in ("fwd", "bwd"))
     assert {f.name for f in tmp_path.iterdir()} == {"gpu.md", "gpu.json", "gpu_rms.png", "gpu_layer.png"}
 
 
@@ -163,6 +164,7 @@ def test_overhead_quick_times_the_host_side_alone():
     for r in rows:  # the eager step includes both launchers, plus autograd and argument checks
         assert 0 < r["launcher_fwd_us"] and 0 < r["launcher_bwd_us"]
         assert r["eager_fwd_bwd_us"] > r["launcher_fwd_us"] + r["launcher_bwd_us"]
+        assert 0 < r["serve_us"] and 0 < r["train_fwd_us"]
 
 
 def test_traffic_options_before_the_subcommand_measure_the_kernels():

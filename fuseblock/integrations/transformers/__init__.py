@@ -23,7 +23,7 @@ The package, one concept a file:
 - `check`: the structural check that stands between a family's name and its fusion;
 - `layers`: the fused decoder-layer forwards, one per stream shape;
 - `model`: the fused forward of the inner model (LlamaModel and its kin);
-- `fusion`: `fuse` itself: norms converted, layers re-classed, forwards bound, init.
+- `fusion`: `fuse` itself: norms converted, layers and models re-classed (forwards, init).
 """
 from __future__ import annotations
 

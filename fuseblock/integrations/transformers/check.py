@@ -4,19 +4,26 @@ A family's entry (families.py) says what its fused forward handles. A model of t
 model_type is fused only if it is that: the inner model holds exactly the entry's
 modules, every decoder layer exactly its roles' modules, every stream norm converts to a
 fuseblock Norm, and every block scalar of the config that the forward does not read has
-its neutral value. Anything else is a refusal naming what differs, so that a family
-registered with another's forward, or a config option the forward ignores, is an error
-rather than a silently different model.
+its neutral value, where the unfused model's code reads it. Anything else is a refusal
+naming what differs, so that a family registered with another's forward, or a config
+option the forward ignores, is an error rather than a silently different model.
 
 Block scalars: the config entries whose names mark them as changing the residual block
 (`_BLOCK_SCALAR`: dropouts, multipliers, parallel / post-norm / sandwich flags, scales,
 cross-attention, bidirectional attention). Those consumed inside modules fuse leaves as
 they are (the attention, the head; `_INSIDE`) need no check; the rest must be neutral
-(None, False, 0 or 1) unless the family reads them.
+(None, False, 0 or 1) unless the family reads them. A key the unfused model's code does
+not read is no reason (configs carry stray keys: BERT's hidden_dropout_prob in a GPT-NeoX
+config changes neither model): `read_by_replaced_code` finds the names the code fuse
+replaces mentions, in the installed transformers source.
 """
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import re
+import sys
 
 from torch import nn
 
@@ -75,7 +82,7 @@ def refusals(base: nn.Module, family: Family) -> list[str]:
     found += _same_across_layers(layers, family)
     found += [f"config.{key} = {getattr(base.config, key, None)!r}, where its fused forward ({family.shape.name}) "
               f"takes {value!r}" for key, value in family.requires.items() if getattr(base.config, key, None) != value]
-    found += _unread_scalars(base.config, family)
+    found += _unread_scalars(base.config, family, read_by_replaced_code(base, family))
     return found
 
 
@@ -101,12 +108,65 @@ def _same_across_layers(layers, family: Family) -> list[str]:
     return found
 
 
-def _unread_scalars(config, family: Family) -> list[str]:
-    """The config's block scalars the fused forward neither reads nor leaves to a module
-    fuse does not touch, with a value that changes the block."""
+def read_by_replaced_code(base: nn.Module, family: Family) -> frozenset[str] | None:
+    """The config attributes (`config.key`, `self.config.key`, ...) and the strings
+    (`getattr(config, "key")`) of the transformers code that fuse replaces or stops
+    running: the classes (and their transformers bases) of the inner model, of its decoder
+    layers and of its stream norms, and the module-level functions and statements of their
+    modeling files, which those classes may call. The other classes of those files
+    (attention, MLP, the heads, the other tasks' models) run unchanged in the fused model:
+    what they read they still honour. A superset of what that code reads (a name counts
+    whatever uses it); None where a file's source cannot be read: then every key counts."""
+    classes = [type(base), *{type(layer) for layer in getattr(base, family.model_parts["layers"])}]
+    classes += [type(getattr(layer, family.parts[r])) for layer in getattr(base, family.model_parts["layers"])[:1]
+                for r in family.norms]
+    classes.append(type(getattr(base, family.model_parts["norm"])))
+    wanted: dict[str, set[str]] = {}
+    for cls in classes:
+        for c in cls.__mro__:
+            if c.__module__.startswith("transformers.models."):
+                wanted.setdefault(c.__module__, set()).add(c.__qualname__.split(".")[0])
+    names: set[str] = set()
+    for module, kept in wanted.items():
+        read = _names_in(module, frozenset(kept))
+        if read is None:
+            return None
+        names |= read
+    return frozenset(names)
+
+
+@functools.cache
+def _names_in(module: str, classes: frozenset[str]) -> frozenset[str] | None:
+    """The attributes of config objects and the string constants in `module`'s source,
+    outside its classes other than `classes`."""
+    try:
+        tree = ast.parse(inspect.getsource(sys.modules[module]))
+    except (KeyError, OSError, TypeError, SyntaxError):
+        return None
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name not in classes:
+            continue
+        for n in ast.walk(node):
+            if isinstance(n, ast.Attribute) and re.search(r"config|cfg", ast.unparse(n.value), re.IGNORECASE):
+                names.add(n.attr)
+            elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+                names.add(n.value)
+    return frozenset(names)
+
+
+def _unread_scalars(config, family: Family, read: frozenset[str] | None) -> list[str]:
+    """The config's block scalars with a value that changes the block, which the code fuse
+    replaces reads (`read`; None: all) and the fused forward neither reads nor leaves to a
+    module fuse does not touch. A key is read under its name or an alias of it
+    (config.attribute_map)."""
+    aliases: dict[str, set[str]] = {}
+    for alias, key in getattr(config, "attribute_map", {}).items():
+        aliases.setdefault(key, set()).add(alias)
     found = []
     for key, value in sorted(config.to_dict().items()):
         if (_BLOCK_SCALAR.search(key) and key not in _INSIDE and key not in family.reads and key not in family.requires
-                and not _neutral(value)):
-            found.append(f"config.{key} = {value!r}, which its fused forward does not read")
+                and not _neutral(value) and (read is None or not read.isdisjoint({key, *aliases.get(key, ())}))):
+            found.append(f"config.{key} = {value!r}, which its fused forward does not read (the unfused model's "
+                         f"code does)")
     return found

@@ -26,7 +26,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .layers import PARALLEL, PARALLEL_RESIDUAL_FIRST, POST_NORM, PRE_NORM, SANDWICH, Shape
-from .model import FUSED_MODEL_FORWARD, stream_forward
+from .model import FUSED_MODEL_FORWARD, PREPARE, stream_forward
 
 
 def embed_tokens(base, input_ids: Tensor) -> Tensor:
@@ -73,7 +73,8 @@ class Family:
     dropout: role ("attn", "mlp") -> the layer's dropout module of that branch (Phi3's
         resid_attn_dropout), or None.
     embed / prepare: the token embeddings from ids, then what the model does to them before
-        the first layer (Granite's embedding_multiplier), each given the inner model.
+        the first layer (Granite's embedding_multiplier), each given the inner model; prepare
+        also takes what its family's model forward hands it (GPT-2's token_type_ids).
     rotary: "shared" (one rotary embedding for all layers), "by_layer_type" (Gemma3's, one
         per config.layer_types entry) or None.
     positions: the rotary embedding's and the masks' / layers' position ids from the
@@ -82,7 +83,7 @@ class Family:
         layers is sliding-window where config.sliding_window is set (Mistral); else it is
         causal whatever the config holds (Llama, Gemma, GLM4, OLMo2 ignore a stray window).
     output: the inner model's output class (MoE families return router logits in theirs).
-    model_forward: the inner model's fused forward, bound to it by fuse: model.py's, or a
+    model_forward: the inner model's fused forward, its class's by fuse: model.py's, or a
         family's own where its model's signature differs (GPT-2's), mapping onto model.py's.
     cache_keyword: the keyword under which the decoder layers (and their attention) take
         the KV cache: "past_key_values", GPT-NeoX's "layer_past".
@@ -112,6 +113,15 @@ class Family:
     def __deepcopy__(self, memo):  # a copied model shares its family, as its layers' classes do
         return self
 
+    def __reduce__(self):
+        """Pickled by its name in FAMILIES or WRAPPED (and its variant's key): a loaded model
+        shares the registered entry, as a copied one does."""
+        for name, entry in registered().items():
+            if entry is self:
+                return registered_family, name
+        raise TypeError("a Family outside FAMILIES and WRAPPED cannot be pickled (it is pickled by its name); save "
+                        "the model's state_dict or use save_pretrained")
+
     def __post_init__(self):
         missing = self.shape.roles - set(self.parts)
         if missing:
@@ -129,25 +139,29 @@ def _gpt2_embed(base, input_ids: Tensor) -> Tensor:
     return base.wte(input_ids)
 
 
-def _gpt2_prepare(base, inputs_embeds: Tensor, position_ids: Tensor) -> Tensor:
-    """GPT-2's absolute position embeddings added to the token embeddings, then its
-    embedding dropout (config.embd_pdrop), as GPT2Model.forward does."""
-    return base.drop(inputs_embeds + base.wpe(position_ids).to(inputs_embeds.device))
+def _gpt2_prepare(base, inputs_embeds: Tensor, position_ids: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
+    """GPT-2's absolute position embeddings added to the token embeddings, then the token
+    types' embeddings (rows of wte) where given, then its embedding dropout
+    (config.embd_pdrop): GPT2Model.forward's adds in its order."""
+    hidden = inputs_embeds + base.wpe(position_ids).to(inputs_embeds.device)
+    if token_type_ids is not None:
+        hidden = hidden + base.wte(token_type_ids)
+    return base.drop(hidden)
 
 
 def _gpt2_model_forward(self, input_ids=None, past_key_values=None, attention_mask=None, token_type_ids=None,
                         position_ids=None, inputs_embeds=None, encoder_hidden_states=None,
                         encoder_attention_mask=None, use_cache=None, **kwargs):
     """GPT2Model.forward's signature (past_key_values second, positionally) on model.py's
-    forward. Token type embeddings and cross-attention inputs are refused: the first would
-    be summed into the stream between the position embeddings and the dropout, the second
-    needs the cross-attention blocks fuse refuses. Like GPT2Model, ids of more than two
-    dims (GPT2DoubleHeadsModel's choices) run as one batch and come back in their shape."""
-    for name, value in (("token_type_ids", token_type_ids), ("encoder_hidden_states", encoder_hidden_states),
+    forward. Token types go to the embedding step (`_gpt2_prepare`); cross-attention inputs
+    are refused: they need the cross-attention blocks fuse refuses. Like GPT2Model, ids of
+    more than two dims (GPT2DoubleHeadsModel's choices) run as one batch and come back in
+    their shape, and so do token types."""
+    for name, value in (("encoder_hidden_states", encoder_hidden_states),
                         ("encoder_attention_mask", encoder_attention_mask)):
         if value is not None:
             raise ValueError(f"{type(self).__name__} on the fused stream takes no {name} (fuse does not fuse GPT-2's "
-                             f"token types or cross-attention); call it without {name}, or unfused")
+                             f"cross-attention); call it without {name}, or unfused")
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
     if input_ids is not None:
@@ -156,6 +170,8 @@ def _gpt2_model_forward(self, input_ids=None, past_key_values=None, attention_ma
         input_ids = input_ids.view(-1, shape[-1])
     else:
         shape = inputs_embeds.shape[:-1]
+    if token_type_ids is not None:
+        kwargs[PREPARE] = {"token_type_ids": token_type_ids.view(-1, shape[-1])}
     if attention_mask is not None and attention_mask.ndim < 4:
         attention_mask = attention_mask.view((input_ids if inputs_embeds is None else inputs_embeds).shape[0], -1)
     out = stream_forward(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
@@ -167,10 +183,10 @@ def _gpt2_model_forward(self, input_ids=None, past_key_values=None, attention_ma
 # Phi3: Llama's layer with nn.Dropout on each branch before its add (config.resid_pdrop),
 # which the fused add_norm applies (dropout_p) in training. Phi3Model never applies
 # config.embd_pdrop (transformers' forward has no embedding dropout), so neither does the
-# fused forward: reading it means leaving it unused, as the unfused model does.
+# fused forward (check.py passes a key the unfused model does not read).
 _PHI3_DROPOUT = {"attn": "resid_attn_dropout", "mlp": "resid_mlp_dropout"}
 _PHI3 = Family(PRE_NORM, {**LLAMA_PARTS, "attn_drop": "resid_attn_dropout", "mlp_drop": "resid_mlp_dropout"},
-               dropout=_PHI3_DROPOUT, reads=frozenset({"resid_pdrop", "embd_pdrop"}), window_mask=True)
+               dropout=_PHI3_DROPOUT, reads=frozenset({"resid_pdrop"}), window_mask=True)
 # GPT-2: pre-norm with LayerNorms (bias), Conv1D projections and the residual dropout
 # (config.resid_pdrop) inside its attention and MLP modules, which fuse leaves untouched;
 # learned absolute positions and the embedding dropout (config.embd_pdrop) before layer 0
@@ -329,3 +345,19 @@ WRAPPED: Mapping[str, Family] = {"qwen2_vl_text": Family(PRE_NORM, positions=mro
 # forward takes as the unfused one does.
 WRAPPERS: Mapping[str, str] = {"llava": "language_model", "gemma3": "language_model", "mistral3": "language_model",
                                "qwen2_vl": "language_model", "qwen2_5_vl": "language_model"}
+
+
+def registered() -> dict[tuple, Family]:
+    """Every entry fuse fuses with, by (model_type, variant key or None): FAMILIES, WRAPPED
+    and their variants' entries (GPT-NeoX's and StableLM's by use_parallel_residual)."""
+    found = {}
+    for model_type, family in (*FAMILIES.items(), *WRAPPED.items()):
+        found[model_type, None] = family
+        for key, entry in getattr(family.variant, "variants", {}).items():
+            found[model_type, key] = entry
+    return found
+
+
+def registered_family(model_type: str, key) -> Family:
+    """The entry `registered()` names (model_type, key): what a pickled Family loads as."""
+    return registered()[model_type, key]

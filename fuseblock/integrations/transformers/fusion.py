@@ -12,15 +12,18 @@ unfused model live side by side in one process. It
   class and family) whose forward is its shape's fused one (layers.py): isinstance checks,
   gradient checkpointing (transformers' GradientCheckpointingLayer) and output-recording
   hooks still apply;
-- binds the fused forward to the inner model instance (model.py);
-- binds an `_init_weights` to the model and its base model that initialises the Norms as
-  transformers initialises the norms they replaced, so init_weights, post_init and
-  from_pretrained's missing keys work on a fused model built on the meta device. fuse
-  runs inside `with torch.device("meta")`, where from_pretrained builds its models.
+- moves the inner model to a subclass of its class in the same way, whose forward is the
+  fused one (model.py);
+- gives the inner model, and the model and base model around it, an `_init_weights`
+  (their subclasses' too) that initialises the Norms as transformers initialises the norms
+  they replaced, so init_weights, post_init and from_pretrained's missing keys work on a
+  fused model built on the meta device. fuse runs inside `with torch.device("meta")`,
+  where from_pretrained builds its models.
+What fuse gives a model lives in these classes, not in the instances, so a fused model
+copies and pickles whole: `torch.save(model)` and `torch.load(..., weights_only=False)`
+give a fused model (`_reduce_fused` names each class by the class it extends).
 """
 from __future__ import annotations
-
-import types
 
 import torch
 from torch import nn
@@ -34,24 +37,51 @@ from .check import refusals
 from .families import FAMILIES, SUPPORTED, WRAPPED, WRAPPERS, Family
 from .refused import REFUSED
 
-_FUSED_LAYER_CLASSES: dict[tuple[type, Family], type] = {}
+# The roles of the modules fuse re-classes: a decoder layer (its shape's forward), the
+# inner model (its family's model forward and the Norms' init) and the PreTrainedModels
+# around it (the Norms' init)
+LAYER, MODEL, INIT = "layer", "model", "init"
+_FUSED_CLASSES: dict[tuple[type, Family | None, str], type] = {}
 
 
-def _fused_layer_class(cls: type, family: Family) -> type:
-    """A subclass of the decoder layer class cls with its family's fused forward, created
-    once per class and family. It keeps cls's name (transformers finds layers by class
-    name, e.g. _no_split_modules), and being a subclass, transformers'
-    GradientCheckpointingLayer wraps its forward for checkpointing as it does cls's."""
+def _fused_class(cls: type, family: Family | None, role: str) -> type:
+    """A subclass of cls with what fuse gives a module of `role` (LAYER, MODEL, INIT) as
+    its methods, created once per class, family and role. Methods of the class rather
+    than of the instance, so a copy or a pickle of the model carries them. It keeps cls's
+    name (transformers finds layers by class name, e.g. _no_split_modules), and being a
+    subclass, transformers' GradientCheckpointingLayer wraps a layer's forward for
+    checkpointing as it does cls's. Pickled, an instance names cls, family and role
+    (`_reduce_fused`): the class is made again where it is loaded."""
     if getattr(cls, "_fuseblock_fused", False):
         return cls
-    key = (cls, family)
-    if key not in _FUSED_LAYER_CLASSES:
-        _FUSED_LAYER_CLASSES[key] = type(cls.__name__, (cls,), {
-            "forward": family.shape.forward, "fuseblock_family": family, "_fuseblock_fused": True,
-            "__module__": __name__, "__qualname__": cls.__qualname__,
-            "__doc__": f"{cls.__name__} on the fused residual stream ({family.shape.name}): "
-                       "forward(p, r, **kwargs) -> (sum, p', r'); see fuseblock.integrations.transformers."})
-    return _FUSED_LAYER_CLASSES[key]
+    key = (cls, family, role)
+    if key not in _FUSED_CLASSES:
+        if role == LAYER:
+            methods = {"forward": family.shape.forward, "fuseblock_family": family}
+            what = f"on the fused residual stream ({family.shape.name}): forward(p, r, **kwargs) -> (sum, p', r')"
+        elif role == MODEL:
+            methods, what = {"forward": family.model_forward, "_init_weights": _init_weights}, "with its fused forward"
+        else:
+            methods, what = {"_init_weights": _init_weights}, "holding a fused model"
+        # A model class keeps its module too: transformers initialises a class from outside
+        # its package as custom code (PreTrainedModel.is_custom_code), skipping modules whose
+        # parameters it takes as loaded, GPT-2's scaled c_proj init among them
+        _FUSED_CLASSES[key] = type(cls.__name__, (cls,), {
+            **methods, "_fuseblock_fused": True, "_fuseblock_key": key, "__reduce_ex__": _reduce_fused,
+            "__module__": __name__ if role == LAYER else cls.__module__, "__qualname__": cls.__qualname__,
+            "__doc__": f"{cls.__name__} {what}; see fuseblock.integrations.transformers."})
+    return _FUSED_CLASSES[key]
+
+
+def _reduce_fused(self, protocol):
+    """Pickling (and copying) an instance of a `_fused_class`: made again by
+    `fused_instance` from the class's key, then given its state as any nn.Module."""
+    return fused_instance, self._fuseblock_key, self.__getstate__()
+
+
+def fused_instance(cls: type, family: Family | None, role: str) -> nn.Module:
+    """An empty instance of `_fused_class(cls, family, role)`, which unpickling fills."""
+    return object.__new__(_fused_class(cls, family, role))
 
 
 def _is_rms_norm(module: nn.Module) -> bool:
@@ -82,7 +112,8 @@ def _convert_norms(base: nn.Module, family: Family) -> None:
 
 
 def _init_weights(self: PreTrainedModel, module: nn.Module) -> None:
-    """`_init_weights` of each PreTrainedModel of a fused model, bound to the instance by fuse.
+    """`_init_weights` of each PreTrainedModel of a fused model: a method of the classes fuse
+    gives them (`_fused_class`).
 
     transformers initialises weights through this one method: init_weights and post_init,
     and the keys from_pretrained finds missing (all of them on a model built on the meta
@@ -93,9 +124,9 @@ def _init_weights(self: PreTrainedModel, module: nn.Module) -> None:
     identity map, weight ones, or zeros where the weight has an offset (Gemma's 1 + w, which
     Gemma's _init_weights zeroes); bias zeros (Norm.reset_parameters' values). Through
     transformers' init functions, which leave a tensor flagged as loaded alone. Every other
-    module goes to the class's own method."""
+    module goes to the method of the class fuse extended."""
     if not isinstance(module, Norm):
-        type(self)._init_weights(self, module)
+        self._fuseblock_key[0]._init_weights(self, module)
         return
     if module.weight is not None:
         (hf_init.zeros_ if module.weight_offset != 0.0 else hf_init.ones_)(module.weight)
@@ -173,13 +204,14 @@ def fuse(model: PreTrainedModel, *, residual_dtype: torch.dtype | None = None) -
         _convert_norms(base, family)
         # the model, its base model and a wrapper's language model each initialise their own
         # modules; a wrapper's vision tower holds no Norm and keeps its own method
-        for module in {id(m): m for m in (model, model.base_model, base)}.values():
-            module._init_weights = types.MethodType(_init_weights, module)
+        for module in {id(m): m for m in (model, model.base_model)}.values():
+            if module is not base:
+                module.__class__ = _fused_class(type(module), None, INIT)
         layers = getattr(base, family.model_parts["layers"])
         for layer in layers:
-            layer.__class__ = _fused_layer_class(type(layer), family)
+            layer.__class__ = _fused_class(type(layer), family, LAYER)
         base.fuseblock_family = family
-        base.forward = types.MethodType(family.model_forward, base)
+        base.__class__ = _fused_class(type(base), family, MODEL)
     for layer in layers:
         layer.fuseblock_residual_dtype = residual_dtype
     base.fuseblock_residual_dtype = residual_dtype

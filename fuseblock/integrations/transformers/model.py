@@ -17,6 +17,10 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .layers import SUM, branch
 
+# The private keyword under which a family's model forward hands its prepare step inputs
+# of its own (GPT-2's token_type_ids), which the layers do not take
+PREPARE = "fuseblock_prepare"
+
 # The mask each attention layer type reads (config.layer_types), as the models build them
 _MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
@@ -89,7 +93,7 @@ def stream_forward(
     rotary_ids, position_ids = family.positions(self, position_ids, inputs_embeds, past_key_values)
     n = self.config.num_hidden_layers
     masks = _layer_masks(self.config, family, attention_mask, inputs_embeds, past_key_values, position_ids)
-    hidden = family.prepare(self, inputs_embeds, position_ids)
+    hidden = family.prepare(self, inputs_embeds, position_ids, **kwargs.pop(PREPARE, {}))
     rotary = _rotary(self, family, hidden, rotary_ids, n)
     # transformers' capture_outputs records hidden states when this is truthy (its own test)
     if kwargs.get("output_hidden_states", getattr(self.config, "output_hidden_states", False)):
