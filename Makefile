@@ -6,7 +6,7 @@ STAMP       := .venv/.installed
 FLOOR_PY    := .venv-floor/bin/python
 FLOOR_STAMP := .venv-floor/.installed
 
-.PHONY: train sample test lint test-torch test-kernels test-floor wheel bench gpu-check hub-repo clean
+.PHONY: train sample test lint test-torch test-kernels test-floor wheel bench gpu-check hub-repo peer-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -67,15 +67,21 @@ bench: $(STAMP)
 	$(PY) scripts/bench.py traffic
 
 # On a CUDA machine: the kernel tests on the compiled kernels, `bench.py gpu` (add_norm
-# bandwidth against eager and torch.compile) and `bench.py gpt-step` (GPT-2 small, fused
-# against naive, eager and compiled), then one report, $(GPU_OUT)/report.md, with each
+# bandwidth and small-row latency against eager, torch.compile and the peers found:
+# Liger-Kernel, flash-attention, quack; scripts/benchmarks/peers.py) and `bench.py gpt-step`
+# (GPT-2 small, fused against naive, eager and compiled, and naive with Liger's norms where
+# Liger is found), then one report, $(GPU_OUT)/report.md, with each
 # part's exit status and PASS/FAIL against the targets (scripts/benchmarks/gpu_report.py).
 # Every part runs whatever the one before it did (each one's output and status go to
 # $(GPU_OUT)/<part>.log and .rc); the target fails when a part failed or a target was missed.
 # `make gpu-check PY=python` runs with an interpreter that is already set up, as on a GPU
 # image with no network: a PY given on the command line skips the .venv install
-# (GPU_CHECK_DEPS= skips it with the default PY).
+# (GPU_CHECK_DEPS= skips it with the default PY). The peers' wheels in $(PEER_WHEELS), when
+# there (`make peer-wheels` on a machine with network, then copy the folder), are installed
+# first with no index. With no GPU the parts run as far as they can, the report opens with
+# NO GPU and its step exits 3 (make: "Error 3"; 1 is a failed part or a missed target).
 GPU_OUT        := out/gpu-check
+PEER_WHEELS    := peer-wheels
 GPU_CHECK_DEPS := $(if $(filter command line,$(origin PY)),,$(STAMP))
 # tests/ops/test_properties.py needs hypothesis, which a GPU image may lack: left out there, not an
 # error for the whole run (the report says whether it ran). Expanded when the recipe runs.
@@ -83,6 +89,7 @@ NO_HYPOTHESIS   = $(shell $(PY) -c "import hypothesis" 2>/dev/null || echo --ign
 
 gpu-check: $(GPU_CHECK_DEPS)
 	rm -rf $(GPU_OUT) && mkdir -p $(GPU_OUT)
+	if ls $(PEER_WHEELS)/*.whl >/dev/null 2>&1; then $(PY) -m pip install --quiet --no-index --no-deps $(PEER_WHEELS)/*.whl; fi
 	{ FUSEBLOCK_TEST_DEVICE=cuda $(PY) -m pytest -m kernel tests/ $(NO_HYPOTHESIS); echo $$? >$(GPU_OUT)/tests.rc; } 2>&1 | tee $(GPU_OUT)/tests.log
 	{ $(PY) scripts/bench.py gpu --out $(GPU_OUT); echo $$? >$(GPU_OUT)/gpu.rc; } 2>&1 | tee $(GPU_OUT)/gpu.log
 	{ $(PY) scripts/bench.py gpt-step --json; echo $$? >$(GPU_OUT)/gpt_step.rc; } 2>&1 | tee $(GPU_OUT)/gpt_step.log
@@ -92,6 +99,13 @@ gpu-check: $(GPU_CHECK_DEPS)
 # kernels.LocalLayerRepository(repo_path=Path("out/hub"), layer_name="RMSNorm") (docs/transformers.md)
 hub-repo: $(STAMP)
 	$(PY) -m fuseblock.hub.repository out/hub
+
+# The peers gpu-check measures that are pure Python and Triton (Liger-Kernel), as wheels
+# for a GPU machine with no network; flash-attention and quack ship compiled code: install
+# those on the GPU machine itself
+peer-wheels: $(STAMP)
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: -d $(PEER_WHEELS) "liger-kernel>=0.5"
+	ls $(PEER_WHEELS)
 
 clean:
 	rm -rf .venv .venv-floor out build dist *.egg-info

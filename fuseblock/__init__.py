@@ -9,6 +9,7 @@ from .family import (
     instance_norm,
 )
 from .fp8 import Quantized
+from .hyper_stream import HyperConnectionStack
 from .modules import AddNorm, Norm
 from .norm_linear import NormLinear
 from .ops.hyper import hc_add_norm, hc_head, hc_norm
@@ -24,5 +25,6 @@ __all__ += ["norm_linear", "NormLinear"]
 __all__ += ["swap_norms", "SwapReport"]
 __all__ += ["Quantized"]
 __all__ += ["hc_add_norm", "hc_norm", "hc_head"]
+__all__ += ["HyperConnectionStack"]
 __all__ += ["embed_norm", "batch_norm", "group_norm", "instance_norm", "BatchNorm", "InstanceNorm"]
 __version__ = "0.3.0"

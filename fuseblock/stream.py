@@ -31,13 +31,13 @@ from .modules import AddNorm, Norm
 from .ops.checks import check_flag, check_float_dtype, check_int, check_number
 
 
-def _split(out) -> tuple:
+def split_output(out) -> tuple:
     """(new hidden state, extras) of a mixer's output: a tuple `(out, *rest)` (Hugging Face
     attention returns (out, weights)) gives (out, rest), a tensor gives (out, ())."""
     return (out[0], tuple(out[1:])) if isinstance(out, tuple) else (out, ())
 
 
-def _keywords_accepted(mixer: nn.Module, bound: int, reserved: tuple[str, ...] = ()) -> frozenset[str] | None:
+def keywords_accepted(mixer: nn.Module, bound: int, reserved: tuple[str, ...] = ()) -> frozenset[str] | None:
     """The keywords `mixer.forward` accepts once the block has bound its first `bound`
     parameters positionally and passed `reserved` itself; None for all: a **kwargs (as a
     torch.compile'd module's forward has), or a forward whose signature cannot be read."""
@@ -198,17 +198,17 @@ class PreNormBlock(nn.Module):
             if residual is not None or branch_norm is not None or isinstance(hidden, tuple):
                 raise ValueError("a post_norm block takes the whole stream as hidden: residual and branch_norm "
                                  "must be None")
-            out, rest = _split(self.mixer(hidden, *args, **kwargs))
+            out, rest = split_output(self.mixer(hidden, *args, **kwargs))
             # checked here, before norm_add would refuse it as its x
             if isinstance(out, Tensor) and out.shape != hidden.shape:
                 raise ValueError(f"mixer ({type(self.mixer).__name__}) maps shape {tuple(hidden.shape)} to "
                                  f"{tuple(out.shape)}: a mixer must keep its input's shape")
             return self.branch_norm.norm_add(out, hidden, alpha=self.alpha), None, rest
         normed, residual = self._enter(hidden, residual, branch_norm)
-        out, rest = _split(self.mixer(normed, *args, **self._kwargs_for(0, kwargs)))
+        out, rest = split_output(self.mixer(normed, *args, **self._kwargs_for(0, kwargs)))
         if self.parallel is None:
             return out, residual, rest
-        out1, rest1 = _split(self.parallel(normed, *args, **self._kwargs_for(1, kwargs)))
+        out1, rest1 = split_output(self.parallel(normed, *args, **self._kwargs_for(1, kwargs)))
         return (out, out1), residual, rest + rest1
 
     def _enter(self, hidden, residual, branch_norm):
@@ -245,13 +245,13 @@ class PreNormBlock(nn.Module):
         what) sees each mixer's output first (the stack's error names its index)."""
         p = self.dropout if self.training else 0.0
         normed = (h if self.post_norm else self.norm.naive(h)).to(dtype)
-        out, rest = _split(self.mixer(normed, *args, **self._kwargs_for(0, kwargs)))
+        out, rest = split_output(self.mixer(normed, *args, **self._kwargs_for(0, kwargs)))
         if check is not None:
             check(out, "mixers")
         if self.branch_norm is not None:
             branch = self.branch_norm.naive(out)
         elif self.parallel is not None:
-            out1, rest1 = _split(self.parallel(normed, *args, **self._kwargs_for(1, kwargs)))
+            out1, rest1 = split_output(self.parallel(normed, *args, **self._kwargs_for(1, kwargs)))
             if check is not None:
                 check(out1, "parallel")
             branch, rest = _dropped(out, p) + _dropped(out1, p), rest + rest1
@@ -279,8 +279,8 @@ class PreNormBlock(nn.Module):
         # The block binds the first argument (the normed input), or for a fuses_prenorm
         # mixer the first two and prenorm=; a stack's keywords never stand in for those.
         if getattr(mixer, "fuses_prenorm", False):
-            return _keywords_accepted(mixer, 2, ("prenorm",))
-        return _keywords_accepted(mixer, 1)
+            return keywords_accepted(mixer, 2, ("prenorm",))
+        return keywords_accepted(mixer, 1)
 
     def _keywords(self, which: int | None = None) -> frozenset[str] | None:
         """The keywords a ResidualStack may pass this block's mixer (which=0), its parallel
@@ -339,12 +339,12 @@ class ResidualStack(nn.Module):
         post_norm: bool = False,
     ):
         super().__init__()
-        mixers = self._modules_of("mixers", mixers)
+        mixers = self.modules_of("mixers", mixers)
         if not mixers:
             raise ValueError("mixers must hold at least one nn.Module (one per sublayer), got none")
         seconds = [None] * len(mixers)
         if parallel is not None:
-            seconds = self._modules_of("parallel", parallel)
+            seconds = self.modules_of("parallel", parallel)
             if len(seconds) != len(mixers):
                 raise ValueError(f"parallel must hold one nn.Module per mixer ({len(mixers)}), got {len(seconds)}")
         for name, flag in (("final_norm", final_norm), ("fused", fused), ("return_extras", return_extras)):
@@ -388,7 +388,7 @@ class ResidualStack(nn.Module):
         self._dropout = float(value)
 
     @staticmethod
-    def _modules_of(name: str, modules) -> list[nn.Module]:
+    def modules_of(name: str, modules) -> list[nn.Module]:
         # nn.ModuleList and nn.Sequential iterate over their sublayers; any other single
         # module is a mistake (it would silently become a stack of its children).
         if isinstance(modules, nn.Module) and not isinstance(modules, (nn.ModuleList, nn.Sequential)):

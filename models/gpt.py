@@ -5,6 +5,8 @@ Fused, each block's norm and the Linear that consumes it (c_attn, c_fc) run as o
 
 With norm="layer", bias=True and norm_eps=1e-5 it computes the same function as
 nanoGPT's GPT for the same weights; fused=False runs the naive stack, same state_dict.
+hc=n puts the sublayers on n residual streams instead (`fuseblock.HyperConnectionStack`,
+mHC with Sinkhorn, docs/gpt.md): there the mixers get the collapsed, normed input.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fuseblock
+from fuseblock.hyper_stream import HyperBlock, HyperConnectionStack, HyperHead
+from fuseblock.ops.hyper import MAX_STREAMS
 
 from .sharded import fill
 
@@ -33,6 +37,7 @@ class GPTConfig:
     norm_eps: float = 1e-5
     fused: bool = True  # False: the naive pre-norm stack, same parameters
     residual_dtype: torch.dtype | None = None  # e.g. torch.float32 under bf16
+    hc: int = 0  # residual streams: 0 the plain stack; n >= 1 hyper-connections (mHC, Sinkhorn) on n streams
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -50,6 +55,14 @@ class GPTConfig:
         rd = self.residual_dtype
         if rd is not None and not (isinstance(rd, torch.dtype) and rd.is_floating_point):
             raise TypeError(f"residual_dtype must be a floating torch.dtype or None, got {rd!r}")
+        if isinstance(self.hc, bool) or not isinstance(self.hc, int) or not 0 <= self.hc <= MAX_STREAMS:
+            raise ValueError(f"hc must be an int in [0, {MAX_STREAMS}] (0: one plain stream), got {self.hc!r}")
+        if self.hc and self.norm != "rms":
+            raise ValueError(f"hc={self.hc} needs norm='rms' (hyper-connections normalize with RMS norms), "
+                             f"got {self.norm!r}")
+        if self.hc and rd not in (None, torch.float32):
+            raise ValueError(f"hc={self.hc} keeps the streams in the embeddings' dtype: residual_dtype must be None "
+                             f"or torch.float32, got {rd}")
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -130,10 +143,13 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.stack = fuseblock.ResidualStack(
-            mixers, cfg.n_embd, kind=cfg.norm, eps=cfg.norm_eps, final_norm=True, fused=cfg.fused,
-            residual_dtype=cfg.residual_dtype, bias=cfg.bias,
-        )
+        if cfg.hc:  # n streams: each block's boundary (and the head) one hc_add_norm (hc_head) launch
+            self.stack = HyperConnectionStack(mixers, cfg.n_embd, streams=cfg.hc, eps=cfg.norm_eps, fused=cfg.fused)
+        else:
+            self.stack = fuseblock.ResidualStack(
+                mixers, cfg.n_embd, kind=cfg.norm, eps=cfg.norm_eps, final_norm=True, fused=cfg.fused,
+                residual_dtype=cfg.residual_dtype, bias=cfg.bias,
+            )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
         # The weights are a function of the seed alone: the submodules' own default inits
@@ -160,7 +176,11 @@ class GPT(nn.Module):
         for name, m in self.named_modules():
             if m is self.lm_head:
                 continue  # its weight is wte's
-            if isinstance(m, (nn.Linear, nn.Embedding)):
+            if isinstance(m, (HyperBlock, HyperHead)):  # DeepSeek-V4's init, fn drawn whole as the weights
+                fill(m.fn, torch.empty(m.fn.shape, dtype=m.fn.dtype, device="cpu").normal_(0.0, 0.02))
+                for p, value in ((m.base, 0.0), (m.scale, 1.0), (m.weight, 1.0)):
+                    nn.init.constant_(p, value)
+            elif isinstance(m, (nn.Linear, nn.Embedding)):
                 fill(m.weight, torch.empty(m.weight.shape, dtype=m.weight.dtype, device="cpu").normal_(
                     0.0, proj_std if name.endswith(".c_proj") else 0.02))
                 if getattr(m, "bias", None) is not None:

@@ -22,7 +22,7 @@ import math
 from .gpt import GPTConfig
 
 # The model flags' values for a fresh run; on --resume they come from the checkpoint.
-MODEL_DEFAULTS = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "norm": "rms"}
+MODEL_DEFAULTS = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "norm": "rms", "hc": 0}
 
 # Training settings: recorded in every checkpoint and restored by --resume. A flag given
 # on --resume replaces the recorded value and the run prints the change. BOOKKEEPING
@@ -43,15 +43,18 @@ MAX_SEQUENCES = 2**20
 
 # What each setting must be, for the command line and for a checkpoint's meta.json alike.
 KINDS = {"n_layer": "count", "n_head": "count", "n_embd": "count", "block_size": "count", "norm": "norm",
+         "hc": "streams",
          "max_iters": "count", "batch_size": "size", "grad_accum": "size", "lr": "positive", "min_lr": "nonneg",
          "warmup_iters": "nonneg_int", "lr_decay_iters": "count", "weight_decay": "nonneg", "grad_clip": "nonneg",
          "dropout": "probability", "impl": "impl", "seed": "seed", "eval_interval": "count", "eval_iters": "count",
          "ckpt_interval": "count"}
 KIND_TEXT = {"count": "an int >= 1", "size": f"an int in [1, {MAX_SEQUENCES}]", "nonneg_int": "an int >= 0",
              "seed": "an int in [-2**63, 2**64)", "positive": "a positive number", "nonneg": "a number >= 0",
-             "probability": "a number in [0, 1)", "impl": "fused or naive", "norm": "rms or layer"}
+             "probability": "a number in [0, 1)", "impl": "fused or naive", "norm": "rms or layer",
+             "streams": "an int in [0, 16] (0: one plain stream)"}
 _CHOICES = {"impl": ("fused", "naive"), "norm": ("rms", "layer")}
 _INT_RANGES = {"count": (1, 2**64), "size": (1, MAX_SEQUENCES + 1), "nonneg_int": (0, 2**64),
+               "streams": (0, 17),
                "seed": (-(2**63), 2**64)}  # [lo, hi)
 
 
@@ -100,6 +103,7 @@ def arg_type(kind: str):
 HELP = {
     "n_layer": "transformer layers", "n_head": "attention heads", "n_embd": "width, divisible by --n-head",
     "block_size": "context length in bytes", "norm": "RMSNorm or LayerNorm",
+    "hc": "residual streams: N >= 1 hyper-connections (mHC, Sinkhorn) on N streams, 0 the plain stream",
     "max_iters": "optimizer steps in all, counted from step 0", "batch_size": "sequences per micro-batch and rank",
     "grad_accum": "micro-batches per step and rank", "lr": "peak learning rate, after warmup",
     "min_lr": "the cosine's floor, at most --lr", "warmup_iters": "steps of linear warmup",
@@ -140,14 +144,17 @@ def conflict(s) -> str | None:
 _CONFIG_TYPES = {"vocab_size": is_int, "block_size": is_int, "n_layer": is_int, "n_head": is_int, "n_embd": is_int,
                  "dropout": is_number, "bias": lambda v: isinstance(v, bool), "norm": lambda v: isinstance(v, str),
                  "norm_eps": lambda v: is_number(v) and math.isfinite(v), "fused": lambda v: isinstance(v, bool),
-                 "residual_dtype": lambda v: v is None or v in ("float32", "float16", "bfloat16", "float64")}
+                 "residual_dtype": lambda v: v is None or v in ("float32", "float16", "bfloat16", "float64"),
+                 "hc": is_int}
+# fields a checkpoint written before they existed may lack (GPTConfig's default then applies)
+_CONFIG_ADDED = {"hc"}
 
 
 def _model_problem(model) -> str | None:
-    if not isinstance(model, dict) or set(model) != set(_CONFIG_TYPES):
+    if not isinstance(model, dict) or not set(_CONFIG_TYPES) - _CONFIG_ADDED <= set(model) <= set(_CONFIG_TYPES):
         return f"bad model config (fields {sorted(model) if isinstance(model, dict) else repr(model)})"
     for k, ok in _CONFIG_TYPES.items():
-        if not ok(model[k]):
+        if k in model and not ok(model[k]):
             return f"bad model config ({k}={model[k]!r})"
     if model["vocab_size"] != 256:
         return f"bad model config (vocab_size {model['vocab_size']}; bytes need 256)"

@@ -15,6 +15,8 @@
     python scripts/bench.py gpt-step [--quick] [--repeats N]  GPT-2-small training step on a GPU: fused, naive, compiled
     python scripts/bench.py gpu-report [--out DIR]  the report of `make gpu-check`, from the parts' outputs in DIR
     python scripts/bench.py sm90    [--quick]   each kernel compiled for an H100 without one: registers, spills
+    python scripts/bench.py targets [--quick] [--all]  every kernel compiled for sm_90, sm_100, gfx942 (--all: also
+                                                sm_120, gfx950) without a GPU: registers, spills, LDS, occupancy, waves
     python scripts/bench.py overhead [--quick]  host-side (Python) time per call, kernels not run
 
 Options go before or after the subcommand. Each subcommand is a module of

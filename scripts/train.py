@@ -155,6 +155,10 @@ def parse_args(argv=None):
             setattr(args, k, v)
     if args.n_embd % args.n_head:
         ap.error(f"argument --n-embd: {args.n_embd} is not divisible by --n-head {args.n_head}")
+    if args.hc and args.norm != "rms":
+        ap.error(f"argument --hc: {args.hc} streams normalize with RMS norms; --norm {args.norm} is not supported")
+    if args.hc and args.tp > 1:
+        ap.error(f"argument --hc: tensor parallelism (--tp {args.tp}) splits the plain stack only")
     if not args.resume:
         for k, v in TRAIN_DEFAULTS.items():
             if getattr(args, k) is None:
@@ -674,7 +678,7 @@ def release_shards() -> None:
 
 
 def main(argv=None) -> dict:
-    """Train; returns {"model", "loss", "history", "curve", "signal"} for tests and
+    """Train; returns {"model", "loss", "history", "curve", "signal", "iters", "times"} for tests and
     notebooks ("signal": the SIGINT or SIGTERM that stopped the run early, else 0;
     "model": None under --fsdp or --tp, whose shards go with the process group: the last
     checkpoint holds the whole model)."""
@@ -732,7 +736,7 @@ def _train(args, dist: Dist, stop: StopSignals, t_start: float) -> dict:
         run.say(f"warning: {args.out_dir}: latest names {held}, not this run's last checkpoint: {run.suspect}; "
                 f"--resume ckpt-{step:06d} continues from it all the same", err=True)
     return {"model": None if dist.sharded else run.model, "loss": loss, "history": run.history, "curve": run.curve,
-            "signal": signum}
+            "signal": signum, "iters": n, "times": dict(t)}
 
 
 def way_back(run: Run) -> str:

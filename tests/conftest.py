@@ -23,7 +23,8 @@ sys.path.insert(1, ROOT)  # and the GPT from the checkout's models/, which the w
 
 from helpers import DEVICE, KERNEL_PATH, Launches  # noqa: E402
 
-if DEVICE != "cpu":
+NO_GPU = DEVICE == "cuda" and not torch.cuda.is_available()  # make gpu-check on a machine with no GPU
+if DEVICE != "cpu" and not NO_GPU:
     torch.set_default_device(DEVICE)
 
 # The interpreter truncates fp32 -> bf16 (and misrounds fp8) where a GPU rounds to nearest
@@ -41,6 +42,8 @@ def pytest_addoption(parser):
 
 
 def pytest_sessionstart(session):
+    if NO_GPU:  # one line and status 3 (as the gpu-check report's), not an error per test
+        pytest.exit("FUSEBLOCK_TEST_DEVICE=cuda and no CUDA device is present: no kernel test can run", returncode=3)
     n = session.config.getoption("busy")
     if n < 0:
         raise pytest.UsageError(f"--busy {n}: expected a count of processes, 0 or more")
@@ -98,7 +101,8 @@ def small_wide_rows(monkeypatch):
     import fuseblock.kernels.launch as L
     import fuseblock.kernels.norm as K
 
-    for name, value in dict(MAX_TILE_FWD=16, MAX_TILE_BWD=16, LOOP_BLOCK=8, H100_SMS=2).items():
+    for name, value in dict(MAX_TILE_FWD=16, MAX_TILE_BWD=16, MAX_TILE_PAIR_FWD=16, MAX_TILE_PAIR_BWD=16, LOOP_BLOCK=8,
+                             H100_SMS=2).items():
         monkeypatch.setattr(L, name, value)
     for name, value in dict(COLS_BLOCK=8, COLS_TILE=32, MIN_ROWS_PER_PROGRAM=4, COLS_PROGRAMS_PER_SM=8).items():
         monkeypatch.setattr(K, name, value)

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import LAUNCHES, pow2, stride, sum_partial_rows
+from .launch import LAUNCHES, pow2, stride, sum_partial_rows, warps
 
 SETS_BATCH = tl.constexpr(0)  # one set per channel, over the batch
 SETS_GROUP = tl.constexpr(1)  # one set per (sample, group of channels)
@@ -226,7 +226,7 @@ def _blocks(rows: int, length: int, block: int) -> tuple[int, int, int]:
     """(BR, BL, warps): BL covers L up to the block, BR fills the rest with rows."""
     bl = min(pow2(length), block)
     br = min(pow2(rows), max(1, block // bl))
-    return br, bl, min(8, max(1, br * bl // 256))
+    return br, bl, warps(min(256, max(32, br * bl // 8)))
 
 
 def _geometry(x: torch.Tensor, batch: bool, groups: int):

@@ -39,7 +39,7 @@ from ..hyper_spec import HyperSpec, Mode
 from .launch import LAUNCHES, cdiv, num_sms, pow2, sum_rows
 
 BT = 16  # tokens per block: the dots' row count (a tl.dot needs >= 16)
-# Sized from sm_90 builds (`fuseblock.testing.sm90`, no GPU needed): registers, spills and
+# Sized from sm_90 builds (`fuseblock.testing.targets`, no GPU needed): registers, spills and
 # shared memory of each kernel at n = 4, 8, 16 and d = 1024, 4096.
 FN_TILE_FWD = 16384  # elements of a [NP*BD, MP] fn tile (the projection's chunk), forward
 FN_TILE_BWD = 4096  # and backward, whose chunk holds more blocks live

@@ -35,10 +35,28 @@ from .occupancy import programs_per_sm
 LAUNCHES: collections.Counter = collections.Counter()
 
 MAX_TILE_FWD = 32768  # widest row (elements) the forward tile kernel holds in registers
-MAX_TILE_BWD = 16384  # the backward keeps more blocks live: it spills beyond this
-LOOP_PROGRAMS_PER_SM = 2  # loop kernels: persistent programs per SM
+# The backward keeps more blocks live. Compiled for sm_90 (bf16) with the forward's layout (32
+# elements a thread; 16K-element tiles and 16 warps from d = 4096) it spilled 24 bytes a thread
+# at d = 1024 and 2048 (dropout) and 136 to 1368 from 4096 on; with 16 a thread in 8K-element
+# tiles still 16 to 184 at 8192 (gates, dropout, groups), and 8 at 1024 (an fp32 residual).
+# So: 4096-element tiles, 8 elements a thread (16 warps: 95 to 128 registers at d = 1024),
+# and rows past 4096 take the column kernels (_bwd_dots + _bwd_cols).
+MAX_TILE_BWD = 4096
+BWD_WIDE_TILE = 4096  # elements per program of the backward's tile for rows of 4096
+BWD_PER_THREAD = 8  # and per thread
+# norm_add's kernels hold two norms' blocks: its forward tile stops at rows of 16384, its
+# backward's at 4096 (norm_add.bwd_tile_layout spilled 104 to 584 bytes a thread past it, sm_90)
+MAX_TILE_PAIR_FWD = 16384
+MAX_TILE_PAIR_BWD = 4096
+# rows per tile at most: 64 rows of 64 (layer norm, groups) spilled 8 to 56 bytes a thread on
+# sm_90 and sm_100 in the forward's 128 threads; 32 rows hold 48 registers and no stack
+MAX_ROWS = 32
+SM_THREADS = 2048  # threads an SM runs at once (H100, B200; an MI300X or MI355X CU: 32 wavefronts of 64)
 LOOP_BLOCK = 4096  # column chunk of the row-looping kernels
-H100_SMS = 132  # SM count assumed when there is no GPU (the interpreter)
+H100_SMS = 132  # SM count assumed when there is no GPU (the interpreter; offline compiles set their target's)
+# Threads per warp: AMD's wavefronts are 64 wide. Fixed per process, as the vendor of the torch
+# build is (offline compiles for the other vendor set it: fuseblock.testing.targets.for_target).
+WARP = 64 if torch.version.hip else 32
 SUM_TILE = 2048  # _bwd_sum: elements per [partial rows, columns] block it loads
 SUM_MIN_COLS = 32  # and at least 32 columns per program: 128 bytes of each fp32 partial row
 # Deterministic mode: the most programs (partial rows) a backward splits its rows among,
@@ -57,6 +75,20 @@ def cdiv(a: int, b: int) -> int:
 def pow2(n: int) -> int:
     """The smallest power of two >= n (n >= 1)."""
     return 1 << (n - 1).bit_length()
+
+
+def warps(threads: int) -> int:
+    """num_warps for a program of `threads` threads: the layouts are chosen in threads (elements
+    per thread decide the registers), the launch counts warps of WARP."""
+    return max(1, threads // WARP)
+
+
+def fit_per_sm(num_warps: int) -> int:
+    """Persistent programs per SM before occupancy is learned: as many as its threads allow.
+    The first compiled launch of a variant caps it at what its registers allow
+    (`occupancy.learn`); a smaller default would leave an SM part idle for good (the loop
+    kernels launched 2 per SM where 5 to 6 fit: a third of a wave)."""
+    return max(1, SM_THREADS // (num_warps * WARP))
 
 
 def num_sms(device: torch.device) -> int:
@@ -111,21 +143,26 @@ class Layout(NamedTuple):
 def loop_layout(dg: int) -> Layout:
     """The row-looping kernels' layout for groups of dg columns: one group at a time, in
     chunks of LOOP_BLOCK."""
-    return Layout(False, 1, min(LOOP_BLOCK, pow2(dg)), 1, 8, LOOP_PROGRAMS_PER_SM)
+    w = warps(256)
+    return Layout(False, 1, min(LOOP_BLOCK, pow2(dg)), 1, w, fit_per_sm(w))
 
 
-def layout(d: int, groups: int, max_tile: int) -> Layout:
-    """The layout for rows of d in `groups`, whole rows in registers up to max_tile elements.
+def layout(d: int, groups: int, max_tile: int, wide_tile: int = 16384, per_thread: int = 32) -> Layout:
+    """The layout for rows of d in `groups`, whole rows in registers up to max_tile elements;
+    rows of 4096 and more in tiles of wide_tile elements, per_thread a thread (at most 512
+    threads). Narrow rows: 4096-element tiles, at most MAX_ROWS rows.
 
-    Measured on an H100 in bf16 (docs/performance.md): narrow rows want small tiles and
-    fewer programs; rows of 4K and more want 16K-element tiles and 8 programs per SM.
+    Measured on an H100 in bf16 (docs/performance.md): narrow rows want small tiles; rows
+    of 4K and more want 16K-element tiles in the forward. The persistent backward starts
+    from as many programs per SM as the threads allow, then what fits (`fit_per_sm`).
     """
     dg = d // groups
     bg, bd = pow2(groups), pow2(dg)
     if bg * bd <= max_tile:
         wide = bg * bd >= 4096
-        br = max(1, min(64, (16384 if wide else 4096) // (bg * bd)))
-        return Layout(True, bg, bd, br, min(16, max(4, br * bg * bd // 1024)), 8 if wide else 4)
+        br = max(1, min(MAX_ROWS, (wide_tile if wide else 4096) // (bg * bd)))
+        w = warps(min(512, max(128, br * bg * bd // per_thread)))
+        return Layout(True, bg, bd, br, w, fit_per_sm(w))
     return loop_layout(dg)
 
 
@@ -136,7 +173,7 @@ def fwd_layout(d: int, groups: int = 1) -> Layout:
 
 def bwd_layout(d: int, groups: int = 1) -> Layout:
     """The backward's layout (MAX_TILE_BWD, read at call time)."""
-    return layout(d, groups, MAX_TILE_BWD)
+    return layout(d, groups, MAX_TILE_BWD, BWD_WIDE_TILE, BWD_PER_THREAD)
 
 
 def rows(t: torch.Tensor | None, d: int) -> torch.Tensor | None:

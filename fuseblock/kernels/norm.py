@@ -57,6 +57,7 @@ from .launch import (
     sum_partial_rows,
     sum_rows,
     vec,
+    warps,
 )
 from .occupancy import learn, programs_per_sm
 
@@ -72,7 +73,9 @@ ACT_SILU = tl.constexpr(int(Act.SILU))
 # The wide-row backward's column pass (read at call time, as launch.py's constants)
 COLS_BLOCK = 2048  # columns per program of the column-chunk kernel
 COLS_TILE = 8192  # and elements per [rows, columns] block it loads
-COLS_PROGRAMS_PER_SM = 2  # what fits of it (91 to 128 registers x 256 threads; bench.py sm90)
+# programs per SM before occupancy is learned: as many as an SM's threads allow; what fits is
+# 1 to 2 on sm_90 (118 to 146 registers x 256 threads), 3 on gfx942 (bench.py targets)
+COLS_PROGRAMS_PER_SM = 8
 MIN_ROWS_PER_PROGRAM = 64  # keeps dw/db partial rows (fp32, written and summed) near 3% of bf16 traffic
 
 
@@ -703,7 +706,7 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
         n_cols = 1
     else:  # the column-chunk kernel's layout: [BR, BD] blocks, BD columns of one group
         bd = min(COLS_BLOCK, pow2(dg))
-        lay = Layout(False, 1, bd, COLS_TILE // bd, 8, COLS_PROGRAMS_PER_SM)
+        lay = Layout(False, 1, bd, COLS_TILE // bd, warps(256), COLS_PROGRAMS_PER_SM)
         n_cols = G * cdiv(dg, bd)
     n_items = cdiv(M, lay.br)
     # The variant's registers are those of its main loop: the partial rows' summing

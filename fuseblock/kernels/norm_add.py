@@ -51,6 +51,7 @@ from .launch import (
     sum_cols,
     sum_rows,
     vec,
+    warps,
 )
 from .launch import rows as as_rows
 from .norm import _mean, _prod, _rstd, _weight
@@ -61,10 +62,10 @@ LOOP_ROWS = 4  # _bwd_loop's rows per block: a program's partial rows are update
 LOOP_TILE = 2048  # and elements per [LOOP_ROWS, columns] chunk, 8 a thread as in bwd_tile_layout
 
 
-def fits(d: int) -> bool:
-    """Whether rows of d columns take the tile kernels, else the loop kernels (read at
-    call time: tests shrink it)."""
-    return pow2(d) <= launch.MAX_TILE_BWD
+def fits(d: int, backward: bool) -> bool:
+    """Whether rows of d columns take the forward's (the backward's) tile kernel, else the
+    loop kernels (MAX_TILE_PAIR_FWD, MAX_TILE_PAIR_BWD, read at call time: tests shrink them)."""
+    return pow2(d) <= (launch.MAX_TILE_PAIR_BWD if backward else launch.MAX_TILE_PAIR_FWD)
 
 
 def bwd_tile_layout(d: int) -> Layout:
@@ -76,8 +77,8 @@ def bwd_tile_layout(d: int) -> Layout:
     (95 to 127 registers), 104 to 240 bytes at 8192 and 328 to 584 at 16384 (32 warps)."""
     bd = pow2(d)
     br = max(1, 2048 // bd)
-    warps = min(32, max(4, br * bd // 256))
-    return Layout(True, 1, bd, br, warps, max(1, 64 // warps))  # an SM runs 64 warps at most
+    w = warps(min(1024, max(128, br * bd // 8)))  # a program has at most 1024 threads
+    return Layout(True, 1, bd, br, w, launch.fit_per_sm(w))
 
 
 
@@ -87,7 +88,8 @@ def bwd_loop_layout(d: int) -> Layout:
     parameter's chunk per block) against the rows a program re-reads within a block
     (more rows, further apart in time, less likely still in L2). Not tuned on a GPU."""
     bd = min(pow2(d), max(1, LOOP_TILE // LOOP_ROWS))
-    return Layout(False, 1, bd, LOOP_ROWS, 8, launch.LOOP_PROGRAMS_PER_SM)
+    w = warps(256)
+    return Layout(False, 1, bd, LOOP_ROWS, w, launch.fit_per_sm(w))
 
 @triton.jit
 def _stats(b_s, mask, D, eps, BR: tl.constexpr, BD: tl.constexpr, CENTER: tl.constexpr, EXACT_SQ: tl.constexpr):
@@ -527,7 +529,7 @@ def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_s
     if M > 0:
         # the tile up to MAX_TILE_BWD only: compiled for sm_90 at d = 32768 it spills (16 to
         # 240 bytes a thread, bf16 rms/layer), where 16384 keeps all in 76 to 116 registers
-        lay = fwd_layout(d) if fits(d) else loop_layout(d)
+        lay = fwd_layout(d) if fits(d, False) else loop_layout(d)
         args = (x2, r2, branch_weight, branch_bias, weight, bias, ro2, o2, rstd_b, mean_b, rstd, mean,
                 x2.stride(0), r2.stride(0), ro2.stride(0), stride(o2),
                 M, d, branch_spec.eps, spec.eps, spec.scale, branch_spec.weight_offset, spec.weight_offset, alpha)
@@ -567,7 +569,7 @@ def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rst
     if M == 0:
         return (dx, dr, *(None if t is None else torch.zeros((d,), dtype=t.dtype, device=dev) for t in params))
     grads = [None if t is None else torch.empty((d,), dtype=t.dtype, device=dev) for t in params]
-    lay = bwd_tile_layout(d) if fits(d) else bwd_loop_layout(d)
+    lay = bwd_tile_layout(d) if fits(d, True) else bwd_loop_layout(d)
     kernel = _bwd_tile if lay.tile else _bwd_loop
     n_items = cdiv(M, lay.br)
     flags = dict(HAS_DO=do2 is not None, HAS_DRO=dro2 is not None, HAS_BW=params[0] is not None,

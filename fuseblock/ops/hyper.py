@@ -16,6 +16,7 @@ from .. import hyper_reference
 from ..hyper_spec import FORMS, HyperSpec, Mode
 from .checks import check_eps, check_int, check_number, check_tensor
 from .dispatch import func_transforms_active, kernels, uses_triton
+from .dtensor import has_dtensor
 from .registry import FusedOp
 
 MAX_STREAMS = 16
@@ -85,7 +86,9 @@ def resolve(streams, branch, post, comb, fn, base, scale, weight, *, iters, hc_e
 
 def apply(streams, branch, post, comb, fn, base, scale, weight, spec: HyperSpec):
     """(y, new_streams, post_next, comb_next) on validated arguments: the kernels or the torch path."""
-    if not uses_triton(streams) or func_transforms_active():
+    # DTensors run the torch path's ops, which DTensor shards as it does any torch op (the
+    # custom ops have no sharding rule: on the kernel path they would see DTensor wrappers)
+    if not uses_triton(streams) or func_transforms_active() or has_dtensor(streams, branch, fn, weight, post, comb):
         return hyper_reference.hyper_fwd(streams, branch, post, comb, fn, base, scale, weight, spec)
     y, hn, post_n, comb_n, _, _ = hc_op(streams, branch, post, comb, fn, base, scale, weight, spec.pack())
     post_out = spec.mode in (Mode.PRE_POST_COMB, Mode.PRE_POST)

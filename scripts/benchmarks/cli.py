@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-SUBCOMMANDS = ["traffic", "memory", "speed", "gpu", "gpt-step", "sm90", "overhead", "gpu-report", "stream"]
+SUBCOMMANDS = ["traffic", "memory", "speed", "gpu", "gpt-step", "sm90", "targets", "overhead", "gpu-report", "stream"]
 # Subcommands that count bytes through the Triton interpreter: on a machine with no GPU
 # it is the only way to run the kernels at all.
 INTERPRETED = {"traffic", "stream"}
@@ -25,6 +25,7 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cuda",
                     help="gpu, gpt-step: the device; cpu runs a toy-size smoke test of the code")
     ap.add_argument("--no-compile", action="store_true", help="gpu: skip the torch.compile baseline")
+    ap.add_argument("--all", action="store_true", help="targets: also sm_120 and gfx950")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3,
                     help="speed, gpt-step: independent runs of all the steps (median, min, max; default 3)")
@@ -36,8 +37,8 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
                          "row count (default 32768), capped at 2^29 / d; stream: row counts (default 1024; "
                          "--quick 128)")
     ap.add_argument("--d", type=int, default=None,
-                    help="traffic: row width (default 1024; --quick 256); sm90, gpu: this one row width instead "
-                         "of their list; stream: the hidden size (default 1024; --quick 256)")
+                    help="traffic: row width (default 1024; --quick 256); sm90, targets, gpu: this one row width "
+                         "instead of their list; stream: the hidden size (default 1024; --quick 256)")
     ap.add_argument("--dtype", type=lambda v: v.split(","), default=None,
                     help="stream: a comma list of bf16, fp16, fp32 (default bf16,fp32; --quick bf16)")
     return ap

@@ -1,6 +1,8 @@
 """`bench.py gpt-step`: one training step (forward, backward, AdamW) of a GPT-2-small-shaped
 model under bf16 autocast on a GPU: the fused stream against the naive one, each eager and
-under torch.compile, four contenders side by side in one process. The table gives each
+under torch.compile, four contenders side by side in one process, and a fifth where
+Liger-Kernel is importable on a GPU: the naive model with Liger's norms patched in
+("naive+liger", `peers.liger_patch`), so the fused stream is measured against the peer too. The table gives each
 contender's median step over --repeats runs with its min and max, tokens/s at the median,
 and the speedup against naive eager. --quick is a toy model: with --device cpu, a smoke
 test of this code for machines without a GPU."""
@@ -12,6 +14,7 @@ from contextlib import nullcontext
 
 import torch
 
+from . import peers
 from .common import STEP_COLUMNS
 
 COLUMNS = {**STEP_COLUMNS, "steps_per_run": "timed steps of each contender in a run (their median is the run's "
@@ -44,6 +47,8 @@ def _contender(name: str, shape: dict, dev: torch.device):
     # built as scripts/train.py builds it: fp32 parameters, the residual stream kept in fp32
     cfg = GPTConfig(**shape, fused=name.startswith("fused"), residual_dtype=torch.float32)
     model = GPT(cfg).to(dev)
+    if name == "naive+liger":
+        peers.liger_patch(model)
     opt = torch.optim.AdamW(model.optimizer_groups(0.1), lr=6e-4, betas=(0.9, 0.95))
     # static shapes: every step has the same one, so no recompile and no shape-generic kernels
     return (torch.compile(model, dynamic=False) if name.endswith("+compile") else model), opt
@@ -56,7 +61,10 @@ def run(args) -> list[dict]:
         return []
     shape, B = (TOY, TOY_BATCH) if args.quick else (GPT2_SMALL, GPT2_BATCH)
     steps, warmup = (5, 2) if args.quick else (10, 3)
-    contenders = {name: _contender(name, shape, dev) for name in CONTENDERS}
+    names = CONTENDERS
+    if dev.type == "cuda" and peers.find()["liger"]["found"]:  # Liger's kernels need a GPU
+        names += ("naive+liger",)
+    contenders = {name: _contender(name, shape, dev) for name in names}
     gen = torch.Generator().manual_seed(0)
     idx, targets = (torch.randint(0, shape["vocab_size"], (B, shape["block_size"]), generator=gen).to(dev)
                     for _ in range(2))

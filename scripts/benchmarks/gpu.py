@@ -1,7 +1,10 @@
-"""`bench.py gpu`: bf16 add_norm bandwidth (compulsory bytes / time) against eager torch,
-torch.compile and published kernels; table and plots into --out. (The GPT step is
-`bench.py gpt-step`.) --device cpu runs the same code at toy sizes, a smoke test for
-machines without a GPU.
+"""`bench.py gpu`: bf16 add_norm bandwidth (compulsory bytes / time), forward and backward,
+against eager torch, torch.compile and the peers found (`peers.py`: Liger-Kernel,
+flash-attention, quack), in one process on the same inputs, with fuseblock / peer ratios
+(`x_<peer>_<pass>`); and the small-row latency (140 x 4096, microseconds). Tables and
+plots into --out (gpu.json, gpu_latency.json, peers.json). (The GPT step is `bench.py
+gpt-step`.) --device cpu runs the same code at toy sizes, a smoke test for machines
+without a GPU; with no GPU and --device cuda it reports the peers found and stops.
 
 `fuseblock-deterministic` is fuseblock under torch.use_deterministic_algorithms(True):
 the weight gradients' partial rows fixed by the shape, not the GPU (docs/serving.md),
@@ -18,34 +21,10 @@ import torch.nn.functional as F
 
 import fuseblock
 
+from . import peers
 from .common import cpu_bench, markdown
 
-
-def _others(kind: str, d: int, dt):
-    """Published kernels, when installed: name -> fn(x, r, w) returning (out, x + r)."""
-    found = {}
-    try:
-        from liger_kernel.transformers import LigerLayerNorm, LigerRMSNorm
-
-        mod = (LigerRMSNorm(d, eps=1e-6) if kind == "rms" else LigerLayerNorm(d, eps=1e-6)).to("cuda", dt)
-
-        def liger(x, r, w):
-            p = x + r
-            return mod(p), p
-
-        found["liger"] = liger
-    except (ImportError, AttributeError, TypeError):  # not installed, or an API we do not know
-        pass
-    try:
-        from flash_attn.ops.triton.layer_norm import layer_norm_fn
-
-        def flash(x, r, w):
-            return layer_norm_fn(x, w, None, residual=r, eps=1e-6, prenorm=True, is_rms_norm=kind == "rms")
-
-        found["flash_attn"] = flash
-    except ImportError:  # not installed
-        pass
-    return found
+LATENCY_SHAPE = (140, 4096)  # a decode-time batch: launch and host costs, not bandwidth
 
 
 def _naive(x, r, w, kind):
@@ -89,7 +68,7 @@ def _error(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e)[:80]}"
 
 
-def _bandwidth_row(kind: str, d: int, args, dev, do_bench) -> dict:
+def _bandwidth_row(kind: str, d: int, args, dev, do_bench, found: dict) -> dict:
     """One table row: each implementation's forward and backward TB/s at width d."""
     from torch import _dynamo
 
@@ -116,18 +95,53 @@ def _bandwidth_row(kind: str, d: int, args, dev, do_bench) -> dict:
     if compiled is not None:
         impls["compile"] = lambda x, r, w: compiled(x, r, w, kind)
     if dev.type == "cuda":
-        impls.update(_others(kind, d, dt))
+        impls.update(peers.norm_fns(kind, found))
     for name, fn in impls.items():
         try:
             with _deterministic(name == "fuseblock-deterministic"):
                 row[f"{name}_fwd_TBps"], row[f"{name}_bwd_TBps"] = _fwd_bwd_TBps(fn, x, r, w, nbytes, do_bench)
         except Exception as e:  # a contender's failure of any kind (a Triton compile error too): in the table
             row[f"{name}_error"] = _error(e)
+    for name in impls:  # fuseblock / each contender: above 1, fuseblock is faster
+        for pas in ("fwd", "bwd"):
+            ours, theirs = row.get(f"fuseblock_{pas}_TBps"), row.get(f"{name}_{pas}_TBps")
+            if name != "fuseblock" and ours and theirs:
+                row[f"x_{name}_{pas}"] = ours / theirs
+    return row
+
+
+def _latency_row(kind: str, dev, do_bench, found: dict, quick_cpu: bool) -> dict:
+    """Microseconds per call, forward and backward, at LATENCY_SHAPE (bf16), every contender."""
+    M, d = (4, 64) if quick_cpu else LATENCY_SHAPE
+    dt = torch.bfloat16
+    x, r = (torch.randn(M, d, device=dev, dtype=dt, requires_grad=True) for _ in range(2))
+    w = torch.ones(d, device=dev, dtype=dt, requires_grad=True)
+    impls = {"fuseblock": lambda x, r, w: fuseblock.add_norm(x, r, w, kind=kind, eps=1e-6),
+             "eager": lambda x, r, w: _naive(x, r, w, kind)}
+    if dev.type == "cuda":
+        impls.update(peers.norm_fns(kind, found))
+    row = dict(kind=kind, rows=M, d=d)
+    for name, fn in impls.items():
+        try:
+            with torch.no_grad():
+                row[f"{name}_fwd_us"] = do_bench(lambda fn=fn: fn(x, r, w), warmup=5, rep=25) * 1e3
+            out, p = fn(x, r, w)
+            g = (torch.randn_like(out), torch.randn_like(p))
+            row[f"{name}_bwd_us"] = do_bench(
+                lambda out=out, p=p, g=g: torch.autograd.grad((out, p), (x, r, w), g, retain_graph=True),
+                warmup=5, rep=25) * 1e3
+        except Exception as e:  # as in the bandwidth table
+            row[f"{name}_error"] = _error(e)
     return row
 
 
 def run(args) -> list[dict]:
     dev = torch.device(args.device)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    found = peers.find()
+    (out_dir / "peers.json").write_text(json.dumps(found, indent=1))
+    print("peers:\n" + peers.describe(found), flush=True)
     if dev.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: the gpu benchmark needs one (nothing to do)")
         return []
@@ -142,16 +156,17 @@ def run(args) -> list[dict]:
     rows = []
     for kind in ("rms", "layer"):
         for d in ds:
-            rows.append(_bandwidth_row(kind, d, args, dev, do_bench))
+            rows.append(_bandwidth_row(kind, d, args, dev, do_bench, found))
             _empty_cache(dev)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    latency = [_latency_row(kind, dev, do_bench, found, dev.type != "cuda") for kind in ("rms", "layer")]
     (out_dir / "gpu.json").write_text(json.dumps(rows, indent=1))
+    (out_dir / "gpu_latency.json").write_text(json.dumps(latency, indent=1))
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (smoke run)"
     (out_dir / "gpu.md").write_text(f"# add_norm bandwidth, bf16, {name}, torch {torch.__version__}\n\n"
-                                    + markdown(rows))
+                                    + markdown(rows) + f"\n# latency at {LATENCY_SHAPE[0]} x {LATENCY_SHAPE[1]}, "
+                                    "microseconds\n\n" + markdown(latency))
     _plot(rows, out_dir)
-    return rows
+    return rows + latency
 
 
 def _plot(rows, out_dir: Path) -> None:

@@ -3,7 +3,9 @@ and printed. It reads what the check's parts left in DIR (each part's exit statu
 <part>.rc, its output in <part>.log; the bandwidth table in gpu.json), records the
 environment, and judges the GPU targets below PASS or FAIL. A target with a figure
 missing (a part that failed, a configuration that errored, no GPU) is a FAIL. Exit status
-1 when a part failed or a target was missed, else 0."""
+1 when a part failed or a target was missed, else 0; NO_GPU (3) where no GPU is present:
+the parts ran as far as they can without one, and the report's first line says so (make
+then stops with "Error 3")."""
 from __future__ import annotations
 
 import json
@@ -21,6 +23,9 @@ COMPILE_D = (1024, 262144)  # fuseblock at least torch.compile's figure, forward
 # GPT step: (contender, baseline, the least ratio of the baseline's median step time to the
 # contender's). The fused stream must beat naive eager by 5%, and compiled, not lose to naive compiled.
 GPT_TARGETS = (("fused", "naive", 1.05), ("fused+compile", "naive+compile", 1.0))
+# and, judged only where Liger-Kernel was found (gpt-step then runs "naive+liger"): not lose to it
+GPT_PEER_TARGETS = (("fused", "naive+liger", 1.0),)
+NO_GPU = 3  # the exit status where no GPU is present
 
 KINDS = ("rms", "layer")
 PASSES = ("fwd", "bwd")
@@ -87,7 +92,8 @@ def judge(bandwidth_rows: list[dict], step_rows: list[dict]) -> list[dict]:
     """Every target's verdict, from `bench.py gpu` and `bench.py gpt-step` rows."""
     return ([_bandwidth_target(bandwidth_rows, k, p) for k in KINDS for p in PASSES]
             + [_compile_target(bandwidth_rows, k, p) for k in KINDS for p in PASSES]
-            + [_gpt_target(step_rows, *t) for t in GPT_TARGETS])
+            + [_gpt_target(step_rows, *t) for t in GPT_TARGETS]
+            + [_gpt_target(step_rows, *t) for t in GPT_PEER_TARGETS if any(r.get("impl") == t[1] for r in step_rows)])
 
 
 def environment() -> dict:
@@ -148,8 +154,13 @@ def pytest_summary(log: str) -> tuple[str, list[str]]:
     return summary, [ln for ln in log.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
 
 
-def report(out: Path, env: dict) -> tuple[str, bool]:
-    """The report's text, and whether every part ran clean and every target passed."""
+def _json(path: Path):
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def report(out: Path, env: dict, gpu: bool = True) -> tuple[str, bool]:
+    """The report's text, and whether every part ran clean and every target passed (gpu
+    False: the report opens with NO GPU)."""
     status = {part: _status(out, part) for part, _ in PARTS}
     bandwidth = json.loads((out / "gpu.json").read_text()) if (out / "gpu.json").exists() else []
     steps = _json_lines(out / "gpt_step.log")
@@ -157,7 +168,11 @@ def report(out: Path, env: dict) -> tuple[str, bool]:
     parts_failed = [p for p, rc in status.items() if rc != 0]
     missed = [v for v in verdicts if v["verdict"] == "FAIL"]
     ok = not parts_failed and not missed
-    lines = ["# make gpu-check", "",
+    found = _json(out / "peers.json") or {}
+    latency = _json(out / "gpu_latency.json") or []
+    head = [] if gpu else ["**NO GPU**: no CUDA device is present (torch.cuda.is_available() is False). The parts "
+                           "ran as far as they can without one; nothing below was measured on a GPU.", ""]
+    lines = ["# make gpu-check", "", *head,
              f"**{'PASS' if ok else 'FAIL'}**: parts failed: {', '.join(parts_failed) or 'none'}; "
              f"targets missed: {len(missed)} of {len(verdicts)}.", "", "## Environment", "",
              markdown([dict(what=k, value=v) for k, v in env.items()]), "## Parts", "",
@@ -169,20 +184,35 @@ def report(out: Path, env: dict) -> tuple[str, bool]:
     if failures:
         lines += [f"    {ln}" for ln in failures[:30]] + ([f"    ... {len(failures) - 30} more"] if len(failures) > 30
                                                           else []) + [""]
+    lines += ["## Peers found", "",
+              markdown([dict(peer=k, found=v["found"], detail=v["detail"], what=v["what"]) for k, v in found.items()])
+              if found else "not looked for (see gpu.log)\n"]
     lines += ["## Targets", "", markdown(verdicts),
               "## add_norm bandwidth, bf16, TB/s (bench.py gpu)", "",
               markdown(bandwidth) if bandwidth else "no rows (see gpu.log)\n",
+              "## add_norm latency, 140 x 4096 bf16, microseconds (bench.py gpu)", "",
+              markdown(latency) if latency else "no rows (see gpu.log)\n",
               "## GPT-2-small training step, bf16 autocast (bench.py gpt-step)", "",
               markdown(steps) if steps else "no rows (see gpt_step.log)\n"]
     return "\n".join(lines), ok
+
+
+def gpu_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def run(args) -> list[dict]:
     out = Path(args.out)
     if not out.is_dir():
         raise SystemExit(f"gpu-report: {out} is not a folder (make gpu-check fills it)")
-    text, ok = report(out, environment())
+    gpu = gpu_present()
+    text, ok = report(out, environment(), gpu)
     (out / "report.md").write_text(text)
     print(text)
     print(f"written to {out / 'report.md'}")
+    if not gpu:
+        print(f"NO GPU: make gpu-check ran as far as it can without one (exit status {NO_GPU})")
+        raise SystemExit(NO_GPU)
     raise SystemExit(0 if ok else 1)

@@ -27,7 +27,7 @@ from fuseblock import serve
 from fuseblock.kernels import norm as kernels
 from fuseblock.ops.checks import resolve
 from fuseblock.ops.dispatch import kernels_on_cpu
-from fuseblock.testing.sm90 import captured_launches
+from fuseblock.testing.targets import captured_launches
 
 
 def best_us(fn, reps: int, calls: int) -> float:

@@ -16,7 +16,7 @@ import torch
 
 from fuseblock.kernels import occupancy
 from fuseblock.kernels.launch import H100_SMS
-from fuseblock.testing.sm90 import compile_sm90, norm_launches, resource_usage
+from fuseblock.testing.targets import compile_for, norm_launches, resource_usage
 
 
 def _widths(args) -> list[int]:
@@ -33,7 +33,7 @@ def _kind_rows(kind: str, d: int, rows: int) -> list[dict]:
 
     def compiled(ln):  # as a GPU launch returns its compiled kernel, registers known
         t0 = time.perf_counter()
-        kernel = compile_sm90(ln)
+        kernel = compile_for(ln)
         usage[ln.name] = dict(resource_usage(kernel), compile_s=time.perf_counter() - t0)
         return SimpleNamespace(n_regs=usage[ln.name]["registers"], metadata=kernel.metadata)
 

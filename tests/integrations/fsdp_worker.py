@@ -139,6 +139,12 @@ def main() -> None:
         # mixer's own call (prenorm=), so the mixer unit's hooks gather its weights
         "gpt_fused_mixer_units": gpt_case(
             mesh, GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8), "mixers"),
+        # n streams: a HyperBlock unit gathers its fn, base, scale and norm weight with its mixer;
+        # the naive form calls the mixers only, so their units (the rest in the root's)
+        "gpt_hc_fused_block_units": gpt_case(
+            mesh, GPTConfig(n_layer=1, n_head=2, n_embd=10, block_size=8, hc=3), "blocks"),
+        "gpt_hc_naive_mixer_units": gpt_case(
+            mesh, GPTConfig(n_layer=1, n_head=2, n_embd=10, block_size=8, hc=2, fused=False), "mixers"),
     }
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)

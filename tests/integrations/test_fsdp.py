@@ -94,7 +94,8 @@ def test_stack_and_gpt_shard_on_two_cpu_ranks_and_match_one_process(tmp_path):
             # the same fp32 sums on one rank and in one process, up to reduction order
             assert r["grad_max_abs_diff"] <= 1e-6 and r["input_grad_max_abs_diff"] <= 1e-6, (name, r)
             assert r["loss_diff"] <= 1e-6, (name, r)
-        for name in ("gpt_fused_block_units", "gpt_naive_mixer_units", "gpt_fused_mixer_units"):
+        for name in ("gpt_fused_block_units", "gpt_naive_mixer_units", "gpt_fused_mixer_units",
+                     "gpt_hc_fused_block_units", "gpt_hc_naive_mixer_units"):
             r = rank[name]
             assert r["init_bit_equal"] and r["tied"], (name, r)  # the shards of GPT(cfg), seed for seed
             assert r["grad_max_abs"] > 0.01 and r["grad_max_abs_diff"] <= 1e-6 and r["loss_diff"] <= 1e-6, (name, r)

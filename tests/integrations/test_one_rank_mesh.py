@@ -4,10 +4,12 @@ compiled on the DTensors' local shards, eagerly and under torch.compile(fullgrap
 on CPU the same calls through the interpreter (kernel path) or the torch path. One rank
 holds every shard, so each call must equal the plain-tensor call: values and every
 gradient, fp32. The multi-rank cases are test_tensor_parallel.py's (gloo, CPU)."""
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import DEVICE
+from helpers import DEVICE, KERNEL_PATH
 
 import fuseblock
 
@@ -143,3 +145,32 @@ def test_out_dtype_on_dtensors_equals_the_plain_call(mesh, dim):
         tol = TOL if g.dtype != torch.bfloat16 else 2 ** -7
         err = (g.double() - w.double()).abs().max().item() / max(1.0, w.abs().max().item())
         assert err <= tol, f"{what} {err:.3g} off"
+
+
+def test_hyper_connection_stack_on_row_sharded_tokens_equals_plain_tensors(mesh):
+    """HyperConnectionStack with its tokens sharded by sequence (Shard(1)) and its parameters
+    replicated: the torch path's ops run on the DTensors (on the kernel path too, where the
+    hc ops' custom ops have no sharding rule); values and every gradient."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+
+    torch.manual_seed(3)
+    plain = fuseblock.HyperConnectionStack([torch.nn.Linear(D, D), torch.nn.Linear(D, D)], D, streams=2, iters=3,
+                                           init_std=0.3).to(DEVICE)
+    placed = distribute_module(copy.deepcopy(plain), mesh)  # every parameter replicated
+    x = torch.randn(B, T, D, device=DEVICE)
+    want = plain(x)
+    got = placed(distribute_tensor(x, mesh, [Shard(1)]))
+    assert isinstance(got, DTensor) and got.placements == (Shard(1),)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    if KERNEL_PATH:  # the plain call ran the kernels, the DTensor call the torch path's ops
+        assert (got.full_tensor() - want).abs().max().item() <= TOL * max(1.0, want.abs().max().item())
+    else:
+        assert torch.equal(got.full_tensor(), want)
+    # fn's and scale's gradients pass through the Sinkhorn passes and are ill-conditioned: in
+    # fp32 either path is up to 2e-5 off the fp64 stack here, so kernels against torch ops
+    # are compared to that, the torch path against itself to TOL
+    tol = 2e-5 if KERNEL_PATH else TOL
+    for (name, p), q in zip(placed.named_parameters(), plain.parameters(), strict=True):
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        assert (g - q.grad).abs().max().item() <= tol * max(1.0, q.grad.abs().max().item()), name

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from fuseblock.kernels.occupancy import H100_SM, resident_programs
-from fuseblock.testing.sm90 import (
+from fuseblock.testing.targets import (
     captured_launches,
-    compile_sm90,
+    compile_for,
     norm_add_launches,
     norm_launches,
     resource_usage,
@@ -50,7 +50,7 @@ def test_core_kernels_compile_for_h100(config, d):
     assert names == {1000: ["_fwd_tile", "_bwd_tile", "_bwd_sum"], 20000: ["_fwd_tile", "_bwd_dots", "_bwd_cols"],
                      40000: ["_fwd_loop", "_bwd_dots", "_bwd_cols"]}[d]
     for ln in launches:
-        usage = resource_usage(compile_sm90(ln))
+        usage = resource_usage(compile_for(ln))
         assert 0 < usage["registers"] <= 255
         # the wide-row kernels and the partial-row sum keep little live: no spills (a
         # word or two outside the loops at most)
@@ -66,7 +66,7 @@ def test_dropout_kernels_with_a_device_seed_compile_for_h100(d):
                              seed=torch.empty(1, dtype=torch.int64))
     assert [ln.name for ln in launches][:1] == ["_fwd_tile" if d == 1000 else "_fwd_loop"]
     for ln in launches:
-        usage = resource_usage(compile_sm90(ln))
+        usage = resource_usage(compile_for(ln))
         assert 0 < usage["registers"] <= 255, (ln.name, usage)
 
 
@@ -80,7 +80,7 @@ def test_norm_add_loop_kernels_compile_for_h100_without_spills(kind, second):
     launches = norm_add_launches(x, torch.empty_like(x), w, w, kind=kind, second=second)
     assert [ln.name for ln in launches] == ["_fwd_loop", "_bwd_loop", "_bwd_sum4"]
     for ln in launches:
-        usage = resource_usage(compile_sm90(ln))
+        usage = resource_usage(compile_for(ln))
         assert 0 < usage["registers"] <= 255 and usage["stack"] <= 16, (ln.name, usage)
 
 
@@ -96,7 +96,7 @@ def test_fp32_and_embed_norm_kernels_compile_for_h100():
         launches += got
     assert {ln.name for ln in launches} >= {"_fwd_tile", "_bwd_tile", "_fwd_loop", "_bwd_loop"}
     for ln in launches:
-        assert resource_usage(compile_sm90(ln))["registers"] > 0
+        assert resource_usage(compile_for(ln))["registers"] > 0
 
 
 @pytest.mark.parametrize("sets", ["batch", "group"])
@@ -112,7 +112,7 @@ def test_channel_norm_kernels_compile_for_h100(sets, shape):
         ck.channel_norm_bwd(torch.empty_like(x), x, w, w, mean, rstd, batch, groups)
     assert [ln.name for ln in launches] == ["_channel_fwd", "_channel_bwd"] + ([] if batch else ["_bwd_sum"])
     for ln in launches:
-        usage = resource_usage(compile_sm90(ln))
+        usage = resource_usage(compile_for(ln))
         assert 0 < usage["registers"] <= 255 and usage["stack"] == 0, (ln.name, usage)  # no spills
 
 
@@ -132,7 +132,7 @@ def _compiled(launch):
     """What a GPU launch returns: the compiled kernel, with its registers once loaded."""
     from types import SimpleNamespace
 
-    kernel = compile_sm90(launch)
+    kernel = compile_for(launch)
     return SimpleNamespace(n_regs=resource_usage(kernel)["registers"], metadata=kernel.metadata)
 
 
@@ -147,7 +147,7 @@ def test_persistent_grids_shrink_to_one_wave_once_compiled(monkeypatch, config, 
     def waves(launches):
         out = {}
         for ln in launches:
-            usage = resource_usage(compile_sm90(ln))
+            usage = resource_usage(compile_for(ln))
             slots = H100_SMS * resident_programs(usage, ln.kwargs["num_warps"])
             out[ln.name] = (ln.grid[0] * (ln.grid[1] if len(ln.grid) > 1 else 1)) / slots
         return out

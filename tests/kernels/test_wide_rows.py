@@ -1,7 +1,7 @@
 """The wide-row kernels (`_fwd_loop`, `_bwd_dots` + `_bwd_cols`) at small scale.
 
 Groups wider than MAX_TILE_FWD (32768 columns) take the forward one, wider than
-MAX_TILE_BWD (16384) the backward ones; through the interpreter such rows are slow,
+MAX_TILE_BWD (4096) the backward ones; through the interpreter such rows are slow,
 so here the tile limits and chunk sizes shrink until rows of a few dozen columns take
 them, with ragged last chunks, several chunks per group, several row blocks per program
 and several programs: every path of their indexing, against the fp64 reference.

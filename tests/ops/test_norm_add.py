@@ -397,7 +397,7 @@ def test_kernels_compile_for_h100_without_spills(kind):
     import fuseblock.kernels.norm_add as K
     from fuseblock.ops.dispatch import kernels_on_cpu
     from fuseblock.spec import NormSpec
-    from fuseblock.testing.sm90 import captured_launches, compile_sm90, resource_usage
+    from fuseblock.testing.targets import captured_launches, compile_for, resource_usage
 
     launches = []
     for d in (1000, 4096):
@@ -422,7 +422,7 @@ def test_kernels_compile_for_h100_without_spills(kind):
         K.norm_add_bwd(x, x, x, x, w, b, w, b, stat, mean, stat, mean, spec, spec, 0.5, torch.bfloat16, True)
     assert [ln.name for ln in got] == ["_fwd_loop", "_bwd_loop", "_bwd_sum4"]
     for ln in launches + got:
-        usage = resource_usage(compile_sm90(ln))
+        usage = resource_usage(compile_for(ln))
         # a word or two outside the loops at most, as tests/kernels/test_sm90.py allows
         assert 0 < usage["registers"] <= 255 and usage["stack"] <= 16, (ln.name, usage)
 

@@ -260,6 +260,7 @@ def test_gpu_report_writes_one_report_and_fails_on_any_part_or_target(monkeypatc
     from benchmarks import gpu_report as R
 
     monkeypatch.setattr(R, "environment", lambda: {"GPU": "NVIDIA H100 (fake)", "torch": "2.11.0"})
+    monkeypatch.setattr(R, "gpu_present", lambda: True)
     (tmp_path / "gpu.json").write_text(json.dumps(_fake_bandwidth()))
     (tmp_path / "gpt_step.log").write_text("a warning on stderr\n" + "\n".join(map(json.dumps, _fake_steps())))
     (tmp_path / "tests.log").write_text("tests/ops/test_norm.py ....\n=== short test summary info ===\n"
@@ -299,7 +300,8 @@ def test_make_gpu_check_prints_its_commands():
                      seconds=60,
                      cwd=ROOT, check=True)
     lines = p.stdout.splitlines()
-    assert not any("pip" in ln or "venv" in ln for ln in lines)
+    # the one pip line installs the peers' wheels from a folder, never from an index
+    assert not any(("pip" in ln and "--no-index" not in ln) or "venv" in ln for ln in lines)
     for command in ("FUSEBLOCK_TEST_DEVICE=cuda python -m pytest -m kernel tests/",
                     "python scripts/bench.py gpu --out out/gpu-check",
                     "python scripts/bench.py gpt-step --json"):
@@ -377,3 +379,55 @@ def test_stream_layers_fused_and_untouched_compute_the_same(shape):
     for a, b in zip(torch.autograd.grad(fused, leaves, grads), torch.autograd.grad(untouched, leaves, grads),
                     strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_targets_quick_reports_every_kernel_for_both_vendors_without_spills():
+    from fuseblock.testing.targets import backend_problem
+
+    problem = backend_problem("sm_90") or backend_problem("gfx942")
+    if problem:
+        pytest.skip(f"triton cannot compile for both vendors here: {problem}")
+    rows = _bench("targets")
+    assert {(r["target"], r["d"], r["op"]) for r in rows} == {
+        (t, d, op) for t in ("sm_90", "gfx942") for d in (1024, 65536) for op in ("add_norm_layer", "norm_add_norm")}
+    fields = {"target", "kernel", "d", "dtype", "registers", "spill_bytes", "shared", "resident_per_sm", "waves"}
+    for r in rows:
+        assert fields <= set(r) and r["dtype"] == "bfloat16"
+        assert 0 < r["registers"] <= (255 if r["target"] == "sm_90" else 512) and r["resident_per_sm"] >= 1, r
+        assert r["spill_bytes"] == 0 and r["fills"], r
+    assert {r["kernel"] for r in rows if r["d"] == 65536 and r["op"] == "add_norm_layer"} == {
+        "_fwd_loop", "_bwd_dots", "_bwd_cols"}
+
+
+def test_peer_discovery_says_which_peers_it_found_and_why_one_is_missing(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from benchmarks import peers
+
+    monkeypatch.setattr(peers, "PEERS", {"present": ("json", "a module every Python has"),
+                                         "absent": ("no_such_peer_module_xyz.ops", "a peer not installed")})
+    found = peers.find()
+    assert found["present"]["found"] and found["present"]["module"] == "json"
+    assert not found["absent"]["found"] and "No module named 'no_such_peer_module_xyz'" in found["absent"]["detail"]
+    text = peers.describe(found)
+    assert "present: found" in text and "absent: missing (ModuleNotFoundError" in text
+    assert peers.norm_fns("rms", found) == {}  # neither is a norm peer: nothing to measure
+
+
+@pytest.mark.slow
+def test_make_gpu_check_without_a_gpu_runs_what_it_can_and_exits_3(tmp_path):
+    import torch
+    from timeouts import run
+
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    out = tmp_path / "gpu-check"
+    p = run(["make", "--no-print-directory", "gpu-check", f"PY={sys.executable}", f"GPU_OUT={out}",
+             f"PEER_WHEELS={tmp_path / 'none'}"], seconds=300, capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 2 and "Error 3" in p.stderr  # make's own status; the report step's is 3
+    assert "no kernel test can run" in (out / "tests.log").read_text()
+    assert (out / "tests.rc").read_text().strip() == "3"
+    assert "peers:" in (out / "gpu.log").read_text() and "no CUDA device" in (out / "gpu.log").read_text()
+    text = (out / "report.md").read_text()
+    assert text.startswith("# make gpu-check\n\n**NO GPU**: no CUDA device is present")
+    assert "## Peers found" in text and "| liger |" in text
+    assert "NO GPU: make gpu-check ran as far as it can without one (exit status 3)" in p.stdout

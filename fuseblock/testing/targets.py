@@ -1,16 +1,21 @@
-"""Compile the Triton kernels for an H100 (sm_90) on a machine with no GPU.
+"""Compile the Triton kernels for GPUs this machine does not have (NVIDIA and AMD).
 
 The interpreter runs the kernels' arithmetic, not the compiler: a construct it accepts
-may still fail to compile, and a layout may spill registers to local memory, which only
-a GPU build shows. Triton's compiler and the ptxas it ships need no GPU, so:
+may still fail to compile, and a layout may spill registers to local memory (scratch on
+AMD), which only a GPU build shows. Triton's compilers, and the ptxas and the linker they
+ship, need no GPU, so:
 
+- `TARGETS`: the GPUs compiled for (sm_90 H100, sm_100 B200, sm_120 RTX 5090, gfx942
+  MI300X, gfx950 MI355X), each with its SM (CU) count and the resources one SM holds;
 - `captured_launches()`: a context in which the launchers (`norm_fwd`, `norm_bwd`, ...)
   record their kernel launches instead of running them: the exact kernels, arguments,
-  constexprs and `num_warps` a GPU would get for those inputs;
-- `compile_sm90(launch)`: that launch's signature (with the 16-byte divisibility hints
-  Triton's JIT would add) compiled to PTX and a cubin for sm_90;
-- `resource_usage(kernel)`: registers and stack (spill) bytes per thread, shared bytes,
-  read from the cubin (`fuseblock.kernels.occupancy` turns them into programs per SM).
+  constexprs and `num_warps` a GPU would get for those inputs; `for_target(name)` makes
+  the launchers choose as on that target's GPU (its warp width, SM count, tables);
+- `compile_for(launch, target)`: that launch's signature (with the 16-byte divisibility
+  hints Triton's JIT would add) compiled to a cubin (NVIDIA) or an hsaco (AMD);
+- `resource_usage(kernel)`: registers and spilled bytes per thread (lane), shared
+  memory (LDS) per program, read from the binary (`fuseblock.kernels.occupancy` turns
+  them into programs per SM or CU).
 
 Needs triton's compiler: not under TRITON_INTERPRET=1.
 """
@@ -22,10 +27,45 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
+from ..kernels import occupancy
 from ..spec import new_residual_dtype, residual_grad_dtype, stored_dtype
+
+
+class Target(NamedTuple):
+    gpu: str  # the GPU whose SM (CU) count and limits are assumed
+    backend: str  # triton's: "cuda" or "hip"
+    arch: int | str
+    warp: int  # threads per warp (wavefront)
+    sms: int  # SMs (CUs)
+    sm: dict  # what one SM (CU) holds: fuseblock.kernels.occupancy
+
+
+TARGETS = {
+    "sm_90": Target("H100 SXM", "cuda", 90, 32, 132, occupancy.H100_SM),
+    "sm_100": Target("B200", "cuda", 100, 32, 148, occupancy.B200_SM),
+    "sm_120": Target("RTX 5090", "cuda", 120, 32, 170, occupancy.RTX5090_SM),
+    "gfx942": Target("MI300X", "hip", "gfx942", 64, 304, occupancy.MI300X_CU),
+    "gfx950": Target("MI355X", "hip", "gfx950", 64, 256, occupancy.MI355X_CU),
+}
+MAIN_TARGETS = ("sm_90", "sm_100", "gfx942")  # the ones held to zero spills
+
+
+def backend_problem(target: str) -> str | None:
+    """Why this machine cannot compile for `target` (a line), or None when it can."""
+    try:
+        import triton
+        from triton.backends import backends
+    except ImportError as e:
+        return f"no triton ({e})"
+    t = TARGETS[target]
+    name = {"cuda": "nvidia", "hip": "amd"}[t.backend]
+    if name not in backends:
+        return f"triton {triton.__version__} has no {name} backend"
+    return None
 
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
            torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.bool: "i1"}
@@ -123,21 +163,52 @@ def _signature(launch: CapturedLaunch):
     return signature, constexprs, attrs, options
 
 
-def compile_sm90(launch: CapturedLaunch):
-    """The launch compiled for an H100: a triton CompiledKernel (`.asm['ptx']`, `['cubin']`)."""
+@contextlib.contextmanager
+def for_target(target: str):
+    """Within the context the launchers choose as on `target`'s GPU: its warp width, its SM
+    (CU) count, and what `fuseblock.kernels.occupancy.learn` assumes one holds."""
+    from ..kernels import launch
+
+    t = TARGETS[target]
+    saved = launch.WARP, launch.H100_SMS, occupancy.MACHINE
+    launch.WARP, launch.H100_SMS, occupancy.MACHINE = t.warp, t.sms, t.sm
+    try:
+        yield t
+    finally:
+        launch.WARP, launch.H100_SMS, occupancy.MACHINE = saved
+
+
+def compile_for(launch: CapturedLaunch, target: str = "sm_90"):
+    """The launch compiled for `target` (a key of TARGETS): a triton CompiledKernel, its
+    binary in `.asm['cubin']` (NVIDIA) or `.asm['hsaco']` and `['amdgcn']` (AMD)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    t = TARGETS[target]
     signature, constexprs, attrs, options = _signature(launch)
     options.setdefault("enable_fp_fusion", True)  # Triton 3.9's default, which the JIT uses
     src = ASTSource(fn=launch.fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(src, target=GPUTarget(t.backend, t.arch, t.warp), options=options)
+
+
+def _amd_field(text: str, name: str) -> int:
+    found = re.search(rf"^\s*\.{name}:\s+(\d+)", text, re.M)
+    if found is None:
+        raise RuntimeError(f"no .{name} in the kernel's AMDGPU metadata")
+    return int(found.group(1))
 
 
 def resource_usage(kernel) -> dict[str, int]:
-    """{'registers' per thread, 'stack' bytes per thread (spilled registers live there),
-    'shared' bytes per program} of a compiled kernel, from its cubin (cuobjdump)."""
+    """{'registers' per thread (VGPRs per lane on AMD), 'stack' bytes per thread (spilled
+    registers live there: local memory on NVIDIA, scratch on AMD), 'shared' bytes (LDS) per
+    program} of a compiled kernel, from its binary: cuobjdump's resource usage on NVIDIA,
+    the code object's metadata on AMD (which adds 'sgprs', 'vgpr_spills', 'sgpr_spills')."""
+    if "amdgcn" in kernel.asm:
+        text = kernel.asm["amdgcn"]
+        usage = {"registers": "vgpr_count", "stack": "private_segment_fixed_size", "sgprs": "sgpr_count",
+                 "vgpr_spills": "vgpr_spill_count", "sgpr_spills": "sgpr_spill_count"}
+        return dict({k: _amd_field(text, v) for k, v in usage.items()}, shared=int(kernel.metadata.shared))
     from triton import knobs
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -204,4 +275,47 @@ def norm_add_launches(x, residual, branch_weight, weight=None, *, kind="rms", se
                                                                       spec, alpha, rdtype, second, True)
         kernels.norm_add_bwd(torch.empty_like(x) if second else None, torch.empty_like(new_res), x, new_res,
                              branch_weight, bb, w, b, rstd_b, mean_b, rstd, mean, spec, spec, alpha, rdtype, second)
+    return out
+
+
+def norm_linear_launches(x, residual, weight, bias=None, *, kind="rms", compiled=None) -> list[CapturedLaunch]:
+    """The norm kernels' launches of one norm_linear forward and backward (the Linear is
+    torch's): the forward with statistics, the backward with new_residual's gradient added
+    in, and the normalized rows rebuilt without statistics for the Linear's weight gradient."""
+    from ..kernels import launch
+    from ..kernels import norm as kernels
+    from ..ops.checks import resolve
+
+    spec = resolve(x, residual, weight, bias, None, kind=kind, c=None, eps=1e-6, gate_act="silu",
+                   gate_position="post", num_groups=1, residual_dtype=None)
+    rdtype = None if residual is None else new_residual_dtype(x.dtype, residual.dtype, None)
+    with captured_launches(kernels, launch, compiled=compiled) as out:
+        _, new_res, rstd, mean = kernels.norm_fwd(x, residual, None, weight, bias, spec, rdtype, True)
+        p = x if new_res is None else new_res
+        kernels.norm_bwd(torch.empty_like(x), None if new_res is None else torch.empty_like(p), p, None, weight, bias,
+                         rstd, mean, spec, x.dtype, None)
+        kernels.norm_fwd(p, None, None, weight, bias, spec, None, False)
+    return out
+
+
+def embed_norm_launches(x, ord=2, compiled=None) -> list[CapturedLaunch]:
+    """The launches of one embed_norm forward and backward (rows of x scaled to unit norm)."""
+    from ..kernels import embed_norm as kernels
+
+    with captured_launches(kernels, compiled=compiled) as out:
+        _, n = kernels.embed_norm_fwd(x, ord, 1e-6)
+        kernels.embed_norm_bwd(torch.empty_like(x), x, n, ord, 1e-6)
+    return out
+
+
+def channel_norm_launches(x, weight, bias=None, *, batch=True, groups=0, compiled=None) -> list[CapturedLaunch]:
+    """The launches of one batch norm (batch, running statistics updated) or group norm
+    (groups) forward and backward on x of (N, C, ...)."""
+    from ..kernels import channel_norm as kernels
+    from ..kernels import launch
+
+    running = torch.empty(x.shape[1]) if batch else None
+    with captured_launches(kernels, launch, compiled=compiled) as out:
+        _, mean, rstd = kernels.channel_norm_fwd(x, weight, bias, batch, groups, 1e-5, running, running, 0.1)
+        kernels.channel_norm_bwd(torch.empty_like(x), x, weight, bias, mean, rstd, batch, groups)
     return out

@@ -1,0 +1,57 @@
+"""The most-used kernels compile for NVIDIA (sm_90, an H100) and AMD (gfx942, an MI300X)
+with no GPU, without spilling a register, and their persistent launches fill a wave.
+
+A handful of the cases `scripts/bench.py targets` sweeps (every kernel, every target, d
+from 64 to 262144): the layer norm's (the heavier of the two: a mean and a bias) tile and
+wide-row kernels, the gated backward (the most live blocks), norm_add_norm's tile and
+loop kernels. Skipped, with the reason, where triton's compiler for a vendor is missing.
+"""
+import os
+
+import pytest
+import torch
+from trainutil import ROOT
+
+from fuseblock.testing.targets import backend_problem
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton's compiler")
+
+CASES = [("add_norm_layer", 1024), ("add_norm_layer", 4096), ("pre_gate", 4096), ("add_norm_layer", 65536),
+         ("norm_add_norm_layer", 4096), ("norm_add_norm_layer", 65536)]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from benchmarks import targets
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    return targets
+
+
+@pytest.mark.parametrize("target", ["sm_90", "gfx942"])
+def test_most_used_kernels_compile_without_spills_and_fill_a_wave(bench, target):
+    problem = backend_problem(target)
+    if problem:
+        pytest.skip(f"cannot compile for {target} here: {problem}")
+    ops = bench._ops(False)
+    comp = bench._Compiler()
+    rows = []
+    for op, d in CASES:
+        rows += bench._rows(target, op, ops[op], d, torch.bfloat16, 32768 if d <= 16384 else (1 << 29) // d, comp)
+    kernels = {}
+    for r in rows:
+        kernels.setdefault((r["op"], r["d"]), []).append(r["kernel"])
+    assert kernels[("add_norm_layer", 4096)] == ["_fwd_tile", "_bwd_tile", "_bwd_sum"]
+    assert kernels[("add_norm_layer", 65536)] == ["_fwd_loop", "_bwd_dots", "_bwd_cols"]
+    assert kernels[("norm_add_norm_layer", 65536)] == ["_fwd_loop", "_bwd_loop", "_bwd_sum4"]
+    for r in rows:
+        where = (r["op"], r["d"], r["kernel"], r["block"], r["num_warps"], r["registers"])
+        assert r["spill_bytes"] == 0, where
+        assert r["resident_per_sm"] >= 1, where
+        assert r["fills"], (where, r["grid"], r["waves"])
+        if target == "gfx942":  # a workgroup holds at most 1024 threads: 16 wavefronts of 64
+            assert r["num_warps"] <= 16, where
