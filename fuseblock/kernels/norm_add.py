@@ -506,7 +506,7 @@ def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_s
     d = x.shape[-1]
     quant, codes = {}, None
     if spec.quant != Quant.NONE:
-        if not fits(d):
+        if not fits(d, False):
             plain = replace(spec, quant=Quant.NONE, out_dtype=spec.quant_from or torch.float32)
             new_res, out, *stats = norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_spec,
                                                 plain, alpha, residual_dtype, second, need_stats)
