@@ -8,6 +8,7 @@ from .family import (
     group_norm,
     instance_norm,
 )
+from .fp8 import Quantized
 from .hyper_stream import HyperConnectionStack
 from .modules import AddNorm, Norm
 from .norm_linear import NormLinear
@@ -22,6 +23,7 @@ __all__ = ["norm", "add_norm", "Norm", "AddNorm", "PreNormBlock", "ResidualStack
 __all__ += ["norm_add", "norm_add_norm"]
 __all__ += ["norm_linear", "NormLinear"]
 __all__ += ["swap_norms", "SwapReport"]
+__all__ += ["Quantized"]
 __all__ += ["hc_add_norm", "hc_norm", "hc_head"]
 __all__ += ["HyperConnectionStack"]
 __all__ += ["embed_norm", "batch_norm", "group_norm", "instance_norm", "BatchNorm", "InstanceNorm"]

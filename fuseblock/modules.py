@@ -152,6 +152,10 @@ class Norm(nn.Module):
             check_last_dim(x, self.dim)
             raise
 
+    # add_linear's recipe: None, or "fp8_row" (the Linear in fp8, norm_linear's quant=;
+    # scripts/train.py --fp8 row sets it on the block norms). Not a parameter or buffer.
+    linear_quant: str | None = None
+
     def add_linear(self, x: Tensor, residual: Tensor | None, linear: nn.Linear, *,
                    residual_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """fuseblock.norm_linear with this module's parameters and settings and `linear`'s:
@@ -171,7 +175,8 @@ class Norm(nn.Module):
                              f"plan places the weight alone: docs/parallel.md)")
         return norm_linear(x, residual, self.weight, self.bias, linear.weight, linear.bias, kind=self.kind,
                            eps=self.eps, weight_offset=self.weight_offset,
-                           residual_dtype=self.residual_dtype if residual_dtype is None else residual_dtype)
+                           residual_dtype=self.residual_dtype if residual_dtype is None else residual_dtype,
+                           quant=self.linear_quant)
 
     def norm_add(self, x: Tensor, residual: Tensor, *, alpha: float = 1.0,
                  residual_dtype: torch.dtype | None = None) -> Tensor:

@@ -25,6 +25,9 @@ class NormLinear(nn.Module):
     Parameters: `weight` (out_features, in_features) and `bias` (out_features), named
     and initialised as nn.Linear's; `norm_weight` (in_features), initialised so that
     weight_offset + norm_weight = 1; `norm_bias` when norm_bias=True, zeros.
+
+    quant="fp8_row": the Linear runs in fp8 with the rowwise recipe, the norm writing its
+    rows as fp8 in its own launch; gradients in high precision (see `norm_linear`).
     """
 
     def __init__(
@@ -38,6 +41,7 @@ class NormLinear(nn.Module):
         norm_bias: bool = False,
         weight_offset: float = 0.0,
         residual_dtype: torch.dtype | None = None,
+        quant: str | None = None,
         device=None,
         dtype=None,
     ):
@@ -54,6 +58,9 @@ class NormLinear(nn.Module):
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.kind, self.eps, self.weight_offset = kind, None if eps is None else float(eps), float(weight_offset)
         self.residual_dtype = residual_dtype
+        if quant not in (None, "fp8_row"):
+            raise ValueError(f"quant must be None or 'fp8_row' (the rowwise fp8 recipe), got {quant!r}")
+        self.quant = quant
         factory = dict(device=device, dtype=dtype)
         self.weight = nn.Parameter(torch.empty((out_features, in_features), **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
@@ -77,10 +84,12 @@ class NormLinear(nn.Module):
     def forward(self, x: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
         check_last_dim(x, self.in_features)
         return norm_linear(x, residual, self.norm_weight, self.norm_bias, self.weight, self.bias, kind=self.kind,
-                           eps=self.eps, weight_offset=self.weight_offset, residual_dtype=self.residual_dtype)
+                           eps=self.eps, weight_offset=self.weight_offset, residual_dtype=self.residual_dtype,
+                           quant=self.quant)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"kind={self.kind!r}, eps={self.eps}, norm_bias={self.norm_bias is not None}"
                 + (f", weight_offset={self.weight_offset}" if self.weight_offset else "")
-                + ("" if self.residual_dtype is None else f", residual_dtype={self.residual_dtype}"))
+                + ("" if self.residual_dtype is None else f", residual_dtype={self.residual_dtype}")
+                + ("" if self.quant is None else f", quant={self.quant!r}"))

@@ -238,9 +238,9 @@ def norm_and_stats(x: Tensor, residual: Tensor | None, weight: Tensor | None, bi
     if spec.center and plain_ok(p, spec):
         out, mean, rstd = torch.native_layer_norm(p, (p.shape[-1],), plain_weight(weight, spec, p),
                                                   None if bias is None else bias.to(p.dtype), spec.eps)
-        return out.to(x.dtype), new_res, rstd.reshape(-1, 1), mean.reshape(-1, 1), True
+        return out.to(spec.out_dtype_for(x.dtype)), new_res, rstd.reshape(-1, 1), mean.reshape(-1, 1), True
     out, rstd, mean = norm_out(p.to(acc_dtype(p.dtype)), None, weight, bias, spec)
-    return out.to(x.dtype), new_res, rstd, mean, False
+    return out.to(spec.out_dtype_for(x.dtype)), new_res, rstd, mean, False
 
 
 def normalized(p: Tensor, rstd: Tensor, mean: Tensor | None, spec: NormSpec) -> Tensor:
@@ -301,8 +301,8 @@ def norm_add_fwd(x: Tensor, residual: Tensor, branch_weight: Tensor | None, bran
                  weight: Tensor | None, bias: Tensor | None, branch_spec: NormSpec, spec: NormSpec, alpha: float,
                  residual_dtype: torch.dtype, second: bool) -> tuple[Tensor, Tensor | None]:
     """(new_residual, out or None): new_residual = residual + alpha * N_b(x) in
-    residual_dtype, and with `second` out = N(new_residual) in x's dtype, N reading the
-    stored new_residual. Plain differentiable torch ops."""
+    residual_dtype, and with `second` out = N(new_residual) in x's dtype (spec.out_dtype's
+    when set), N reading the stored new_residual. Plain differentiable torch ops."""
     y = _norm_acc(x, branch_weight, branch_bias, branch_spec)
     if alpha != 1.0:
         y = y * alpha
@@ -310,4 +310,4 @@ def norm_add_fwd(x: Tensor, residual: Tensor, branch_weight: Tensor | None, bran
     new_residual = _as(_as(residual, wide) + _as(y, wide), residual_dtype)
     if not second:
         return new_residual, None
-    return new_residual, _as(_norm_acc(new_residual, weight, bias, spec), x.dtype)
+    return new_residual, _as(_norm_acc(new_residual, weight, bias, spec), spec.out_dtype_for(x.dtype))

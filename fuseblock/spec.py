@@ -34,6 +34,16 @@ class Act(IntEnum):
     SILU = 3
 
 
+class Quant(IntEnum):
+    """The scaled fp8 output (docs/low_precision.md): none, one static scale for the
+    tensor, a dynamic scale per row, or MX blocks of 32 along the row with e8m0 scales."""
+
+    NONE = 0
+    TENSOR = 1
+    ROW = 2
+    MX = 3
+
+
 class Ord(IntEnum):
     """The embedding norms' n(x): sum|x|, sqrt(x.x), max|x|."""
 
@@ -46,6 +56,8 @@ class Ord(IntEnum):
 GATE_ACTS = {"identity": Act.IDENTITY, "none": Act.IDENTITY, "sigmoid": Act.SIGMOID, "silu": Act.SILU,
              "swish": Act.SILU}
 GATE_POSITIONS = {"pre": Gate.PRE, "post": Gate.POST}
+QUANTS = {"fp8_tensor": Quant.TENSOR, "fp8_row": Quant.ROW, "mxfp8": Quant.MX}
+MX_BLOCK = 32  # elements per MX scale block, along the row
 ORDS = {"l1": Ord.L1, "l2": Ord.L2, "max": Ord.MAX}
 DEFAULT_GATE_ACT = "silu"
 DEFAULT_GATE_POSITION = "post"
@@ -108,6 +120,17 @@ class NormSpec:
     # composition stored once (not rounded to x's dtype first), and its gradient is read as
     # it comes (flash-attention's out_dtype)
     out_dtype: torch.dtype | None = None
+    # the scaled fp8 output in place of out (docs/low_precision.md): its mode, e5m2 rather
+    # than e4m3fn codes, MX scales rounded up (torchao's rceil) rather than down (floor),
+    # the dtype the normed value is rounded to before it is quantized (None: quantized from
+    # fp32, one rounding; set: the unfused pipeline's rounding points, bit for bit) and
+    # fp8_row's upper bound on the row amax (0: none)
+    quant: Quant = Quant.NONE
+    fp8_e5m2: bool = False
+    mx_rceil: bool = False
+    quant_from: torch.dtype | None = None
+    scale_ub: float = 0.0
+    mx_columnwise: bool = False  # mxfp8 also down the columns (blocks of 32 rows), the weight gradient's operand
 
     def pack(self) -> list[float]:
         return [_pack(getattr(self, name)) for name in _NAMES]
@@ -168,7 +191,7 @@ def _cast(name: str, kind, value: float):
 # evaluates the string annotations anew, ~50 us). A model has a few specs; they are
 # frozen, so one instance serves every call.
 _NAMES = tuple(f.name for f in fields(NormSpec))
-_DTYPE_FIELDS = ("out_dtype",)  # fields holding a dtype or None, which _pack and _cast encode
+_DTYPE_FIELDS = ("out_dtype", "quant_from")  # fields holding a dtype or None, which _pack and _cast encode
 
 
 @functools.lru_cache(maxsize=256)

@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "activations sharded by sequence; without --fsdp N is the world size, with it the 2-D "
                           "mesh (world / N, N) (default: 1, off)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar (default: off, a tqdm bar)")
+    run.add_argument("--fp8", choices=["row"], default=None,
+                     help="the Linear after each block norm in fp8, rowwise recipe (fuseblock.norm_linear "
+                          "quant='fp8_row'); needs --impl fused, without --tp (default: off)")
 
     settings.add_flags(ap.add_argument_group("model (recorded; on --resume they must match the checkpoint)"),
                        MODEL_DEFAULTS)
@@ -134,6 +137,8 @@ def parse_args(argv=None):
         ap.error(f"argument --device: {args.device!r} is not supported (use cpu or cuda)")
     if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
         ap.error(f"argument --device: {args.device} is not available on this machine")
+    if args.fp8 and (args.impl == "naive" or args.tp > 1):
+        ap.error("argument --fp8: runs through the fused norm + Linear (--impl fused), without --tp")
     if args.fsdp and not launched_by_torchrun():
         ap.error("argument --fsdp: shards over torchrun's ranks; run it as "
                  "torchrun --standalone --nproc_per_node=N scripts/train.py --fsdp ...")
@@ -441,6 +446,11 @@ def build_run(args, dist: Dist) -> tuple[Run, list[str]]:
                        "fused": args.impl == "fused", "residual_dtype": torch.float32})
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = build_model(cfg, dist)
+    if args.fp8:  # the block norms' fused Linears (norm_linear) in fp8
+        from fuseblock import Norm
+        for m in model.modules():
+            if isinstance(m, Norm):
+                m.linear_quant = "fp8_row"
     if dist.rank:
         torch.manual_seed(args.seed + dist.rank)  # dropout differs per rank; data does not
     batch_gen = torch.Generator().manual_seed(args.seed)

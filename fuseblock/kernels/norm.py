@@ -32,11 +32,16 @@ p (and dout, in the backward) twice: docs/performance.md counts it.
 # No `from __future__ import annotations`: Triton 3.1's interpreter reads the string
 # "tl.constexpr" as no annotation and passes BR, BD, ... as arrays (tests/tools/test_floor.py).
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
 
-from ..spec import Act, Gate, NormSpec
+from .. import fp8
+from ..spec import Act, Gate, NormSpec, Quant
+from . import launch
+from .fp8 import quant_buffers, quantized, store_quantized
 from .launch import (
     LAUNCHES,
     Layout,
@@ -190,7 +195,7 @@ def _load_p(X, X1, R, RO, SEED, o_x, o_x1, o_r, o_ro, o_e, mask, alpha, drop_p, 
 
 
 # --------------------------------------------------------------------------- forward
-@triton.jit(do_not_specialize=["M", "eps", "scale", "woff", "alpha", "drop_p", "drop_scale", "SEED"])
+@triton.jit(do_not_specialize=["M", "eps", "scale", "woff", "alpha", "drop_p", "drop_scale", "SEED", "q_ub"])
 def _fwd_tile(
     X, X1, R, Z, W, B, O, RO, RSTD, MEAN, SEED,
     s_x, s_x1, s_r, s_z, s_o, s_ro,
@@ -200,6 +205,10 @@ def _fwd_tile(
     HAS_R: tl.constexpr, STORE_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, STORE_STATS: tl.constexpr,
     EXACT_SQ: tl.constexpr,
+    # the scaled fp8 output (`fuseblock.kernels.fp8.store_quantized`): O holds its codes
+    QS=None, q_max=0.0, q_ub=0.0, q_tiny=0.0, q_tiny_scale=0.0,
+    QUANT: tl.constexpr = 0, Q_MBITS: tl.constexpr = 3, Q_BIAS: tl.constexpr = 7, Q_MAXPOW2: tl.constexpr = 8,
+    Q_RCEIL: tl.constexpr = False, Q_ROUND: tl.constexpr = 0, OT=None, QST=None, M_T=0, COLS: tl.constexpr = False,
 ):
     _check_modes(GATE, ACT)
     i_m = tl.program_id(0)
@@ -237,7 +246,11 @@ def _fwd_tile(
         b_o += tl.load(B + o_gd, mask=m_gd, other=0.0).to(tl.float32)[None, :, :]
     if GATE == GATE_POST:
         b_o *= b_g
-    tl.store(O + row * s_o + col, b_o.to(O.dtype.element_ty), mask=mask)
+    if QUANT == 0:
+        tl.store(O + row * s_o + col, b_o.to(O.dtype.element_ty), mask=mask)
+    else:
+        store_quantized(O, QS, b_o, o_m, m_m, o_gd, row, mask, s_o, G, DG, q_max, q_ub, q_tiny, q_tiny_scale,
+                        QUANT, Q_MBITS, Q_BIAS, Q_MAXPOW2, Q_RCEIL, Q_ROUND, BR, BG, BD, OT, QST, M_T, COLS)
     if STORE_STATS:
         o_stat = o_m[:, None] * G + o_g[None, :]
         m_stat = m_m[:, None] & (o_g[None, :] < G)
@@ -575,14 +588,37 @@ def _branch(spec: NormSpec) -> tuple[float, float, float]:
     return spec.alpha, p, (1.0 / (1.0 - p) if p > 0 else 1.0)
 
 
+def _quantized_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1, seed, qscale):
+    d = x.shape[-1]
+    M = x.numel() // d if d else 0
+    lay = fwd_layout(d, spec.groups) if M > 0 else None
+    if lay is not None and (not lay.tile or (spec.mx_columnwise and 32 * lay.bg * lay.bd > launch.MAX_TILE_FWD)):
+        plain = replace(spec, quant=Quant.NONE, out_dtype=spec.quant_from or torch.float32)
+        out, new_res, rstd, mean = norm_fwd(x, residual, gate, weight, bias, plain, residual_dtype, need_stats, x1,
+                                            seed)
+        return fp8.quantize(out, spec, qscale), new_res, rstd, mean
+    codes, qs, quant = quant_buffers(x, spec, qscale)
+    if spec.mx_columnwise:  # 32 rows per program at least: whole blocks down the columns
+        quant["M_T"] = quant.pop("M")
+    _, new_res, rstd, mean = norm_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1, seed,
+                                      _codes=codes, _quant=quant)
+    return quantized(codes, qs, spec, quant), new_res, rstd, mean
+
+
 def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, need_stats, x1=None, seed=None,
-             out=None, new_res=None):
+             out=None, new_res=None, qscale=None, _codes=None, _quant=None):
     """Triton forward, same contract as `fuseblock.reference.norm_fwd`. x1 and seed (the
     dropout masks' key, drawn by the caller when spec.dropout_p > 0: an int, or a one-element
     int64 tensor on x's device that the kernel reads) are add_norm's branch:
     p = residual + alpha * (drop(x) + drop(x1)). out and new_res: (M, d) tensors to write
     into (of x's and residual_dtype), for `fuseblock.serve`, which may pass x and the
-    residual themselves; else they are allocated."""
+    residual themselves; else they are allocated.
+
+    With spec.quant, out is `fuseblock.fp8.Quantized` (qscale: fp8_tensor's static scale),
+    written by the tile kernel in its one launch. Rows too wide for a tile are normed into
+    fp32 by the loop kernel and cast by `fuseblock.fp8.quantize` (two passes more)."""
+    if spec.quant != Quant.NONE and _codes is None:
+        return _quantized_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1, seed, qscale)
     # The launchers' stride contract: activations may have any strides (rows are passed
     # by stride, columns must be unit-stride or are copied: `rows`); weight and bias are
     # made unit-stride (`vec`). Outputs and statistics are allocated here, contiguous.
@@ -593,7 +629,8 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
     # Outputs in x's shape, the kernel writing through (M, d) views of them: a returned
     # view would be one autograd refuses to let users edit in place.
     if out is None:
-        out = torch.empty(x.shape, dtype=spec.out_dtype_for(x.dtype), device=x.device)  # the kernel stores in its dtype
+        # the kernel stores in its dtype (uint8 codes for a quantized output)
+        out = torch.empty(x.shape, dtype=spec.out_dtype_for(x.dtype), device=x.device) if _codes is None else _codes
         new_res = torch.empty(x.shape, dtype=residual_dtype, device=x.device) if residual_dtype is not None else None
     o2, ro2 = out.view(M, d), None if new_res is None else new_res.view(M, d)
     rstd = torch.empty((M, G), dtype=torch.float32, device=x.device) if need_stats else None
@@ -611,8 +648,9 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
             STORE_STATS=need_stats, EXACT_SQ=spec.eps == 0, num_warps=lay.warps,
         )
         if lay.tile:
-            _fwd_tile[(cdiv(M, lay.br),)](*args, M, G, d // G, spec.eps, spec.scale, spec.weight_offset,
-                                          *_branch(spec), BR=lay.br, BG=lay.bg, BD=lay.bd, **flags)
+            br = max(lay.br, 32) if spec.mx_columnwise else lay.br
+            _fwd_tile[(cdiv(M, br),)](*args, M, G, d // G, spec.eps, spec.scale, spec.weight_offset,
+                                      *_branch(spec), BR=br, BG=lay.bg, BD=lay.bd, **flags, **(_quant or {}))
         else:
             variant = lay.variant("_fwd_loop", (x2, x12, r2, z2, weight, bias, o2, ro2), flags)
             n_prog = min(M * G, num_sms(x.device) * programs_per_sm(x.device, variant, lay.per_sm))

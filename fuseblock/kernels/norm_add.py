@@ -28,12 +28,16 @@ row statistics (fp32); a D prefix is a gradient, a P suffix a partial-row buffer
 # No `from __future__ import annotations`: Triton 3.1's interpreter reads the string
 # "tl.constexpr" as no annotation (see fuseblock.kernels.norm).
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
 
-from ..spec import NormSpec
+from .. import fp8
+from ..spec import NormSpec, Quant
 from . import launch
+from .fp8 import quant_buffers, quantized, store_quantized
 from .launch import (
     LAUNCHES,
     Layout,
@@ -118,7 +122,7 @@ def _affine(b_r, W, B, o_d, m_d, scale, woff, HAS_W: tl.constexpr, HAS_B: tl.con
     return b_o
 
 
-@triton.jit(do_not_specialize=["M", "eps_b", "eps", "scale", "woff_b", "woff", "alpha"])
+@triton.jit(do_not_specialize=["M", "eps_b", "eps", "scale", "woff_b", "woff", "alpha", "q_ub"])
 def _fwd_tile(
     X, R, BW, BB, W, B, RO, O, RSTDB, MEANB, RSTD, MEAN,
     s_x, s_r, s_ro, s_o,
@@ -127,6 +131,10 @@ def _fwd_tile(
     HAS_BW: tl.constexpr, HAS_BB: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     SECOND: tl.constexpr, CENTER: tl.constexpr, STORE_STATS: tl.constexpr,
     EXACT_B: tl.constexpr, EXACT: tl.constexpr,
+    # the second norm's scaled fp8 output (`fuseblock.kernels.fp8.store_quantized`): O holds its codes
+    QS=None, q_max=0.0, q_ub=0.0, q_tiny=0.0, q_tiny_scale=0.0,
+    QUANT: tl.constexpr = 0, Q_MBITS: tl.constexpr = 3, Q_BIAS: tl.constexpr = 7, Q_MAXPOW2: tl.constexpr = 8,
+    Q_RCEIL: tl.constexpr = False, Q_ROUND: tl.constexpr = 0,
 ):
     i_m = tl.program_id(0)
     o_m = (i_m * BR + tl.arange(0, BR)).to(tl.int64)  # int64: M * stride may pass 2**31
@@ -146,7 +154,12 @@ def _fwd_tile(
     if SECOND:
         b_q2, b_rstd, b_mean = _stats(tl.where(mask, b_pr.to(tl.float32), 0.0), mask, D, eps, BR, BD, CENTER, EXACT)
         b_o = _affine(b_q2 * b_rstd[:, None], W, B, o_d, m_d, scale, woff, HAS_W, HAS_B)
-        tl.store(O + row * s_o + col, b_o.to(O.dtype.element_ty), mask=mask)
+        if QUANT == 0:
+            tl.store(O + row * s_o + col, b_o.to(O.dtype.element_ty), mask=mask)
+        else:  # as one group: [BR, 1, BD]
+            store_quantized(O, QS, b_o[:, None, :], o_m, m_m, col, row[:, :, None], mask[:, None, :], s_o, 1, D,
+                            q_max, q_ub, q_tiny, q_tiny_scale, QUANT, Q_MBITS, Q_BIAS, Q_MAXPOW2, Q_RCEIL, Q_ROUND,
+                            BR, 1, BD)
     if STORE_STATS:
         tl.store(RSTDB + o_m, b_rstdb, mask=m_m)
         if CENTER:
@@ -485,16 +498,26 @@ def _flag_eps(spec: NormSpec) -> bool:
 
 
 def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_spec: NormSpec, spec: NormSpec,
-                 alpha: float, residual_dtype, second: bool, need_stats: bool):
+                 alpha: float, residual_dtype, second: bool, need_stats: bool, qscale=None):
     """(new_residual, out or None, rstd_b, mean_b, rstd, mean), the statistics (M,) fp32 or
-    None; same contract as `fuseblock.reference.norm_add_fwd`."""
+    None; same contract as `fuseblock.reference.norm_add_fwd`. With spec.quant, out is
+    `fuseblock.fp8.Quantized` (qscale: fp8_tensor's static scale), written by the tile
+    kernel; rows too wide for it are normed into fp32 and cast by `fuseblock.fp8.quantize`."""
     d = x.shape[-1]
+    quant, codes = {}, None
+    if spec.quant != Quant.NONE:
+        if not fits(d, False):
+            plain = replace(spec, quant=Quant.NONE, out_dtype=spec.quant_from or torch.float32)
+            new_res, out, *stats = norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_spec,
+                                                plain, alpha, residual_dtype, second, need_stats)
+            return (new_res, fp8.quantize(out, spec, qscale), *stats)
+        codes, qs, quant = quant_buffers(x, spec, qscale)
     x2, r2 = as_rows(x, d), as_rows(residual, d)
     branch_weight, branch_bias, weight, bias = map(vec, (branch_weight, branch_bias, weight, bias))
     M = x2.shape[0]
     dev = x.device
     new_res = torch.empty(x.shape, dtype=residual_dtype, device=dev)
-    out = torch.empty(x.shape, dtype=x.dtype, device=dev) if second else None
+    out = torch.empty(x.shape, dtype=spec.out_dtype_for(x.dtype), device=dev) if second and codes is None else codes
     ro2 = new_res.view(M, d)
     o2 = out.view(M, d) if second else None
 
@@ -514,14 +537,14 @@ def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_s
                      HAS_B=bias is not None, SECOND=second, CENTER=spec.center, STORE_STATS=need_stats,
                      EXACT_B=_flag_eps(branch_spec), EXACT=_flag_eps(spec), num_warps=lay.warps)
         if lay.tile:
-            _fwd_tile[(cdiv(M, lay.br),)](*args, BR=lay.br, BD=lay.bd, **flags)
+            _fwd_tile[(cdiv(M, lay.br),)](*args, BR=lay.br, BD=lay.bd, **flags, **quant)
         else:
             variant = lay.variant("norm_add._fwd_loop", (x2, r2, branch_weight, weight, ro2, o2), flags)
             n_prog = min(M, num_sms(dev) * programs_per_sm(dev, variant, lay.per_sm))
             compiled = _fwd_loop[(n_prog,)](*args, BD=lay.bd, **flags)
             learn(dev, variant, compiled, lay.warps)
         LAUNCHES["fwd"] += 1
-    return new_res, out, rstd_b, mean_b, rstd, mean
+    return new_res, (out if codes is None else quantized(codes, qs, spec)), rstd_b, mean_b, rstd, mean
 
 
 def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b, mean_b, rstd, mean,

@@ -28,6 +28,7 @@ from ..spec import (
     stored_dtype,
 )
 from . import dtensor
+from . import quant as quant_ops
 from .checks import check_branch, check_float_dtype, default_eps, refuse_positional, resolve
 from .dispatch import func_transforms_active, kernels, kernels_take_cpu, uses_triton
 from .registry import FusedOp
@@ -289,6 +290,13 @@ def add_norm(
     x1: Optional[Tensor] = None,
     dropout_p: float = _NO_DROPOUT,
     out_dtype: Optional[torch.dtype] = None,
+    quant: Optional[str] = None,
+    scale: Optional[Tensor] = None,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    mx_rounding: str = "floor",
+    scale_ub: Optional[float] = None,
+    quant_from: Optional[torch.dtype] = None,
+    mx_columnwise: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Fused residual add + normalize over the last dim: returns (out, new_residual).
 
@@ -318,16 +326,28 @@ def add_norm(
     generator (torch.manual_seed reproduces a call). Set dropout_p=0 in eval.
     The backward returns dx = alpha * keep_x/(1 - dropout_p) * dp, dx1 likewise, and
     dresidual = dp (dp: the gradient at new_residual).
+
+    quant="fp8_tensor" | "fp8_row" | "mxfp8" returns `Quantized(data, scale)` in place of
+    out, written by the norm's own launch (docs/low_precision.md): fp8_dtype codes
+    (e4m3fn or e5m2) with a static scale= (fp8_tensor), a scale per row (fp8_row, its amax
+    bounded by scale_ub when given) or e8m0 scales per 32 columns (mxfp8, mx_rounding
+    "floor" or "rceil"). The fp32 normed value is cast (one rounding), or first rounded to
+    quant_from as an unfused norm-then-cast pipeline does. mx_columnwise=True (mxfp8) also
+    returns data_t, scale_t: blocks of 32 down the columns, of shape (d, rows) and
+    (d, rows/32), from the same fp32 values in the same launch. The codes carry no gradient:
+    inputs that require one are refused (train through `fuseblock.Fp8NormLinear`).
     """
     if positional:
         refuse_positional("add_norm", "x, residual, weight, bias", 4 + len(positional))
     if dtensor.has_dtensor(x, residual, weight, bias, gate, x1):  # per-rank shards: docs/parallel.md
+        if quant is not None:
+            raise ValueError("quant= does not take DTensor inputs yet: quantize each rank's local tensor")
         return dtensor.add_norm(add_norm, x, residual, weight, bias, gate, x1, kind=kind, c=c, eps=eps,
                                 residual_dtype=residual_dtype, gate_act=gate_act, gate_position=gate_position,
                                 num_groups=num_groups, weight_offset=weight_offset, alpha=alpha,
                                 dropout_p=dropout_p, out_dtype=out_dtype)
     no_branch = x1 is None and alpha is _NO_SCALE and dropout_p is _NO_DROPOUT  # else checked below
-    if (no_branch and gate is None and c is None and residual_dtype is None and out_dtype is None
+    if (no_branch and gate is None and quant is None and c is None and residual_dtype is None and out_dtype is None
             and num_groups is _ONE_GROUP
             and type(weight_offset) is float and weight_offset == 0.0 and gate_act is DEFAULT_GATE_ACT
             and gate_position is DEFAULT_GATE_POSITION and not is_compiling()):
@@ -356,6 +376,16 @@ def add_norm(
         if x1 is not None or alpha != 1.0 or dropout_p != 0.0:  # new_residual is not x: always stored
             spec = spec.with_branch(alpha, dropout_p)
             rdtype = stored_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
+    if quant is not None:
+        spec = quant_ops.with_quant(spec, x, quant=quant, scale=scale, fp8_dtype=fp8_dtype, mx_rounding=mx_rounding,
+                                    scale_ub=scale_ub, quant_from=quant_from, mx_columnwise=mx_columnwise)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, residual, gate, weight,
+                                                                                        bias, x1)):
+            raise ValueError(f"quant={quant!r} outputs carry no gradient, and an input requires one: run it under "
+                             "torch.no_grad(), or train through fuseblock.Fp8NormLinear")
+        out, new_res, _, _ = quant_ops.quantized_norm_fwd(x, residual, gate, weight, bias, spec, rdtype, False, x1,
+                                                          scale)
+        return out, (x if rdtype is None else new_res)
     out, new_res, _, _ = apply_norm(x, residual, gate, weight, bias, spec, rdtype, x1=x1)
     return out, (x if rdtype is None else new_res)
 
@@ -374,9 +404,15 @@ def norm(
     num_groups: int = 1,
     weight_offset: float = 0.0,
     out_dtype: Optional[torch.dtype] = None,
+    quant: Optional[str] = None,
+    scale: Optional[Tensor] = None,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    mx_rounding: str = "floor",
+    quant_from: Optional[torch.dtype] = None,
+    mx_columnwise: bool = False,
 ) -> Tensor:
     """Normalize over the last dim: `add_norm` with no residual (see there for the math
-    and out_dtype).
+    and out_dtype; quant=... returns `Quantized`, as add_norm's).
 
     kind="rms" equals torch's rms_norm and kind="layer" its layer_norm at the same eps;
     kind="l2" is x / sqrt(x.x + d*eps) * weight + bias.
@@ -386,4 +422,6 @@ def norm(
     return add_norm(
         x, None, weight, bias, kind=kind, c=c, eps=eps, gate=gate, gate_act=gate_act,
         gate_position=gate_position, num_groups=num_groups, weight_offset=weight_offset, out_dtype=out_dtype,
+        quant=quant, scale=scale, fp8_dtype=fp8_dtype, mx_rounding=mx_rounding, quant_from=quant_from,
+        mx_columnwise=mx_columnwise,
     )[0]

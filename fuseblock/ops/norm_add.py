@@ -20,7 +20,8 @@ from torch import Tensor
 from .. import reference
 from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, acc_dtype, stored_dtype
 from . import dtensor
-from .checks import _check_vector, check_number, check_tensor, default_eps, resolve
+from . import quant as quant_ops
+from .checks import _check_vector, check_float_dtype, check_number, check_tensor, default_eps, resolve
 from .dispatch import func_transforms_active, kernels, uses_triton
 from .registry import FusedOp
 
@@ -48,13 +49,15 @@ def _fwd(
 
 
 def _fwd_fake(x, residual, branch_weight, branch_bias, weight, bias, spec, residual_dtype, second, need_stats):
-    center = _unpack(spec)[1].center
+    second_spec = _unpack(spec)[1]
+    center = second_spec.center
     rows = x.numel() // x.shape[-1]
 
     def stat(on):
         return x.new_empty((rows,), dtype=torch.float32) if need_stats and on else _empty(x)
 
-    return (x.new_empty(x.shape, dtype=residual_dtype), x.new_empty(x.shape) if second else _empty(x),
+    out = x.new_empty(x.shape, dtype=second_spec.out_dtype_for(x.dtype)) if second else _empty(x)
+    return (x.new_empty(x.shape, dtype=residual_dtype), out,
             stat(True), stat(center), stat(second), stat(second and center))
 
 
@@ -130,7 +133,8 @@ def _graph_grads(ctx, grad_outputs):
     dp = dres
     if ctx.second and dout is not None:
         pp = p if p.requires_grad else p.detach().requires_grad_()
-        out = reference.norm_out(pp.to(acc_dtype(p.dtype)), None, w, b, ctx.spec)[0].to(ctx.x_dtype)
+        out = reference.norm_out(pp.to(acc_dtype(p.dtype)), None, w, b, ctx.spec)[0].to(
+            ctx.spec.out_dtype_for(ctx.x_dtype))
         grad_of(out, (pp, w, b), dout)
         dpn = found.get(id(pp))
         if dpn is not None:
@@ -220,6 +224,13 @@ def norm_add_norm(
     branch_weight_offset: Optional[float] = None,
     alpha: float = 1.0,
     residual_dtype: Optional[torch.dtype] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    quant: Optional[str] = None,
+    scale: Optional[Tensor] = None,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    mx_rounding: str = "floor",
+    scale_ub: Optional[float] = None,
+    quant_from: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor]:
     """Sandwich (Peri-LN) residual update, both norms in one kernel: returns (out, new_residual),
 
@@ -230,12 +241,16 @@ def norm_add_norm(
     kind="l2", where None means no weight. branch_eps=None and branch_weight_offset=None
     mean the same as eps and weight_offset; eps=None is torch's default for the dtype each
     norm reads (x's for N_b, new_residual's for N). new_residual's dtype as in `norm_add`
-    (N reads the stored value); out has x's dtype.
+    (N reads the stored value); out has x's dtype, or out_dtype: the fp32 result stored
+    once in that dtype by the kernel (as `add_norm`'s), its gradient read in it.
+    quant=... returns `Quantized` in place of out, forward only, as `add_norm`'s.
     """
     check_tensor("x", x)
     check_tensor("residual", residual)
     alpha = _check_alpha(alpha)
     spec = _spec(x, residual, weight, bias, kind, eps, weight_offset, residual_dtype)  # checks x, kind, weight, bias
+    check_float_dtype("out_dtype", out_dtype)
+    spec = spec.with_out_dtype(out_dtype)
     if kind != "l2":
         for name, t in (("branch_weight", branch_weight), ("weight", weight)):
             if t is None:
@@ -258,5 +273,17 @@ def norm_add_norm(
             raise ValueError(f"branch_weight_offset={branch_weight_offset} needs a branch_weight: it is added to it")
     bspec = _spec(x, residual, branch_weight, branch_bias, kind, branch_eps, branch_weight_offset, residual_dtype)
     rdtype = stored_dtype(x.dtype, residual.dtype, residual_dtype)
+    if quant is not None:
+        spec = quant_ops.with_quant(spec, x, quant=quant, scale=scale, fp8_dtype=fp8_dtype, mx_rounding=mx_rounding,
+                                    scale_ub=scale_ub, quant_from=quant_from)
+        if dtensor.has_dtensor(x, residual, branch_weight, branch_bias, weight, bias):
+            raise ValueError("quant= does not take DTensor inputs yet: quantize each rank's local tensor")
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (x, residual, branch_weight, branch_bias, weight, bias)):
+            raise ValueError(f"quant={quant!r} outputs carry no gradient, and an input requires one: run it under "
+                             "torch.no_grad()")
+        new_res, q = quant_ops.quantized_norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, bspec,
+                                                      spec, alpha, rdtype, scale)
+        return q, new_res
     new_res, out = _apply(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha, rdtype, True)
     return out, new_res

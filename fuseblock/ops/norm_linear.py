@@ -16,16 +16,19 @@ plain composition.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import reference
-from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, new_residual_dtype, residual_grad_dtype
+from .. import fp8, reference
+from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, Quant, new_residual_dtype, residual_grad_dtype
 from . import dtensor
 from .checks import check_tensor, resolve
 from .dispatch import func_transforms_active, kernels, uses_triton
 from .norm import add_norm, apply_norm, norm_op
+from .quant import quantized_norm_fwd, with_quant
 
 
 def _kernel_out(p: Tensor, weight, bias, spec: NormSpec) -> Tensor:
@@ -49,6 +52,29 @@ def _kernel_norm_grads(dout, dres, p, weight, bias, rstd, mean, spec: NormSpec, 
     return dx, (dr if rgrad_dtype is not None else None), dw, db
 
 
+def _fp8_forward(x, residual, norm_weight, norm_bias, weight, bias, spec: NormSpec, residual_dtype):
+    """y of the rowwise fp8 recipe (torchao's Float8Linear "rowwise"): the normed rows
+    quantized per row by the norm's own launch (kernel path; the torch path casts its
+    fp32 output), the weight per output row along its own axis, one torch._scaled_mm in
+    x's dtype, the bias added after it. Returns (y, new_residual, rstd, mean, native)."""
+    native = False
+    if uses_triton(x):
+        q, new_res, rstd, mean = quantized_norm_fwd(x, residual, None, norm_weight, norm_bias, spec, residual_dtype,
+                                                    True)
+    else:
+        plain = replace(spec, quant=Quant.NONE, out_dtype=spec.quant_from or torch.float32)
+        out, new_res, rstd, mean, native = reference.norm_and_stats(x, residual, norm_weight, norm_bias, plain,
+                                                                    residual_dtype)
+        q = fp8.quantize(out, spec)
+    w = fp8.quantize(weight, replace(spec, quant_from=None, scale_ub=0.0))
+    d = x.shape[-1]
+    y = torch._scaled_mm(q.data.reshape(-1, d), w.data.t(), scale_a=q.scale.reshape(-1, 1),
+                         scale_b=w.scale.reshape(1, -1), out_dtype=x.dtype)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*x.shape[:-1], weight.shape[0]), new_res, rstd, mean, native
+
+
 class _NormLinear(torch.autograd.Function):
     """Inputs (x, residual, norm_weight, norm_bias, weight, bias, spec, residual_dtype, rows);
     outputs (y, new_residual or None). residual_dtype None: no residual is stored, and
@@ -63,18 +89,23 @@ class _NormLinear(torch.autograd.Function):
     def forward(ctx, x, residual, norm_weight, norm_bias, weight, bias, spec: NormSpec, residual_dtype, rows=None):
         ctx.kernel, ctx.native = uses_triton(x), False
         with torch.no_grad():  # the statistics are wanted here, not a graph of the norm
-            if ctx.kernel:
+            if spec.quant != Quant.NONE:  # the fp8 recipe's forward; backward is the same as unquantized
+                y, new_res, rstd, mean, ctx.native = _fp8_forward(x, residual, norm_weight, norm_bias, weight, bias,
+                                                                  spec, residual_dtype)
+                out = None
+            elif ctx.kernel:
                 out, new_res, rstd, mean = apply_norm(x, residual, None, norm_weight, norm_bias, spec, residual_dtype,
                                                       need_stats=True)
             else:
                 out, new_res, rstd, mean, ctx.native = reference.norm_and_stats(x, residual, norm_weight, norm_bias,
                                                                                 spec, residual_dtype)
-            y = F.linear(out if rows is None else rows.gather(out), weight, bias)
+            if out is not None:
+                y = F.linear(out if rows is None else rows.gather(out), weight, bias)
         del out  # the point of the op: nothing keeps the normalized rows alive past here
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(new_res if residual_dtype is not None else x, norm_weight, norm_bias, weight, rstd,
                               mean if spec.center else None)
-        ctx.spec, ctx.rows = spec, rows
+        ctx.spec, ctx.rows = replace(spec, quant=Quant.NONE), rows  # backward: the unquantized norm's
         ctx.x_dtype, ctx.y_dtype = x.dtype, y.dtype  # y's differs under autocast, which lowers the Linear
         ctx.residual_dtype = None if residual is None else residual.dtype
         ctx.stored = residual_dtype is not None
@@ -159,6 +190,8 @@ def norm_linear(
     eps: float | None = None,
     weight_offset: float = 0.0,
     residual_dtype: torch.dtype | None = None,
+    quant: str | None = None,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
 ) -> tuple[Tensor, Tensor]:
     """`y = F.linear(norm(x + residual), weight, bias)`: returns (y, new_residual).
 
@@ -168,17 +201,30 @@ def norm_linear(
     is None). Its output is not kept for backward: only p, the row statistics and the
     weights are, and backward rebuilds the output in one elementwise pass. Double
     backward is refused.
+
+    quant="fp8_row": the rowwise fp8 recipe (docs/low_precision.md). The norm writes its
+    rows as fp8 codes with a scale per row in its one launch, the weight is quantized per
+    output row, and torch._scaled_mm forms y. The backward is the unquantized one, in high
+    precision: dout = dy W and dW = dy^T out with out rebuilt from p, so dx, dresidual and
+    the norm's gradients equal those of norm_linear without quant for the same dy.
     """
     check_tensor("x", x)
+    if quant is not None:
+        if quant != "fp8_row":
+            raise ValueError(f"norm_linear takes quant=None or 'fp8_row' (the rowwise recipe), got {quant!r}")
+        if dtensor.has_dtensor(x, residual, norm_weight, norm_bias, weight, bias) or func_transforms_active():
+            raise ValueError("norm_linear(quant='fp8_row') takes plain tensors, outside torch.func transforms")
+        if weight.dtype != x.dtype:
+            raise TypeError(f"quant='fp8_row' needs weight in x's dtype {x.dtype}, got {weight.dtype}")
     if dtensor.has_dtensor(x, residual, norm_weight, norm_bias, weight, bias):  # docs/parallel.md
         return dtensor.norm_linear(_norm_linear, add_norm, x, residual, norm_weight, norm_bias, weight, bias,
                                    kind=kind, eps=eps, weight_offset=weight_offset, residual_dtype=residual_dtype)
     return _norm_linear(x, residual, norm_weight, norm_bias, weight, bias, kind=kind, eps=eps,
-                        weight_offset=weight_offset, residual_dtype=residual_dtype)
+                        weight_offset=weight_offset, residual_dtype=residual_dtype, quant=quant, fp8_dtype=fp8_dtype)
 
 
 def _norm_linear(x, residual, norm_weight, norm_bias, weight, bias, *, kind, eps, weight_offset, residual_dtype,
-                 rows=None):
+                 rows=None, quant=None, fp8_dtype=torch.float8_e4m3fn):
     """norm_linear on plain tensors (a DTensor call's local shards; rows: _NormLinear's)."""
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the normalized last dim)")
@@ -192,6 +238,9 @@ def _norm_linear(x, residual, norm_weight, norm_bias, weight, bias, *, kind, eps
                    gate_position=DEFAULT_GATE_POSITION, num_groups=1, residual_dtype=residual_dtype,
                    weight_offset=weight_offset)
     rdtype = new_residual_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
+    if quant is not None:
+        spec = with_quant(spec, x, quant=quant, scale=None, fp8_dtype=fp8_dtype, mx_rounding="floor", scale_ub=None,
+                          quant_from=None)
     if func_transforms_active():  # vmap, grad, jvp: the plain composition, which they see through
         if rows is not None:
             raise ValueError("norm_linear on sequence-sharded DTensors is not supported under torch.func transforms")

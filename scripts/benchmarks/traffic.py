@@ -11,13 +11,14 @@ import torch
 from fuseblock.testing.cases import OPS, RESIDUAL_OPS
 from fuseblock.testing.hyper_traffic import measure_hyper_traffic
 from fuseblock.testing.op_traffic import measure_residual_traffic, measure_traffic
+from fuseblock.testing.quant_traffic import QUANT_OPS, measure_quant_traffic
 
 # the mHC boundary with comb (DeepSeek-V4, GLM-5-next) and without (HY-V4), n = 4 streams
 HYPER_OPS = {"hc_add_norm": True, "hc_add_norm_nocomb": False}
 
 
 def check(args) -> str | None:
-    known = OPS + RESIDUAL_OPS + list(HYPER_OPS)
+    known = OPS + RESIDUAL_OPS + list(HYPER_OPS) + QUANT_OPS
     unknown = sorted(set(args.ops or ()) - set(known))
     return f"--ops: unknown {unknown}; choose from {known}" if unknown else None
 
@@ -37,11 +38,13 @@ def run(args) -> list[dict]:
     rows_list = args.rows or ([256, 2048] if args.quick else [256, 2048, 16384])
     d = args.d or (256 if args.quick else 1024)
     out_rows = []
-    for op in args.ops or OPS + RESIDUAL_OPS:  # the mHC boundary by name only: minutes of interpreter each
+    for op in args.ops or OPS + RESIDUAL_OPS + QUANT_OPS:  # the mHC boundary by name only: minutes of interpreter each
         if op in HYPER_OPS:
             out_rows += _hyper(op, args)
             continue
         measure = measure_residual_traffic if op in RESIDUAL_OPS else measure_traffic  # unfused against fused
+        if op in QUANT_OPS:  # forward only: the fp8 codes carry no gradient
+            measure = measure_quant_traffic
         for dtype in (torch.float32, torch.bfloat16):
             if op == "add_norm_fp32_residual" and dtype == torch.float32:
                 continue  # the same op as add_norm
