@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from .ops.checks import check_eps, check_int, check_number
 from .ops.hyper import MAX_STREAMS, hc_add_norm, hc_head, hc_norm
-from .stream import ResidualStack, keywords_accepted, split_output
+from .stream import ResidualStack, keywords_accepted, route_keywords, split_output
 
 
 def naive_coefficients(H: Tensor, fn: Tensor, base: Tensor, scale: Tensor, n: int, iters: int, hc_eps: float,
@@ -187,19 +187,7 @@ class HyperConnectionStack(nn.Module):
         return (out, extras) if self.return_extras else out
 
     def _route(self, kwargs: dict) -> list[dict]:
-        if not kwargs:
-            return [kwargs] * len(self.blocks)
-        routed, used = [], set()
-        for block in self.blocks:
-            accepted = block.keywords()
-            mine = kwargs if accepted is None else {k: v for k, v in kwargs.items() if k in accepted}
-            used.update(mine)
-            routed.append(mine)
-        unused = [k for k in kwargs if k not in used]
-        if unused:
-            raise TypeError(f"HyperConnectionStack.forward got keyword argument(s) {', '.join(map(repr, unused))} "
-                            f"that no mixer's forward accepts")
-        return routed
+        return route_keywords(kwargs, self.blocks, lambda block: block.keywords(), "HyperConnectionStack")
 
     def _fused(self, x: Tensor, H: Tensor, routed: list[dict]) -> tuple[Tensor, tuple]:
         f = post = comb = None

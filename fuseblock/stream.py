@@ -37,6 +37,24 @@ def split_output(out) -> tuple:
     return (out[0], tuple(out[1:])) if isinstance(out, tuple) else (out, ())
 
 
+def route_keywords(kwargs: dict, blocks, accepted, owner: str) -> list[dict]:
+    """Each block's keyword arguments: those its mixer's forward accepts (`accepted(block)`:
+    a set of names, or None for any). A keyword no block takes is a TypeError naming it."""
+    if not kwargs:
+        return [kwargs] * len(blocks)
+    routed, used = [], set()
+    for block in blocks:
+        names = accepted(block)
+        mine = kwargs if names is None else {k: v for k, v in kwargs.items() if k in names}
+        used.update(mine)
+        routed.append(mine)
+    unused = [k for k in kwargs if k not in used]
+    if unused:
+        raise TypeError(f"{owner}.forward got keyword argument(s) {', '.join(map(repr, unused))} "
+                        f"that no mixer's forward accepts")
+    return routed
+
+
 def keywords_accepted(mixer: nn.Module, bound: int, reserved: tuple[str, ...] = ()) -> frozenset[str] | None:
     """The keywords `mixer.forward` accepts once the block has bound its first `bound`
     parameters positionally and passed `reserved` itself; None for all: a **kwargs (as a
@@ -409,20 +427,7 @@ class ResidualStack(nn.Module):
         return (out, extras) if self.return_extras else out
 
     def _route(self, kwargs: dict) -> list[dict]:
-        """Each block's keyword arguments: those its mixer's forward accepts."""
-        if not kwargs:
-            return [kwargs] * len(self.blocks)
-        routed, used = [], set()
-        for block in self.blocks:
-            accepted = block._keywords()
-            mine = kwargs if accepted is None else {k: v for k, v in kwargs.items() if k in accepted}
-            used.update(mine)
-            routed.append(mine)
-        unused = [k for k in kwargs if k not in used]
-        if unused:
-            raise TypeError(f"ResidualStack.forward got keyword argument(s) {', '.join(map(repr, unused))} "
-                            f"that no mixer's forward accepts")
-        return routed
+        return route_keywords(kwargs, self.blocks, lambda block: block._keywords(), "ResidualStack")
 
     def _fused(self, x: Tensor, routed: list[dict]) -> tuple[Tensor, tuple]:
         hidden, residual, branch_norm, extras = x, None, None, []
