@@ -140,7 +140,8 @@ def _signature(launch: CapturedLaunch):
     options = {k: v for k, v in launch.kwargs.items() if k not in fn.arg_names}
     signature, constexprs, attrs = {}, {}, {}
     for param in fn.params:
-        name, v = param.name, values[param.name]
+        name = param.name
+        v = values[name] if name in values else param.default  # an argument left to its default, as the JIT binds it
         if param.is_constexpr or v is None:
             signature[name], constexprs[name] = "constexpr", v
         elif isinstance(v, torch.Tensor):

@@ -615,29 +615,6 @@ def test_torch_save_of_a_fused_model_loads_fused(tmp_path):
         assert torch.equal(found[arch][1], expected[arch]), max_diff(found[arch][1], expected[arch])
 
 
-def _readme_example():
-    """The one ```python block of the README's section on transformers models."""
-    import re
-
-    with open(os.path.join(ROOT, "README.md")) as f:
-        text = f.read()
-    section = re.search(r"^## Hugging Face transformers models\n(.*?)(?=^## )", text, re.S | re.M)
-    assert section, "no section '## Hugging Face transformers models' in README.md"
-    blocks = re.findall(r"```python\n(.*?)```", section.group(1), re.S)
-    assert len(blocks) == 1, f"expected one python block in the section, found {len(blocks)}"
-    return blocks[0]
-
-
-@pytest.mark.kernel
-def test_readme_example_runs_verbatim():
-    ns = {"__name__": "readme_example"}
-    exec(compile(_readme_example(), "README.md (Hugging Face transformers models)", "exec"), ns)
-    # it ran the fused model (not only the unfused one) and generated past the prompt
-    assert type(ns["fused"].model.layers[0]) is not type(ns["llama"].model.layers[0])
-    assert ns["tokens"].shape == (1, 12) and ns["out"].loss.requires_grad
-    assert all(p.grad is not None for p in ns["fused"].parameters())
-
-
 @pytest.mark.slow
 def test_train_hf_script_smoke():
     """scripts/train_hf.py: fused and unfused loss curves side by side, equal to fp32 noise."""

@@ -80,12 +80,16 @@ def test_gpu_code_path_smoke_run_on_cpu(tmp_path):
                      capture_output=True, text=True, seconds=600, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
-    bw = [r for r in rows if r["kind"] in ("rms", "layer")]
-    assert len(bw) == 2 and not any(k.endswith("_error") for r in rows for k in r)
+    bw = [r for r in rows if "fuseblock_fwd_TBps" in r]  # the bandwidth rows; then the small-row latency's
+    latency = [r for r in rows if "fuseblock_fwd_us" in r]
+    assert len(bw) == 2 and len(latency) == 2 and not any(k.endswith("_error") for r in rows for k in r)
     for r in bw:
         assert all(r[f"{impl}_{pas}_TBps"] > 0 for impl in ("fuseblock", "fuseblock-deterministic", "eager", "compile")
                    for pas in ("fwd", "bwd"))
-    assert {f.name for f in tmp_path.iterdir()} == {"gpu.md", "gpu.json", "gpu_rms.png", "gpu_layer.png"}
+    for r in latency:
+        assert all(r[f"{impl}_{pas}_us"] > 0 for impl in ("fuseblock", "eager") for pas in ("fwd", "bwd"))
+    assert {f.name for f in tmp_path.iterdir()} == {"gpu.md", "gpu.json", "gpu_latency.json", "peers.json",
+                                                    "gpu_rms.png", "gpu_layer.png"}
 
 
 def test_gpu_compiles_afresh_for_each_shape(monkeypatch):
@@ -119,7 +123,7 @@ def test_gpu_compiles_afresh_for_each_shape(monkeypatch):
         return 1.0
 
     for d in (8, 16):
-        row = gpu._bandwidth_row("rms", d, args, torch.device("cpu"), once)
+        row = gpu._bandwidth_row("rms", d, args, torch.device("cpu"), once, {})  # no peers on the CPU
         assert row["compile_fwd_TBps"] > 0 and row["compile_bwd_TBps"] > 0
     assert [e for e in events if e[0] != "call"] == [("reset",), ("compile", False)] * 2
     first, second = events.index(("compile", False)), len(events) - 1 - events[::-1].index(("compile", False))

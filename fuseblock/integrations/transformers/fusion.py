@@ -20,8 +20,8 @@ unfused model live side by side in one process. It
   fused model built on the meta device. fuse runs inside `with torch.device("meta")`,
   where from_pretrained builds its models.
 What fuse gives a model lives in these classes, not in the instances, so a fused model
-copies and pickles whole: `torch.save(model)` and `torch.load(..., weights_only=False)`
-give a fused model (`_reduce_fused` names each class by the class it extends).
+copies and pickles whole: `torch.save(model)`, loaded back by the user with `weights_only` off,
+gives a fused model (`_reduce_fused` names each class by the class it extends).
 """
 from __future__ import annotations
 
