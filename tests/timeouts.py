@@ -15,6 +15,7 @@ import math
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -88,7 +89,7 @@ def wait(proc: subprocess.Popen, *, seconds: float, log=None) -> int:
 
 def _read(path) -> str:
     try:
-        return open(path, errors="replace").read() if path else ""
+        return Path(path).read_text(errors="replace") if path else ""
     except OSError:
         return ""
 
