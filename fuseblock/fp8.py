@@ -33,12 +33,54 @@ E8M0_NAN = 255
 class Quantized(NamedTuple):
     """A quantized normed output: fp8 `data` of the output's shape and its `scale` (fp32:
     the static scale, or one per row of shape (..., 1); e8m0 of shape (..., d/32) for
-    mxfp8). dequantized = data * scale (per block for mxfp8)."""
+    mxfp8). dequantized = data * scale (per block for mxfp8).
+
+    `anchor`, when an input of the op requires a gradient: the normed output's place in
+    the autograd graph. It holds no values (NaN broadcast to the output's shape, in the
+    dtype the unquantized op's output has); the gradient given to it, in high precision,
+    is the gradient at the normed output, and the op's backward turns it into the same
+    dx, dresidual, dweight and dbias as the unquantized op's (docs/low_precision.md).
+    A consumer passes it to its own autograd.Function and returns that gradient for it,
+    or calls `torch.autograd.backward(q.anchor, grad)`, or uses `dequantize()`."""
 
     data: Tensor
     scale: Tensor
     data_t: Tensor | None = None  # mxfp8's columnwise copy: codes of shape (d, rows), blocks of 32 rows
     scale_t: Tensor | None = None  # and its e8m0 scales, (d, rows/32)
+    anchor: Tensor | None = None
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
+        """data * scale (per block of 32 for mxfp8), formed in fp32 and returned in dtype
+        (default: the anchor's, else fp32). With an anchor it is differentiable: its
+        gradient passes unchanged to the anchor (the straight-through rule of torchao's
+        casts), so `F.linear(q.dequantize(), w)` trains the norm as the unquantized op."""
+        if dtype is None:
+            dtype = torch.float32 if self.anchor is None else self.anchor.dtype
+        if self.anchor is None:
+            return dequantize(self.data, self.scale).to(dtype)
+        return _Dequantize.apply(self.anchor, self.data, self.scale, dtype)
+
+
+def dequantize(data: Tensor, scale: Tensor) -> Tensor:
+    """fp32 values of fp8 codes and their scales: fp32 scales broadcast (one, or one per
+    row), e8m0 scales one per block of 32 along the last dim (255, e8m0's NaN, gives NaN)."""
+    if scale.dtype != torch.float8_e8m0fnu:
+        return data.float() * scale
+    biased = scale.view(torch.uint8).int()
+    mult = torch.where(biased == E8M0_NAN, float("nan"), torch.exp2((biased - E8M0_BIAS).float()))
+    blocks = data.float().reshape(*data.shape[:-1], data.shape[-1] // MX_BLOCK, MX_BLOCK)
+    return (blocks * mult.unsqueeze(-1)).reshape(data.shape)
+
+
+class _Dequantize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor, data, scale, dtype):
+        ctx.anchor_dtype = anchor.dtype
+        return dequantize(data, scale).to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.anchor_dtype), None, None, None
 
 
 def fp8_dtype(spec: NormSpec) -> torch.dtype:
@@ -125,3 +167,33 @@ def _mx(o: Tensor, spec: NormSpec) -> tuple[Tensor, Tensor]:
     biased = mx_exponents(blocks.abs().amax(-1, keepdim=True), spec)
     data = _sat(blocks * mx_multiplier(biased, spec), spec).reshape(o.shape)
     return data, biased.squeeze(-1).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def blocked_scales(scale: Tensor) -> Tensor:
+    """mxfp8 scales (rows, k/32) in the layout torch._scaled_mm takes for block scales
+    (cuBLAS's): padded with zeros to whole tiles of 128 rows x 4 scale columns, each tile
+    stored as 32 runs of 16: row r of the tile and its 4 scales at run r % 32, position
+    4 * (r // 32) + column."""
+    rows, cols = scale.shape
+    pr, pc = -rows % 128, -cols % 4
+    s = torch.nn.functional.pad(scale.view(torch.uint8), (0, pc, 0, pr)) if pr or pc else scale.view(torch.uint8)
+    tiles = s.reshape((rows + pr) // 128, 128, (cols + pc) // 4, 4).permute(0, 2, 1, 3)  # (R, C, 128, 4)
+    runs = tiles.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1)
+    return runs.view(torch.float8_e8m0fnu)
+
+
+def mx_block_mm_native(device: torch.device) -> bool:
+    """Whether torch._scaled_mm takes mxfp8 block scales on device: CUDA compute
+    capability 10.0 and later (B200)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (10, 0)
+
+
+def mx_linear(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> Tensor:
+    """a @ b^T for mxfp8 operands blocked along their shared last dim k: a (m, k) with
+    scales (m, k/32), b (n, k) with (n, k/32). torch._scaled_mm with block scales where
+    the device takes them (`mx_block_mm_native`); elsewhere the fallback: both dequantized
+    exactly into fp32 (code * 2**e), one fp32 matmul, the result cast to out_dtype."""
+    if mx_block_mm_native(a.data.device):
+        return torch._scaled_mm(a.data, b.data.t(), scale_a=blocked_scales(a.scale), scale_b=blocked_scales(b.scale),
+                                out_dtype=out_dtype)
+    return (dequantize(a.data, a.scale) @ dequantize(b.data, b.scale).t()).to(out_dtype)

@@ -26,8 +26,9 @@ class NormLinear(nn.Module):
     and initialised as nn.Linear's; `norm_weight` (in_features), initialised so that
     weight_offset + norm_weight = 1; `norm_bias` when norm_bias=True, zeros.
 
-    quant="fp8_row": the Linear runs in fp8 with the rowwise recipe, the norm writing its
-    rows as fp8 in its own launch; gradients in high precision (see `norm_linear`).
+    quant="fp8_row" or "mxfp8": the Linear runs in fp8 (the rowwise recipe, or MX blocks of
+    32), the norm writing its rows as fp8 in its own launch; gradients in high precision
+    (see `norm_linear`).
     """
 
     def __init__(
@@ -58,8 +59,8 @@ class NormLinear(nn.Module):
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.kind, self.eps, self.weight_offset = kind, None if eps is None else float(eps), float(weight_offset)
         self.residual_dtype = residual_dtype
-        if quant not in (None, "fp8_row"):
-            raise ValueError(f"quant must be None or 'fp8_row' (the rowwise fp8 recipe), got {quant!r}")
+        if quant not in (None, "fp8_row", "mxfp8"):
+            raise ValueError(f"quant must be None, 'fp8_row' (the rowwise fp8 recipe) or 'mxfp8', got {quant!r}")
         self.quant = quant
         factory = dict(device=device, dtype=dtype)
         self.weight = nn.Parameter(torch.empty((out_features, in_features), **factory))

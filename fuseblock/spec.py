@@ -143,6 +143,11 @@ class NormSpec:
         """This spec storing its output in out_dtype (a validated float dtype; None: x's)."""
         return self if out_dtype is None else replace(self, out_dtype=out_dtype)
 
+    def unquantized(self) -> NormSpec:
+        """This spec without its fp8 output: the plain op whose backward a quantized call's is."""
+        return replace(self, quant=Quant.NONE, fp8_e5m2=False, mx_rceil=False, quant_from=None, scale_ub=0.0,
+                       mx_columnwise=False)
+
     def out_dtype_for(self, x_dtype: torch.dtype) -> torch.dtype:
         """The dtype the output of a call on x of x_dtype is stored in."""
         return x_dtype if self.out_dtype is None else self.out_dtype

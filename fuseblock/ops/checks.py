@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
+from ..fp8 import FP8_DTYPES
 from ..spec import (
     DEFAULT_GATE_ACT,
     DEFAULT_GATE_POSITION,
@@ -21,10 +24,33 @@ from ..spec import (
     GATE_ACTS,
     GATE_POSITIONS,
     KINDS,
+    MX_BLOCK,
+    QUANTS,
     NormSpec,
+    Quant,
     acc_dtype,
     stored_dtype,
 )
+
+MX_ROUNDINGS = ("floor", "rceil")
+QUANT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class QuantArgs(NamedTuple):
+    """The fp8 keywords of a call (docs/low_precision.md), as given: their one definition.
+    The ops' signatures take each as a keyword with the default here (`QUANT_DEFAULTS`),
+    and pass them to `resolve` as one QuantArgs."""
+
+    quant: str | None = None
+    scale: torch.Tensor | None = None
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    mx_rounding: str = "floor"
+    scale_ub: float | None = None
+    quant_from: torch.dtype | None = None
+    mx_columnwise: bool = False
+
+
+QUANT_DEFAULTS = QuantArgs()
 
 
 def check_tensor(name: str, t, x: torch.Tensor | None = None) -> None:
@@ -140,10 +166,13 @@ def resolve(
     num_groups,
     residual_dtype,
     weight_offset=0.0,
+    out_dtype=None,
+    quant: QuantArgs = QUANT_DEFAULTS,
 ) -> NormSpec:
     """Validate every argument of norm/add_norm and return the kernel-level spec.
     eps=None is torch's default (default_eps) for the kind and the normalized p = x + residual,
-    in the dtype it is stored in: what F.rms_norm(x + residual) or F.layer_norm would use."""
+    in the dtype it is stored in: what F.rms_norm(x + residual) or F.layer_norm would use.
+    out_dtype (the output's dtype) and quant (the fp8 keywords) are part of the spec too."""
     check_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the normalized last dim)")
@@ -167,7 +196,85 @@ def resolve(
         _check_like_x("gate", gate, x)
     if residual_dtype is not None:
         check_float_dtype("residual_dtype", residual_dtype)
+    if out_dtype is not None:
+        check_float_dtype("out_dtype", out_dtype)
+        spec = spec.with_out_dtype(out_dtype)
+    if quant is not QUANT_DEFAULTS:
+        spec = quant_spec(spec, x, quant)
     return spec
+
+
+def quant_spec(spec: NormSpec, x: torch.Tensor, args: QuantArgs) -> NormSpec:
+    """spec with the validated fp8 keywords; every mistake a ValueError or TypeError naming
+    the argument. Without quant=, an fp8 keyword that differs from its default is refused
+    (it would do nothing)."""
+    quant = args.quant
+    if quant is None:
+        check_no_quant_options(args)
+        return spec
+    if not isinstance(quant, str) or quant not in QUANTS:
+        raise ValueError(f"quant must be None or one of {sorted(QUANTS)}, got {quant!r}")
+    if spec.out_dtype is not None:
+        raise ValueError(f"out_dtype and quant={quant!r} both say how the output is stored: pass one (quant_from= "
+                         "rounds the normed value to a dtype before it is quantized)")
+    mode = QUANTS[quant]
+    fp8_dtype, mx_rounding, scale_ub, quant_from, mx_columnwise = args[2:]
+    if fp8_dtype not in FP8_DTYPES:
+        raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
+    if x.dtype not in QUANT_DTYPES:
+        raise TypeError(f"quant={quant!r} needs x in float16, bfloat16 or float32 (the fp32 normed value is cast), "
+                        f"got x of {x.dtype}")
+    if not isinstance(mx_rounding, str) or mx_rounding not in MX_ROUNDINGS:
+        raise ValueError(f"mx_rounding must be one of {MX_ROUNDINGS}, got {mx_rounding!r}")
+    if quant_from is not None and quant_from not in QUANT_DTYPES:
+        raise TypeError(f"quant_from must be None or one of {QUANT_DTYPES}, got {quant_from!r}")
+    d = x.shape[-1]
+    if mode == Quant.MX and (d % MX_BLOCK or (d // spec.groups) % MX_BLOCK):
+        raise ValueError(f"quant='mxfp8' needs the last dim (and each of num_groups={spec.groups} groups) to be a "
+                         f"multiple of {MX_BLOCK}, got {d}: pad the row to a multiple of {MX_BLOCK}, or use "
+                         f"quant='fp8_row'")
+    if not isinstance(mx_columnwise, bool):
+        raise TypeError(f"mx_columnwise must be a bool, got {type(mx_columnwise).__name__}")
+    if mx_columnwise:
+        rows = x.numel() // d if d else 0
+        if mode != Quant.MX:
+            raise ValueError(f"mx_columnwise is mxfp8's columnwise copy; quant={quant!r} has none")
+        if rows % MX_BLOCK:
+            raise ValueError(f"mx_columnwise needs the number of rows (x.numel() // d = {rows}) to be a multiple of "
+                             f"{MX_BLOCK}: its blocks run down the columns; pad the batch or leave it off")
+    if mode == Quant.TENSOR:
+        check_static_scale(args.scale, x)
+    elif args.scale is not None:
+        raise ValueError(f"scale= is fp8_tensor's static scale; quant={quant!r} computes its own (scale must be None)")
+    if scale_ub is not None:
+        if mode != Quant.ROW:
+            raise ValueError(f"scale_ub bounds fp8_row's amax; it does nothing for quant={quant!r}")
+        if isinstance(scale_ub, bool) or not isinstance(scale_ub, (int, float)) or not 0 < scale_ub < math.inf:
+            raise ValueError(f"scale_ub must be a positive finite float (an upper bound on each row's amax), "
+                             f"got {scale_ub!r}")
+    return replace(spec, quant=mode, fp8_e5m2=fp8_dtype == torch.float8_e5m2, mx_rceil=mx_rounding == "rceil",
+                   quant_from=quant_from, scale_ub=float(scale_ub or 0.0), mx_columnwise=mx_columnwise)
+
+
+def check_no_quant_options(args: QuantArgs) -> None:
+    """With quant=None, each fp8 keyword at its default: one given would do nothing."""
+    for name, given, default in zip(QuantArgs._fields[1:], args[1:], QUANT_DEFAULTS[1:], strict=True):
+        if given is not default and (type(given) is not type(default) or given != default):
+            raise ValueError(f"{name}= is an option of quant=, which is None: pass quant='fp8_tensor', "
+                             f"'fp8_row' or 'mxfp8', or leave {name} at its default {default!r}")
+
+
+def check_static_scale(scale, x: torch.Tensor) -> None:
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"quant='fp8_tensor' needs scale=, a one-element float32 tensor (the static dequantization "
+                        f"scale), got {type(scale).__name__}")
+    if scale.dtype != torch.float32 or scale.numel() != 1:
+        raise ValueError(f"scale must be a one-element float32 tensor, got shape {tuple(scale.shape)} {scale.dtype}")
+    if scale.device != x.device:
+        raise ValueError(f"scale is on {scale.device} but x is on {x.device}")
+    if scale.device.type == "cpu" and not (math.isfinite(scale.item()) and scale.item() > 0):
+        # a device scale is not read back (no host sync): its value is the caller's to keep positive and finite
+        raise ValueError(f"scale must be positive and finite, got {scale.item()}")
 
 
 def check_branch(x: torch.Tensor, x1, alpha, dropout_p) -> None:

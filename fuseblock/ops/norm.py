@@ -22,6 +22,7 @@ from ..spec import (
     DEFAULT_GATE_ACT,
     DEFAULT_GATE_POSITION,
     NormSpec,
+    Quant,
     acc_dtype,
     new_residual_dtype,
     residual_grad_dtype,
@@ -29,7 +30,15 @@ from ..spec import (
 )
 from . import dtensor
 from . import quant as quant_ops
-from .checks import check_branch, check_float_dtype, default_eps, refuse_positional, resolve
+from .checks import (
+    QUANT_DEFAULTS,
+    QuantArgs,
+    check_branch,
+    check_no_quant_options,
+    default_eps,
+    refuse_positional,
+    resolve,
+)
 from .dispatch import func_transforms_active, kernels, kernels_take_cpu, uses_triton
 from .registry import FusedOp
 from .seed import draw_seed
@@ -228,6 +237,7 @@ _INF = math.inf
 # add_norm's branch defaults, compared by identity: the plain fast lane pays two `is`
 _NO_SCALE = 1.0
 _NO_DROPOUT = 0.0
+_E4M3, _FLOOR = QUANT_DEFAULTS.fp8_dtype, QUANT_DEFAULTS.mx_rounding  # the fp8 keywords' defaults
 
 
 def _plain_call(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor], kind: str,
@@ -290,13 +300,13 @@ def add_norm(
     x1: Optional[Tensor] = None,
     dropout_p: float = _NO_DROPOUT,
     out_dtype: Optional[torch.dtype] = None,
-    quant: Optional[str] = None,
-    scale: Optional[Tensor] = None,
-    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
-    mx_rounding: str = "floor",
-    scale_ub: Optional[float] = None,
-    quant_from: Optional[torch.dtype] = None,
-    mx_columnwise: bool = False,
+    quant: Optional[str] = QUANT_DEFAULTS.quant,
+    scale: Optional[Tensor] = QUANT_DEFAULTS.scale,
+    fp8_dtype: torch.dtype = QUANT_DEFAULTS.fp8_dtype,
+    mx_rounding: str = QUANT_DEFAULTS.mx_rounding,
+    scale_ub: Optional[float] = QUANT_DEFAULTS.scale_ub,
+    quant_from: Optional[torch.dtype] = QUANT_DEFAULTS.quant_from,
+    mx_columnwise: bool = QUANT_DEFAULTS.mx_columnwise,
 ) -> tuple[Tensor, Tensor]:
     """Fused residual add + normalize over the last dim: returns (out, new_residual).
 
@@ -342,12 +352,15 @@ def add_norm(
     if dtensor.has_dtensor(x, residual, weight, bias, gate, x1):  # per-rank shards: docs/parallel.md
         if quant is not None:
             raise ValueError("quant= does not take DTensor inputs yet: quantize each rank's local tensor")
+        check_no_quant_options(QuantArgs(quant, scale, fp8_dtype, mx_rounding, scale_ub, quant_from, mx_columnwise))
         return dtensor.add_norm(add_norm, x, residual, weight, bias, gate, x1, kind=kind, c=c, eps=eps,
                                 residual_dtype=residual_dtype, gate_act=gate_act, gate_position=gate_position,
                                 num_groups=num_groups, weight_offset=weight_offset, alpha=alpha,
                                 dropout_p=dropout_p, out_dtype=out_dtype)
     no_branch = x1 is None and alpha is _NO_SCALE and dropout_p is _NO_DROPOUT  # else checked below
-    if (no_branch and gate is None and quant is None and c is None and residual_dtype is None and out_dtype is None
+    if (no_branch and gate is None and quant is None and scale is None and scale_ub is None and quant_from is None
+            and mx_columnwise is False and fp8_dtype is _E4M3 and mx_rounding is _FLOOR  # else resolve names them
+            and c is None and residual_dtype is None and out_dtype is None
             and num_groups is _ONE_GROUP
             and type(weight_offset) is float and weight_offset == 0.0 and gate_act is DEFAULT_GATE_ACT
             and gate_position is DEFAULT_GATE_POSITION and not is_compiling()):
@@ -365,26 +378,17 @@ def add_norm(
     spec = resolve(
         x, residual, weight, bias, gate, kind=kind, c=c, eps=eps, gate_act=gate_act,
         gate_position=gate_position, num_groups=num_groups, residual_dtype=residual_dtype,
-        weight_offset=weight_offset,
+        weight_offset=weight_offset, out_dtype=out_dtype,
+        quant=QuantArgs(quant, scale, fp8_dtype, mx_rounding, scale_ub, quant_from, mx_columnwise),
     )
-    if out_dtype is not None:
-        check_float_dtype("out_dtype", out_dtype)
-        spec = spec.with_out_dtype(out_dtype)
     rdtype = new_residual_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
     if not no_branch:
         check_branch(x, x1, alpha, dropout_p)
         if x1 is not None or alpha != 1.0 or dropout_p != 0.0:  # new_residual is not x: always stored
             spec = spec.with_branch(alpha, dropout_p)
             rdtype = stored_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
-    if quant is not None:
-        spec = quant_ops.with_quant(spec, x, quant=quant, scale=scale, fp8_dtype=fp8_dtype, mx_rounding=mx_rounding,
-                                    scale_ub=scale_ub, quant_from=quant_from, mx_columnwise=mx_columnwise)
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, residual, gate, weight,
-                                                                                        bias, x1)):
-            raise ValueError(f"quant={quant!r} outputs carry no gradient, and an input requires one: run it under "
-                             "torch.no_grad(), or train through fuseblock.Fp8NormLinear")
-        out, new_res, _, _ = quant_ops.quantized_norm_fwd(x, residual, gate, weight, bias, spec, rdtype, False, x1,
-                                                          scale)
+    if spec.quant != Quant.NONE:
+        out, new_res = quant_ops.quantized_norm(norm_op, x, residual, gate, weight, bias, spec, rdtype, x1, scale)
         return out, (x if rdtype is None else new_res)
     out, new_res, _, _ = apply_norm(x, residual, gate, weight, bias, spec, rdtype, x1=x1)
     return out, (x if rdtype is None else new_res)
@@ -404,12 +408,13 @@ def norm(
     num_groups: int = 1,
     weight_offset: float = 0.0,
     out_dtype: Optional[torch.dtype] = None,
-    quant: Optional[str] = None,
-    scale: Optional[Tensor] = None,
-    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
-    mx_rounding: str = "floor",
-    quant_from: Optional[torch.dtype] = None,
-    mx_columnwise: bool = False,
+    quant: Optional[str] = QUANT_DEFAULTS.quant,
+    scale: Optional[Tensor] = QUANT_DEFAULTS.scale,
+    fp8_dtype: torch.dtype = QUANT_DEFAULTS.fp8_dtype,
+    mx_rounding: str = QUANT_DEFAULTS.mx_rounding,
+    scale_ub: Optional[float] = QUANT_DEFAULTS.scale_ub,
+    quant_from: Optional[torch.dtype] = QUANT_DEFAULTS.quant_from,
+    mx_columnwise: bool = QUANT_DEFAULTS.mx_columnwise,
 ) -> Tensor:
     """Normalize over the last dim: `add_norm` with no residual (see there for the math
     and out_dtype; quant=... returns `Quantized`, as add_norm's).
@@ -422,6 +427,6 @@ def norm(
     return add_norm(
         x, None, weight, bias, kind=kind, c=c, eps=eps, gate=gate, gate_act=gate_act,
         gate_position=gate_position, num_groups=num_groups, weight_offset=weight_offset, out_dtype=out_dtype,
-        quant=quant, scale=scale, fp8_dtype=fp8_dtype, mx_rounding=mx_rounding, quant_from=quant_from,
-        mx_columnwise=mx_columnwise,
+        quant=quant, scale=scale, fp8_dtype=fp8_dtype, mx_rounding=mx_rounding, scale_ub=scale_ub,
+        quant_from=quant_from, mx_columnwise=mx_columnwise,
     )[0]

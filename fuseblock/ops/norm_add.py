@@ -18,10 +18,10 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, acc_dtype, stored_dtype
+from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, Quant, acc_dtype, stored_dtype
 from . import dtensor
 from . import quant as quant_ops
-from .checks import _check_vector, check_float_dtype, check_number, check_tensor, default_eps, resolve
+from .checks import QUANT_DEFAULTS, QuantArgs, _check_vector, check_number, check_tensor, default_eps, resolve
 from .dispatch import func_transforms_active, kernels, uses_triton
 from .registry import FusedOp
 
@@ -157,11 +157,12 @@ def _check_alpha(alpha) -> float:
     return float(alpha)
 
 
-def _spec(x, residual, weight, bias, kind, eps, weight_offset, residual_dtype) -> NormSpec:
+def _spec(x, residual, weight, bias, kind, eps, weight_offset, residual_dtype, out_dtype=None,
+          quant: QuantArgs = QUANT_DEFAULTS) -> NormSpec:
     """One norm's spec, every argument checked (resolve names weight and bias so)."""
     return resolve(x, residual, weight, bias, None, kind=kind, c=None, eps=eps, gate_act=DEFAULT_GATE_ACT,
                    gate_position=DEFAULT_GATE_POSITION, num_groups=1, residual_dtype=residual_dtype,
-                   weight_offset=weight_offset)
+                   weight_offset=weight_offset, out_dtype=out_dtype, quant=quant)
 
 
 def _apply(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha, rdtype, second):
@@ -225,12 +226,12 @@ def norm_add_norm(
     alpha: float = 1.0,
     residual_dtype: Optional[torch.dtype] = None,
     out_dtype: Optional[torch.dtype] = None,
-    quant: Optional[str] = None,
-    scale: Optional[Tensor] = None,
-    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
-    mx_rounding: str = "floor",
-    scale_ub: Optional[float] = None,
-    quant_from: Optional[torch.dtype] = None,
+    quant: Optional[str] = QUANT_DEFAULTS.quant,
+    scale: Optional[Tensor] = QUANT_DEFAULTS.scale,
+    fp8_dtype: torch.dtype = QUANT_DEFAULTS.fp8_dtype,
+    mx_rounding: str = QUANT_DEFAULTS.mx_rounding,
+    scale_ub: Optional[float] = QUANT_DEFAULTS.scale_ub,
+    quant_from: Optional[torch.dtype] = QUANT_DEFAULTS.quant_from,
 ) -> tuple[Tensor, Tensor]:
     """Sandwich (Peri-LN) residual update, both norms in one kernel: returns (out, new_residual),
 
@@ -243,14 +244,15 @@ def norm_add_norm(
     norm reads (x's for N_b, new_residual's for N). new_residual's dtype as in `norm_add`
     (N reads the stored value); out has x's dtype, or out_dtype: the fp32 result stored
     once in that dtype by the kernel (as `add_norm`'s), its gradient read in it.
-    quant=... returns `Quantized` in place of out, forward only, as `add_norm`'s.
+    quant=... returns `Quantized` in place of out, as `add_norm`'s (its anchor takes the
+    gradient at out in high precision when an input requires one).
     """
     check_tensor("x", x)
     check_tensor("residual", residual)
     alpha = _check_alpha(alpha)
-    spec = _spec(x, residual, weight, bias, kind, eps, weight_offset, residual_dtype)  # checks x, kind, weight, bias
-    check_float_dtype("out_dtype", out_dtype)
-    spec = spec.with_out_dtype(out_dtype)
+    # checks x, kind, weight, bias and the output's options
+    spec = _spec(x, residual, weight, bias, kind, eps, weight_offset, residual_dtype, out_dtype,
+                 QuantArgs(quant, scale, fp8_dtype, mx_rounding, scale_ub, quant_from))
     if kind != "l2":
         for name, t in (("branch_weight", branch_weight), ("weight", weight)):
             if t is None:
@@ -273,17 +275,10 @@ def norm_add_norm(
             raise ValueError(f"branch_weight_offset={branch_weight_offset} needs a branch_weight: it is added to it")
     bspec = _spec(x, residual, branch_weight, branch_bias, kind, branch_eps, branch_weight_offset, residual_dtype)
     rdtype = stored_dtype(x.dtype, residual.dtype, residual_dtype)
-    if quant is not None:
-        spec = quant_ops.with_quant(spec, x, quant=quant, scale=scale, fp8_dtype=fp8_dtype, mx_rounding=mx_rounding,
-                                    scale_ub=scale_ub, quant_from=quant_from)
+    if spec.quant != Quant.NONE:
         if dtensor.has_dtensor(x, residual, branch_weight, branch_bias, weight, bias):
             raise ValueError("quant= does not take DTensor inputs yet: quantize each rank's local tensor")
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                           for t in (x, residual, branch_weight, branch_bias, weight, bias)):
-            raise ValueError(f"quant={quant!r} outputs carry no gradient, and an input requires one: run it under "
-                             "torch.no_grad()")
-        new_res, q = quant_ops.quantized_norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, bspec,
-                                                      spec, alpha, rdtype, scale)
-        return q, new_res
+        return quant_ops.quantized_norm_add(norm_add_op, x, residual, branch_weight, branch_bias, weight, bias, bspec,
+                                            spec, alpha, rdtype, scale)
     new_res, out = _apply(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha, rdtype, True)
     return out, new_res

@@ -23,12 +23,20 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import fp8, reference
-from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, Quant, new_residual_dtype, residual_grad_dtype
+from ..spec import (
+    DEFAULT_GATE_ACT,
+    DEFAULT_GATE_POSITION,
+    MX_BLOCK,
+    NormSpec,
+    Quant,
+    new_residual_dtype,
+    residual_grad_dtype,
+)
 from . import dtensor
-from .checks import check_tensor, resolve
+from .checks import QUANT_DEFAULTS, QuantArgs, check_float_dtype, check_tensor, resolve
 from .dispatch import func_transforms_active, kernels, uses_triton
 from .norm import add_norm, apply_norm, norm_op
-from .quant import quantized_norm_fwd, with_quant
+from .quant import quantized_norm_fwd
 
 
 def _kernel_out(p: Tensor, weight, bias, spec: NormSpec) -> Tensor:
@@ -53,10 +61,13 @@ def _kernel_norm_grads(dout, dres, p, weight, bias, rstd, mean, spec: NormSpec, 
 
 
 def _fp8_forward(x, residual, norm_weight, norm_bias, weight, bias, spec: NormSpec, residual_dtype):
-    """y of the rowwise fp8 recipe (torchao's Float8Linear "rowwise"): the normed rows
-    quantized per row by the norm's own launch (kernel path; the torch path casts its
-    fp32 output), the weight per output row along its own axis, one torch._scaled_mm in
-    x's dtype, the bias added after it. Returns (y, new_residual, rstd, mean, native)."""
+    """y of the fp8 recipe: the normed rows quantized by the norm's own launch (kernel
+    path; the torch path casts its fp32 output) and the weight along its own rows (the
+    shared axis k), then y in x's dtype and the bias added after it. fp8_row (torchao's
+    Float8Linear "rowwise"): a scale per row of each, one torch._scaled_mm. mxfp8: blocks
+    of 32 along k with e8m0 scales, `fuseblock.fp8.mx_linear` (torch._scaled_mm with block
+    scales where the device takes them, else dequantize-and-matmul in fp32).
+    Returns (y, new_residual, rstd, mean, native)."""
     native = False
     if uses_triton(x):
         q, new_res, rstd, mean = quantized_norm_fwd(x, residual, None, norm_weight, norm_bias, spec, residual_dtype,
@@ -68,8 +79,12 @@ def _fp8_forward(x, residual, norm_weight, norm_bias, weight, bias, spec: NormSp
         q = fp8.quantize(out, spec)
     w = fp8.quantize(weight, replace(spec, quant_from=None, scale_ub=0.0))
     d = x.shape[-1]
-    y = torch._scaled_mm(q.data.reshape(-1, d), w.data.t(), scale_a=q.scale.reshape(-1, 1),
-                         scale_b=w.scale.reshape(1, -1), out_dtype=x.dtype)
+    if spec.quant == Quant.MX:
+        rows = fp8.Quantized(q.data.reshape(-1, d), q.scale.reshape(-1, d // MX_BLOCK))
+        y = fp8.mx_linear(rows, w, x.dtype)
+    else:
+        y = torch._scaled_mm(q.data.reshape(-1, d), w.data.t(), scale_a=q.scale.reshape(-1, 1),
+                             scale_b=w.scale.reshape(1, -1), out_dtype=x.dtype)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], weight.shape[0]), new_res, rstd, mean, native
@@ -105,8 +120,9 @@ class _NormLinear(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(new_res if residual_dtype is not None else x, norm_weight, norm_bias, weight, rstd,
                               mean if spec.center else None)
-        ctx.spec, ctx.rows = replace(spec, quant=Quant.NONE), rows  # backward: the unquantized norm's
+        ctx.spec, ctx.rows = spec.unquantized(), rows  # backward: the unquantized norm's
         ctx.x_dtype, ctx.y_dtype = x.dtype, y.dtype  # y's differs under autocast, which lowers the Linear
+        ctx.out_dtype = spec.out_dtype_for(x.dtype)  # the norm's output's, the Linear's input's
         ctx.residual_dtype = None if residual is None else residual.dtype
         ctx.stored = residual_dtype is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -135,7 +151,7 @@ class _NormLinear(torch.autograd.Function):
         r = None if ctx.kernel or not (needs[4] or (need_norm and not ctx.native)) \
             else reference.normalized(p2, rstd, mean, spec)
         if need_norm:
-            dout = dy2.mm(weight.to(lin)).to(ctx.x_dtype)  # (M, d), the gradient at the norm's output
+            dout = dy2.mm(weight.to(lin)).to(ctx.out_dtype)  # (M, d), the gradient at the norm's output
             if rows is not None:
                 dout = rows.scatter(dout)
             if ctx.kernel:
@@ -155,7 +171,7 @@ class _NormLinear(torch.autograd.Function):
             out = _kernel_out(p2, nw, nb, spec) if ctx.kernel else reference.affine_(r, spec, nw, nb)
             if rows is not None:
                 out = rows.gather(out)
-            dweight = dy2.t().mm(out.to(ctx.x_dtype).to(lin)).to(weight.dtype)  # rounded as the forward's was
+            dweight = dy2.t().mm(out.to(ctx.out_dtype).to(lin)).to(weight.dtype)  # rounded as the forward's was
         return (
             dx, dresidual,
             dnw.to(nw.dtype) if nw is not None and needs[2] else None,
@@ -164,13 +180,16 @@ class _NormLinear(torch.autograd.Function):
         )
 
 
-def _check_linear(x: Tensor, weight, bias) -> None:
+def _check_linear(x: Tensor, weight, bias, out_dtype) -> None:
     check_tensor("weight", weight, x)
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"weight must have shape (out_features, {x.shape[-1]}), got {tuple(weight.shape)}")
-    # The Linear runs on the norm's output, which has x's dtype; autocast casts both.
-    if weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
-        raise TypeError(f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    # The Linear runs on the norm's output, which has x's dtype (or out_dtype); autocast casts both.
+    if out_dtype is not None and weight.dtype != out_dtype:
+        raise TypeError(f"out_dtype is the Linear's input dtype: weight must have it ({out_dtype}), got "
+                        f"{weight.dtype}")
+    if weight.dtype != x.dtype and out_dtype is None and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(f"weight must have x's dtype {x.dtype} (or pass out_dtype=weight.dtype), got {weight.dtype}")
     if bias is not None:
         check_tensor("bias", bias, x)
         if tuple(bias.shape) != (weight.shape[0],) or bias.dtype != weight.dtype:
@@ -190,8 +209,11 @@ def norm_linear(
     eps: float | None = None,
     weight_offset: float = 0.0,
     residual_dtype: torch.dtype | None = None,
-    quant: str | None = None,
-    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    out_dtype: torch.dtype | None = None,
+    quant: str | None = QUANT_DEFAULTS.quant,
+    fp8_dtype: torch.dtype = QUANT_DEFAULTS.fp8_dtype,
+    mx_rounding: str = QUANT_DEFAULTS.mx_rounding,
+    scale_ub: float | None = QUANT_DEFAULTS.scale_ub,
 ) -> tuple[Tensor, Tensor]:
     """`y = F.linear(norm(x + residual), weight, bias)`: returns (y, new_residual).
 
@@ -202,30 +224,42 @@ def norm_linear(
     weights are, and backward rebuilds the output in one elementwise pass. Double
     backward is refused.
 
-    quant="fp8_row": the rowwise fp8 recipe (docs/low_precision.md). The norm writes its
-    rows as fp8 codes with a scale per row in its one launch, the weight is quantized per
-    output row, and torch._scaled_mm forms y. The backward is the unquantized one, in high
-    precision: dout = dy W and dW = dy^T out with out rebuilt from p, so dx, dresidual and
-    the norm's gradients equal those of norm_linear without quant for the same dy.
+    out_dtype: the dtype the norm's output (the Linear's input) is stored in, written by
+    the norm's kernel from fp32 (None: x's); weight and bias must have it. The gradient at
+    the norm's output is formed in it, as the unfused add_norm(out_dtype=) + F.linear's.
+
+    quant="fp8_row" (torchao's rowwise recipe) or "mxfp8" (blocks of 32 along the
+    features, e8m0 scales, mx_rounding "floor" or "rceil"): docs/low_precision.md. The
+    norm writes its rows as fp8 codes and scales in its one launch (fp8_row's amax
+    bounded by scale_ub when given), the weight is quantized along its own rows, and
+    torch._scaled_mm forms y (mxfp8 where the device takes block scales; elsewhere the
+    dequantize-and-matmul fallback of `fuseblock.fp8.mx_linear`). The backward is the
+    unquantized one, in high precision: dout = dy W and dW = dy^T out with out rebuilt from
+    p, so dx, dresidual and the norm's gradients equal those of norm_linear without quant
+    for the same dy.
     """
     check_tensor("x", x)
     if quant is not None:
-        if quant != "fp8_row":
-            raise ValueError(f"norm_linear takes quant=None or 'fp8_row' (the rowwise recipe), got {quant!r}")
+        if quant not in ("fp8_row", "mxfp8"):
+            raise ValueError(f"norm_linear takes quant=None, 'fp8_row' (the rowwise recipe) or 'mxfp8', got {quant!r}")
         if dtensor.has_dtensor(x, residual, norm_weight, norm_bias, weight, bias) or func_transforms_active():
-            raise ValueError("norm_linear(quant='fp8_row') takes plain tensors, outside torch.func transforms")
-        if weight.dtype != x.dtype:
-            raise TypeError(f"quant='fp8_row' needs weight in x's dtype {x.dtype}, got {weight.dtype}")
+            raise ValueError(f"norm_linear(quant={quant!r}) takes plain tensors, outside torch.func transforms")
+        if isinstance(weight, Tensor) and weight.dtype != x.dtype:
+            raise TypeError(f"quant={quant!r} needs weight in x's dtype {x.dtype}, got {weight.dtype}")
     if dtensor.has_dtensor(x, residual, norm_weight, norm_bias, weight, bias):  # docs/parallel.md
+        if out_dtype is not None:
+            raise ValueError("norm_linear's out_dtype does not take DTensor inputs yet")
         return dtensor.norm_linear(_norm_linear, add_norm, x, residual, norm_weight, norm_bias, weight, bias,
                                    kind=kind, eps=eps, weight_offset=weight_offset, residual_dtype=residual_dtype)
     return _norm_linear(x, residual, norm_weight, norm_bias, weight, bias, kind=kind, eps=eps,
-                        weight_offset=weight_offset, residual_dtype=residual_dtype, quant=quant, fp8_dtype=fp8_dtype)
+                        weight_offset=weight_offset, residual_dtype=residual_dtype, out_dtype=out_dtype,
+                        quant=QuantArgs(quant, None, fp8_dtype, mx_rounding, scale_ub))
 
 
 def _norm_linear(x, residual, norm_weight, norm_bias, weight, bias, *, kind, eps, weight_offset, residual_dtype,
-                 rows=None, quant=None, fp8_dtype=torch.float8_e4m3fn):
+                 rows=None, out_dtype=None, quant: QuantArgs = QUANT_DEFAULTS):
     """norm_linear on plain tensors (a DTensor call's local shards; rows: _NormLinear's)."""
+    check_float_dtype("out_dtype", out_dtype)  # before the weight's dtype is compared with it
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the normalized last dim)")
     for name, t in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
@@ -233,14 +267,11 @@ def _norm_linear(x, residual, norm_weight, norm_bias, weight, bias, *, kind, eps
             check_tensor(name, t, x)
             if tuple(t.shape) != (x.shape[-1],):
                 raise ValueError(f"{name} must have shape ({x.shape[-1]},), got {tuple(t.shape)}")
-    _check_linear(x, weight, bias)
+    _check_linear(x, weight, bias, out_dtype)
     spec = resolve(x, residual, norm_weight, norm_bias, None, kind=kind, c=None, eps=eps, gate_act=DEFAULT_GATE_ACT,
                    gate_position=DEFAULT_GATE_POSITION, num_groups=1, residual_dtype=residual_dtype,
-                   weight_offset=weight_offset)
+                   weight_offset=weight_offset, out_dtype=out_dtype, quant=quant)
     rdtype = new_residual_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
-    if quant is not None:
-        spec = with_quant(spec, x, quant=quant, scale=None, fp8_dtype=fp8_dtype, mx_rounding="floor", scale_ub=None,
-                          quant_from=None)
     if func_transforms_active():  # vmap, grad, jvp: the plain composition, which they see through
         if rows is not None:
             raise ValueError("norm_linear on sequence-sharded DTensors is not supported under torch.func transforms")

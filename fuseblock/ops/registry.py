@@ -33,7 +33,8 @@ class FusedOp:
     `fwd_op` and `bwd_op` are the registered custom ops (`torch.ops.fuseblock.<name>_fwd`
     and `_bwd`, the overloads a traced graph holds): code that calls the launchers under
     torch.compile, and tests that look for the ops in a graph, take them from here
-    rather than naming them by string.
+    rather than naming them by string. `setup`, `grads`, `bwd` and `graph_grads` are the
+    pieces given here, for a node that shares this op's backward.
     """
 
     def __init__(self, name: str, fwd: Callable, fwd_fake: Callable, bwd: Callable, bwd_fake: Callable,
@@ -73,6 +74,9 @@ class FusedOp:
 
         Eager.__name__ = Eager.__qualname__ = f"Eager_{name}"
         self.fwd_op, self.bwd_op = fwd_op, bwd_op
+        # the eager pieces, for an autograd node over the same backward with another
+        # forward (a quantized output: `fuseblock.ops.quant`)
+        self.setup, self.grads, self.bwd, self.graph_grads = setup, grads, bwd, graph_grads
         self._eager, self._eager_fwd = Eager, eager_fwd
 
     def __call__(self, *inputs, **extra):

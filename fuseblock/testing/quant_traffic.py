@@ -13,7 +13,7 @@ import torch
 
 from .. import add_norm
 from ..fp8 import quantize
-from ..ops.quant import with_quant
+from ..ops.checks import QuantArgs, quant_spec
 from ..spec import NormSpec
 from .op_traffic import UNCACHED_ARGS, _activation_bytes
 from .traffic import EagerTraffic, KernelTraffic
@@ -32,8 +32,7 @@ def measure_quant_traffic(op: str, rows: int, d: int, dtype) -> list[dict]:
         q, new_res = add_norm(x, residual, w, quant=mode, scale=scale)
     with KernelTraffic(glue=True) as kn:
         out, _ = add_norm(x, residual, w)
-    spec = with_quant(NormSpec(False, 1.0, 1e-6, 0, 0, 1), x, quant=mode, scale=scale,
-                      fp8_dtype=torch.float8_e4m3fn, mx_rounding="floor", scale_ub=None, quant_from=None)
+    spec = quant_spec(NormSpec(False, 1.0, 1e-6, 0, 0, 1), x, QuantArgs(mode, scale))
     with EagerTraffic() as cast:
         quantize(out, spec, scale)
     scale_bytes = q.scale.nbytes  # fp8_tensor's static scale read, the others' scales written
