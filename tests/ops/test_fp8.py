@@ -57,6 +57,16 @@ def test_fp8_row_equals_torchao_rowwise(fp8_dtype, quant_from):
 
 
 @pytest.mark.kernel
+def test_norm_takes_scale_ub_as_add_norm():
+    x, w = case()
+    q = fuseblock.norm(x, w, quant="fp8_row", scale_ub=0.25)
+    o = unfused(x, w)
+    s = amax_to_scale(o.abs().amax(-1, keepdim=True).clamp(max=0.25), E4)
+    ref = hp_tensor_and_scale_to_float8(o, s, E4, axiswise_dim=-1)
+    assert torch.equal(u8(q.data), u8(ref._data)) and torch.equal(q.scale, s.reciprocal())
+
+
+@pytest.mark.kernel
 def test_fp8_row_with_residual_and_scale_ub():
     x, w = case()
     res = torch.randn_like(x)
@@ -148,11 +158,23 @@ def test_wide_rows_quantize_the_same():
     (dict(quant="mxfp8", scale_ub=1.0), ValueError, "scale_ub"),
     (dict(quant="fp8_row", quant_from=torch.float64), TypeError, "quant_from"),
     (dict(quant="fp8_row", out_dtype=torch.float32), ValueError, "out_dtype and quant"),
+    (dict(quant="fp8_row", scale_ub=True), ValueError, "scale_ub"),
+    (dict(quant="fp8_row", mx_columnwise=1), TypeError, "mx_columnwise"),
+    # an fp8 keyword without quant= would do nothing: refused by name
+    (dict(scale_ub=1.0), ValueError, "scale_ub= is an option of quant="),
+    (dict(scale=torch.tensor([1.0])), ValueError, "scale= is an option of quant="),
+    (dict(fp8_dtype=torch.float8_e5m2), ValueError, "fp8_dtype= is an option"),
+    (dict(mx_rounding="rceil"), ValueError, "mx_rounding= is an option"),
+    (dict(quant_from=torch.bfloat16), ValueError, "quant_from= is an option"),
+    (dict(mx_columnwise=True), ValueError, "mx_columnwise= is an option"),
 ])
 def test_bad_options_name_the_argument(kw, err, says):
     x = torch.randn(2, 64)
     with pytest.raises(err, match=says):
         fuseblock.add_norm(x, None, **kw)
+    if "mx_columnwise" not in kw:  # norm_add_norm has no columnwise copy
+        with pytest.raises(err, match=says):
+            fuseblock.norm_add_norm(x, x, torch.ones(64), torch.ones(64), **kw)
 
 
 def test_bad_shapes_and_dtypes_say_what_to_do():
@@ -162,8 +184,6 @@ def test_bad_shapes_and_dtypes_say_what_to_do():
         fuseblock.norm(torch.randn(2, 96), quant="mxfp8", num_groups=2)
     with pytest.raises(TypeError, match="x in float16, bfloat16 or float32"):
         fuseblock.norm(torch.randn(2, 64, dtype=torch.float64), quant="fp8_row")
-    with pytest.raises(ValueError, match="carry no gradient"):
-        fuseblock.norm(torch.randn(2, 64, requires_grad=True), quant="fp8_row")
     with pytest.raises(ValueError, match="dropout_p"):
         fuseblock.add_norm(torch.randn(2, 64), torch.randn(2, 64), quant="fp8_row", dropout_p=0.1)
 
