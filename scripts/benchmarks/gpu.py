@@ -6,6 +6,12 @@ plots into --out (gpu.json, gpu_latency.json, peers.json). (The GPT step is `ben
 gpt-step`.) --device cpu runs the same code at toy sizes, a smoke test for machines
 without a GPU; with no GPU and --device cuda it reports the peers found and stops.
 
+The fp8 rows (gpu_fp8.json): add_norm with its output written as fp8 (quant="fp8_row",
+"mxfp8") by the norm's own launch, against norm-then-cast (add_norm in bf16, then the
+torch path's cast `fuseblock.fp8.quantize`), forward GB/s of the compulsory bytes, and
+whether the fused codes and scales equal the unfused ones bit for bit (quant_from=bf16:
+the unfused pipeline's rounding points).
+
 `fuseblock-deterministic` is fuseblock under torch.use_deterministic_algorithms(True):
 the weight gradients' partial rows fixed by the shape, not the GPU (docs/serving.md),
 with torch's fill of uninitialized memory off, so the row measures that order alone."""
@@ -135,6 +141,47 @@ def _latency_row(kind: str, dev, do_bench, found: dict, quick_cpu: bool) -> dict
     return row
 
 
+FP8_SHAPE = (16384, 4096)  # bf16 rows of a training batch
+FP8_MODES = ("fp8_row", "mxfp8")
+
+
+def _fp8_row(mode: str, dev, do_bench, quick_cpu: bool) -> dict:
+    """Fused add_norm + fp8 cast against norm-then-cast: forward GB/s of the compulsory
+    bytes (x, residual read; new_residual, codes, scales written) and the codes' equality."""
+    from dataclasses import replace
+
+    from fuseblock.fp8 import quantize
+    from fuseblock.spec import NormSpec, Quant
+
+    M, d = (32, 64) if quick_cpu else FP8_SHAPE
+    row = dict(op=f"add_norm+{mode}", rows=M, d=d)
+    try:
+        x, r = (torch.randn(M, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        w = torch.ones(d, device=dev, dtype=torch.bfloat16)
+        spec = replace(NormSpec(False, 1.0, 1e-6, 0, 0, 1), quant=Quant.ROW if mode == "fp8_row" else Quant.MX)
+
+        def fused():
+            return fuseblock.add_norm(x, r, w, eps=1e-6, quant=mode, quant_from=torch.bfloat16)
+
+        def unfused():
+            out, p = fuseblock.add_norm(x, r, w, eps=1e-6)
+            return quantize(out, spec), p
+
+        with torch.no_grad():
+            (qf, pf), (qu, pu) = fused(), unfused()
+            nbytes = 3 * x.nbytes + qf.data.nbytes + qf.scale.nbytes
+            for name, fn in (("fused", fused), ("unfused", unfused)):
+                row[f"{name}_fwd_GBps"] = nbytes / do_bench(fn, warmup=5, rep=25) / 1e6
+    except Exception as e:  # out of memory, or a failure of the op itself: in the table
+        row["error"] = _error(e)
+        return row
+    row["x_unfused_fwd"] = row["fused_fwd_GBps"] / row["unfused_fwd_GBps"]
+    row["codes_equal"] = bool(torch.equal(qf.data.view(torch.uint8), qu.data.view(torch.uint8))
+                              and torch.equal(qf.scale.view(torch.uint8), qu.scale.view(torch.uint8))
+                              and torch.equal(pf, pu))
+    return row
+
+
 def run(args) -> list[dict]:
     dev = torch.device(args.device)
     out_dir = Path(args.out)
@@ -159,14 +206,18 @@ def run(args) -> list[dict]:
             rows.append(_bandwidth_row(kind, d, args, dev, do_bench, found))
             _empty_cache(dev)
     latency = [_latency_row(kind, dev, do_bench, found, dev.type != "cuda") for kind in ("rms", "layer")]
+    fp8 = [_fp8_row(mode, dev, do_bench, dev.type != "cuda") for mode in FP8_MODES]
     (out_dir / "gpu.json").write_text(json.dumps(rows, indent=1))
     (out_dir / "gpu_latency.json").write_text(json.dumps(latency, indent=1))
+    (out_dir / "gpu_fp8.json").write_text(json.dumps(fp8, indent=1))
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (smoke run)"
     (out_dir / "gpu.md").write_text(f"# add_norm bandwidth, bf16, {name}, torch {torch.__version__}\n\n"
                                     + markdown(rows) + f"\n# latency at {LATENCY_SHAPE[0]} x {LATENCY_SHAPE[1]}, "
-                                    "microseconds\n\n" + markdown(latency))
+                                    "microseconds\n\n" + markdown(latency)
+                                    + "\n# add_norm + fp8 cast, fused vs norm-then-cast, forward GB/s\n\n"
+                                    + markdown(fp8))
     _plot(rows, out_dir)
-    return rows + latency
+    return rows + latency + fp8
 
 
 def _plot(rows, out_dir: Path) -> None:

@@ -96,6 +96,12 @@ def judge(bandwidth_rows: list[dict], step_rows: list[dict]) -> list[dict]:
             + [_gpt_target(step_rows, *t) for t in GPT_PEER_TARGETS if any(r.get("impl") == t[1] for r in step_rows)])
 
 
+def fp8_verdicts(rows: list[dict]) -> list[dict]:
+    """Each fp8 row's correctness: the fused codes and scales equal norm-then-cast's."""
+    return [_verdict(f"{r['op']} codes equal norm-then-cast", [] if r.get("codes_equal") else [r["op"]],
+                     r.get("error") or f"codes_equal={r.get('codes_equal')}") for r in rows]
+
+
 def environment() -> dict:
     import torch
 
@@ -164,7 +170,8 @@ def report(out: Path, env: dict, gpu: bool = True) -> tuple[str, bool]:
     status = {part: _status(out, part) for part, _ in PARTS}
     bandwidth = json.loads((out / "gpu.json").read_text()) if (out / "gpu.json").exists() else []
     steps = _json_lines(out / "gpt_step.log")
-    verdicts = judge(bandwidth, steps)
+    fp8 = _json(out / "gpu_fp8.json") or []
+    verdicts = judge(bandwidth, steps) + fp8_verdicts(fp8)
     parts_failed = [p for p, rc in status.items() if rc != 0]
     missed = [v for v in verdicts if v["verdict"] == "FAIL"]
     ok = not parts_failed and not missed
@@ -192,6 +199,8 @@ def report(out: Path, env: dict, gpu: bool = True) -> tuple[str, bool]:
               markdown(bandwidth) if bandwidth else "no rows (see gpu.log)\n",
               "## add_norm latency, 140 x 4096 bf16, microseconds (bench.py gpu)", "",
               markdown(latency) if latency else "no rows (see gpu.log)\n",
+              "## add_norm + fp8 cast, fused vs norm-then-cast, bf16 forward GB/s (bench.py gpu)", "",
+              markdown(fp8) if fp8 else "no rows (see gpu.log)\n",
               "## GPT-2-small training step, bf16 autocast (bench.py gpt-step)", "",
               markdown(steps) if steps else "no rows (see gpt_step.log)\n"]
     return "\n".join(lines), ok

@@ -88,8 +88,12 @@ def test_gpu_code_path_smoke_run_on_cpu(tmp_path):
                    for pas in ("fwd", "bwd"))
     for r in latency:
         assert all(r[f"{impl}_{pas}_us"] > 0 for impl in ("fuseblock", "eager") for pas in ("fwd", "bwd"))
-    assert {f.name for f in tmp_path.iterdir()} == {"gpu.md", "gpu.json", "gpu_latency.json", "peers.json",
-                                                    "gpu_rms.png", "gpu_layer.png"}
+    # the fp8 rows: fused add_norm + cast against norm-then-cast, codes equal bit for bit
+    fp8 = [r for r in rows if r.get("op", "").startswith("add_norm+")]
+    assert [r["op"] for r in fp8] == ["add_norm+fp8_row", "add_norm+mxfp8"]
+    assert all(r["codes_equal"] is True and r["fused_fwd_GBps"] > 0 and r["unfused_fwd_GBps"] > 0 for r in fp8)
+    assert {f.name for f in tmp_path.iterdir()} == {"gpu.md", "gpu.json", "gpu_latency.json", "gpu_fp8.json",
+                                                    "peers.json", "gpu_rms.png", "gpu_layer.png"}
 
 
 def test_gpu_compiles_afresh_for_each_shape(monkeypatch):
@@ -255,6 +259,10 @@ def test_gpu_report_judges_the_targets(monkeypatch):
     assert by["rms fwd >= 2.7 TB/s, d 4096..262144"]["verdict"] == "PASS"
     assert by["GPT step fused >= 1.05x naive"]["falls_short"] == "1.040x"
     assert R.judge([], [])[0]["verdict"] == "FAIL"  # no figures at all (no GPU): never a pass
+    # the fp8 rows' correctness: fused codes equal norm-then-cast's, else a FAIL (an error too)
+    fp8 = R.fp8_verdicts([dict(op="add_norm+fp8_row", codes_equal=True), dict(op="add_norm+mxfp8", codes_equal=False),
+                          dict(op="add_norm+mxfp8", error="OutOfMemoryError: ...")])
+    assert [v["verdict"] for v in fp8] == ["PASS", "FAIL", "FAIL"] and "OutOfMemoryError" in fp8[2]["measured"]
 
 
 def test_gpu_report_writes_one_report_and_fails_on_any_part_or_target(monkeypatch, tmp_path, capsys):
