@@ -56,6 +56,8 @@ class Quantized(NamedTuple):
         casts), so `F.linear(q.dequantize(), w)` trains the norm as the unquantized op."""
         if dtype is None:
             dtype = torch.float32 if self.anchor is None else self.anchor.dtype
+        elif not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+            raise TypeError(f"dtype must be None or a floating torch.dtype of 16 bits or more, got {dtype!r}")
         if self.anchor is None:
             return dequantize(self.data, self.scale).to(dtype)
         return _Dequantize.apply(self.anchor, self.data, self.scale, dtype)

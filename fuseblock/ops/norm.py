@@ -344,8 +344,11 @@ def add_norm(
     "floor" or "rceil"). The fp32 normed value is cast (one rounding), or first rounded to
     quant_from as an unfused norm-then-cast pipeline does. mx_columnwise=True (mxfp8) also
     returns data_t, scale_t: blocks of 32 down the columns, of shape (d, rows) and
-    (d, rows/32), from the same fp32 values in the same launch. The codes carry no gradient:
-    inputs that require one are refused (train through `fuseblock.Fp8NormLinear`).
+    (d, rows/32), from the same fp32 values in the same launch. The codes carry no gradient;
+    when an input requires one, `Quantized.anchor` takes the gradient at the normed output
+    in high precision, and the backward returns the unquantized op's gradients
+    (`fuseblock.Quantized`, docs/low_precision.md). An fp8 keyword given without quant= is
+    refused.
     """
     if positional:
         refuse_positional("add_norm", "x, residual, weight, bias", 4 + len(positional))
@@ -417,7 +420,7 @@ def norm(
     mx_columnwise: bool = QUANT_DEFAULTS.mx_columnwise,
 ) -> Tensor:
     """Normalize over the last dim: `add_norm` with no residual (see there for the math
-    and out_dtype; quant=... returns `Quantized`, as add_norm's).
+    and out_dtype; quant=... returns `Quantized`, as add_norm's, scale_ub included).
 
     kind="rms" equals torch's rms_norm and kind="layer" its layer_norm at the same eps;
     kind="l2" is x / sqrt(x.x + d*eps) * weight + bias.

@@ -254,3 +254,20 @@ def test_mx_columnwise_needs_whole_blocks_of_rows():
         fuseblock.norm(torch.randn(40, 64), quant="mxfp8", mx_columnwise=True)
     with pytest.raises(ValueError, match="mxfp8's columnwise"):
         fuseblock.norm(torch.randn(64, 64), quant="fp8_row", mx_columnwise=True)
+
+
+def test_the_fp8_keywords_have_one_definition():
+    """Every op that takes quant= takes its keywords with the defaults of
+    fuseblock.ops.checks.QUANT_DEFAULTS, the one definition resolve validates."""
+    import inspect
+
+    from fuseblock.ops.checks import QUANT_DEFAULTS
+    takes = {fuseblock.norm: QUANT_DEFAULTS._fields, fuseblock.add_norm: QUANT_DEFAULTS._fields,
+             fuseblock.norm_add_norm: QUANT_DEFAULTS._fields[:-1],  # no columnwise copy there
+             fuseblock.norm_linear: ("quant", "fp8_dtype", "mx_rounding", "scale_ub")}
+    for fn, names in takes.items():
+        params = inspect.signature(fn).parameters
+        assert [n for n in QUANT_DEFAULTS._fields if n in params] == list(names), fn.__name__
+        for n in names:
+            assert params[n].kind is inspect.Parameter.KEYWORD_ONLY
+            assert params[n].default is getattr(QUANT_DEFAULTS, n), (fn.__name__, n)

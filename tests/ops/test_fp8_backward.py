@@ -124,3 +124,11 @@ def test_double_backward_through_the_anchor_equals_the_unquantized_ops():
 
     got = second(fuseblock.norm(t["x"], t["weight"], quant="mxfp8").anchor)
     torch.testing.assert_close(got, second(fuseblock.norm(t["x"], t["weight"])), rtol=1e-6, atol=1e-6)
+
+
+def test_dequantize_dtype_is_checked():
+    q = fuseblock.norm(torch.randn(2, 64), quant="fp8_row")
+    assert q.dequantize(torch.bfloat16).dtype == torch.bfloat16
+    for bad in ("bf16", torch.int32, torch.float8_e4m3fn):
+        with pytest.raises(TypeError, match="dtype must be"):
+            q.dequantize(bad)
