@@ -64,6 +64,10 @@ def test_norm_takes_scale_ub_as_add_norm():
     s = amax_to_scale(o.abs().amax(-1, keepdim=True).clamp(max=0.25), E4)
     ref = hp_tensor_and_scale_to_float8(o, s, E4, axiswise_dim=-1)
     assert torch.equal(u8(q.data), u8(ref._data)) and torch.equal(q.scale, s.reciprocal())
+    for bad, err in ((dict(quant="mxfp8", scale_ub=1.0), "does nothing for quant='mxfp8'"),
+                     (dict(quant="fp8_row", scale_ub=float("inf")), "positive finite")):
+        with pytest.raises(ValueError, match=err):
+            fuseblock.norm(x, w, **bad)
 
 
 @pytest.mark.kernel

@@ -116,6 +116,12 @@ def test_mxfp8_norm_linear_equals_unfused_norm_to_mx_and_the_fallback(rounding):
         o = fuseblock.add_norm(x, res, nw, out_dtype=torch.float32)[0]
         want = _deq(*to_mx(o, E4, 32, MODES[rounding])) @ _deq(*to_mx(w, E4, 32, MODES[rounding])).t() + b
     assert torch.equal(y8, want)
+    if rounding == "floor":  # the module's (norm_linear's default rounding) runs the same op
+        module = fuseblock.NormLinear(64, 48, quant="mxfp8")
+        with torch.no_grad():
+            for name, t in (("norm_weight", nw), ("weight", w), ("bias", b)):
+                getattr(module, name).copy_(t)
+            assert torch.equal(module(x, res)[0], y8)
     _, grads = _grads(lambda: fuseblock.norm_linear(x, res, nw, None, w, b), leaves, dy)
     for got, plain in zip(grads8, grads, strict=True):
         assert torch.equal(got, plain)
