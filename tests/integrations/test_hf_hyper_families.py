@@ -154,7 +154,21 @@ def test_fused_model_equals_the_unfused_one_with_one_hc_op_per_boundary(kind, mo
     assert_same_run(b, a, exact=not KERNEL_PATH)
 
 
-def test_the_stream_norms_become_norms_and_every_other_module_stays(monkeypatch):
+@pytest.mark.torch_only("the forms' roundings: the kernels keep their own order")
+def test_bf16_models_are_bitwise_too_on_the_torch_path():
+    """bf16 weights and streams: each family's form rounds where its modeling code does
+    (DeepSeek-V4's and GLM's update in bf16 twice, HY-V4's in fp32 once; the norms' casts),
+    so the fused bf16 model is the unfused one bitwise as well."""
+    ids, mask, labels = batch(t=6)
+    for kind in KINDS:
+        unfused = build(kind).to(torch.bfloat16)
+        fused = fuse(copy.deepcopy(unfused))
+        a, b = run(unfused, ids, mask, labels), run(fused, ids, mask, labels)
+        assert a[3][1].dtype == torch.bfloat16
+        assert_same_run(b, a)
+
+
+def test_the_stream_norms_become_norms_and_every_other_module_stays():
     """The layers' input_layernorm / post_attention_layernorm and the final norm become
     fuseblock Norms holding the same Parameters; the hc modules (their unweighted norms),
     the attention's norms (DeepSeek-V4's q_a_norm, kv_norm) and the MoE are untouched."""
