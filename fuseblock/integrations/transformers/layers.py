@@ -295,12 +295,13 @@ def _boundary(layer, hc_role: str, norm_role: str, streams: Tensor, branch: Tens
     return hc_add_norm(streams, branch, post, comb, hc.fn, hc.base, hc.scale, norm.weight, **kw)
 
 
-def hyper_update(layer, streams: Tensor, branch: Tensor, post: Tensor, comb: Tensor | None) -> Tensor:
+def _hyper_total(layer, streams: Tensor, branch: Tensor, post: Tensor, comb: Tensor | None) -> Tensor:
     """The unfused layer's output post (x) f + comb^T H, in its modeling code's order (for
     recording hidden states; the fused stream leaves it to the next boundary)."""
     n, d = streams.shape[-2:]
-    spec = HyperSpec(n, d, Mode.HEAD, True, comb is not None, 1, 0.0, 1.0, 1.0, 0.0,
-                     FORMS[layer.fuseblock_family.hyper.form])
+    # hyper_reference.update reads the spec's form alone; the rest describes a boundary it does not run
+    spec = HyperSpec(n, d, Mode.PRE_POST_COMB, update=True, comb_in=comb is not None, iters=1, hc_eps=0.0, eps=1.0,
+                     post_mult=1.0, post_eps=0.0, form=FORMS[layer.fuseblock_family.hyper.form])
     return hyper_reference.update(streams, branch, post, comb, spec)
 
 
@@ -322,7 +323,7 @@ def _hyper(self, streams: Tensor, branch: Tensor | None = None, post: Tensor | N
     attn, topk = hyper.attend(self, normed, **kwargs)
     normed, streams, post, comb = _boundary(self, "hc_2", "norm_2", streams, attn, post, comb)
     hidden = hyper.feed(self, normed, kwargs)
-    total = hyper_update(self, streams, hidden, post, comb) if want_sum else None
+    total = _hyper_total(self, streams, hidden, post, comb) if want_sum else None
     return total, streams, hidden, post, comb, topk
 
 
