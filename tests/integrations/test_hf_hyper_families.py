@@ -1,5 +1,5 @@
 """The n-stream (hyper-connection, mHC) families fused against the unfused models: DeepSeek-V4,
-HY-V4 and GLM-5-next (its text model, inside its multimodal wrapper; text only).
+HY-V4 and GLM-5-next (its text model, inside its multimodal wrapper).
 
 Tiny configs with random weights (tiny.py's, and GLM below), 2 layers, nothing downloaded.
 On the torch path in fp32 the fused model is the unfused one bitwise: logits, loss, every
@@ -34,13 +34,24 @@ KINDS = ["deepseek_v4", "hy_v4", "glm5_next"]
 LAYERS = SIZES["num_hidden_layers"]
 
 # GLM-5-next's text model at hidden 64: a linear-attention layer, then an indexed-attention
-# one with a MoE; 3 Sinkhorn passes. Its wrapper's vision tower is never run (text only).
+# one with a MoE; 3 Sinkhorn passes. Its wrapper's one-layer vision tower (an 8 x 8 image
+# makes 4 tokens) runs in the first test; the others are on text.
 GLM_TEXT = dict(SIZES, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
                 q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, v_head_dim=16, index_topk=4, index_kpool=2,
                 index_head_dim=16, index_n_heads=2, linear_head_dim=16, linear_num_heads=4, hc_sinkhorn_iters=3,
                 layer_types=["linear_attention", "indexed_attention"], mlp_layer_types=["dense", "sparse"])
 GLM_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,
                   projection_intermediate_size=64, patch_size=2, image_size=8)
+
+
+def with_image(ids, mask):
+    """GLM-5-next's image inputs for ids: one 4 x 4 grid of 2 x 2 patches (2 frames) per row,
+    merged 2 x 2 into the 4 image tokens put at positions 3 to 6 (after row 0's padding)."""
+    g = torch.Generator().manual_seed(2)
+    ids = ids.clone()
+    ids[:, 3:7] = 3
+    return ids, dict(pixel_values=torch.randn(ids.shape[0] * 16, 3 * 2 * 2 * 2, generator=g),
+                     image_grid_thw=torch.tensor([[1, 4, 4]] * ids.shape[0]))
 
 
 def glm_config(**text_overrides):
@@ -108,7 +119,7 @@ def assert_same_run(b, a, exact=True):
         assert_same(x, y, exact)
     assert b[2].keys() == a[2].keys()
     assert {n for n, g in b[2].items() if g is None} == {n for n, g in a[2].items() if g is None}
-    text = [g for n, g in a[2].items() if not n.startswith("model.visual.")]  # (GLM's vision tower: text only)
+    text = [g for n, g in a[2].items() if not n.startswith("model.visual.")]  # (GLM's vision tower: images only)
     assert sum(g is not None for g in text) > 0.8 * len(text)
     for name, g in a[2].items():
         if g is not None:
@@ -146,8 +157,13 @@ def test_fused_model_equals_the_unfused_one_with_one_hc_op_per_boundary(kind, mo
     for model in (unfused, fused):
         for m in hc_modules(model):
             m.register_forward_hook(lambda m, a, o, model=model: ran.append(model))
-    ids, mask, labels = batch(t=6 if KERNEL_PATH else 8)
-    a, b = run(unfused, ids, mask, labels), run(fused, ids, mask, labels)
+    ids, mask, labels = batch(t=8)
+    image = {}
+    if kind == "glm5_next":  # the wrapper merges an image's features into the embeddings the streams start from
+        ids, image = with_image(ids, mask)
+    a, b = run(unfused, ids, mask, labels, **image), run(fused, ids, mask, labels, **image)
+    if image:
+        assert any(g is not None and g.abs().max() > 0 for n, g in a[2].items() if n.startswith("model.visual."))
     assert calls == {"hc_add_norm": 2 * LAYERS - 1, "hc_norm": 1, "hc_head": 1}
     assert len(ran) == len(hc_modules(unfused)) and all(m is unfused for m in ran)
     assert b[3][1].shape == (*ids.shape, inner(fused).config.hc_mult, SIZES["hidden_size"])  # the n streams
