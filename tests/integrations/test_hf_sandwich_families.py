@@ -115,6 +115,11 @@ MROPE = dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=8)
 
 
+def test_every_wrapper_is_tested_here_or_with_the_n_stream_families():
+    """(glm5_next, the n-stream wrapper: tests/integrations/test_hf_hyper_families.py, text only)"""
+    assert set(TEXT) | {"glm5_next"} == set(WRAPPERS)
+
+
 def wrapper_config(kind, **text_overrides):
     """A tiny config of the wrapper: fuseblock's tiny text config of its language model's
     family (then text_overrides) and a 2-layer vision tower making IMAGE_TOKENS tokens of
@@ -196,7 +201,7 @@ def _outside(model, inner):
             if id(m) not in inside}
 
 
-@pytest.mark.parametrize("kind", list(WRAPPERS))
+@pytest.mark.parametrize("kind", list(TEXT))
 def test_wrapper_fuses_its_language_model_bitwise_on_text_and_image(kind):
     unfused = wrapper(kind)
     classes = _outside(unfused, unfused.model.language_model)
@@ -235,7 +240,7 @@ def test_wrapper_fuses_its_language_model_bitwise_on_text_and_image(kind):
 STRAY = dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, activation_dropout=0.1)
 
 
-@pytest.mark.parametrize("kind", list(WRAPPERS))
+@pytest.mark.parametrize("kind", list(TEXT))
 def test_wrapper_whose_text_config_holds_keys_nothing_reads_fuses(kind, tmp_path):
     """A wrapper whose text config holds STRAY fuses (once refused for them) and gives the
     unfused wrapper's logits and loss, bitwise, on text and image; pickled whole with
@@ -261,7 +266,7 @@ def test_wrapper_whose_text_config_holds_keys_nothing_reads_fuses(kind, tmp_path
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("kind", list(WRAPPERS))
+@pytest.mark.parametrize("kind", list(TEXT))
 def test_wrapper_on_the_kernel_path_matches_the_unfused_one(kind):
     """As test_transformers.py's kernel-path test, on a text + image batch: the language
     model's norms on fuseblock's kernels (bitwise on the torch path, above)."""
@@ -282,7 +287,7 @@ def test_wrapper_on_the_kernel_path_matches_the_unfused_one(kind):
         torch.testing.assert_close(b[2][name] / scale, a[2][name] / scale, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", list(WRAPPERS))
+@pytest.mark.parametrize("kind", list(TEXT))
 def test_wrapper_generates_as_the_unfused_one(kind):
     unfused = wrapper(kind)
     fused = fuse(copy.deepcopy(unfused))
@@ -292,7 +297,7 @@ def test_wrapper_generates_as_the_unfused_one(kind):
     assert a.shape == (2, 18) and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("kind", list(WRAPPERS))
+@pytest.mark.parametrize("kind", list(TEXT))
 def test_wrapper_checkpoints_load_both_ways(kind, tmp_path):
     unfused = wrapper(kind)
     fused = fuse(copy.deepcopy(unfused))

@@ -28,6 +28,7 @@ import sys
 from torch import nn
 
 from ...convert import norm_from
+from ...ops.hyper import MAX_STREAMS
 from .families import Family
 
 # (bidirectional: Gemma3's use_bidirectional_attention, masks the model forward does not build)
@@ -79,10 +80,44 @@ def refusals(base: nn.Module, family: Family) -> list[str]:
         except TypeError as e:
             found.append(f"{name} is no norm fuseblock computes ({e})")
             break
+    if family.hyper is not None:
+        found += _hyper_refusals(base, layers, family)
     found += _same_across_layers(layers, family)
     found += [f"config.{key} = {getattr(base.config, key, None)!r}, where its fused forward ({family.shape.name}) "
               f"takes {value!r}" for key, value in family.requires.items() if getattr(base.config, key, None) != value]
     found += _unread_scalars(base.config, family, read_by_replaced_code(base, family))
+    return found
+
+
+def _hyper_refusals(base: nn.Module, layers, family: Family) -> list[str]:
+    """Where an n-stream model differs from what the hc ops compute: a stream count out of
+    their range, no Sinkhorn pass, a stream norm other than a weighted RMSNorm, or an
+    hc module whose own unweighted norm of the streams takes another eps than the norm it
+    meets in the op (the op holds one eps for both)."""
+    found, n = [], getattr(base.config, "hc_mult", None)
+    if not isinstance(n, int) or not 1 <= n <= MAX_STREAMS:
+        found.append(f"config.hc_mult = {n!r}, where the hc ops take 1 to {MAX_STREAMS} streams")
+    iters = getattr(base.config, "hc_sinkhorn_iters", 1)
+    if not isinstance(iters, int) or iters < 1:
+        found.append(f"config.hc_sinkhorn_iters = {iters!r}, where the hc ops take at least one Sinkhorn pass")
+    head = getattr(base, family.model_parts["head"], None)
+    pairs = [(f"{family.model_parts['layers']}[{i}].{family.parts[hc]}", getattr(layer, family.parts[hc], None),
+              getattr(layer, family.parts[norm], None))
+             for i, layer in enumerate(layers) for hc, norm in (("hc_1", "norm_1"), ("hc_2", "norm_2"))]
+    if family.hyper.weighted_head:
+        pairs.append((family.model_parts["head"], head, getattr(base, family.model_parts["norm"], None)))
+    for name, hc, norm in pairs:
+        try:
+            fused = norm_from(norm)
+        except TypeError:
+            continue  # refusals() names it
+        if fused.kind != "rms" or fused.weight is None or fused.bias is not None or fused.weight_offset != 0.0:
+            found.append(f"the norm after {name} is not a weighted RMSNorm (the hc ops' norm)")
+            break
+        eps = getattr(getattr(hc, "input_norm", None), "eps", None)
+        if eps != fused.eps:
+            found.append(f"{name}.input_norm.eps = {eps!r}, where the norm it meets takes eps = {fused.eps!r}")
+            break
     return found
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
     BaseModelOutputWithPastAndCrossAttentions,
@@ -25,8 +26,8 @@ from transformers.modeling_outputs import (
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .layers import PARALLEL, PARALLEL_RESIDUAL_FIRST, POST_NORM, PRE_NORM, SANDWICH, Shape
-from .model import FUSED_MODEL_FORWARD, PREPARE, stream_forward
+from .layers import HYPER, PARALLEL, PARALLEL_RESIDUAL_FIRST, POST_NORM, PRE_NORM, SANDWICH, Hyper, Shape
+from .model import FUSED_MODEL_FORWARD, HYPER_MODEL_FORWARD, PREPARE, stream_forward
 
 
 def embed_tokens(base, input_ids: Tensor) -> Tensor:
@@ -91,6 +92,9 @@ class Family:
         the layout (GPT-NeoX's and StableLM's use_parallel_residual pick their shape), or None.
     requires: config key -> the value this entry's forward computes with (each variant's
         use_parallel_residual): the check refuses any other value.
+    hyper: for the n-stream shape (layers.HYPER), what its forwards need beyond its
+        modules (layers.Hyper); None for the others. fuse then converts the stream's norms
+        only, leaving every module inside the layers as it is.
     """
     shape: Shape
     parts: Mapping[str, str] = field(default_factory=lambda: LLAMA_PARTS)
@@ -108,6 +112,7 @@ class Family:
     requires: Mapping[str, object] = field(default_factory=dict)
     positions: Callable = positions
     window_mask: bool = False
+    hyper: Hyper | None = None
     norms: tuple = field(init=False)
 
     def __deepcopy__(self, memo):  # a copied model shares its family, as its layers' classes do
@@ -128,6 +133,8 @@ class Family:
             raise ValueError(f"Family: parts lack the {self.shape.name} shape's roles {sorted(missing)}")
         if self.dropout is not None and not set(self.dropout.values()) <= set(self.parts.values()):
             raise ValueError("Family: dropout names modules that parts does not list")
+        if (self.hyper is None) != (self.shape is not HYPER):
+            raise ValueError("Family: hyper is given for the n-stream shape, and only for it")
         # the roles that are the stream's norms: each must convert to a fuseblock Norm
         object.__setattr__(self, "norms", tuple(r for r in self.parts if r.startswith(("norm_", "post_"))))
 
@@ -312,6 +319,108 @@ FAMILIES.update({
                   dropout={"attn": "resid_dropout", "mlp": "resid_dropout"}, prepare=_embed_dropout),
 })
 
+
+# deepseek_v4, hy_v4, glm5_next_text (issue 31): n residual streams (hyper-connections, mHC).
+# Each layer's attn_hc / ffn_hc and input_layernorm / post_attention_layernorm meet in one hc
+# op per boundary (layers.HYPER), the model's hc_head and norm in one more. Attention (its
+# compressors, indexers, linear attention), the MoE and its routers (hash routing included)
+# and their norms are modules fuse leaves as they are; so are the caches they keep.
+
+
+def _deepseek_v4_options(hc) -> dict:
+    """DeepseekV4HyperConnection's constants: Sinkhorn passes, hc_eps, post = 2 sigmoid(...)."""
+    return dict(iters=hc.hc_sinkhorn_iters, hc_eps=hc.hc_eps, post_mult=2.0, post_eps=0.0)
+
+
+def _hy_v4_options(hc) -> dict:
+    """HYV4HyperConnection's: no comb (no Sinkhorn), post = hc_magnitude sigmoid(...) + hc_eps."""
+    return dict(iters=1, hc_eps=hc.hc_eps, post_mult=hc.hc_post_magnitude, post_eps=hc.hc_eps)
+
+
+def _deepseek_v4_attend(layer, normed: Tensor, input_ids: Tensor | None = None, **kwargs):
+    """DeepseekV4DecoderLayer's attention call: every keyword but input_ids (its MLP's)."""
+    return layer.self_attn(normed, **kwargs)[0], None
+
+
+def _deepseek_v4_feed(layer, normed: Tensor, kwargs: dict) -> Tensor:
+    """DeepSeek-V4's MoE routes its hash layers by token id."""
+    return layer.mlp(normed, input_ids=kwargs.get("input_ids"))
+
+
+def _indexed_attend(layer, normed: Tensor, attention_mask=None, position_ids=None, past_key_values=None,
+                    use_cache=False, position_embeddings=None, prev_topk_indices=None, **kwargs):
+    """HYV4DecoderLayer's and Glm5NextTextDecoderLayer's attention call (the latter's linear
+    attention layers take the cache as cache_params and return no top-k)."""
+    if getattr(layer, "block_type", None) == "linear_attention":
+        return layer.self_attn(hidden_states=normed, cache_params=past_key_values, attention_mask=attention_mask,
+                               **kwargs), None
+    out, _, topk = layer.self_attn(hidden_states=normed, attention_mask=attention_mask, position_ids=position_ids,
+                                   past_key_values=past_key_values, use_cache=use_cache,
+                                   position_embeddings=position_embeddings, prev_topk_indices=prev_topk_indices,
+                                   **kwargs)
+    return out, topk
+
+
+def _plain_feed(layer, normed: Tensor, kwargs: dict) -> Tensor:
+    return layer.mlp(normed)
+
+
+def _deepseek_v4_inputs(base, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, use_cache):
+    """DeepseekV4Model.forward's layer keywords: one sliding-window mask (generate's dict holds
+    it under each layer type), the main and the compressors' rotary embeddings."""
+    if isinstance(attention_mask, dict):
+        mask = next(iter(attention_mask.values()))
+    else:
+        mask = create_sliding_window_causal_mask(config=base.config, inputs_embeds=inputs_embeds,
+                                                 attention_mask=attention_mask, past_key_values=past_key_values,
+                                                 position_ids=position_ids)
+    rotary = {k: base.rotary_emb(inputs_embeds, position_ids=position_ids, layer_type=k) for k in ("main", "compress")}
+    return [dict(position_embeddings=rotary, position_ids=position_ids, attention_mask=mask, input_ids=input_ids,
+                 past_key_values=past_key_values)] * base.config.num_hidden_layers
+
+
+def _hy_v4_inputs(base, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, use_cache):
+    """HYV4Model.forward's: one causal mask, always built (its indexer reads it), one rotary embedding."""
+    masks = attention_mask
+    if not isinstance(masks, dict):
+        masks = {"indexed_attention": create_causal_mask(
+            config=base.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+            past_key_values=past_key_values, position_ids=position_ids, allow_is_causal_skip=False)}
+    rotary = base.rotary_emb(inputs_embeds, position_ids=position_ids)
+    return [dict(attention_mask=masks["indexed_attention"], position_embeddings=rotary, position_ids=position_ids,
+                 past_key_values=past_key_values, use_cache=use_cache)] * base.config.num_hidden_layers
+
+
+def _glm5_next_inputs(base, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, use_cache):
+    """Glm5NextTextModel.forward's: the 2-d padding mask (boolean, all ones where none is
+    given) for both layer types, no rotary embedding (NoPE)."""
+    from transformers.masking_utils import create_recurrent_attention_mask  # (5.23's; older ones lack it)
+
+    masks = attention_mask
+    if not isinstance(masks, dict):
+        mask = create_recurrent_attention_mask(config=base.config, inputs_embeds=inputs_embeds,
+                                               attention_mask=attention_mask, past_key_values=past_key_values)
+        if mask is None:
+            mask = torch.ones(inputs_embeds.shape[:2], dtype=torch.bool, device=inputs_embeds.device)
+        masks = {"indexed_attention": mask.bool(), "linear_attention": mask.bool()}
+    kinds = base.config.layer_types[:base.config.num_hidden_layers]
+    return [dict(attention_mask=masks[k], position_ids=position_ids, position_embeddings=None, input_ids=input_ids,
+                 past_key_values=past_key_values) for k in kinds]
+
+
+_HYPER_PARTS = {"hc_1": "attn_hc", "norm_1": "input_layernorm", "attn": "self_attn", "hc_2": "ffn_hc",
+                "norm_2": "post_attention_layernorm", "mlp": "mlp"}
+_HYPER_MODEL = {**LLAMA_MODEL, "head": "hc_head"}
+_HYPER_FAMILY = dict(parts=_HYPER_PARTS, model_parts=_HYPER_MODEL, output=MoeModelOutputWithPast,
+                     model_forward=HYPER_MODEL_FORWARD)
+FAMILIES.update({
+    "deepseek_v4": Family(HYPER, **_HYPER_FAMILY, hyper=Hyper(
+        "deepseek_v4", _deepseek_v4_options, _deepseek_v4_attend, _deepseek_v4_feed, _deepseek_v4_inputs,
+        topk=False, weighted_head=True)),
+    "hy_v4": Family(HYPER, **_HYPER_FAMILY, hyper=Hyper(
+        "hy_v4", _hy_v4_options, _indexed_attend, _plain_feed, _hy_v4_inputs, topk=True, weighted_head=True)),
+})
+
 SUPPORTED = tuple(FAMILIES)
 
 def mrope_positions(base, position_ids: Tensor | None, inputs_embeds: Tensor, past_key_values):
@@ -333,8 +442,17 @@ def mrope_positions(base, position_ids: Tensor | None, inputs_embeds: Tensor, pa
 # Language models transformers ships only inside a multimodal wrapper (no causal-LM class
 # of their own, so no tiny config and none of FAMILIES' generic tests: the wrappers' tests
 # cover them): model_type -> Family, as FAMILIES
-WRAPPED: Mapping[str, Family] = {"qwen2_vl_text": Family(PRE_NORM, positions=mrope_positions),
-                                  "qwen2_5_vl_text": Family(PRE_NORM, positions=mrope_positions)}
+WRAPPED: Mapping[str, Family] = {
+    "qwen2_vl_text": Family(PRE_NORM, positions=mrope_positions),
+    "qwen2_5_vl_text": Family(PRE_NORM, positions=mrope_positions),
+    # GLM-5-next's text model: DeepSeek-V4's boundary, linear-attention layers beside indexed ones, no rotary
+    # embedding, and a head that is the streams' mean
+    "glm5_next_text": Family(HYPER, parts=_HYPER_PARTS, model_parts={k: v for k, v in _HYPER_MODEL.items()
+                                                                      if k != "rotary"},
+                             output=MoeModelOutputWithPast, model_forward=HYPER_MODEL_FORWARD, rotary=None,
+                             hyper=Hyper("glm5_next", _deepseek_v4_options, _indexed_attend, _plain_feed,
+                                         _glm5_next_inputs, topk=True, weighted_head=False)),
+}
 
 # Multimodal wrappers (issue 25): the wrapper's config.model_type -> the attribute of its
 # base model holding the language model. fuse fuses that language model as its own family
@@ -344,7 +462,8 @@ WRAPPED: Mapping[str, Family] = {"qwen2_vl_text": Family(PRE_NORM, positions=mro
 # the images' bidirectional blocks) and its position ids, all of which the fused model
 # forward takes as the unfused one does.
 WRAPPERS: Mapping[str, str] = {"llava": "language_model", "gemma3": "language_model", "mistral3": "language_model",
-                               "qwen2_vl": "language_model", "qwen2_5_vl": "language_model"}
+                               "qwen2_vl": "language_model", "qwen2_5_vl": "language_model",
+                               "glm5_next": "language_model"}
 
 
 def registered() -> dict[tuple, Family]:

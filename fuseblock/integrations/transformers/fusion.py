@@ -100,10 +100,13 @@ def _convert_norms(base: nn.Module, family: Family) -> None:
     stream = {id(getattr(layer, family.parts[r])) for layer in getattr(base, family.model_parts["layers"])
               for r in family.norms}
     stream.add(id(getattr(base, family.model_parts["norm"])))
+    # (the n-stream families: the stream's norms only; the hc modules' unweighted norms are
+    # the hc ops' own, and the attention's norms stay as their modeling code computes them)
+    inner = family.hyper is None
     converted: dict[int, Norm] = {}
     for parent in list(base.modules()):
         for name, child in list(parent.named_children()):
-            if id(child) in stream or (id(child) in converted) or _is_rms_norm(child):
+            if id(child) in stream or (id(child) in converted) or (inner and _is_rms_norm(child)):
                 if id(child) not in converted:
                     norm = converted[id(child)] = norm_from(child)
                     if getattr(child, "_is_hf_initialized", False):
@@ -192,15 +195,19 @@ def fuse(model: PreTrainedModel, *, residual_dtype: torch.dtype | None = None) -
     residual_dtype: the dtype of the residual stream. None (default) is what the unfused
     model's own adds give (torch's type promotion: under bf16 autocast with fp32
     parameters the stream is fp32 already); torch.float32 keeps an fp32 stream in a bf16
-    model. Calling fuse again on a fused model only changes residual_dtype.
+    model. Calling fuse again on a fused model only changes residual_dtype. The n-stream
+    families (deepseek_v4, hy_v4, glm5_next) keep their streams in the model's dtype: None only.
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     check_float_dtype("residual_dtype", residual_dtype)
     base = language_model(model)
+    family = getattr(base, "fuseblock_family", None) or family_of(model)[1]
+    if residual_dtype is not None and family.hyper is not None:
+        raise ValueError(f"residual_dtype: {type(base).__name__}'s n residual streams are kept in the model's "
+                         f"dtype, as its modeling code keeps them (residual_dtype=None)")
     layers = getattr(base, "fuseblock_family", None) and getattr(base, base.fuseblock_family.model_parts["layers"])
     if layers is None:
-        _, family = family_of(model)
         _convert_norms(base, family)
         # the model, its base model and a wrapper's language model each initialise their own
         # modules; a wrapper's vision tower holds no Norm and keeps its own method

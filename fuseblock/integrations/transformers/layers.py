@@ -26,6 +26,10 @@ from typing import NamedTuple
 
 from torch import Tensor, nn
 
+from ... import hyper_reference
+from ...hyper_spec import FORMS, HyperSpec, Mode
+from ...ops.hyper import hc_add_norm, hc_norm
+
 # The private keyword the fused model forward gives its layers when hidden states are
 # recorded: the layer then also returns its unfused output, p + r
 SUM = "fuseblock_hidden_state"
@@ -115,7 +119,8 @@ class Shape(NamedTuple):
     norm calls it with the last layer), and the roles the forward reads
     (families.Family.parts holds them). A shape whose stream holds more than (p, r) (the
     parallel one's p1) takes and returns the rest after r, positionally, and its enter
-    takes it after rdtype."""
+    takes it after rdtype. The n-stream shape has no enter: its model forward ends in
+    the hyper-connection head (model.hyper_forward)."""
     name: str
     forward: Callable
     enter: Callable
@@ -246,3 +251,80 @@ def _post_enter(layer, hidden: Tensor, residual: Tensor | None, norm, rdtype):
 
 
 POST_NORM = Shape("post-norm", _post_norm, _post_enter, frozenset({"attn", "post_attn", "mlp", "post_mlp"}))
+
+
+# ------------------------------------------------------------------------- n streams (mHC)
+
+
+class Hyper(NamedTuple):
+    """What an n-stream (hyper-connection) family's fused forwards need beyond its modules
+    (families.py holds one per family; their layers call attention and MLP differently).
+
+    form: whose order of operations the hc ops' torch path follows (fuseblock.hyper_reference),
+        the family's modeling code's, so that fp32 is bitwise.
+    options: the layer's hyper-connection module -> the hc ops' keywords it fixes (iters,
+        hc_eps, post_mult, post_eps), read off the module as its forward reads them.
+    attend: (layer, normed, **kwargs) -> (the attention's output, the top-k indices its
+        indexer hands the next layer, or None).
+    feed: (layer, normed, kwargs) -> the MLP's output.
+    inputs: (inner model, input_ids, inputs_embeds, attention_mask, position_ids,
+        past_key_values, use_cache) -> each layer's keywords, as the unfused model forward
+        builds them (masks, rotary embeddings, cache).
+    topk: whether a layer takes the previous layer's top-k (prev_topk_indices).
+    weighted_head: the head collapses with its own pre (hc_fn, hc_base, hc_scale), else the
+        streams' mean (GLM-5-next).
+    """
+    form: str
+    options: Callable
+    attend: Callable
+    feed: Callable
+    inputs: Callable
+    topk: bool
+    weighted_head: bool
+
+
+def _boundary(layer, hc_role: str, norm_role: str, streams: Tensor, branch: Tensor | None, post, comb):
+    """One boundary in one hc op: the last sublayer's update (none before the first layer),
+    the coefficients of `hc_role`'s module, the collapse and `norm_role`'s norm.
+    Returns (normed, streams, post, comb)."""
+    hc, norm, hyper = module(layer, hc_role), module(layer, norm_role), layer.fuseblock_family.hyper
+    kw = dict(hyper.options(hc), eps=norm.eps, form=hyper.form)
+    if branch is None:
+        normed, post, comb = hc_norm(streams, hc.fn, hc.base, hc.scale, norm.weight, **kw)
+        return normed, streams, post, comb
+    return hc_add_norm(streams, branch, post, comb, hc.fn, hc.base, hc.scale, norm.weight, **kw)
+
+
+def _hyper_total(layer, streams: Tensor, branch: Tensor, post: Tensor, comb: Tensor | None) -> Tensor:
+    """The unfused layer's output post (x) f + comb^T H, in its modeling code's order (for
+    recording hidden states; the fused stream leaves it to the next boundary)."""
+    n, d = streams.shape[-2:]
+    # hyper_reference.update reads the spec's form alone; the rest describes a boundary it does not run
+    spec = HyperSpec(n, d, Mode.PRE_POST_COMB, update=True, comb_in=comb is not None, iters=1, hc_eps=0.0, eps=1.0,
+                     post_mult=1.0, post_eps=0.0, form=FORMS[layer.fuseblock_family.hyper.form])
+    return hyper_reference.update(streams, branch, post, comb, spec)
+
+
+def _hyper(self, streams: Tensor, branch: Tensor | None = None, post: Tensor | None = None,
+           comb: Tensor | None = None, **kwargs):
+    """DeepSeek-V4, HY-V4, GLM-5-next: n residual streams H (..., n, d). The unfused layer is
+
+        (post_a, comb_a, x) = attn_hc(H);  H1 = post_a (x) attn(N1(x)) + comb_a^T H
+        (post_m, comb_m, x) = ffn_hc(H1);  H2 = post_m (x) mlp(N2(x)) + comb_m^T H1
+
+    Fused, each update meets the next sublayer's coefficients, collapse and norm in one hc
+    op: the layer takes the previous layer's (H, f, post, comb) with its MLP update not
+    yet done (H alone at the first layer) and returns its own, with the top-k indices of
+    its attention's indexer: (sum, H1, f, post_m, comb_m, topk). The model forward's head
+    does the last update (model.hyper_forward)."""
+    want_sum = kwargs.pop(SUM, False)
+    hyper = self.fuseblock_family.hyper
+    normed, streams, post, comb = _boundary(self, "hc_1", "norm_1", streams, branch, post, comb)
+    attn, topk = hyper.attend(self, normed, **kwargs)
+    normed, streams, post, comb = _boundary(self, "hc_2", "norm_2", streams, attn, post, comb)
+    hidden = hyper.feed(self, normed, kwargs)
+    total = _hyper_total(self, streams, hidden, post, comb) if want_sum else None
+    return total, streams, hidden, post, comb, topk
+
+
+HYPER = Shape("n-stream (mHC)", _hyper, None, frozenset({"hc_1", "norm_1", "attn", "hc_2", "norm_2", "mlp"}))

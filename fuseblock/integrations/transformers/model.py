@@ -5,6 +5,8 @@ the KV cache, hidden-state and attention recording through transformers' own dec
 and changes only the stream: the layers pass (p, r) on, and the final norm folds in the
 last add through the shape's `enter`. n layers of a
 pre-norm family make 2n + 1 add_norm calls per forward and no separate residual add.
+The n-stream (hyper-connection) families have a forward of their own (`hyper_forward`):
+n layers make 2n hc ops and the head one more.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from ...ops.hyper import hc_head
 from .layers import SUM, branch
 
 # The private keyword under which a family's model forward hands its prepare step inputs
@@ -113,3 +116,56 @@ def stream_forward(
 # output_hidden_states / output_attentions / router-logits recording (hooks on the
 # modules) and return_dict
 FUSED_MODEL_FORWARD = merge_with_config_defaults(capture_outputs(stream_forward))
+
+
+def _hyper_head(base, family, streams: Tensor, branch: Tensor, post: Tensor, comb: Tensor | None) -> Tensor:
+    """norm_f(head(H')) with the last layer's update H' = post (x) f + comb^T H in one hc_head:
+    the head's own pre (DeepSeek-V4's and HY-V4's hc_head) or the streams' mean (GLM-5-next)."""
+    head, norm = (getattr(base, family.model_parts[r]) for r in ("head", "norm"))
+    hyper = family.hyper
+    weights = (head.hc_fn, head.hc_base, head.hc_scale) if hyper.weighted_head else (None, None, None)
+    kw = {"hc_eps": head.eps} if hyper.weighted_head else {}
+    return hc_head(streams, *weights, norm.weight, branch=branch, post=post, comb=comb, eps=norm.eps,
+                   form=hyper.form, **kw)[0]
+
+
+def hyper_forward(
+    self,
+    input_ids: torch.LongTensor | None = None,
+    attention_mask: Tensor | dict | None = None,
+    position_ids: torch.LongTensor | None = None,
+    past_key_values=None,
+    inputs_embeds: Tensor | None = None,
+    use_cache: bool | None = None,
+    **kwargs,
+):
+    """The n-stream families' inner-model forward (DeepseekV4Model.forward and its kin) on
+    the fused boundaries: the embeddings copied to config.hc_mult streams, the layers
+    passing (H, f, post, comb) on (layers.HYPER) and the top-k indices where they share
+    them, the head taking the last update in. Masks, rotary embeddings and the cache are
+    the family's (its Hyper.inputs), as its unfused forward builds them."""
+    family = self.fuseblock_family
+    hyper = family.hyper
+    if (input_ids is None) ^ (inputs_embeds is not None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    if inputs_embeds is None:
+        inputs_embeds = family.embed(self, input_ids)
+    if use_cache and past_key_values is None:
+        past_key_values = DynamicCache(config=self.config)
+    position_ids = family.positions(self, position_ids, inputs_embeds, past_key_values)[1]
+    layers = getattr(self, family.model_parts["layers"])[:self.config.num_hidden_layers]
+    inputs = hyper.inputs(self, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, use_cache)
+    if kwargs.get("output_hidden_states", getattr(self.config, "output_hidden_states", False)):
+        kwargs[SUM] = True
+    streams = inputs_embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+    stream, topk = (streams, None, None, None), None
+    for layer, keywords in zip(layers, inputs, strict=True):
+        shared = {"prev_topk_indices": topk} if hyper.topk else {}
+        # the stream positional (reentrant gradient checkpointing passes gradients to positional tensors only)
+        out = layer(*stream, **keywords, **shared, **kwargs)
+        stream, topk = out[1:5], out[5]
+    hidden = _hyper_head(self, family, *stream)
+    return family.output(last_hidden_state=hidden, past_key_values=past_key_values)
+
+
+HYPER_MODEL_FORWARD = merge_with_config_defaults(capture_outputs(hyper_forward))

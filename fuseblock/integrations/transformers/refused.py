@@ -40,7 +40,7 @@ _GROUPS = {
               "olmo_hybrid", "inkling_text", "inkling2_text", "blt", "hrm_text"),
     _WRAPPER: ("fuyu", "gemma3n", "gemma4", "gemma4_unified", "git", "got_ocr2", "llama4", "mllama",
                "moss_transcribe_diarize", "qwen4_exp", "dots3_note"),
-    _HYPER: ("deepseek_v4", "hy_v4", "qwen4_exp_text", "zaya"),
+    _HYPER: ("qwen4_exp_text", "zaya"),
 }
 
 REFUSED: dict[str, str] = {model_type: why for why, names in _GROUPS.items() for model_type in names}

@@ -57,6 +57,20 @@ TINY: dict[str, dict] = {
     "gemma3_text": dict(head_dim=16, sliding_window=5, query_pre_attn_scalar=16, sliding_window_pattern=2),
     "glm4": dict(head_dim=16),
     "olmo2": {},
+    # deepseek_v4, hy_v4 (issue 31): 4 streams; the small MoE, MLA attention and indexer
+    # sizes their configs need at hidden 64. DeepSeek-V4: a compressed-sparse then a heavily
+    # compressed attention layer (compression rates a test sequence spans), a hash-routed
+    # then a top-k MoE layer, 3 Sinkhorn passes; HY-V4: hc_magnitude away from 2, its second
+    # layer reusing the first one's top-k indices (indexer_types "shared")
+    "deepseek_v4": dict(num_key_value_heads=1, head_dim=32, q_lora_rank=32, o_groups=2, o_lora_rank=16,
+                        moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, index_n_heads=2,
+                        index_head_dim=16, index_topk=4, sliding_window=4, hc_sinkhorn_iters=3,
+                        layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+                        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+                        mlp_layer_types=["hash_moe", "moe"]),
+    "hy_v4": dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                  moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, index_topk=4,
+                  index_head_dim=16, index_n_heads=2, hc_magnitude=1.5, indexer_types=["full", "shared"]),
 }
 
 
