@@ -17,7 +17,8 @@ _SEQ2SEQ = "the decoder of an encoder-decoder family: cross-attention between it
 _RECURRENT = "a recurrent or state-space block (one norm and one mixer per block): not a fused shape yet"
 _HYBRID = "hybrid layers (linear-attention, convolution or state-space mixers beside attention): not a fused shape yet"
 _WRAPPER = "a multimodal wrapper or container fuse has not checked: its language model is not one fuse takes yet"
-_HYPER = "hyper-connections or gated residuals in place of the residual add: not a fused shape"
+_HYPER = ("gated residuals in place of the residual add (Qwen4-Exp's low-rank per-channel stream mix, ZAYA's "
+          "per-channel scale and bias on both sides of the add): not the mHC boundary the hc ops fuse")
 
 _GROUPS = {
     _LLAMA_SHAPED: ("arcee", "axk1", "bailing_hybrid", "bitnet", "cwm", "deepseek_v2", "deepseek_v3", "deepseek_v32",
