@@ -69,6 +69,18 @@ def _ops(quick: bool) -> dict:
             return T.channel_norm_launches(x, w, w, batch=batch, groups=0 if batch else 8, compiled=compiled)
         return build
 
+    def quant(mode, columnwise=False, second=False):
+        def build(d, dtype, rows, compiled):
+            x, w = torch.empty(rows, d, dtype=dtype), torch.empty(d, dtype=dtype)
+            return T.quant_launches(x, torch.empty_like(x), w, quant=mode, mx_columnwise=columnwise, second=second,
+                                    compiled=compiled)
+        return build
+
+    def hyper(n):
+        def build(d, dtype, rows, compiled):  # at most 2^27 stream elements: the tensors are allocated, unused
+            return T.hyper_launches(max(16, min(rows, (1 << 27) // (n * d))), n, d, dtype, compiled=compiled)
+        return build
+
     if quick:
         # RMS's _bwd_dots keeps 8 bytes of stack on sm_90 (docs/performance.md): the layer norm's here
         return {"add_norm_layer": add_norm("layer"), "norm_add_norm": norm_add("rms", True)}
@@ -81,6 +93,9 @@ def _ops(quick: bool) -> dict:
         "norm_add_norm": norm_add("rms", True), "norm_add_norm_layer": norm_add("layer", True),
         "norm_linear": norm_linear, "embed_norm": embed_norm,
         "batch_norm": channel(True), "group_norm": channel(False),
+        "fp8_tensor": quant("fp8_tensor"), "fp8_row": quant("fp8_row"), "mxfp8": quant("mxfp8"),
+        "mxfp8_columnwise": quant("mxfp8", columnwise=True), "norm_add_norm_mxfp8": quant("mxfp8", second=True),
+        "hc_n4": hyper(4), "hc_n8": hyper(8), "hc_n16": hyper(16),
     }
 
 

@@ -216,15 +216,16 @@ def test_norm_add_norm_quantizes_its_second_norm(quant):
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("rounding", ["floor", "rceil"])
-def test_mxfp8_columnwise_copy_equals_to_mx_of_the_transpose(rounding):
-    x, w = case(rows=64)
+@pytest.mark.parametrize("rounding,d", [("floor", 96), ("rceil", 96), ("floor", 288)])
+def test_mxfp8_columnwise_copy_equals_to_mx_of_the_transpose(rounding, d):
+    # d = 288: past the fused columnwise tile (32 rows of 256), normed then quantized apart
+    x, w = case(rows=64, d=d)
     x[5:40] *= 1e-3  # the first column blocks' amax differ from the second's
     q, _ = fuseblock.add_norm(x, x, w, quant="mxfp8", mx_rounding=rounding, mx_columnwise=True)
     o = fuseblock.add_norm(x, x, w, out_dtype=torch.float32)[0]
     scale, data = to_mx(o, E4, 32, MODES[rounding])
     scale_t, data_t = to_mx(o.t().contiguous(), E4, 32, MODES[rounding])
-    assert q.data_t.shape == (96, 64) and q.scale_t.shape == (96, 2)
+    assert q.data_t.shape == (d, 64) and q.scale_t.shape == (d, 2)
     assert torch.equal(u8(q.data), u8(data)) and torch.equal(u8(q.scale), u8(scale))
     assert torch.equal(u8(q.data_t), u8(data_t)) and torch.equal(u8(q.scale_t), u8(scale_t))
 
