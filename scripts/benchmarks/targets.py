@@ -3,8 +3,11 @@ no GPU (`fuseblock.testing.targets`): sm_90 (H100), sm_100 (B200), gfx942 (MI300
 with --all also sm_120 (RTX 5090) and gfx950 (MI355X). Ops: add_norm and its variants
 (layer norm, the norm alone, an fp32 residual, both gates, groups, the scaled and
 dropout branch), norm_add and norm_add_norm, norm_linear's norm kernels, embed_norm and
-the channel norms (batch and group norm), bf16 and fp32, forward and backward, d from 64
-to 262144 (the channel norms: N = 32, C = 64, d = C x L columns per sample).
+the channel norms (batch and group norm), the scaled fp8 outputs (add_norm's fp8_tensor,
+fp8_row, mxfp8 and mxfp8 down the columns too, norm_add_norm's mxfp8: forward only, the
+backward is the plain op's) and the n-stream boundary (hc_add_norm with comb, n = 4, 8
+and 16 streams of d), bf16 and fp32, forward and backward, d from 64 to 262144 (the
+channel norms: N = 32, C = 64, d = C x L columns per sample).
 
 One row per compiled kernel: registers per thread (VGPRs per lane on AMD), spill_bytes
 per thread (local memory on NVIDIA, scratch on AMD), shared memory (LDS) per program,
@@ -82,7 +85,6 @@ def _ops(quick: bool) -> dict:
         return build
 
     if quick:
-        # RMS's _bwd_dots keeps 8 bytes of stack on sm_90 (docs/performance.md): the layer norm's here
         return {"add_norm_layer": add_norm("layer"), "norm_add_norm": norm_add("rms", True)}
     return {
         "add_norm": add_norm(), "add_norm_layer": add_norm("layer"), "norm": add_norm(residual=False),
