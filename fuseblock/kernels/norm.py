@@ -600,7 +600,7 @@ def _quantized_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_s
     M = x.numel() // d if d else 0
     lay = fwd_layout(d, spec.groups) if M > 0 else None
     if lay is not None and (not lay.tile or (spec.mx_columnwise and 32 * lay.bg * lay.bd > MX_COLUMNWISE_TILE)):
-        plain = replace(spec, quant=Quant.NONE, out_dtype=spec.quant_from or torch.float32)
+        plain = replace(spec, quant=Quant.NONE, mx_columnwise=False, out_dtype=spec.quant_from or torch.float32)
         out, new_res, rstd, mean = norm_fwd(x, residual, gate, weight, bias, plain, residual_dtype, need_stats, x1,
                                             seed)
         return fp8.quantize(out, spec, qscale), new_res, rstd, mean

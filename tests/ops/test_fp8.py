@@ -235,3 +235,16 @@ def test_mx_columnwise_needs_whole_blocks_of_rows():
         fuseblock.norm(torch.randn(40, 64), quant="mxfp8", mx_columnwise=True)
     with pytest.raises(ValueError, match="mxfp8's columnwise"):
         fuseblock.norm(torch.randn(64, 64), quant="fp8_row", mx_columnwise=True)
+
+
+def test_mxfp8_columnwise_fallback_norms_in_the_plain_layout():
+    # Rows past the fused columnwise tile are normed by the plain kernel, then quantized:
+    # that kernel takes the plain layout's rows a program, not the columnwise tile's 32
+    # (32 rows of 1024 to 8192 spilled 0.7 to 8.6 KB a thread, compiled for sm_90)
+    from fuseblock.kernels.launch import fwd_layout
+    from fuseblock.testing.targets import quant_launches
+
+    x, w = torch.empty(64, 288), torch.empty(288)
+    got = quant_launches(x, torch.empty_like(x), w, quant="mxfp8", mx_columnwise=True)
+    assert [ln.name for ln in got] == ["_fwd_tile"] and "QUANT" not in got[0].kwargs
+    assert got[0].kwargs["BR"] == fwd_layout(288).br
