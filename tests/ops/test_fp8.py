@@ -3,6 +3,8 @@ unfused normed output, on both paths; the integer encoding against torch's casts
 every e4m3/e5m2 code, the ties between them, subnormals and the saturation edge; bad input.
 
 fp8 data is compared as uint8 views (NaN codes compare too)."""
+import os
+
 import pytest
 import torch
 
@@ -237,6 +239,7 @@ def test_mx_columnwise_needs_whole_blocks_of_rows():
         fuseblock.norm(torch.randn(64, 64), quant="fp8_row", mx_columnwise=True)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="records the JIT kernels' launches")
 def test_mxfp8_columnwise_fallback_norms_in_the_plain_layout():
     # Rows past the fused columnwise tile are normed by the plain kernel, then quantized:
     # that kernel takes the plain layout's rows a program, not the columnwise tile's 32
