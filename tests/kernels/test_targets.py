@@ -15,6 +15,7 @@ import pytest
 import torch
 from trainutil import ROOT
 
+from fuseblock.testing import targets as T
 from fuseblock.testing.targets import backend_problem
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton's compiler")
@@ -58,6 +59,10 @@ def test_most_used_kernels_compile_without_spills_and_fill_a_wave(bench, target)
         where = (r["op"], r["d"], r["kernel"], r["block"], r["num_warps"], r["registers"])
         assert r["spill_bytes"] == 0, where
         assert r["resident_per_sm"] >= 1, where
-        assert r["fills"], (where, r["grid"], r["waves"])
+        if r["kernel"] == "_bwd_cols":  # split evenly among the d / 2048 column chunks: the most that allows
+            chunks = r["d"] // 2048  # (0.86 of a B200's 148 SMs: docs/performance.md says why no more)
+            assert r["grid"] == T.TARGETS[target].sms * r["resident_per_sm"] // chunks * chunks, where
+        else:
+            assert r["fills"], (where, r["grid"], r["waves"])
         if target == "gfx942":  # a workgroup holds at most 1024 threads: 16 wavefronts of 64
             assert r["num_warps"] <= 16, where
