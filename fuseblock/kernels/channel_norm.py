@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import launch
 from .launch import LAUNCHES, pow2, stride, sum_partial_rows, warps
 
 SETS_BATCH = tl.constexpr(0)  # one set per channel, over the batch
@@ -262,7 +263,7 @@ def channel_norm_fwd(x, weight, bias, batch: bool, groups: int, eps: float,
                         stride(running_mean), stride(running_var),
                         rows, length, max(groups, 1), k, float(count), eps, momentum, mom_var,
                         BR=br, BL=bl, SETS=0 if batch else 1, HAS_W=weight is not None, HAS_B=bias is not None,
-                        HAS_RUN=has_run, num_warps=warps)
+                        HAS_RUN=has_run, num_warps=warps, **launch.NO_SPILL)
         LAUNCHES["channel_fwd"] += 1
     return y, mean, rstd
 

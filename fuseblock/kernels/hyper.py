@@ -48,6 +48,8 @@ ROW_TILE_FWD = 16384  # elements of a [BT, NP, BD2] block of the collapse passes
 ROW_TILE_BWD = 8192
 PARAMS_TILE = 8192  # elements of _bwd_params' [MP, BK] dfn accumulator
 PROGRAMS_PER_SM = 2
+# _bwd_params takes 8 warps for n = 16 (m = 288 rows of fn, MP = 512): with 4 it needed 255
+# registers and 40 bytes of stack a thread on sm_90, with 8 it needs 128 and none
 
 
 @triton.jit
@@ -533,6 +535,6 @@ def hyper_bwd(dy, dhn, dpost_n, dcomb_n, streams, branch, post, comb, hn, fn, ba
     _bwd_params[(n_fn + n_w + (1 if has_fn else 0),)](
         src, da, mix, rho, _c(scale), dfn, dbase, dscale, dwp, dw, M, n, d, m, n_prog, n_fn, n_w,
         MP=blk.mp, BT=BT, BK=bk, BW=bw, BR=max(1, 2048 // bw), HAS_FN=has_fn, POST_OUT=flags["POST_OUT"],
-        COMB_OUT=flags["COMB_OUT"], HAS_W=weight is not None, num_warps=4)
+        COMB_OUT=flags["COMB_OUT"], HAS_W=weight is not None, num_warps=8 if blk.mp >= 512 else 4)
     LAUNCHES["hc_bwd"] += 2
     return dH, df, dpost, dcomb, dfn, dbase, dscale, dw

@@ -57,6 +57,14 @@ H100_SMS = 132  # SM count assumed when there is no GPU (the interpreter; offlin
 # Threads per warp: AMD's wavefronts are 64 wide. Fixed per process, as the vendor of the torch
 # build is (offline compiles for the other vendor set it: fuseblock.testing.targets.for_target).
 WARP = 64 if torch.version.hip else 32
+# Compile options of the launches that would otherwise spill for occupancy's sake. Left to
+# itself, ptxas caps a kernel's registers at the count that keeps one more program resident
+# (48 a thread for 256 threads: 5 per SM; 64 for 512: 2) and spills what does not fit:
+# compiled for sm_90 and sm_100, _channel_fwd kept 8 to 32 bytes a thread on the stack at
+# 64 or 128 registers, and needed 72 to 96 without the cap. maxnreg (NVIDIA only: AMD's
+# compiler takes no such option and spills none of these) lifts the cap to the hardware's
+# 255; the launch then holds what the registers allow (`occupancy.learn`).
+NO_SPILL = {} if torch.version.hip else {"maxnreg": 255}
 SUM_TILE = 2048  # _bwd_sum: elements per [partial rows, columns] block it loads
 SUM_MIN_COLS = 32  # and at least 32 columns per program: 128 bytes of each fp32 partial row
 # Deterministic mode: the most programs (partial rows) a backward splits its rows among,

@@ -40,13 +40,13 @@ import triton.language as tl
 
 from .. import fp8
 from ..spec import Act, Gate, NormSpec, Quant
-from . import launch
 from .fp8 import quant_buffers, quantized, store_quantized
 from .launch import (
     LAUNCHES,
     Layout,
     bwd_layout,
     cdiv,
+    fit_per_sm,
     fwd_layout,
     loop_layout,
     num_sms,
@@ -73,9 +73,18 @@ ACT_SILU = tl.constexpr(int(Act.SILU))
 # The wide-row backward's column pass (read at call time, as launch.py's constants)
 COLS_BLOCK = 2048  # columns per program of the column-chunk kernel
 COLS_TILE = 8192  # and elements per [rows, columns] block it loads
+# With dropout the column pass also regenerates two masks a block: at 8192 elements it needed
+# 255 registers and 8 bytes of stack a thread on sm_100; at 4096, 214 and none (sm_90, sm_100)
+COLS_TILE_DROPOUT = 4096
 # programs per SM before occupancy is learned: as many as an SM's threads allow; what fits is
 # 1 to 2 on sm_90 (118 to 146 registers x 256 threads), 3 on gfx942 (bench.py targets)
 COLS_PROGRAMS_PER_SM = 8
+# mxfp8 down the columns too: the tile kernel takes 32 rows a program (whole scale blocks down
+# each column) and transposes them, up to this many elements. Compiled for sm_90 and sm_100,
+# 32 rows of 256 took 201 to 217 registers and no stack in 4 warps; of 512, 64 to 744 bytes
+# of stack in 8 or 16 warps; of 1024, 312 to 15056 (up to MAX_TILE_FWD, as before). Wider
+# rows are normed by the plain kernel and quantized by `fuseblock.fp8.quantize`.
+MX_COLUMNWISE_TILE = 8192
 MIN_ROWS_PER_PROGRAM = 64  # keeps dw/db partial rows (fp32, written and summed) near 3% of bf16 traffic
 
 
@@ -476,9 +485,8 @@ def _bwd_dots(
     if ZERO_CNT:  # and the n_cnt arrival counters of _bwd_cols, which runs next: no launch of their own
         for i_c in range(i_p * BD, n_cnt, n_p * BD):
             tl.store(CNT + i_c + o_d, tl.zeros([BD], dtype=tl.int32), mask=i_c + o_d < n_cnt)
-    for i_it in range(i_p, MG, n_p):
-        i_mg = tl.cast(i_it, tl.int64)
-        i_m = i_mg // G
+    for i_mg in range(i_p, MG, n_p):
+        i_m = (i_mg // G).to(tl.int64)
         o_base = (i_mg % G) * DG
         b_rstd = tl.load(RSTD + i_mg)
         b_mean = tl.load(MEAN + i_mg) if CENTER else None
@@ -592,8 +600,8 @@ def _quantized_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_s
     d = x.shape[-1]
     M = x.numel() // d if d else 0
     lay = fwd_layout(d, spec.groups) if M > 0 else None
-    if lay is not None and (not lay.tile or (spec.mx_columnwise and 32 * lay.bg * lay.bd > launch.MAX_TILE_FWD)):
-        plain = replace(spec, quant=Quant.NONE, out_dtype=spec.quant_from or torch.float32)
+    if lay is not None and (not lay.tile or (spec.mx_columnwise and 32 * lay.bg * lay.bd > MX_COLUMNWISE_TILE)):
+        plain = replace(spec, quant=Quant.NONE, mx_columnwise=False, out_dtype=spec.quant_from or torch.float32)
         out, new_res, rstd, mean = norm_fwd(x, residual, gate, weight, bias, plain, residual_dtype, need_stats, x1,
                                             seed)
         return fp8.quantize(out, spec, qscale), new_res, rstd, mean
@@ -637,6 +645,10 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
     mean = torch.empty((M, G), dtype=torch.float32, device=x.device) if need_stats and spec.center else None
     if M > 0:
         lay = fwd_layout(d, G)
+        if not lay.tile and spec.dropout_p > 0:
+            # the loop kernel regenerates the masks in both passes: in 256 threads it took 128
+            # registers and 24 bytes of stack a thread (fp32, sm_90), in 512 66 to 72 and none
+            lay = lay._replace(warps=warps(512), per_sm=fit_per_sm(warps(512)))
         args = (
             x2, x12, r2, z2, weight, bias, o2, ro2, rstd, mean, seed,
             x2.stride(0), stride(x12), stride(r2), stride(z2), o2.stride(0), stride(ro2),
@@ -706,7 +718,8 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
         n_cols = 1
     else:  # the column-chunk kernel's layout: [BR, BD] blocks, BD columns of one group
         bd = min(COLS_BLOCK, pow2(dg))
-        lay = Layout(False, 1, bd, COLS_TILE // bd, warps(256), COLS_PROGRAMS_PER_SM)
+        tile = COLS_TILE_DROPOUT if spec.dropout_p > 0 else COLS_TILE
+        lay = Layout(False, 1, bd, max(1, tile // bd), warps(256), COLS_PROGRAMS_PER_SM)
         n_cols = G * cdiv(dg, bd)
     n_items = cdiv(M, lay.br)
     # The variant's registers are those of its main loop: the partial rows' summing

@@ -68,7 +68,7 @@ def backend_problem(target: str) -> str | None:
     return None
 
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
-           torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.bool: "i1"}
+           torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
 
 
 @dataclass
@@ -167,16 +167,18 @@ def _signature(launch: CapturedLaunch):
 @contextlib.contextmanager
 def for_target(target: str):
     """Within the context the launchers choose as on `target`'s GPU: its warp width, its SM
-    (CU) count, and what `fuseblock.kernels.occupancy.learn` assumes one holds."""
+    (CU) count, its vendor's compile options (`launch.NO_SPILL`) and what
+    `fuseblock.kernels.occupancy.learn` assumes one holds."""
     from ..kernels import launch
 
     t = TARGETS[target]
-    saved = launch.WARP, launch.H100_SMS, occupancy.MACHINE
-    launch.WARP, launch.H100_SMS, occupancy.MACHINE = t.warp, t.sms, t.sm
+    saved = launch.WARP, launch.H100_SMS, launch.NO_SPILL, occupancy.MACHINE
+    no_spill = {"maxnreg": 255} if t.backend == "cuda" else {}
+    launch.WARP, launch.H100_SMS, launch.NO_SPILL, occupancy.MACHINE = t.warp, t.sms, no_spill, t.sm
     try:
         yield t
     finally:
-        launch.WARP, launch.H100_SMS, occupancy.MACHINE = saved
+        launch.WARP, launch.H100_SMS, launch.NO_SPILL, occupancy.MACHINE = saved
 
 
 def compile_for(launch: CapturedLaunch, target: str = "sm_90"):
@@ -319,4 +321,49 @@ def channel_norm_launches(x, weight, bias=None, *, batch=True, groups=0, compile
     with captured_launches(kernels, launch, compiled=compiled) as out:
         _, mean, rstd = kernels.channel_norm_fwd(x, weight, bias, batch, groups, 1e-5, running, running, 0.1)
         kernels.channel_norm_bwd(torch.empty_like(x), x, weight, bias, mean, rstd, batch, groups)
+    return out
+
+
+def quant_launches(x, residual, weight, *, quant="fp8_row", mx_columnwise=False, second=False,
+                   compiled=None) -> list[CapturedLaunch]:
+    """The forward launches of add_norm (rms; second: norm_add_norm) with a scaled fp8
+    output (`quant` as the ops take it); the backward is the plain op's."""
+    from ..kernels import launch
+    from ..kernels import norm as kernels
+    from ..kernels import norm_add as pair_kernels
+    from ..ops.quant import with_quant
+    from ..spec import NormSpec
+
+    plain = NormSpec.of(x.shape[-1], kind="rms", c=None, eps=1e-6, num_groups=1, gate_act=None, gate_position=None)
+    scale = torch.ones((), dtype=torch.float32) if quant == "fp8_tensor" else None
+    spec = with_quant(plain, x, quant=quant, scale=scale, fp8_dtype=torch.float8_e4m3fn, mx_rounding="floor",
+                      scale_ub=None, quant_from=None, mx_columnwise=mx_columnwise)
+    rdtype = stored_dtype(x.dtype, residual.dtype, None)
+    with captured_launches(kernels, pair_kernels, launch, compiled=compiled) as out:
+        if second:
+            pair_kernels.norm_add_fwd(x, residual, weight, None, weight, None, plain, spec, 0.5, rdtype, True, True,
+                                      qscale=scale)
+        else:
+            kernels.norm_fwd(x, residual, None, weight, None, spec, rdtype, True, qscale=scale)
+    return out
+
+
+def hyper_launches(rows: int, n: int, d: int, dtype, compiled=None) -> list[CapturedLaunch]:
+    """The launches of one hyper-connection boundary (pre, post and comb out, the branch
+    added through comb; `fuseblock.hc_add_norm`), forward and backward, n streams of d."""
+    from ..hyper_spec import HyperSpec, Mode
+    from ..kernels import hyper as kernels
+    from ..kernels import launch
+
+    spec = HyperSpec(n=n, d=d, mode=Mode.PRE_POST_COMB, update=True, comb_in=True, iters=20, hc_eps=1e-6, eps=1e-6,
+                     post_mult=2.0, post_eps=0.0)
+    m, f32 = spec.m, torch.float32
+    H, f = torch.empty(rows, n, d, dtype=dtype), torch.empty(rows, d, dtype=dtype)
+    post, comb = torch.empty(rows, n, dtype=f32), torch.empty(rows, n, n, dtype=f32)
+    fn, base, scale, w = torch.empty(m, n * d, dtype=f32), torch.empty(m, dtype=f32), torch.empty(3), torch.empty(d)
+    with captured_launches(kernels, launch, compiled=compiled) as out:
+        kernels.hyper_fwd(H, f, post, comb, fn, base, scale, w, spec)
+        mix, rho = torch.empty(rows, m, dtype=f32), torch.empty(rows, dtype=f32)
+        kernels.hyper_bwd(torch.empty_like(f), torch.empty_like(H), torch.empty_like(post), torch.empty_like(comb),
+                          H, f, post, comb, torch.empty_like(H), fn, base, scale, w, mix, rho, spec)
     return out

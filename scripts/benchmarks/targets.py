@@ -3,8 +3,11 @@ no GPU (`fuseblock.testing.targets`): sm_90 (H100), sm_100 (B200), gfx942 (MI300
 with --all also sm_120 (RTX 5090) and gfx950 (MI355X). Ops: add_norm and its variants
 (layer norm, the norm alone, an fp32 residual, both gates, groups, the scaled and
 dropout branch), norm_add and norm_add_norm, norm_linear's norm kernels, embed_norm and
-the channel norms (batch and group norm), bf16 and fp32, forward and backward, d from 64
-to 262144 (the channel norms: N = 32, C = 64, d = C x L columns per sample).
+the channel norms (batch and group norm), the scaled fp8 outputs (add_norm's fp8_tensor,
+fp8_row, mxfp8 and mxfp8 down the columns too, norm_add_norm's mxfp8: forward only, the
+backward is the plain op's) and the n-stream boundary (hc_add_norm with comb, n = 4, 8
+and 16 streams of d), bf16 and fp32, forward and backward, d from 64 to 262144 (the
+channel norms: N = 32, C = 64, d = C x L columns per sample).
 
 One row per compiled kernel: registers per thread (VGPRs per lane on AMD), spill_bytes
 per thread (local memory on NVIDIA, scratch on AMD), shared memory (LDS) per program,
@@ -69,8 +72,19 @@ def _ops(quick: bool) -> dict:
             return T.channel_norm_launches(x, w, w, batch=batch, groups=0 if batch else 8, compiled=compiled)
         return build
 
+    def quant(mode, columnwise=False, second=False):
+        def build(d, dtype, rows, compiled):
+            x, w = torch.empty(rows, d, dtype=dtype), torch.empty(d, dtype=dtype)
+            return T.quant_launches(x, torch.empty_like(x), w, quant=mode, mx_columnwise=columnwise, second=second,
+                                    compiled=compiled)
+        return build
+
+    def hyper(n):
+        def build(d, dtype, rows, compiled):  # at most 2^27 stream elements: the tensors are allocated, unused
+            return T.hyper_launches(max(16, min(rows, (1 << 27) // (n * d))), n, d, dtype, compiled=compiled)
+        return build
+
     if quick:
-        # RMS's _bwd_dots keeps 8 bytes of stack on sm_90 (docs/performance.md): the layer norm's here
         return {"add_norm_layer": add_norm("layer"), "norm_add_norm": norm_add("rms", True)}
     return {
         "add_norm": add_norm(), "add_norm_layer": add_norm("layer"), "norm": add_norm(residual=False),
@@ -81,6 +95,9 @@ def _ops(quick: bool) -> dict:
         "norm_add_norm": norm_add("rms", True), "norm_add_norm_layer": norm_add("layer", True),
         "norm_linear": norm_linear, "embed_norm": embed_norm,
         "batch_norm": channel(True), "group_norm": channel(False),
+        "fp8_tensor": quant("fp8_tensor"), "fp8_row": quant("fp8_row"), "mxfp8": quant("mxfp8"),
+        "mxfp8_columnwise": quant("mxfp8", columnwise=True), "norm_add_norm_mxfp8": quant("mxfp8", second=True),
+        "hc_n4": hyper(4), "hc_n8": hyper(8), "hc_n16": hyper(16),
     }
 
 

@@ -52,10 +52,10 @@ def test_core_kernels_compile_for_h100(config, d):
     for ln in launches:
         usage = resource_usage(compile_for(ln))
         assert 0 < usage["registers"] <= 255
-        # the wide-row kernels and the partial-row sum keep little live: no spills (a
-        # word or two outside the loops at most)
+        # the wide-row kernels and the partial-row sum keep little live: no spills (RMS's
+        # _bwd_dots kept 8 bytes until it indexed its rows in 32 bits)
         if ln.name in ("_fwd_loop", "_bwd_dots", "_bwd_cols", "_bwd_sum"):
-            assert usage["stack"] <= 16, (ln.name, usage)
+            assert usage["stack"] == 0, (ln.name, usage)
 
 
 @pytest.mark.parametrize("d", [1000, 40000])

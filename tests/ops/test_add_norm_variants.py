@@ -258,7 +258,8 @@ def test_one_launch_forward_two_backward(p, kind):
 @pytest.mark.parametrize("res", ["none", "same"])
 def test_wide_rows(kind, p, res, launches):
     # 13 rows of 37 (small_wide_rows): 5 column chunks, the last ragged, and 4 row blocks
-    # over 3 programs per chunk, so one program takes two; few rows, as each element's
+    # (7 with dropout's smaller blocks) over 3 programs per chunk, so a program takes two
+    # or more; few rows, as each element's
     # Philox draw is slow in the interpreter
     # With a residual, x and x1 (pass 2 of _fwd_loop reads new_residual back); without,
     # x alone, nothing to add: pass 2 reads x again, regenerating its mask

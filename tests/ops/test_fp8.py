@@ -3,6 +3,8 @@ unfused normed output, on both paths; the integer encoding against torch's casts
 every e4m3/e5m2 code, the ties between them, subnormals and the saturation edge; bad input.
 
 fp8 data is compared as uint8 views (NaN codes compare too)."""
+import os
+
 import pytest
 import torch
 
@@ -240,15 +242,16 @@ def test_norm_add_norm_quantizes_its_second_norm(quant):
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("rounding", ["floor", "rceil"])
-def test_mxfp8_columnwise_copy_equals_to_mx_of_the_transpose(rounding):
-    x, w = case(rows=64)
+@pytest.mark.parametrize("rounding,d", [("floor", 96), ("rceil", 96), ("floor", 288)])
+def test_mxfp8_columnwise_copy_equals_to_mx_of_the_transpose(rounding, d):
+    # d = 288: past the fused columnwise tile (32 rows of 256), normed then quantized apart
+    x, w = case(rows=64, d=d)
     x[5:40] *= 1e-3  # the first column blocks' amax differ from the second's
     q, _ = fuseblock.add_norm(x, x, w, quant="mxfp8", mx_rounding=rounding, mx_columnwise=True)
     o = fuseblock.add_norm(x, x, w, out_dtype=torch.float32)[0]
     scale, data = to_mx(o, E4, 32, MODES[rounding])
     scale_t, data_t = to_mx(o.t().contiguous(), E4, 32, MODES[rounding])
-    assert q.data_t.shape == (96, 64) and q.scale_t.shape == (96, 2)
+    assert q.data_t.shape == (d, 64) and q.scale_t.shape == (d, 2)
     assert torch.equal(u8(q.data), u8(data)) and torch.equal(u8(q.scale), u8(scale))
     assert torch.equal(u8(q.data_t), u8(data_t)) and torch.equal(u8(q.scale_t), u8(scale_t))
 
@@ -275,3 +278,17 @@ def test_the_fp8_keywords_have_one_definition():
         for n in names:
             assert params[n].kind is inspect.Parameter.KEYWORD_ONLY
             assert params[n].default is getattr(QUANT_DEFAULTS, n), (fn.__name__, n)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="records the JIT kernels' launches")
+def test_mxfp8_columnwise_fallback_norms_in_the_plain_layout():
+    # Rows past the fused columnwise tile are normed by the plain kernel, then quantized:
+    # that kernel takes the plain layout's rows a program, not the columnwise tile's 32
+    # (32 rows of 1024 to 8192 spilled 0.7 to 8.6 KB a thread, compiled for sm_90)
+    from fuseblock.kernels.launch import fwd_layout
+    from fuseblock.testing.targets import quant_launches
+
+    x, w = torch.empty(64, 288), torch.empty(288)
+    got = quant_launches(x, torch.empty_like(x), w, quant="mxfp8", mx_columnwise=True)
+    assert [ln.name for ln in got] == ["_fwd_tile"] and "QUANT" not in got[0].kwargs
+    assert got[0].kwargs["BR"] == fwd_layout(288).br
