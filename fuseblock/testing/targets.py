@@ -331,13 +331,16 @@ def quant_launches(x, residual, weight, *, quant="fp8_row", mx_columnwise=False,
     from ..kernels import launch
     from ..kernels import norm as kernels
     from ..kernels import norm_add as pair_kernels
-    from ..ops.quant import with_quant
-    from ..spec import NormSpec
+    from ..ops.checks import QuantArgs, resolve
+    from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION
 
-    plain = NormSpec.of(x.shape[-1], kind="rms", c=None, eps=1e-6, num_groups=1, gate_act=None, gate_position=None)
+    def spec_of(quant_args: QuantArgs):
+        return resolve(x, residual, weight, None, None, kind="rms", c=None, eps=1e-6, gate_act=DEFAULT_GATE_ACT,
+                       gate_position=DEFAULT_GATE_POSITION, num_groups=1, residual_dtype=None, quant=quant_args)
+
     scale = torch.ones((), dtype=torch.float32) if quant == "fp8_tensor" else None
-    spec = with_quant(plain, x, quant=quant, scale=scale, fp8_dtype=torch.float8_e4m3fn, mx_rounding="floor",
-                      scale_ub=None, quant_from=None, mx_columnwise=mx_columnwise)
+    plain = spec_of(QuantArgs())
+    spec = spec_of(QuantArgs(quant=quant, scale=scale, mx_columnwise=mx_columnwise))
     rdtype = stored_dtype(x.dtype, residual.dtype, None)
     with captured_launches(kernels, pair_kernels, launch, compiled=compiled) as out:
         if second:
