@@ -457,8 +457,7 @@ def test_compile_fullgraph_forward_and_backward(arch):
     for model in (unfused, fused):  # GPT2LMHeadModel's name names no loss: transformers' loss_function
         model.loss_type = model.loss_type or "ForCausalLM"  # then warns, a graph break of the unfused model's own
     ids, mask, labels = batch()
-    explained = torch._dynamo.explain(fused)(input_ids=ids, attention_mask=mask, labels=labels)
-    assert explained.graph_break_count == 0, explained.break_reasons
+    # fullgraph=True: a graph break is an error naming its reason (no separate explain() trace)
     compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
     # (output_hidden_states installs transformers' hooks under a lock, which Dynamo cannot trace)
     a = run(unfused, ids, mask, labels, hidden=False)

@@ -12,6 +12,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from fuseblock.integrations.transformers import FAMILIES, REFUSED, WRAPPERS, fuse  # noqa: E402
 from tools.transformers_table import ROW  # noqa: E402
+from tools.transformers_table import main as table_main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "transformers_table.py"
@@ -27,25 +28,31 @@ def test_the_table_and_the_count_are_current():
     assert p.returncode == 0, p.stdout + p.stderr
 
 
-def test_a_stale_table_or_count_fails_the_check(tmp_path):
+def test_a_stale_table_or_count_fails_the_check(tmp_path, capsys):
+    # in this process (the command line itself is the test above): main's exit code and what it prints
     doc, readme = tmp_path / "transformers.md", tmp_path / "README.md"
     shutil.copy(ROOT / "docs" / "transformers.md", doc)
     shutil.copy(ROOT / "README.md", readme)
-    assert check("--doc", doc, "--readme", readme).returncode == 0
+
+    def in_process():
+        code = table_main(["--check", "--doc", str(doc), "--readme", str(readme)])
+        return code, capsys.readouterr().out
+
+    assert in_process()[0] == 0
     text = doc.read_text()
     if f"transformers {transformers.__version__}, " in text:  # the table is compared on its own version only
         doc.write_text(text.replace("| `llama` | fused | pre-norm |\n", ""))
-        p = check("--doc", doc, "--readme", readme)
-        assert p.returncode == 1 and "family table is stale" in p.stdout
+        code, out = in_process()
+        assert code == 1 and "family table is stale" in out
         doc.write_text(text)
     text = readme.read_text()
     readme.write_text(text.replace(f"`fuse` takes {len(FAMILIES)} families", "`fuse` takes 3 families"))
-    p = check("--doc", doc, "--readme", readme)
-    assert p.returncode == 1 and f"FAMILIES has {len(FAMILIES)}" in p.stdout
+    code, out = in_process()
+    assert code == 1 and f"FAMILIES has {len(FAMILIES)}" in out
     rows = len(ROW.findall(doc.read_text()))
     readme.write_text(text.replace(f"lists all {rows}", "lists all 189"))
-    p = check("--doc", doc, "--readme", readme)
-    assert p.returncode == 1 and f"its table has {rows} rows" in p.stdout
+    code, out = in_process()
+    assert code == 1 and f"its table has {rows} rows" in out
 
 
 def test_every_causal_lm_is_fused_or_refused_with_a_reason():
