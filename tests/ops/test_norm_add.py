@@ -235,10 +235,10 @@ def test_wide_rows_compile_and_return_no_alias(small_wide_rows):
     torch.testing.assert_close(got[0][0], got[1][0])
 
 
-@pytest.mark.kernel
 @pytest.mark.parametrize("kind", KINDS)
 def test_gradgradcheck_torch_path(kind):
-    """fp64 takes the torch path on both runs: its second derivatives are autograd's."""
+    """fp64 takes the torch path (on the kernel run too: test_torch_path.py holds that), so
+    its second derivatives are autograd's; run once, on the torch path."""
     x, residual = torch.randn(3, 6, dtype=torch.float64, requires_grad=True), torch.randn(3, 6, dtype=torch.float64,
                                                                                       requires_grad=True)
     bw, bb, w, b = (torch.randn(6, dtype=torch.float64, requires_grad=True) for _ in range(4))
