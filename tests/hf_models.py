@@ -133,3 +133,20 @@ def stream_ops(unfused, fused, ids, monkeypatch):
         with StreamOps(shape) as mode:
             fused(ids)
     return before, mode, calls
+
+
+def meta_pair(cls, config):
+    """(unfused, fused) models of cls built on the meta device (fused there, as
+    from_pretrained would), moved with to_empty, every parameter NaN first (what to_empty's
+    memory may hold), then init_weights from one seed."""
+    with torch.device("meta"):
+        unfused, fused = cls(config), fuse(cls(config))
+    for model in (unfused, fused):
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float("nan"))
+        torch.manual_seed(3)
+        model.init_weights()
+    return unfused, fused
+

@@ -15,7 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_models import HIDDEN, SIZES, batch, make, max_diff, pair, stream_ops  # noqa: E402
+from hf_models import HIDDEN, SIZES, batch, make, max_diff, meta_pair, pair, stream_ops  # noqa: E402
 
 from fuseblock import Norm  # noqa: E402
 from fuseblock.integrations.transformers import WRAPPERS, fuse  # noqa: E402
@@ -321,15 +321,7 @@ def test_wrapper_init_weights_gives_the_language_model_norms_what_the_unfused_wr
     included, equals the unfused wrapper's after the same steps (Gemma3: norms with 1 + w)."""
     config = wrapper_config("gemma3")
     cls = transformers.Gemma3ForConditionalGeneration
-    with torch.device("meta"):
-        unfused, fused = cls(config), fuse(cls(config))
-    for model in (unfused, fused):
-        model.to_empty(device="cpu")
-        with torch.no_grad():
-            for p in model.parameters():
-                p.fill_(float("nan"))
-        torch.manual_seed(3)
-        model.init_weights()
+    unfused, fused = meta_pair(cls, config)
     a, b = unfused.state_dict(), fused.state_dict()
     assert list(a) == list(b)
     assert all(torch.equal(a[n], b[n]) for n in a), [n for n in a if not torch.equal(a[n], b[n])]

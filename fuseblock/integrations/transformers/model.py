@@ -75,6 +75,25 @@ def _final_norm(base, family, last, hidden: Tensor, residual: Tensor | None, *re
     return family.shape.enter(last, hidden, residual, norm, rdtype, *rest)[0]
 
 
+def _embeddings_and_cache(base, family, input_ids, inputs_embeds, past_key_values, use_cache):
+    """(the input embeddings, the cache), as the unfused model forwards begin: exactly one
+    of input_ids and inputs_embeds, and a DynamicCache when one is wanted and none given."""
+    if (input_ids is None) ^ (inputs_embeds is not None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+    if inputs_embeds is None:
+        inputs_embeds = family.embed(base, input_ids)
+    if use_cache and past_key_values is None:
+        past_key_values = DynamicCache(config=base.config)
+    return inputs_embeds, past_key_values
+
+
+def _record_sums(base, kwargs: dict) -> None:
+    """Ask the layers for their unfused outputs (SUM) when hidden states are recorded:
+    transformers' capture_outputs records them when this is truthy (its own test)."""
+    if kwargs.get("output_hidden_states", getattr(base.config, "output_hidden_states", False)):
+        kwargs[SUM] = True
+
+
 def stream_forward(
     self,
     input_ids: torch.LongTensor | None = None,
@@ -87,20 +106,14 @@ def stream_forward(
 ):
     """The inner model's forward on the fused stream (see the module docstring)."""
     family = self.fuseblock_family
-    if (input_ids is None) ^ (inputs_embeds is not None):
-        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-    if inputs_embeds is None:
-        inputs_embeds = family.embed(self, input_ids)
-    if use_cache and past_key_values is None:
-        past_key_values = DynamicCache(config=self.config)
+    inputs_embeds, past_key_values = _embeddings_and_cache(self, family, input_ids, inputs_embeds, past_key_values,
+                                                           use_cache)
     rotary_ids, position_ids = family.positions(self, position_ids, inputs_embeds, past_key_values)
     n = self.config.num_hidden_layers
     masks = _layer_masks(self.config, family, attention_mask, inputs_embeds, past_key_values, position_ids)
     hidden = family.prepare(self, inputs_embeds, position_ids, **kwargs.pop(PREPARE, {}))
     rotary = _rotary(self, family, hidden, rotary_ids, n)
-    # transformers' capture_outputs records hidden states when this is truthy (its own test)
-    if kwargs.get("output_hidden_states", getattr(self.config, "output_hidden_states", False)):
-        kwargs[SUM] = True
+    _record_sums(self, kwargs)
     stream, layers = (hidden, None), getattr(self, family.model_parts["layers"])[:n]
     cache = {family.cache_keyword: past_key_values}
     for i, layer in enumerate(layers):
@@ -146,17 +159,12 @@ def hyper_forward(
     the family's (its Hyper.inputs), as its unfused forward builds them."""
     family = self.fuseblock_family
     hyper = family.hyper
-    if (input_ids is None) ^ (inputs_embeds is not None):
-        raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-    if inputs_embeds is None:
-        inputs_embeds = family.embed(self, input_ids)
-    if use_cache and past_key_values is None:
-        past_key_values = DynamicCache(config=self.config)
+    inputs_embeds, past_key_values = _embeddings_and_cache(self, family, input_ids, inputs_embeds, past_key_values,
+                                                           use_cache)
     position_ids = family.positions(self, position_ids, inputs_embeds, past_key_values)[1]
     layers = getattr(self, family.model_parts["layers"])[:self.config.num_hidden_layers]
     inputs = hyper.inputs(self, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, use_cache)
-    if kwargs.get("output_hidden_states", getattr(self.config, "output_hidden_states", False)):
-        kwargs[SUM] = True
+    _record_sums(self, kwargs)
     streams = inputs_embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
     stream, topk = (streams, None, None, None), None
     for layer, keywords in zip(layers, inputs, strict=True):
