@@ -12,12 +12,17 @@ to FUSEBLOCK_TEST_DEVICE.
 import contextlib
 import os
 
+import pytest
 import torch
 from ref64 import add_norm64, tolerances
 
 DEVICE = os.environ.get("FUSEBLOCK_TEST_DEVICE", "cpu")
 # The kernel path: the Triton kernels run, through the interpreter on CPU or compiled on a GPU.
 KERNEL_PATH = os.environ.get("TRITON_INTERPRET") == "1" or DEVICE == "cuda"
+# The interpreter runs the kernels (CPU tensors, TRITON_INTERPRET=1): the byte counters
+# (fuseblock.testing.traffic.KernelTraffic) read its loads and stores, which a GPU run has not.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and DEVICE == "cpu"
+interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="counts the interpreter's loads and stores")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -126,9 +131,8 @@ class AllLaunches(contextlib.AbstractContextManager):
         from fuseblock.testing.traffic import EagerTraffic, KernelTraffic
 
         self._launches = Launches()
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1" and DEVICE == "cpu"
-        self._kernel = KernelTraffic(glue=True) if interpreted else None
-        self._counter = self._kernel if interpreted else EagerTraffic()
+        self._kernel = KernelTraffic(glue=True) if INTERPRETED else None
+        self._counter = self._kernel if INTERPRETED else EagerTraffic()
         self._counter.__enter__()
         return self
 

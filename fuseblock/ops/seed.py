@@ -20,4 +20,5 @@ def draw_seed(x: Tensor) -> Tensor:
     CUDA graphs, so the masks stay fresh there too."""
     if x.is_cuda and not is_compiling() and torch.cuda.is_current_stream_capturing():
         return torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64)
-    return torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    # device named: under torch.set_default_device("cuda") a bare randint would draw on the GPU
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64, device="cpu")

@@ -176,9 +176,12 @@ def _fp8_row(mode: str, dev, do_bench, quick_cpu: bool) -> dict:
         row["error"] = _error(e)
         return row
     row["x_unfused_fwd"] = row["fused_fwd_GBps"] / row["unfused_fwd_GBps"]
-    row["codes_equal"] = bool(torch.equal(qf.data.view(torch.uint8), qu.data.view(torch.uint8))
-                              and torch.equal(qf.scale.view(torch.uint8), qu.scale.view(torch.uint8))
-                              and torch.equal(pf, pu))
+    # where they differ, how much: codes and scales that differ, and the widest code step
+    codes_f, codes_u = qf.data.view(torch.uint8), qu.data.view(torch.uint8)
+    row["codes_differ"] = int((codes_f != codes_u).sum())
+    row["max_code_step"] = int((codes_f.int() - codes_u.int()).abs().max()) if codes_f.numel() else 0
+    row["scales_differ"] = int((qf.scale.view(torch.uint8) != qu.scale.view(torch.uint8)).sum())
+    row["codes_equal"] = row["codes_differ"] == row["scales_differ"] == 0 and bool(torch.equal(pf, pu))
     return row
 
 

@@ -99,7 +99,9 @@ def judge(bandwidth_rows: list[dict], step_rows: list[dict]) -> list[dict]:
 def fp8_verdicts(rows: list[dict]) -> list[dict]:
     """Each fp8 row's correctness: the fused codes and scales equal norm-then-cast's."""
     return [_verdict(f"{r['op']} codes equal norm-then-cast", [] if r.get("codes_equal") else [r["op"]],
-                     r.get("error") or f"codes_equal={r.get('codes_equal')}") for r in rows]
+                     r.get("error") or f"codes_equal={r.get('codes_equal')}"
+                     + (f", {r['codes_differ']} codes (widest step {r['max_code_step']}) and {r['scales_differ']} "
+                        "scales differ" if "codes_differ" in r else "")) for r in rows]
 
 
 def environment() -> dict:

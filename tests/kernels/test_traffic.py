@@ -1,13 +1,10 @@
 """The byte counters, and the kernels' traffic held at the compulsory minimum."""
 import pytest
 import torch
-from helpers import KERNEL_PATH
+from helpers import interpreted_only
 
 from fuseblock.testing import cases, op_traffic
 from fuseblock.testing.traffic import EagerTraffic, KernelTraffic, charge, uncounted
-
-kernel_only = pytest.mark.skipif(not KERNEL_PATH or torch.cuda.is_available(),
-                                 reason="counts the interpreter's loads and stores")
 
 
 def _copy_twice():
@@ -26,7 +23,7 @@ def _copy_twice():
 
 
 @pytest.mark.kernel
-@kernel_only
+@interpreted_only
 @pytest.mark.parametrize("compact_at", [1 << 23, 100], ids=["whole", "compacted"])
 def test_kernel_counter_on_a_kernel_of_known_traffic(monkeypatch, compact_at):
     import fuseblock.testing.traffic as traffic
@@ -45,7 +42,7 @@ def test_kernel_counter_on_a_kernel_of_known_traffic(monkeypatch, compact_at):
 
 
 @pytest.mark.kernel
-@kernel_only
+@interpreted_only
 def test_kernel_counter_compacts_rarely_when_distinct_addresses_pass_the_threshold(monkeypatch):
     import triton
 
@@ -65,7 +62,7 @@ def test_kernel_counter_compacts_rarely_when_distinct_addresses_pass_the_thresho
 
 
 @pytest.mark.kernel
-@kernel_only
+@interpreted_only
 def test_kernel_counter_counts_every_access_and_stray_bytes():
     copy_twice = _copy_twice()
     buf, y = torch.randn(100), torch.empty(100, dtype=torch.float16)
@@ -78,7 +75,7 @@ def test_kernel_counter_counts_every_access_and_stray_bytes():
 
 
 @pytest.mark.kernel
-@kernel_only
+@interpreted_only
 @pytest.mark.parametrize("compact_at", [1 << 23, 10], ids=["whole", "compacted"])
 def test_kernel_counter_reads_after_own_writes_are_free(monkeypatch, compact_at):
     import triton
@@ -104,7 +101,7 @@ def test_kernel_counter_reads_after_own_writes_are_free(monkeypatch, compact_at)
 
 
 @pytest.mark.kernel
-@kernel_only
+@interpreted_only
 def test_kernel_counter_counts_atomics_and_restores_the_interpreter():
     import triton
     import triton.language as tl
@@ -126,7 +123,7 @@ def test_kernel_counter_counts_atomics_and_restores_the_interpreter():
 
 
 @pytest.mark.kernel
-@kernel_only
+@interpreted_only
 def test_kernel_counter_charges_glue_ops_but_not_the_interpreter_copies():
     copy_twice = _copy_twice()
     x, y = torch.randn(1000), torch.empty(1000, dtype=torch.float16)
@@ -201,7 +198,7 @@ def test_one_kernel_rms_norm_is_torchs_rms_norm_and_charged_once():
 
 
 @pytest.mark.kernel
-@kernel_only
+@interpreted_only
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 def test_wide_rows_read_each_row_twice_never_more(kind):
     op = "add_norm_layer" if kind == "layer" else "add_norm"
@@ -226,7 +223,7 @@ def test_wide_rows_read_each_row_twice_never_more(kind):
 
 
 @pytest.mark.kernel
-@kernel_only
+@interpreted_only
 def test_wide_sandwich_rows_move_the_minimum_in_two_launches():
     """norm_add_norm on rows past the tile (the loop kernels, the real block sizes): every
     activation byte once per pass, the re-reads inside a launch only; backward one loop
@@ -248,7 +245,7 @@ def test_wide_sandwich_rows_move_the_minimum_in_two_launches():
 
 
 @pytest.mark.kernel
-@kernel_only
+@interpreted_only
 @pytest.mark.parametrize("op", ["norm", "add_norm", "add_norm_layer", "add_norm_fp32_residual", "pre_gate", "post_gate",
                                 "post_gate_residual"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -276,7 +273,7 @@ def test_kernel_traffic_is_the_compulsory_minimum(op, dtype):
 
 
 @pytest.mark.kernel
-@kernel_only
+@interpreted_only
 @pytest.mark.parametrize("d", [256, 1024])
 def test_small_batches_stay_near_the_minimum(d):
     _, _, both = op_traffic.measure_traffic("add_norm", 256, d, torch.bfloat16)
@@ -286,7 +283,7 @@ def test_small_batches_stay_near_the_minimum(d):
 
 
 @pytest.mark.kernel
-@kernel_only
+@interpreted_only
 @pytest.mark.parametrize("op", ["add_norm_scaled", "add_norm_parallel", "add_norm_dropout"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_branch_variants_move_the_compulsory_bytes(op, dtype):
@@ -309,7 +306,7 @@ def test_branch_variants_move_the_compulsory_bytes(op, dtype):
 
 
 @pytest.mark.kernel
-@kernel_only
+@interpreted_only
 @pytest.mark.parametrize("comb", [True, False], ids=["comb", "no_comb"])
 def test_hyper_boundary_reads_and_writes_the_streams_once(comb):
     """hc_add_norm at n = 4: forward, one launch whose activations are the minimum (H, f,

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from helpers import KERNEL_PATH, assert_close
+from helpers import KERNEL_PATH, assert_close, interpreted_only
 from ref64 import add_norm64, leaf64
 
 import fuseblock
@@ -81,9 +81,10 @@ def _check(op, x, residual, bw, bb, w=None, b=None, *, residual_dtype=None, grad
     gouts = [torch.randn_like(t) for t in outs]
     grads = torch.autograd.grad(outs, leaves, gouts, allow_unused=True)
     ref_grads = torch.autograd.grad(ref_outs, list(l64.values()), [g.double() for g in gouts], allow_unused=True)
-    # a layer norm of d = 1: intermediates of 1/sqrt(eps) that cancel only in exact arithmetic
-    # (helpers.run_case allows the same 16x there)
-    cond = 16.0 if kw.get("kind") == "layer" and x.shape[-1] == 1 else 1.0
+    # d = 1: a layer norm's intermediates of 1/sqrt(eps) cancel only in exact arithmetic
+    # (helpers.run_case allows the same 16x there); an RMS norm's dx is rstd * g * w * (1 - xhat^2),
+    # its 1 - xhat^2 fp32 noise times rstd (a GPU's fused multiply-adds left 1.7x atol at rstd ~ 100)
+    cond = 16.0 if x.shape[-1] == 1 else 1.0
     for (name, leaf), g, rg in zip(named.items(), grads, ref_grads, strict=True):
         if rg is None:  # out's parameters, when only new_residual is graded: none either way, or zeros
             assert g is None or not g.any(), name
@@ -364,7 +365,7 @@ def test_no_custom_op_on_the_torch_path():
 
 @pytest.mark.kernel
 @pytest.mark.kernel_only("counts the interpreter's loads and stores")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="counts the interpreter's loads and stores")
+@interpreted_only
 @pytest.mark.parametrize("layout", ["tile", "wide"])
 @pytest.mark.parametrize("op", ["norm_add", "norm_add_norm"])
 def test_fused_op_moves_the_compulsory_bytes(op, layout, request):

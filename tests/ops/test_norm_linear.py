@@ -267,11 +267,11 @@ def test_autocast_lowers_the_linear_as_it_does_unfused():
     gradient in its parameter's dtype, close to the unfused ops under the same autocast."""
     leaves = _inputs(torch.float32, residual=True, norm_bias=True, bias=True)
     x, r, nw, nb, w, b = leaves
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
         y, new_res = norm_linear(x, r, nw, nb, w, b)
     # a region of its own: torch 2.5's autocast would reuse the weight's bf16 copy cast
     # without grad inside norm_linear's forward, and the unfused w and b get no gradient
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
         out, res2 = fuseblock.add_norm(x, r, nw, nb)
         y2 = F.linear(out, w, b)
     assert y.dtype == y2.dtype == torch.bfloat16
