@@ -101,8 +101,8 @@ def small_wide_rows(monkeypatch):
     import fuseblock.kernels.launch as L
     import fuseblock.kernels.norm as K
 
-    for name, value in dict(MAX_TILE_FWD=16, MAX_TILE_BWD=16, MAX_TILE_PAIR_FWD=16, MAX_TILE_PAIR_BWD=16, LOOP_BLOCK=8,
-                             H100_SMS=2).items():
+    for name, value in dict(MAX_TILE_FWD=16, MAX_TILE_FWD_HEAVY=16, MAX_TILE_BWD=16, MAX_TILE_PAIR_FWD=16,
+                            MAX_TILE_PAIR_BWD=16, LOOP_BLOCK=8, H100_SMS=2).items():
         monkeypatch.setattr(L, name, value)
     for name, value in dict(COLS_BLOCK=8, COLS_TILE=32, COLS_TILE_DROPOUT=16, MIN_ROWS_PER_PROGRAM=4,
                              COLS_PROGRAMS_PER_SM=8).items():

@@ -35,6 +35,14 @@ from .occupancy import programs_per_sm
 LAUNCHES: collections.Counter = collections.Counter()
 
 MAX_TILE_FWD = 32768  # widest row (elements) the forward tile kernel holds in registers
+# ... except for the variants that hold more per element: dropout (its mask), the pre-gate
+# (a second input inside the norm) and groups (per-group sums). At 32768 their tile spills
+# (sm_90 bf16: 1808 bytes a thread for dropout, 40 to 64 for the others), and timed on an H200
+# (bf16, 2048 rows of 32768, docs/performance.md) the loop kernel took 0.54x (dropout), 0.76x
+# (8 groups) and 0.96x (pre-gate) the tile's time. The other variants spill less and their
+# tile stays faster: the loop took 1.46x (plain RMS), 1.09x (layer), 1.06x (post-gate),
+# 1.29x (fp32 residual), 3.7x (fp8_row) and 5.5x (mxfp8) the tile's time.
+MAX_TILE_FWD_HEAVY = 16384
 # The backward keeps more blocks live. Compiled for sm_90 (bf16) with the forward's layout (32
 # elements a thread; 16K-element tiles and 16 warps from d = 4096) it spilled 24 bytes a thread
 # at d = 1024 and 2048 (dropout) and 136 to 1368 from 4096 on; with 16 a thread in 8K-element
@@ -174,9 +182,10 @@ def layout(d: int, groups: int, max_tile: int, wide_tile: int = 16384, per_threa
     return loop_layout(dg)
 
 
-def fwd_layout(d: int, groups: int = 1) -> Layout:
-    """The forward's layout (MAX_TILE_FWD, read at call time)."""
-    return layout(d, groups, MAX_TILE_FWD)
+def fwd_layout(d: int, groups: int = 1, heavy: bool = False) -> Layout:
+    """The forward's layout (MAX_TILE_FWD, read at call time); heavy: a variant whose tile
+    stops at MAX_TILE_FWD_HEAVY (dropout, pre-gate, groups: `fuseblock.kernels.norm`)."""
+    return layout(d, groups, min(MAX_TILE_FWD, MAX_TILE_FWD_HEAVY) if heavy else MAX_TILE_FWD)
 
 
 def bwd_layout(d: int, groups: int = 1) -> Layout:

@@ -596,10 +596,16 @@ def _branch(spec: NormSpec) -> tuple[float, float, float]:
     return spec.alpha, p, (1.0 / (1.0 - p) if p > 0 else 1.0)
 
 
+def _fwd_layout(d: int, spec: NormSpec):
+    """The forward's layout for spec: the variants whose widest tile spills most take the
+    loop kernel sooner (launch.MAX_TILE_FWD_HEAVY)."""
+    return fwd_layout(d, spec.groups, heavy=spec.dropout_p > 0 or spec.gate == Gate.PRE or spec.groups > 1)
+
+
 def _quantized_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1, seed, qscale):
     d = x.shape[-1]
     M = x.numel() // d if d else 0
-    lay = fwd_layout(d, spec.groups) if M > 0 else None
+    lay = _fwd_layout(d, spec) if M > 0 else None
     if lay is not None and (not lay.tile or (spec.mx_columnwise and 32 * lay.bg * lay.bd > MX_COLUMNWISE_TILE)):
         plain = replace(spec, quant=Quant.NONE, mx_columnwise=False, out_dtype=spec.quant_from or torch.float32)
         out, new_res, rstd, mean = norm_fwd(x, residual, gate, weight, bias, plain, residual_dtype, need_stats, x1,
@@ -644,7 +650,7 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
     rstd = torch.empty((M, G), dtype=torch.float32, device=x.device) if need_stats else None
     mean = torch.empty((M, G), dtype=torch.float32, device=x.device) if need_stats and spec.center else None
     if M > 0:
-        lay = fwd_layout(d, G)
+        lay = _fwd_layout(d, spec)
         if not lay.tile and spec.dropout_p > 0:
             # the loop kernel regenerates the masks in both passes: in 256 threads it took 128
             # registers and 24 bytes of stack a thread (fp32, sm_90), in 512 66 to 72 and none

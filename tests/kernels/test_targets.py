@@ -66,3 +66,22 @@ def test_most_used_kernels_compile_without_spills_and_fill_a_wave(bench, target)
             assert r["fills"], (where, r["grid"], r["waves"])
         if target == "gfx942":  # a workgroup holds at most 1024 threads: 16 wavefronts of 64
             assert r["num_warps"] <= 16, where
+
+
+@pytest.mark.parametrize("variant,heavy", [
+    (dict(), False), (dict(kind="layer"), False), (dict(gate_position="post"), False),
+    (dict(dropout_p=0.1), True), (dict(gate_position="pre"), True), (dict(num_groups=8), True),
+], ids=["rms", "layer", "post_gate", "dropout", "pre_gate", "groups"])
+def test_rows_of_32768_leave_the_tile_where_its_spills_cost_more_than_the_loop(variant, heavy):
+    """At d = MAX_TILE_FWD the variants whose tile spilled most and timed slower than the loop
+    kernel on an H200 (dropout, pre-gate, groups: launch.MAX_TILE_FWD_HEAVY) take the loop;
+    the others keep the tile. At half that width every variant takes the tile. Nothing runs:
+    the launches are captured (fuseblock.testing.targets)."""
+    from fuseblock.kernels.launch import MAX_TILE_FWD
+
+    for d, loop in ((MAX_TILE_FWD, heavy), (MAX_TILE_FWD // 2, False)):
+        x, r, w, b, gate = torch.randn(2, d), torch.randn(2, d), torch.randn(d), torch.randn(d), torch.randn(2, d)
+        kw = dict(variant)
+        gated = "gate_position" in kw
+        launches = T.norm_launches(x, r, w, b if kw.get("kind") == "layer" else None, gate if gated else None, **kw)
+        assert launches[0].name == ("_fwd_loop" if loop else "_fwd_tile"), (d, launches[0].name)

@@ -158,7 +158,8 @@ def test_invariance_check_catches_a_row_count_dependent_layout(monkeypatch):
     monkeypatch.setattr(L, "LOOP_BLOCK", 16)
     real = K.fwd_layout
     rows = {"n": 0}
-    monkeypatch.setattr(K, "fwd_layout", lambda d, groups=1: L.loop_layout(d) if rows["n"] == 1 else real(d, groups))
+    monkeypatch.setattr(K, "fwd_layout",
+                        lambda d, groups=1, **kw: L.loop_layout(d) if rows["n"] == 1 else real(d, groups, **kw))
     x, w = torch.randn(20, 96), torch.randn(96)
     rows["n"] = 20
     full = fuseblock.norm(x, w, kind="layer")
