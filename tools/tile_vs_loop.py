@@ -4,7 +4,7 @@ tile at d = 32768"). Each add_norm variant runs with MAX_TILE_FWD at d (the tile
 d / 2 (the loop), in one process on the same inputs, with both heavy-variant limits lifted
 so the width alone decides; median, min and max of --repeats runs of triton's do_bench.
 
-    python tools/tile_vs_loop.py [--d 32768] [--rows 2048] [--repeats 7] [--json out.json]
+    python tools/tile_vs_loop.py [--d 32768] [--rows 2048] [--dtype bf16|fp32] [--repeats 7] [--json out.json]
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--d", type=int, default=32768)
     ap.add_argument("--rows", type=int, default=2048)
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="the activations' and weights' dtype")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
@@ -51,13 +52,14 @@ def main(argv=None) -> list[dict]:
     import fuseblock.kernels.launch as L
 
     torch.manual_seed(0)
-    x, r, g = (torch.randn(args.rows, args.d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    w, b = (torch.randn(args.d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    x, r, g = (torch.randn(args.rows, args.d, device="cuda", dtype=dtype) for _ in range(3))
+    w, b = (torch.randn(args.d, device="cuda", dtype=dtype) for _ in range(2))
     saved = L.MAX_TILE_FWD, L.MAX_TILE_FWD_HEAVY
     rows = []
     try:
         for name, fn in cases(x, r, g, w, b).items():
-            row = dict(variant=name, d=args.d, rows=args.rows)
+            row = dict(variant=name, dtype=args.dtype, d=args.d, rows=args.rows)
             for label, tile in (("tile", args.d), ("loop", args.d // 2)):
                 L.MAX_TILE_FWD = L.MAX_TILE_FWD_HEAVY = tile
                 with torch.no_grad():
