@@ -119,11 +119,18 @@ def _sat(v: Tensor, spec: NormSpec) -> Tensor:
     return torch.clamp(v, -m, m).to(fp8_dtype(spec))
 
 
+def div_rn(a, b: Tensor) -> Tensor:
+    """a / b rounded once to fp32, as the kernels' tl.div_rn: computed in fp64, whose
+    quotient of fp32 operands rounds to the correctly rounded fp32 one, so the torch path
+    does not depend on how a device's own fp32 division rounds."""
+    return (a / b.double() if isinstance(a, (int, float)) else a.double() / b.double()).float()
+
+
 def mx_exponents(amax: Tensor, spec: NormSpec) -> Tensor:
     """The biased e8m0 exponent (int32) of blocks with fp32 amax."""
     nan = torch.isnan(amax)
     if spec.mx_rceil:
-        descale = amax / fp8_max(spec)
+        descale = div_rn(amax, amax.new_tensor(fp8_max(spec)))
         mant, exp = torch.frexp(descale)  # descale = mant * 2**exp, mant in [0.5, 1)
         k = torch.where(mant == 0.5, exp - 1, exp)  # the exact ceiling of log2(descale)
         k = torch.where(descale == 0, -E8M0_BIAS, k).clamp(-E8M0_BIAS, E8M0_BIAS)
@@ -151,13 +158,13 @@ def quantize(o: Tensor, spec: NormSpec, scale: Tensor | None = None) -> Quantize
     scale: fp8_tensor's static scale (a one-element fp32 tensor)."""
     o = o.float()
     if spec.quant == Quant.TENSOR:
-        return Quantized(_sat(o * torch.reciprocal(scale.float()), spec), scale)
+        return Quantized(_sat(o * div_rn(1.0, scale), spec), scale)
     if spec.quant == Quant.ROW:
         amax = o.abs().amax(-1, keepdim=True) if o.shape[-1] else o.new_zeros(*o.shape[:-1], 1)
         if spec.scale_ub > 0:
             amax = torch.clamp(amax, max=spec.scale_ub)
         s = (fp8_max(spec) / torch.clamp(amax.double(), min=AMAX_EPS)).float()
-        return Quantized(_sat(o * s, spec), torch.reciprocal(s))
+        return Quantized(_sat(o * s, spec), div_rn(1.0, s))
     data, scale = _mx(o, spec)
     if not spec.mx_columnwise:
         return Quantized(data, scale)
