@@ -7,6 +7,7 @@ from contextlib import nullcontext
 
 import torch
 import transformers
+from helpers import generator
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fuseblock.modules
@@ -42,7 +43,7 @@ def pair(arch, **kw):
 
 def batch(seed=1, b=2, t=T):
     """Token ids, an attention mask with left padding on the first row, labels ignoring the pads."""
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     ids = torch.randint(3, VOCAB, (b, t), generator=g)
     mask = torch.ones(b, t, dtype=torch.long)
     mask[0, :3] = 0

@@ -14,6 +14,9 @@ import pytest
 import torch
 
 kernels = pytest.importorskip("kernels")
+if not hasattr(kernels, "LocalLayerRepository"):  # another package's `kernels` (a namespace package on one GPU image)
+    pytest.skip("the installed `kernels` is not Hugging Face's (no LocalLayerRepository): pip install 'fuseblock[hub]'",
+                allow_module_level=True)
 from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402

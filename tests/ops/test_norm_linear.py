@@ -12,7 +12,7 @@ import gc
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import KERNEL_PATH, assert_close
+from helpers import KERNEL_PATH, assert_close, generator
 from ref64 import add_norm64, leaf64
 from trainutil import ROOT
 
@@ -37,7 +37,7 @@ def _loss(y, new_res, gy, gr):
 
 
 def _grads(y, new_res, leaves, seed=1):
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     gy = torch.randn(y.shape, generator=g, dtype=torch.float64)
     gr = torch.randn(new_res.shape, generator=g, dtype=torch.float64)
     present = [t for t in leaves if t is not None]
