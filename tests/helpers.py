@@ -1,5 +1,6 @@
-"""What the test modules share: which path this run tests, the fp64 comparison, the core
-op's full check (`run_case`), a count of Triton launches and one of every launch.
+"""What the test modules share: which path this run tests, a seeded generator on its
+device, the fp64 comparison, the core op's full check (`run_case`), a count of Triton
+launches and one of every launch.
 
 Test modules import these from here, never from one another or from conftest; conftest
 holds the fixtures and hooks (the `launches` fixture, the `kernel_only` / `torch_only`
@@ -25,6 +26,13 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and DEVICE == "cpu"
 interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="counts the interpreter's loads and stores")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def generator(seed: int) -> torch.Generator:
+    """A generator seeded with `seed` on DEVICE, where the test tensors are drawn: a CPU
+    generator cannot draw CUDA tensors. On CPU it draws what torch.Generator().manual_seed(seed)
+    draws, so the values (and the expectations built on them) are the same."""
+    return torch.Generator(device=DEVICE).manual_seed(seed)
 
 
 def assert_close(actual, expected, dtype, what, *, cond=1.0, per_row=False):

@@ -7,6 +7,7 @@ from contextlib import nullcontext
 
 import torch
 import transformers
+from helpers import DEVICE, generator
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fuseblock.modules
@@ -42,7 +43,7 @@ def pair(arch, **kw):
 
 def batch(seed=1, b=2, t=T):
     """Token ids, an attention mask with left padding on the first row, labels ignoring the pads."""
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     ids = torch.randint(3, VOCAB, (b, t), generator=g)
     mask = torch.ones(b, t, dtype=torch.long)
     mask[0, :3] = 0
@@ -80,7 +81,7 @@ def differences(arch, dtype=torch.float32, *, residual_dtype=None, autocast=Fals
     fused = fuse(copy.deepcopy(unfused), residual_dtype=residual_dtype)
     result = {"scale": {"logits": ref_logits.abs().max().item(), "loss": abs(ref_loss.item()), "grads": 1.0}}
     for name, model in (("unfused", unfused), ("fused", fused)):
-        ctx = torch.autocast("cpu", dtype=dtype) if autocast else nullcontext()
+        ctx = torch.autocast(ids.device.type, dtype=dtype) if autocast else nullcontext()
         with ctx:
             logits, loss, grads, _ = run(model, ids, mask, labels)
         result[name] = {"logits": max_diff(logits, ref_logits), "loss": abs(loss.item() - ref_loss.item()),
@@ -137,12 +138,12 @@ def stream_ops(unfused, fused, ids, monkeypatch):
 
 def meta_pair(cls, config):
     """(unfused, fused) models of cls built on the meta device (fused there, as
-    from_pretrained would), moved with to_empty, every parameter NaN first (what to_empty's
+    from_pretrained would), moved with to_empty to DEVICE, every parameter NaN first (what to_empty's
     memory may hold), then init_weights from one seed."""
     with torch.device("meta"):
         unfused, fused = cls(config), fuse(cls(config))
     for model in (unfused, fused):
-        model.to_empty(device="cpu")
+        model.to_empty(device=DEVICE)
         with torch.no_grad():
             for p in model.parameters():
                 p.fill_(float("nan"))

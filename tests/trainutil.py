@@ -14,8 +14,10 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import timeouts
 import torch
+from helpers import DEVICE
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,8 +70,11 @@ def call(script, *args, check=True):
     """Run scripts/<script>'s cli() in-process; returns .returncode, .stdout, .stderr."""
     out, err, code = io.StringIO(), io.StringIO(), 0
     threads, rng = torch.get_num_threads(), torch.get_rng_state()
+    # a user's process makes tensors on the CPU unless told otherwise, whatever default device
+    # conftest set for the tests (FUSEBLOCK_TEST_DEVICE=cuda)
+    home = torch.device("cpu") if DEVICE != "cpu" else contextlib.nullcontext()
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with home, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             _module(script).cli([str(a) for a in args])
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
@@ -152,7 +157,11 @@ def compare_checkpoints(a, b) -> float:
 def torchrun(n: int, *args, kernel_path: bool = False, seconds: float = 300) -> subprocess.CompletedProcess:
     """`torch.distributed.run` on n CPU ranks (gloo, one thread each) with args, asserting it
     succeeds, under timeouts.limit(seconds); on the kernel path (TRITON_INTERPRET=1) where
-    kernel_path, else the torch path."""
+    kernel_path, else the torch path. Skipped under FUSEBLOCK_TEST_DEVICE=cuda: the ranks would
+    still be CPU processes, testing the interpreter, not the GPU."""
+    if DEVICE == "cuda":
+        pytest.skip("multi-process tests run their ranks as CPU processes under the interpreter (make test); "
+                    "a GPU machine would need one GPU per rank")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if kernel_path:
         env["TRITON_INTERPRET"] = "1"

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import DEVICE, generator
 from torch import nn
 
 from models.gpt import GPT, GPTConfig
@@ -146,8 +147,8 @@ def test_generate_appends_tokens_and_respects_top_k():
     assert torch.equal(out, greedy)  # top_k=1 sampling is greedy decoding
     long = model.generate(idx, 20, temperature=0.0)  # past block_size (8): the context slides
     assert long.shape == (2, 23) and torch.equal(long[:, :15], greedy)
-    a = model.generate(idx, 10, generator=torch.Generator().manual_seed(3))
-    b = model.generate(idx, 10, generator=torch.Generator().manual_seed(3))
+    a = model.generate(idx, 10, generator=generator(3))
+    b = model.generate(idx, 10, generator=generator(3))
     assert torch.equal(a, b)
 
 
@@ -180,7 +181,9 @@ def test_fifty_training_steps_fused_and_naive_agree():
         gen = torch.Generator().manual_seed(0)
         losses = []
         for _ in range(50):
-            x, y = data.batch(train, torch.randint(len(train) - 17, (8,), generator=gen), 16)
+            # the starts on the CPU, where data.batch indexes the token array; the batch on DEVICE
+            starts = torch.randint(len(train) - 17, (8,), generator=gen, device="cpu")
+            x, y = (t.to(DEVICE) for t in data.batch(train, starts, 16))
             loss = model(x, y)[1]
             opt.zero_grad()
             loss.backward()

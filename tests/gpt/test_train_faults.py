@@ -388,7 +388,7 @@ TAMPER = {
     "eps-negative": (lambda c: _remeta(c, lambda m: m["optimizer"]["param_groups"][0].update(eps=-1)), "bad eps -1"),
     # issue 22 item 6: these four got through (tracebacks, or a curve the next checkpoint failed on)
     "rng-random-bytes": (lambda c: _retensor(c, "optimizer.safetensors", "rng.batches", lambda t: torch.randint(
-        0, 256, t.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0))),
+        0, 256, t.shape, dtype=torch.uint8, device="cpu", generator=torch.Generator().manual_seed(0))),
         "rng.batches is not a random generator state"),
     "curve-empty": (lambda c: _remeta(c, lambda m: m.update(curve=[])), "malformed curve"),
     "batch-huge": (lambda c: _remeta(c, lambda m: m["config"]["train"].update(batch_size=10**12)),

@@ -19,7 +19,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import KERNEL_PATH  # noqa: E402
+from helpers import KERNEL_PATH, generator  # noqa: E402
 from hf_models import batch, make, max_diff, pair, run  # noqa: E402
 
 from fuseblock import Norm  # noqa: E402
@@ -80,7 +80,7 @@ def test_phi3_each_fused_branch_add_drops_a_fraction_p_with_independent_masks():
     of r + 1/(1-p) - r, |r| < 10), and two adds drop the same element with probability p^2
     (sigma = 0.0011): a mask drawn once and reused would give p. Eval mode drops nothing."""
     unfused, fused = pair("phi3")
-    ids = torch.randint(3, 128, (4, 32), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(3, 128, (4, 32), generator=generator(2))
     n = ids.numel() * 64
     for model in (unfused, fused):
         model.train()
@@ -248,7 +248,7 @@ def test_gpt2_token_types_are_added_as_the_unfused_model_adds_them():
     types of GPT2DoubleHeadsModel as well."""
     unfused, fused = pair("gpt2")
     ids, mask, labels = batch()
-    types = torch.randint(0, 3, ids.shape, generator=torch.Generator().manual_seed(3))
+    types = torch.randint(0, 3, ids.shape, generator=generator(3))
     with torch.no_grad():  # the premise: the unfused model reads them
         assert not torch.equal(unfused(input_ids=ids, token_type_ids=types).logits, unfused(input_ids=ids).logits)
     out = []

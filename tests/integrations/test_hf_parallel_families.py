@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
+from helpers import generator  # noqa: E402
 from hf_models import HIDDEN, batch, make, max_diff, pair, run  # noqa: E402
 
 import fuseblock.modules  # noqa: E402
@@ -123,7 +124,7 @@ def test_the_residual_first_order_is_bitwise_and_the_other_is_not():
     """Cohere sums (r + attn) + mlp; add_norm sums (x + x1) + residual. With r in the x slot
     (PARALLEL_RESIDUAL_FIRST) the layer outputs are bitwise the unfused sums; summed as
     (mlp + attn) + r they are not (the check that the order matters at all)."""
-    g = torch.Generator().manual_seed(0)
+    g = generator(0)
     r, a, m = (torch.randn(4096, generator=g) * s for s in (30.0, 1.0, 1e-2))
     assert torch.equal((r + a) + m, r + a + m) and not torch.equal((m + a) + r, r + a + m)
     norm = fuseblock.Norm(4096, kind="layer")

@@ -15,6 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from helpers import generator  # noqa: E402
 from hf_models import HIDDEN, SIZES, batch, make, max_diff, meta_pair, pair, stream_ops  # noqa: E402
 
 from fuseblock import Norm  # noqa: E402
@@ -169,7 +170,7 @@ def wrapper(kind, seed=0, **text_overrides):
 def image_batch(kind, b=2, t=12):
     """Text with one image (IMAGE_TOKENS placeholders after 3 tokens), left padding of 2 on
     the first row, and what the wrapper needs besides (labels ignoring the pads)."""
-    g = torch.Generator().manual_seed(1)
+    g = generator(1)
     ids = torch.randint(6, SIZES["vocab_size"], (b, t), generator=g)
     ids[:, 3:3 + IMAGE_TOKENS] = IMAGE_TOKEN
     mask = torch.ones_like(ids)

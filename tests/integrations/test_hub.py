@@ -12,8 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import DEVICE
 
 kernels = pytest.importorskip("kernels")
+if not hasattr(kernels, "LocalLayerRepository"):  # another package's `kernels` (a namespace package on one GPU image)
+    pytest.skip("the installed `kernels` is not Hugging Face's (no LocalLayerRepository): pip install 'fuseblock[hub]'",
+                allow_module_level=True)
 from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
@@ -43,7 +47,7 @@ def _mark(monkeypatch, cls, name):
 
 def _mapping(repo, name):
     local = LocalLayerRepository(repo_path=Path(repo), layer_name=name)
-    return {name: {"cpu": {Mode.TRAINING: local, Mode.INFERENCE: local}}}
+    return {name: {DEVICE: {Mode.TRAINING: local, Mode.INFERENCE: local}}}
 
 
 def test_repository_layers_pass_kernels_validation(repo):
@@ -91,7 +95,7 @@ def test_kernelize_swaps_every_norm_and_changes_nothing(monkeypatch, repo, famil
     if mode == "inference":
         model.eval(), untouched.eval()
     with use_kernel_mapping(_mapping(repo, "RMSNorm"), inherit_mapping=False):
-        kernelize(model, mode=Mode.TRAINING if mode == "training" else Mode.INFERENCE, device="cpu")
+        kernelize(model, mode=Mode.TRAINING if mode == "training" else Mode.INFERENCE, device=DEVICE)
     norms = [m for m in model.modules() if isinstance(m, norm_cls)]
     assert norms and all(m.forward.__func__ is layers.RMSNorm.forward for m in norms)  # q/k norms too (qwen3)
     ids = torch.randint(0, 96, (2, 9))
@@ -111,7 +115,7 @@ def test_kernelize_gated_norm(monkeypatch, repo):
         model[0].weight.normal_(1.0, 0.2)
     untouched = copy.deepcopy(model)
     with use_kernel_mapping(_mapping(repo, "RMSNormGated"), inherit_mapping=False):
-        kernelize(model, mode=Mode.TRAINING, device="cpu")
+        kernelize(model, mode=Mode.TRAINING, device=DEVICE)
     assert model[0].forward.__func__ is layers.RMSNormGated.forward
     x, gate = torch.randn(5, 24, requires_grad=True), torch.randn(5, 24, requires_grad=True)
     got, want = model[0](x, gate), untouched[0](x, gate)

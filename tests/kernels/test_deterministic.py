@@ -8,6 +8,7 @@ simulated (launch.H100_SMS, what the interpreter assumes) and the bits compared.
 """
 import pytest
 import torch
+from helpers import generator
 
 import fuseblock
 
@@ -25,7 +26,7 @@ def deterministic():
 
 
 def _grads(op, rows, d, dtype):
-    g = torch.Generator().manual_seed(7)
+    g = generator(7)
     x, r, dout = (torch.randn(rows, d, generator=g).to(dtype) for _ in range(3))
     w, b, w2, b2 = (torch.randn(d, generator=g).to(dtype).requires_grad_(True) for _ in range(4))
     x.requires_grad_(True)

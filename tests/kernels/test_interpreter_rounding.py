@@ -10,7 +10,7 @@ clamped to the largest finite one.
 import numpy as np
 import pytest
 import torch
-from helpers import DEVICE
+from helpers import DEVICE, generator
 
 pytestmark = pytest.mark.kernel
 
@@ -33,7 +33,7 @@ def chosen_values() -> torch.Tensor:
         picked += [2.0 - ulp / 2, 2.0 - ulp / 2 - tiny, 2.0 - ulp / 4]  # the tie that carries into the exponent
     picked = torch.tensor(picked, dtype=torch.float64).float()
     picked = torch.cat([picked, -picked, picked * 2.0 ** 20, picked * 2.0 ** -20])
-    g = torch.Generator().manual_seed(0)
+    g = generator(0)
     random = torch.randint(-2 ** 31, 2 ** 31 - 1, (3000,), generator=g, dtype=torch.int64).to(torch.int32)
     values = torch.cat([picked, random.view(torch.float32), torch.tensor([float("nan"), -float("nan")])])
     return values.to(DEVICE)

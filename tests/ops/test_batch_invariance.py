@@ -15,6 +15,7 @@ import functools
 
 import pytest
 import torch
+from helpers import generator
 
 import fuseblock
 from fuseblock.compat.flash_attn import layer_norm_fn, rms_norm_fn
@@ -32,7 +33,7 @@ D = {"narrow": 48, "wide": 40}  # wide: 5 column chunks of 8 under small_wide_ro
 
 @functools.cache
 def _inputs(dtype, d):
-    g = torch.Generator().manual_seed(1234)
+    g = generator(1234)
 
     def t(*shape, scale=1.0, shift=0.0):
         return (torch.randn(*shape, generator=g) * scale + shift).to(dtype)

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from helpers import generator
 
 import fuseblock
 from fuseblock import Quantized
@@ -30,7 +31,7 @@ def u8(t):
 def case(rows=6, d=96, dtype=torch.float32, seed=0):
     """x with a zero row, and a weight spanning 2**-30..2**20 with a zero block of 32
     columns: amax-0 rows and blocks, subnormal codes, scales far from 1, saturation."""
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     x = torch.randn(rows, d, generator=g)
     x[1] = 0.0
     w = torch.randn(d, generator=g) * torch.exp2(torch.randint(-30, 21, (d,), generator=g).float())

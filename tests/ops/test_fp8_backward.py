@@ -6,6 +6,7 @@ three quant modes. `Quantized.dequantize()` is the differentiable way in."""
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import generator
 
 import fuseblock
 
@@ -38,7 +39,7 @@ def _quant_kw(mode):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_norm_backward_equals_the_unquantized_ops(mode, dtype):
-    g = torch.Generator().manual_seed(0)
+    g = generator(0)
     t = _leaves(dtype, g, "x", "residual", "weight", "bias", "gate", "x1")
     dout, dres = torch.randn(4, D, generator=g), torch.randn(4, D, generator=g).to(dtype)
     kw = dict(kind="layer", gate=t["gate"], alpha=0.5, x1=t["x1"])
@@ -57,7 +58,7 @@ def test_add_norm_backward_equals_the_unquantized_ops(mode, dtype):
 @pytest.mark.kernel
 @pytest.mark.parametrize("mode", MODES)
 def test_norm_add_norm_backward_equals_the_unquantized_ops(mode):
-    g = torch.Generator().manual_seed(1)
+    g = generator(1)
     t = _leaves(torch.float32, g, "x", "residual", "branch_weight", "weight")
     dout, dres = torch.randn(4, D, generator=g), torch.randn(4, D, generator=g)
 
@@ -72,7 +73,7 @@ def test_norm_add_norm_backward_equals_the_unquantized_ops(mode):
 
 @pytest.mark.kernel
 def test_norm_without_residual_trains_and_its_codes_are_the_no_grad_calls():
-    g = torch.Generator().manual_seed(2)
+    g = generator(2)
     t = _leaves(torch.bfloat16, g, "x", "weight")
     q = fuseblock.norm(t["x"], t["weight"], quant="fp8_row", quant_from=torch.bfloat16)
     with torch.no_grad():
@@ -94,7 +95,7 @@ def test_dequantize_is_differentiable_and_exact(mode):
     """F.linear(q.dequantize(), W): the gradient at the dequantized rows passes to the norm
     unchanged, so x's and the norm weight's gradients are the unquantized norm's given
     dout = dy W; the values are data * scale (per block for mxfp8), exactly."""
-    g = torch.Generator().manual_seed(3)
+    g = generator(3)
     t = _leaves(torch.float32, g, "x", "residual", "weight")
     W, dy = torch.randn(16, D, generator=g), torch.randn(4, 16, generator=g)
     q, new_res = fuseblock.add_norm(t["x"], t["residual"], t["weight"], quant=mode)
@@ -114,7 +115,7 @@ def test_dequantize_is_differentiable_and_exact(mode):
 
 @pytest.mark.kernel
 def test_double_backward_through_the_anchor_equals_the_unquantized_ops():
-    g = torch.Generator().manual_seed(4)
+    g = generator(4)
     t = _leaves(torch.float32, g, "x", "weight")
     dout = torch.randn(4, D, generator=g)
 

@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import generator
 
 import fuseblock
 
@@ -46,7 +47,7 @@ def _grads(fn, leaves, dy):
 @pytest.mark.kernel
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 def test_fp8_backward_equals_the_unquantized_one(kind):
-    g = torch.Generator().manual_seed(0)
+    g = generator(0)
     x, res = (torch.randn(6, 64, generator=g).requires_grad_() for _ in range(2))
     nw = (1 + 0.1 * torch.randn(64, generator=g)).requires_grad_()
     nb = (0.1 * torch.randn(64, generator=g)).requires_grad_() if kind == "layer" else None
@@ -104,7 +105,7 @@ def test_mxfp8_norm_linear_equals_unfused_norm_to_mx_and_the_fallback(rounding):
     cast to x's dtype and the bias added (`fuseblock.fp8.mx_linear`'s fallback, which the
     CPU takes). The gradients are norm_linear's without quant, bit for bit, and close to
     the unfused norm + F.linear's."""
-    g = torch.Generator().manual_seed(0)
+    g = generator(0)
     x, res = (torch.randn(6, 64, generator=g).requires_grad_() for _ in range(2))
     nw = (1 + 0.2 * torch.randn(64, generator=g)).requires_grad_()
     w, b = (0.1 * torch.randn(48, 64, generator=g)).requires_grad_(), torch.randn(48, generator=g).requires_grad_()
@@ -142,7 +143,7 @@ def test_norm_linear_out_dtype_is_the_linears_input_dtype():
     """fp32 x (a wide residual stream), bf16 Linear: the norm writes its rows in bf16 from
     fp32 and the Linear runs in bf16; values and gradients as the unfused
     add_norm(out_dtype=bf16) + F.linear's."""
-    g = torch.Generator().manual_seed(1)
+    g = generator(1)
     x, res = (torch.randn(6, 64, generator=g).requires_grad_() for _ in range(2))
     nw = (1 + 0.2 * torch.randn(64, generator=g)).requires_grad_()
     w = (0.1 * torch.randn(48, 64, generator=g)).bfloat16().requires_grad_()

@@ -6,6 +6,7 @@ tests/ref64.py, not bf16's), the gradient at out read in fp32, the input gradien
 against ref64; fp32 x with a bf16 out_dtype is the fp32 result rounded once."""
 import pytest
 import torch
+from helpers import generator
 from ref64 import add_norm64, tolerances
 
 import fuseblock
@@ -34,7 +35,7 @@ def _leaves(dtype, g):
 @pytest.mark.kernel
 @pytest.mark.parametrize("form", list(FORMS))
 def test_fp32_out_of_bf16_x_is_stored_once(form):
-    g = torch.Generator().manual_seed(0)
+    g = generator(0)
     t = _leaves(torch.bfloat16, g)
     out, _ = FORMS[form](t, out_dtype=torch.float32)
     assert out.dtype == torch.float32
@@ -53,7 +54,7 @@ def test_fp32_out_of_bf16_x_is_stored_once(form):
 @pytest.mark.kernel
 @pytest.mark.parametrize("form", list(FORMS))
 def test_bf16_out_of_fp32_x_rounds_once(form):
-    g = torch.Generator().manual_seed(1)
+    g = generator(1)
     t = _leaves(torch.float32, g)
     with torch.no_grad():
         out, _ = FORMS[form](t, out_dtype=torch.bfloat16)

@@ -3,6 +3,7 @@ from fp32 (an fp32 out of bf16 x is not rounded to bf16 first), its gradient rea
 values and gradients against tests/ref64.py."""
 import pytest
 import torch
+from helpers import generator
 from ref64 import add_norm64, tolerances
 
 import fuseblock
@@ -11,7 +12,7 @@ import fuseblock
 @pytest.mark.kernel
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 def test_norm_add_norm_out_dtype_fp32_of_bf16_x(kind):
-    g = torch.Generator().manual_seed(0)
+    g = generator(0)
     x = torch.randn(5, 48, generator=g).bfloat16().requires_grad_()
     res = torch.randn(5, 48, generator=g).requires_grad_()  # an fp32 stream: new_residual in fp32
     bw, w = ((1 + 0.2 * torch.randn(48, generator=g)).requires_grad_() for _ in range(2))

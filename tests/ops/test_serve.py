@@ -1,7 +1,7 @@
 """fuseblock.serve: vLLM's in-place entry points, bitwise the training op's forward."""
 import pytest
 import torch
-from helpers import KERNEL_PATH
+from helpers import KERNEL_PATH, generator
 
 import fuseblock
 from fuseblock import serve
@@ -12,7 +12,7 @@ EPS = 1e-6
 
 
 def _data(rows, d, dtype, rdtype=None, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     x = torch.randn(rows, d, generator=g).to(dtype) * 2 + 0.5
     r = torch.randn(rows, d, generator=g).to(rdtype or dtype)
     w = (torch.randn(d, generator=g) * 0.1 + 1).to(dtype)

@@ -396,14 +396,15 @@ def _glm5_next_inputs(base, input_ids, inputs_embeds, attention_mask, position_i
     given) for both layer types, no rotary embedding (NoPE)."""
     from transformers.masking_utils import create_recurrent_attention_mask  # (5.23's; older ones lack it)
 
+    kinds = base.config.layer_types[:base.config.num_hidden_layers]
     masks = attention_mask
     if not isinstance(masks, dict):
         mask = create_recurrent_attention_mask(config=base.config, inputs_embeds=inputs_embeds,
                                                attention_mask=attention_mask, past_key_values=past_key_values)
         if mask is None:
             mask = torch.ones(inputs_embeds.shape[:2], dtype=torch.bool, device=inputs_embeds.device)
-        masks = {"indexed_attention": mask.bool(), "linear_attention": mask.bool()}
-    kinds = base.config.layer_types[:base.config.num_hidden_layers]
+        # keyed by the config's names: 5.17 calls the sparse layers deepseek_sparse_attention, 5.23 indexed_attention
+        masks = dict.fromkeys(kinds, mask.bool())
     return [dict(attention_mask=masks[k], position_ids=position_ids, position_embeddings=None, input_ids=input_ids,
                  past_key_values=past_key_values) for k in kinds]
 
