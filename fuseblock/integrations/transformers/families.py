@@ -394,7 +394,7 @@ def _hy_v4_inputs(base, input_ids, inputs_embeds, attention_mask, position_ids, 
 def _glm5_next_inputs(base, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, use_cache):
     """Glm5NextTextModel.forward's: the 2-d padding mask (boolean, all ones where none is
     given) for both layer types, no rotary embedding (NoPE)."""
-    from transformers.masking_utils import create_recurrent_attention_mask  # (5.23's; older ones lack it)
+    from transformers.masking_utils import create_recurrent_attention_mask
 
     kinds = base.config.layer_types[:base.config.num_hidden_layers]
     masks = attention_mask
