@@ -23,7 +23,7 @@ from . import dtensor
 from . import quant as quant_ops
 from .checks import QUANT_DEFAULTS, QuantArgs, _check_vector, check_number, check_tensor, default_eps, resolve
 from .dispatch import func_transforms_active, kernels, uses_triton
-from .registry import FusedOp
+from .registry import FusedOp, placeholders
 
 
 def _empty(x: Tensor) -> Tensor:
@@ -42,10 +42,15 @@ def _fwd(
     weight: Optional[Tensor], bias: Optional[Tensor], spec: List[float], residual_dtype: torch.dtype,  # noqa: UP006
     second: bool, need_stats: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return placeholders(x, _launch_fwd(x, residual, branch_weight, branch_bias, weight, bias, spec, residual_dtype,
+                                       second, need_stats))
+
+
+def _launch_fwd(x, residual, branch_weight, branch_bias, weight, bias, spec, residual_dtype, second, need_stats):
+    """`_fwd` with None for each absent output: what the eager Function runs."""
     bspec, nspec, alpha = _unpack(spec)
-    out = kernels("norm_add", x).norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, bspec, nspec,
-                                              alpha, residual_dtype, second, need_stats)
-    return tuple(t if t is not None else _empty(x) for t in out)
+    return kernels("norm_add", x).norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, bspec, nspec,
+                                               alpha, residual_dtype, second, need_stats)
 
 
 def _fwd_fake(x, residual, branch_weight, branch_bias, weight, bias, spec, residual_dtype, second, need_stats):
@@ -67,11 +72,17 @@ def _bwd(
     mean_b: Optional[Tensor], rstd: Optional[Tensor], mean: Optional[Tensor], spec: List[float],  # noqa: UP006
     residual_grad_dtype: torch.dtype, second: bool, store_dr: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return placeholders(x, _launch_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b, mean_b,
+                                       rstd, mean, spec, residual_grad_dtype, second, store_dr))
+
+
+def _launch_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b, mean_b, rstd, mean, spec,
+                residual_grad_dtype, second, store_dr):
+    """`_bwd` with None for each absent gradient: what the eager Function runs."""
     bspec, nspec, alpha = _unpack(spec)
-    grads = kernels("norm_add", x).norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b,
-                                                mean_b, rstd, mean, bspec, nspec, alpha, residual_grad_dtype, second,
-                                                store_dr)
-    return tuple(t if t is not None else _empty(x) for t in grads)
+    return kernels("norm_add", x).norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b,
+                                               mean_b, rstd, mean, bspec, nspec, alpha, residual_grad_dtype, second,
+                                               store_dr)
 
 
 def _bwd_fake(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b, mean_b, rstd, mean, spec,
@@ -96,14 +107,14 @@ def _setup(ctx, inputs, output):
     center = ctx.spec.center
     ctx.save_for_backward(x, new_res if second else None, branch_weight, branch_bias, weight, bias, rstd_b,
                           mean_b if center else None, rstd if second else None, mean if second and center else None)
-    return () if second else (1,)  # without the second norm, out is an empty placeholder
+    return () if second else (1,)  # without the second norm, out is an empty placeholder (or None, eager)
 
 
 def _grads(ctx, grad_outputs, bwd):
     """(dx, dresidual, dbranch_weight, dbranch_bias, dweight, dbias) from the saved context."""
     dres, dout = grad_outputs[:2]
     x, p, bw, bb, w, b, rstd_b, mean_b, rstd, mean = ctx.saved_tensors
-    if rstd_b.numel() == 0 and x.numel() > 0:
+    if (rstd_b is None or rstd_b.numel() == 0) and x.numel() > 0:  # None: the eager forward's absent statistics
         raise RuntimeError("fuseblock: backward through a norm_add whose forward ran without grad enabled")
     # norm_add's r' = r + alpha * N(x) passes the gradient at r' through to r: in r's dtype it
     # is dresidual itself, returned as it came, where a kernel would write a copy of it
@@ -149,7 +160,7 @@ def _graph_grads(ctx, grad_outputs):
 
 
 norm_add_op = FusedOp("norm_add_norm", _fwd, _fwd_fake, _bwd, _bwd_fake, _setup, _grads, stats=(2, 3, 4, 5),
-                      graph_grads=_graph_grads)
+                      graph_grads=_graph_grads, launch_fwd=_launch_fwd, launch_bwd=_launch_bwd)
 
 
 def _check_alpha(alpha) -> float:
