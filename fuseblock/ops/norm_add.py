@@ -21,7 +21,16 @@ from .. import reference
 from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, Quant, acc_dtype, stored_dtype
 from . import dtensor
 from . import quant as quant_ops
-from .checks import QUANT_DEFAULTS, QuantArgs, _check_vector, check_number, check_tensor, default_eps, resolve
+from .checks import (
+    QUANT_DEFAULTS,
+    QuantArgs,
+    _check_vector,
+    check_number,
+    check_tensor,
+    default_eps,
+    quant_args,
+    resolve,
+)
 from .dispatch import func_transforms_active, kernels, uses_triton
 from .registry import FusedOp, placeholders
 
@@ -184,8 +193,11 @@ def _apply(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, a
     if not uses_triton(x) or func_transforms_active():
         return reference.norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha,
                                       rdtype, second)
-    need_stats = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, residual, branch_weight, branch_bias, weight, bias))
+    # written out, not a generator over the six: this runs on every kernel-path call
+    need_stats = torch.is_grad_enabled() and (
+        x.requires_grad or residual.requires_grad or (branch_weight is not None and branch_weight.requires_grad)
+        or (branch_bias is not None and branch_bias.requires_grad) or (weight is not None and weight.requires_grad)
+        or (bias is not None and bias.requires_grad))
     new_res, out, *_ = norm_add_op(x, residual, branch_weight, branch_bias, weight, bias,
                                    [*bspec.pack(), *spec.pack(), alpha], rdtype, second, need_stats)
     return new_res, (out if second else None)
@@ -263,7 +275,7 @@ def norm_add_norm(
     alpha = _check_alpha(alpha)
     # checks x, kind, weight, bias and the output's options
     spec = _spec(x, residual, weight, bias, kind, eps, weight_offset, residual_dtype, out_dtype,
-                 QuantArgs(quant, scale, fp8_dtype, mx_rounding, scale_ub, quant_from))
+                 quant_args(quant, scale, fp8_dtype, mx_rounding, scale_ub, quant_from, False))
     if kind != "l2":
         for name, t in (("branch_weight", branch_weight), ("weight", weight)):
             if t is None:
