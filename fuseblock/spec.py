@@ -133,7 +133,15 @@ class NormSpec:
     mx_columnwise: bool = False  # mxfp8 also down the columns (blocks of 32 rows), the weight gradient's operand
 
     def pack(self) -> list[float]:
-        return [_pack(getattr(self, name)) for name in _NAMES]
+        if torch.compiler.is_compiling():  # traced into the graph: nothing kept on the instance
+            return [_pack(getattr(self, name)) for name in _NAMES]
+        # A kernel-path call packs its spec twice (forward, backward), and a model reuses a
+        # few: the values are computed once per instance (frozen) and kept beside its fields
+        packed = self.__dict__.get("_packed")
+        if packed is None:
+            packed = tuple(_pack(getattr(self, name)) for name in _NAMES)
+            object.__setattr__(self, "_packed", packed)
+        return list(packed)
 
     def with_branch(self, alpha: float, dropout_p: float) -> NormSpec:
         """This spec with add_norm's validated branch options."""

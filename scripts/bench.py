@@ -17,7 +17,9 @@
     python scripts/bench.py sm90    [--quick]   each kernel compiled for an H100 without one: registers, spills
     python scripts/bench.py targets [--quick] [--all]  every kernel compiled for sm_90, sm_100, gfx942 (--all: also
                                                 sm_120, gfx950) without a GPU: registers, spills, LDS, occupancy, waves
-    python scripts/bench.py overhead [--quick]  host-side (Python) time per call, kernels not run
+    python scripts/bench.py overhead [--quick]  host-side (Python) time per call, kernels not run; --ops a,b: only
+                                                those ops' rows (fwd and fwd+bwd us and calls per call), --device
+                                                cuda: with the real launches
 
 Options go before or after the subcommand. Each subcommand is a module of
 scripts/benchmarks/; the byte model of `traffic` is in fuseblock/testing/op_traffic.py.

@@ -107,9 +107,17 @@ def fit_per_sm(num_warps: int) -> int:
     return max(1, SM_THREADS // (num_warps * WARP))
 
 
+_CUDA_SMS: dict[torch.device, int] = {}  # a GPU's SM count, asked once (a backward reads it twice a call)
+
+
 def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        n = _CUDA_SMS.get(device)
+        if n is None:
+            n = torch.cuda.get_device_properties(device).multi_processor_count
+            if device.index is not None:  # "cuda" alone is whichever device is current
+                _CUDA_SMS[device] = n
+        return n
     return H100_SMS
 
 
@@ -152,7 +160,7 @@ class Layout(NamedTuple):
     def variant(self, kernel: str, tensors: tuple, flags: dict) -> tuple:
         """The key of one compiled kernel variant: its code (and registers) depend on the
         block shape, the tensors' dtypes and the constexpr flags."""
-        dtypes = tuple(None if t is None else t.dtype for t in tensors)
+        dtypes = tuple([None if t is None else t.dtype for t in tensors])  # a list: no generator, on every launch
         return (kernel, dtypes, self.br, self.bg, self.bd, self.warps, *sorted(flags.items()))
 
 
@@ -161,6 +169,11 @@ def loop_layout(dg: int) -> Layout:
     chunks of LOOP_BLOCK."""
     w = warps(256)
     return Layout(False, 1, min(LOOP_BLOCK, pow2(dg)), 1, w, fit_per_sm(w))
+
+
+# Layouts already worked out, by their arguments and the constants they read (which tests
+# and offline compiles change): a launcher asks for one on every call. Bounded, as _SPECS.
+_LAYOUTS: dict[tuple, Layout] = {}
 
 
 def layout(d: int, groups: int, max_tile: int, wide_tile: int = 16384, per_thread: int = 32) -> Layout:
@@ -172,6 +185,16 @@ def layout(d: int, groups: int, max_tile: int, wide_tile: int = 16384, per_threa
     of 4K and more want 16K-element tiles in the forward. The persistent backward starts
     from as many programs per SM as the threads allow, then what fits (`fit_per_sm`).
     """
+    key = (d, groups, max_tile, wide_tile, per_thread, MAX_ROWS, LOOP_BLOCK, WARP, SM_THREADS)
+    found = _LAYOUTS.get(key)
+    if found is None:
+        found = _layout(d, groups, max_tile, wide_tile, per_thread)
+        if len(_LAYOUTS) < 4096:
+            _LAYOUTS[key] = found
+    return found
+
+
+def _layout(d: int, groups: int, max_tile: int, wide_tile: int, per_thread: int) -> Layout:
     dg = d // groups
     bg, bd = pow2(groups), pow2(dg)
     if bg * bd <= max_tile:
@@ -199,6 +222,27 @@ def rows(t: torch.Tensor | None, d: int) -> torch.Tensor | None:
         return None
     t2 = t.reshape(-1, d)
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def row_arg(t: torch.Tensor | None, d: int) -> tuple[torch.Tensor | None, int]:
+    """(t, its row stride) as a kernel takes rows of d columns: a contiguous t as it is (the
+    kernel reads only its address and the stride given; an (M, d) view of it would cost
+    the host a few us a tensor), else `rows(t, d)` and its stride; (None, 0) for none."""
+    if t is None:
+        return None, 0
+    if t.is_contiguous():
+        return t, d
+    t2 = rows(t, d)
+    return t2, t2.stride(0)
+
+
+def out_arg(t: torch.Tensor, M: int, d: int) -> tuple[torch.Tensor, int]:
+    """(t, its row stride) for a kernel to write t's M rows of d: a contiguous t as it is,
+    else (a caller's `out`, `fuseblock.serve`) through an (M, d) view, never a copy."""
+    if t.is_contiguous():
+        return t, d
+    t2 = t.view(M, d)
+    return t2, t2.stride(0)
 
 
 def vec(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -50,10 +50,10 @@ from .launch import (
     fwd_layout,
     loop_layout,
     num_sms,
+    out_arg,
     pow2,
+    row_arg,
     row_programs,
-    rows,
-    stride,
     sum_partial_rows,
     sum_rows,
     vec,
@@ -636,29 +636,30 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
     # The launchers' stride contract: activations may have any strides (rows are passed
     # by stride, columns must be unit-stride or are copied: `rows`); weight and bias are
     # made unit-stride (`vec`). Outputs and statistics are allocated here, contiguous.
-    d = x.shape[-1]
-    x2, x12, r2, z2 = rows(x, d), rows(x1, d), rows(residual, d), rows(gate, d)
+    # Rows are passed as a tensor and its row stride, contiguous ones as they are (`row_arg`).
+    d, dev = x.shape[-1], x.device
+    (x2, s_x), (x12, s_x1) = row_arg(x, d), row_arg(x1, d)
+    (r2, s_r), (z2, s_z) = row_arg(residual, d), row_arg(gate, d)
     weight, bias = vec(weight), vec(bias)
-    M, G = x2.shape[0], spec.groups
-    # Outputs in x's shape, the kernel writing through (M, d) views of them: a returned
-    # view would be one autograd refuses to let users edit in place.
+    M, G = x.numel() // d, spec.groups
+    # Outputs in x's shape, the kernel writing through them by row (a view of them only
+    # where they are not contiguous): a returned view would be one autograd refuses to let
+    # users edit in place.
     if out is None:
         # the kernel stores in its dtype (uint8 codes for a quantized output)
-        out = torch.empty(x.shape, dtype=spec.out_dtype_for(x.dtype), device=x.device) if _codes is None else _codes
-        new_res = torch.empty(x.shape, dtype=residual_dtype, device=x.device) if residual_dtype is not None else None
-    o2, ro2 = out.view(M, d), None if new_res is None else new_res.view(M, d)
-    rstd = torch.empty((M, G), dtype=torch.float32, device=x.device) if need_stats else None
-    mean = torch.empty((M, G), dtype=torch.float32, device=x.device) if need_stats and spec.center else None
+        out = torch.empty(x.shape, dtype=spec.out_dtype_for(x.dtype), device=dev) if _codes is None else _codes
+        new_res = torch.empty(x.shape, dtype=residual_dtype, device=dev) if residual_dtype is not None else None
+    o2, s_o = out_arg(out, M, d)
+    ro2, s_ro = (None, 0) if new_res is None else out_arg(new_res, M, d)
+    rstd = torch.empty((M, G), dtype=torch.float32, device=dev) if need_stats else None
+    mean = torch.empty((M, G), dtype=torch.float32, device=dev) if need_stats and spec.center else None
     if M > 0:
         lay = _fwd_layout(d, spec)
         if not lay.tile and spec.dropout_p > 0:
             # the loop kernel regenerates the masks in both passes: in 256 threads it took 128
             # registers and 24 bytes of stack a thread (fp32, sm_90), in 512 66 to 72 and none
             lay = lay._replace(warps=warps(512), per_sm=fit_per_sm(warps(512)))
-        args = (
-            x2, x12, r2, z2, weight, bias, o2, ro2, rstd, mean, seed,
-            x2.stride(0), stride(x12), stride(r2), stride(z2), o2.stride(0), stride(ro2),
-        )
+        args = (x2, x12, r2, z2, weight, bias, o2, ro2, rstd, mean, seed, s_x, s_x1, s_r, s_z, s_o, s_ro)
         flags = dict(
             HAS_X1=x12 is not None, DROPOUT=spec.dropout_p > 0,
             HAS_R=r2 is not None, STORE_R=new_res is not None, HAS_W=weight is not None,
@@ -671,10 +672,10 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
                                       *_branch(spec), BR=br, BG=lay.bg, BD=lay.bd, **flags, **(_quant or {}))
         else:
             variant = lay.variant("_fwd_loop", (x2, x12, r2, z2, weight, bias, o2, ro2), flags)
-            n_prog = min(M * G, num_sms(x.device) * programs_per_sm(x.device, variant, lay.per_sm))
+            n_prog = min(M * G, num_sms(dev) * programs_per_sm(dev, variant, lay.per_sm))
             compiled = _fwd_loop[(n_prog,)](*args, M * G, G, d // G, spec.eps, spec.scale, spec.weight_offset,
                                             *_branch(spec), BD=lay.bd, **flags)
-            learn(x.device, variant, compiled, lay.warps)
+            learn(dev, variant, compiled, lay.warps)
         LAUNCHES["fwd"] += 1
     return out, new_res, rstd, mean
 
@@ -694,20 +695,21 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     dw/db partial rows (none when one program ran, or with no weight and no bias); wide
     rows `_bwd_dots` + `_bwd_cols`, which sums its own partial rows.
     """
-    d = p.shape[-1]
+    d, dev = p.shape[-1], p.device
     # As in norm_fwd. A dout whose columns are not unit-stride (an expanded gradient) is
     # copied by `rows`, a torch op: the caller's layout, not this op's work.
-    p2, do2, dro2, z2 = rows(p, d), rows(dout, d), rows(dres, d), rows(gate, d)
+    (p2, s_p), (do2, s_do) = row_arg(p, d), row_arg(dout, d)
+    (dro2, s_dro), (z2, s_z) = row_arg(dres, d), row_arg(gate, d)
     weight, bias = vec(weight), vec(bias)
-    M, G = p2.shape[0], spec.groups
+    M, G = p.numel() // d, spec.groups
     dg = d // G
-    dev = p.device
-    # The gradients in p's shape, as norm_fwd's outputs (the kernels write (M, d) views)
+    # The gradients in p's shape, as norm_fwd's outputs (contiguous: the kernels write them
+    # by rows of d)
     grads = (torch.empty(p.shape, dtype=x_dtype, device=dev),
              torch.empty(p.shape, dtype=residual_grad_dtype, device=dev) if residual_grad_dtype is not None else None,
              torch.empty(p.shape, dtype=gate.dtype, device=dev) if gate is not None else None)
     dx1 = torch.empty(p.shape, dtype=x_dtype, device=dev) if has_x1 and spec.dropout_p > 0 else None
-    dx, dr, dz = (None if t is None else t.view(M, d) for t in grads)
+    dx, dr, dz = grads
     need_dw, need_db = weight is not None, bias is not None
     if M == 0:  # no rows, no launch: the sums over none are zero (a fill each, for this edge case)
         return (*grads, *(None if t is None else torch.zeros((d,), dtype=t.dtype, device=dev) for t in (weight, bias)),
@@ -741,8 +743,8 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     sum_parts = n_prog > 1 and (need_dw or need_db)
     dw_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_dw and sum_parts else dw
     db_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_db and sum_parts else db
-    strides = (p2.stride(0), stride(z2), do2.stride(0), stride(dro2), dx.stride(0), stride(dr), stride(dz))
-    outs = (do2, dro2, dx, dr, dz, dw_part, db_part, None if dx1 is None else dx1.view(M, d), seed)
+    strides = (s_p, s_z, s_do, s_dro, d, 0 if dr is None else d, 0 if dz is None else d)
+    outs = (do2, dro2, dx, dr, dz, dw_part, db_part, dx1, seed)
     if lay.tile:
         compiled = _bwd_tile[(n_prog,)](p2, z2, weight, bias, rstd, mean, *outs, *strides, M, G, dg, spec.scale,
                                         spec.weight_offset, *_branch(spec), BR=lay.br, BG=lay.bg, BD=lay.bd,
@@ -759,8 +761,8 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
                           ACT=int(spec.act), ZERO_CNT=sum_parts)
         dots_variant = dots_lay.variant("_bwd_dots", (p2, z2, weight, do2), dots_flags)
         n_dots = min(M * G, num_sms(dev) * programs_per_sm(dev, dots_variant, dots_lay.per_sm))
-        dots_compiled = _bwd_dots[(n_dots,)](p2, z2, weight, rstd, mean, do2, dots, cnt, p2.stride(0), stride(z2),
-                                             do2.stride(0), M * G, G, dg, spec.scale, spec.weight_offset, n_cols,
+        dots_compiled = _bwd_dots[(n_dots,)](p2, z2, weight, rstd, mean, do2, dots, cnt, s_p, s_z,
+                                             s_do, M * G, G, dg, spec.scale, spec.weight_offset, n_cols,
                                              num_warps=dots_lay.warps, **dots_flags)
         learn(dev, dots_variant, dots_compiled, dots_lay.warps)
         compiled = _bwd_cols[(n_cols, n_prog)](p2, z2, weight, bias, rstd, mean, dots, *outs, dw, db, cnt, *strides,

@@ -45,15 +45,15 @@ from .launch import (
     fwd_layout,
     loop_layout,
     num_sms,
+    out_arg,
     pow2,
+    row_arg,
     row_programs,
-    stride,
     sum_cols,
     sum_rows,
     vec,
     warps,
 )
-from .launch import rows as as_rows
 from .norm import _mean, _prod, _rstd, _weight
 from .occupancy import learn, programs_per_sm
 
@@ -512,14 +512,14 @@ def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_s
                                                 plain, alpha, residual_dtype, second, need_stats)
             return (new_res, fp8.quantize(out, spec, qscale), *stats)
         codes, qs, quant = quant_buffers(x, spec, qscale)
-    x2, r2 = as_rows(x, d), as_rows(residual, d)
+    (x2, s_x), (r2, s_r) = row_arg(x, d), row_arg(residual, d)  # contiguous ones as they are
     branch_weight, branch_bias, weight, bias = map(vec, (branch_weight, branch_bias, weight, bias))
-    M = x2.shape[0]
+    M = x.numel() // d
     dev = x.device
     new_res = torch.empty(x.shape, dtype=residual_dtype, device=dev)
     out = torch.empty(x.shape, dtype=spec.out_dtype_for(x.dtype), device=dev) if second and codes is None else codes
-    ro2 = new_res.view(M, d)
-    o2 = out.view(M, d) if second else None
+    ro2 = new_res  # contiguous: written by rows of d
+    o2, s_o = out_arg(out, M, d) if second else (None, 0)
 
     def stat(on):
         return torch.empty((M,), dtype=torch.float32, device=dev) if need_stats and on else None
@@ -531,7 +531,7 @@ def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_s
         # 240 bytes a thread, bf16 rms/layer), where 16384 keeps all in 76 to 116 registers
         lay = fwd_layout(d) if fits(d, False) else loop_layout(d)
         args = (x2, r2, branch_weight, branch_bias, weight, bias, ro2, o2, rstd_b, mean_b, rstd, mean,
-                x2.stride(0), r2.stride(0), ro2.stride(0), stride(o2),
+                s_x, s_r, d, s_o,
                 M, d, branch_spec.eps, spec.eps, spec.scale, branch_spec.weight_offset, spec.weight_offset, alpha)
         flags = dict(HAS_BW=branch_weight is not None, HAS_BB=branch_bias is not None, HAS_W=weight is not None,
                      HAS_B=bias is not None, SECOND=second, CENTER=spec.center, STORE_STATS=need_stats,
@@ -558,9 +558,10 @@ def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rst
     which r' = r + alpha * N(x) passes through, so nothing is written for it and dresidual
     comes back None; the loop kernel reads dres back where it would read its stored copy."""
     d = x.shape[-1]
-    x2, p2, do2, dro2 = as_rows(x, d), as_rows(p, d), as_rows(dout, d), as_rows(dres, d)
+    (x2, s_x), (p2, s_p) = row_arg(x, d), row_arg(p, d)  # contiguous ones as they are
+    (do2, s_do), (dro2, s_dro) = row_arg(dout, d), row_arg(dres, d)
     branch_weight, weight = vec(branch_weight), vec(weight)
-    M = x2.shape[0]
+    M = x.numel() // d
     dev = x.device
     dx = torch.empty(x.shape, dtype=x.dtype, device=dev)
     store_dr = store_dr or second or dro2 is None or dres.dtype != residual_grad_dtype
@@ -583,12 +584,11 @@ def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rst
     sum_parts = (n_prog > 1 or not lay.tile) and any(g is not None for g in grads)
     parts = [None if g is None else (torch.empty((n_prog, d), dtype=torch.float32, device=dev) if sum_parts else g)
              for g in grads]
-    dx2, dr2 = dx.view(M, d), (dr.view(M, d) if store_dr else None)
     p_arg = p2 if second else None  # the second norm's input
     compiled = kernel[(n_prog,)](
-        x2, p_arg, branch_weight, weight, rstd_b, mean_b, rstd, mean, do2, dro2, dx2, dr2, *parts,
-        x2.stride(0), stride(p_arg), stride(do2), stride(dro2),
-        dx2.stride(0), stride(dr2),
+        x2, p_arg, branch_weight, weight, rstd_b, mean_b, rstd, mean, do2, dro2, dx, dr, *parts,
+        s_x, s_p if second else 0, s_do, s_dro,
+        d, d if store_dr else 0,  # dx and dr: contiguous, written by rows of d
         M, d, spec.scale, branch_spec.weight_offset, spec.weight_offset, alpha,
         BR=lay.br, BD=lay.bd, num_warps=lay.warps, **flags,
     )

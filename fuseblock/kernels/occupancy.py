@@ -31,7 +31,7 @@ MI300X_CU = dict(simds=4, vgprs=512, vgpr_granule=8, waves_per_simd=8, lds=65536
 MI355X_CU = dict(MI300X_CU, lds=163840)
 MACHINE = H100_SM  # what `learn` assumes of a device it cannot ask (offline compiles set their target's)
 
-_RESIDENT: dict[tuple, int] = {}  # (device, kernel variant) -> programs per SM
+_RESIDENT: dict[tuple, int] = {}  # (torch.device, kernel variant) -> programs per SM
 
 
 def resident_programs(usage: dict[str, int], num_warps: int, sm: dict = H100_SM) -> int:
@@ -69,14 +69,14 @@ def _sm(device: torch.device) -> dict:
 
 def programs_per_sm(device: torch.device, variant: tuple, default: int) -> int:
     """`default`, capped at what fits once a launch of this variant has been compiled."""
-    return min(default, _RESIDENT.get((str(device), variant), default))
+    return min(default, _RESIDENT.get((device, variant), default))
 
 
 def learn(device: torch.device, variant: tuple, compiled, num_warps: int) -> None:
     """Record what fits from the compiled kernel a launch returns (on a GPU; under the
     interpreter it returns nothing, and nothing is learned)."""
     n_regs = getattr(compiled, "n_regs", None)
-    key = (str(device), variant)
+    key = (device, variant)
     if n_regs is None or key in _RESIDENT:
         return
     usage = {"registers": n_regs, "shared": compiled.metadata.shared}

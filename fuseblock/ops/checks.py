@@ -53,6 +53,16 @@ class QuantArgs(NamedTuple):
 QUANT_DEFAULTS = QuantArgs()
 
 
+def quant_args(quant, scale, fp8_dtype, mx_rounding, scale_ub, quant_from, mx_columnwise) -> QuantArgs:
+    """An op's fp8 keywords as one QuantArgs for `resolve`: QUANT_DEFAULTS itself when each
+    is its default object (a call that left them out), which resolve need not check."""
+    if (quant is None and scale is None and fp8_dtype is QUANT_DEFAULTS.fp8_dtype
+            and mx_rounding is QUANT_DEFAULTS.mx_rounding and scale_ub is None and quant_from is None
+            and mx_columnwise is False):
+        return QUANT_DEFAULTS
+    return QuantArgs(quant, scale, fp8_dtype, mx_rounding, scale_ub, quant_from, mx_columnwise)
+
+
 def check_tensor(name: str, t, x: torch.Tensor | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

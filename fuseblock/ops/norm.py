@@ -36,17 +36,24 @@ from .checks import (
     check_branch,
     check_no_quant_options,
     default_eps,
+    quant_args,
     refuse_positional,
     resolve,
 )
 from .dispatch import func_transforms_active, kernels, kernels_take_cpu, uses_triton
-from .registry import FusedOp
+from .registry import FusedOp, placeholders
 from .seed import draw_seed
 
 
 def _empty(x: Tensor) -> Tensor:
     # custom ops cannot return None; absent outputs are empty placeholders
     return x.new_empty(0, dtype=torch.float32)
+
+
+def _launch_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1=None, seed=None):
+    """`_fwd` with None for each absent output: what the eager Function runs."""
+    return kernels("norm", x).norm_fwd(x, residual, gate, weight, bias, NormSpec.unpack(spec), residual_dtype,
+                                       need_stats, x1, _seed_arg(seed))
 
 
 # The spec crosses the custom-op boundary packed (NormSpec.pack: a list of floats). typing.List,
@@ -58,10 +65,7 @@ def _fwd(
     spec: List[float], residual_dtype: Optional[torch.dtype], need_stats: bool,  # noqa: UP006
     x1: Optional[Tensor] = None, seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    launch = kernels("norm", x).norm_fwd
-    out = launch(x, residual, gate, weight, bias, NormSpec.unpack(spec), residual_dtype, need_stats, x1,
-                 _seed_arg(seed))
-    return tuple(t if t is not None else _empty(x) for t in out)
+    return placeholders(x, _launch_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1, seed))
 
 
 def _seed_arg(seed: Optional[Tensor]):
@@ -89,9 +93,15 @@ def _bwd(
     x_dtype: torch.dtype, residual_grad_dtype: Optional[torch.dtype], seed: Optional[Tensor] = None,
     has_x1: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    grads = kernels("norm", p).norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, NormSpec.unpack(spec), x_dtype,
-                                        residual_grad_dtype, _seed_arg(seed), has_x1)
-    return tuple(t if t is not None else _empty(p) for t in grads)
+    return placeholders(p, _launch_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec, x_dtype,
+                                       residual_grad_dtype, seed, has_x1))
+
+
+def _launch_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec, x_dtype, residual_grad_dtype, seed=None,
+                has_x1=False):
+    """`_bwd` with None for each absent gradient: what the eager Function runs."""
+    return kernels("norm", p).norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, NormSpec.unpack(spec), x_dtype,
+                                       residual_grad_dtype, _seed_arg(seed), has_x1)
 
 
 def _bwd_fake(dout, dres, p, gate, weight, bias, rstd, mean, spec, x_dtype, residual_grad_dtype, seed=None,
@@ -142,7 +152,7 @@ def _grads(ctx, grad_outputs, norm_bwd):
     gradients of the op's inputs, the options' None between them."""
     dout, dnew_res = grad_outputs[:2]
     p, gate, weight, bias, rstd, mean, seed = ctx.saved_tensors
-    if rstd.numel() == 0 and p.numel() > 0:
+    if (rstd is None or rstd.numel() == 0) and p.numel() > 0:  # None: the eager forward's absent statistics
         raise RuntimeError("fuseblock: backward through a norm whose forward ran without grad enabled")
     if dout is None:
         dout = torch.zeros(p.shape, dtype=ctx.spec.out_dtype_for(ctx.x_dtype), device=p.device)
@@ -207,7 +217,8 @@ def _graph_grads(ctx, grad_outputs):
             dx1 if ctx.has_x1 else None)
 
 
-norm_op = FusedOp("norm", _fwd, _fwd_fake, _bwd, _bwd_fake, _setup, _grads, stats=(2, 3), graph_grads=_graph_grads)
+norm_op = FusedOp("norm", _fwd, _fwd_fake, _bwd, _bwd_fake, _setup, _grads, stats=(2, 3), graph_grads=_graph_grads,
+                  launch_fwd=_launch_fwd, launch_bwd=_launch_bwd)
 
 
 def apply_norm(x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], weight: Optional[Tensor],
@@ -223,8 +234,11 @@ def apply_norm(x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], we
     transform can see through."""
     if not uses_triton(x) or func_transforms_active():
         return reference.norm_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1)
-    need_stats = need_stats or (torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, residual, gate, weight, bias, x1)))
+    # written out, not a generator over the six: this runs on every kernel-path call
+    need_stats = need_stats or (torch.is_grad_enabled() and (
+        x.requires_grad or (residual is not None and residual.requires_grad)
+        or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad)
+        or (gate is not None and gate.requires_grad) or (x1 is not None and x1.requires_grad)))
     seed = draw_seed(x) if spec.dropout_p > 0 else None
     return norm_op(x, residual, gate, weight, bias, spec.pack(), residual_dtype, need_stats, x1, seed)
 
@@ -382,7 +396,7 @@ def add_norm(
         x, residual, weight, bias, gate, kind=kind, c=c, eps=eps, gate_act=gate_act,
         gate_position=gate_position, num_groups=num_groups, residual_dtype=residual_dtype,
         weight_offset=weight_offset, out_dtype=out_dtype,
-        quant=QuantArgs(quant, scale, fp8_dtype, mx_rounding, scale_ub, quant_from, mx_columnwise),
+        quant=quant_args(quant, scale, fp8_dtype, mx_rounding, scale_ub, quant_from, mx_columnwise),
     )
     rdtype = new_residual_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
     if not no_branch:

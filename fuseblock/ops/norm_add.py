@@ -21,9 +21,18 @@ from .. import reference
 from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, Quant, acc_dtype, stored_dtype
 from . import dtensor
 from . import quant as quant_ops
-from .checks import QUANT_DEFAULTS, QuantArgs, _check_vector, check_number, check_tensor, default_eps, resolve
+from .checks import (
+    QUANT_DEFAULTS,
+    QuantArgs,
+    _check_vector,
+    check_number,
+    check_tensor,
+    default_eps,
+    quant_args,
+    resolve,
+)
 from .dispatch import func_transforms_active, kernels, uses_triton
-from .registry import FusedOp
+from .registry import FusedOp, placeholders
 
 
 def _empty(x: Tensor) -> Tensor:
@@ -42,10 +51,15 @@ def _fwd(
     weight: Optional[Tensor], bias: Optional[Tensor], spec: List[float], residual_dtype: torch.dtype,  # noqa: UP006
     second: bool, need_stats: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return placeholders(x, _launch_fwd(x, residual, branch_weight, branch_bias, weight, bias, spec, residual_dtype,
+                                       second, need_stats))
+
+
+def _launch_fwd(x, residual, branch_weight, branch_bias, weight, bias, spec, residual_dtype, second, need_stats):
+    """`_fwd` with None for each absent output: what the eager Function runs."""
     bspec, nspec, alpha = _unpack(spec)
-    out = kernels("norm_add", x).norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, bspec, nspec,
-                                              alpha, residual_dtype, second, need_stats)
-    return tuple(t if t is not None else _empty(x) for t in out)
+    return kernels("norm_add", x).norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, bspec, nspec,
+                                               alpha, residual_dtype, second, need_stats)
 
 
 def _fwd_fake(x, residual, branch_weight, branch_bias, weight, bias, spec, residual_dtype, second, need_stats):
@@ -67,11 +81,17 @@ def _bwd(
     mean_b: Optional[Tensor], rstd: Optional[Tensor], mean: Optional[Tensor], spec: List[float],  # noqa: UP006
     residual_grad_dtype: torch.dtype, second: bool, store_dr: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return placeholders(x, _launch_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b, mean_b,
+                                       rstd, mean, spec, residual_grad_dtype, second, store_dr))
+
+
+def _launch_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b, mean_b, rstd, mean, spec,
+                residual_grad_dtype, second, store_dr):
+    """`_bwd` with None for each absent gradient: what the eager Function runs."""
     bspec, nspec, alpha = _unpack(spec)
-    grads = kernels("norm_add", x).norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b,
-                                                mean_b, rstd, mean, bspec, nspec, alpha, residual_grad_dtype, second,
-                                                store_dr)
-    return tuple(t if t is not None else _empty(x) for t in grads)
+    return kernels("norm_add", x).norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b,
+                                               mean_b, rstd, mean, bspec, nspec, alpha, residual_grad_dtype, second,
+                                               store_dr)
 
 
 def _bwd_fake(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b, mean_b, rstd, mean, spec,
@@ -96,14 +116,14 @@ def _setup(ctx, inputs, output):
     center = ctx.spec.center
     ctx.save_for_backward(x, new_res if second else None, branch_weight, branch_bias, weight, bias, rstd_b,
                           mean_b if center else None, rstd if second else None, mean if second and center else None)
-    return () if second else (1,)  # without the second norm, out is an empty placeholder
+    return () if second else (1,)  # without the second norm, out is an empty placeholder (or None, eager)
 
 
 def _grads(ctx, grad_outputs, bwd):
     """(dx, dresidual, dbranch_weight, dbranch_bias, dweight, dbias) from the saved context."""
     dres, dout = grad_outputs[:2]
     x, p, bw, bb, w, b, rstd_b, mean_b, rstd, mean = ctx.saved_tensors
-    if rstd_b.numel() == 0 and x.numel() > 0:
+    if (rstd_b is None or rstd_b.numel() == 0) and x.numel() > 0:  # None: the eager forward's absent statistics
         raise RuntimeError("fuseblock: backward through a norm_add whose forward ran without grad enabled")
     # norm_add's r' = r + alpha * N(x) passes the gradient at r' through to r: in r's dtype it
     # is dresidual itself, returned as it came, where a kernel would write a copy of it
@@ -149,7 +169,7 @@ def _graph_grads(ctx, grad_outputs):
 
 
 norm_add_op = FusedOp("norm_add_norm", _fwd, _fwd_fake, _bwd, _bwd_fake, _setup, _grads, stats=(2, 3, 4, 5),
-                      graph_grads=_graph_grads)
+                      graph_grads=_graph_grads, launch_fwd=_launch_fwd, launch_bwd=_launch_bwd)
 
 
 def _check_alpha(alpha) -> float:
@@ -173,8 +193,11 @@ def _apply(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, a
     if not uses_triton(x) or func_transforms_active():
         return reference.norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha,
                                       rdtype, second)
-    need_stats = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, residual, branch_weight, branch_bias, weight, bias))
+    # written out, not a generator over the six: this runs on every kernel-path call
+    need_stats = torch.is_grad_enabled() and (
+        x.requires_grad or residual.requires_grad or (branch_weight is not None and branch_weight.requires_grad)
+        or (branch_bias is not None and branch_bias.requires_grad) or (weight is not None and weight.requires_grad)
+        or (bias is not None and bias.requires_grad))
     new_res, out, *_ = norm_add_op(x, residual, branch_weight, branch_bias, weight, bias,
                                    [*bspec.pack(), *spec.pack(), alpha], rdtype, second, need_stats)
     return new_res, (out if second else None)
@@ -252,7 +275,7 @@ def norm_add_norm(
     alpha = _check_alpha(alpha)
     # checks x, kind, weight, bias and the output's options
     spec = _spec(x, residual, weight, bias, kind, eps, weight_offset, residual_dtype, out_dtype,
-                 QuantArgs(quant, scale, fp8_dtype, mx_rounding, scale_ub, quant_from))
+                 quant_args(quant, scale, fp8_dtype, mx_rounding, scale_ub, quant_from, False))
     if kind != "l2":
         for name, t in (("branch_weight", branch_weight), ("weight", weight)):
             if t is None:

@@ -13,6 +13,12 @@ from collections.abc import Callable
 import torch
 
 
+def placeholders(x: torch.Tensor, outputs) -> tuple[torch.Tensor, ...]:
+    """outputs with an empty fp32 tensor on x's device for each None: a custom op cannot
+    return None."""
+    return tuple(t if t is not None else x.new_empty(0, dtype=torch.float32) for t in outputs)
+
+
 class FusedOp:
     """A forward `fwd(*tensors, *options) -> outputs` and backward `bwd(...) -> grads`.
 
@@ -29,6 +35,10 @@ class FusedOp:
       keywords `extra`: side effects the custom op cannot declare (torch.library gives no
       autograd formula to an op that mutates its arguments), such as batch norm updating
       its running buffers in the forward's own launch. Compiled code passes none.
+    - `launch_fwd`, `launch_bwd`, if given, are `fwd` and `bwd` with None for an absent
+      output, where those return an empty placeholder (`placeholders`: a custom op cannot
+      return None): the eager Function calls these, and allocates no placeholders, a
+      tensor each on every call. `setup` and `grads` take either.
 
     `fwd_op` and `bwd_op` are the registered custom ops (`torch.ops.fuseblock.<name>_fwd`
     and `_bwd`, the overloads a traced graph holds): code that calls the launchers under
@@ -39,7 +49,8 @@ class FusedOp:
 
     def __init__(self, name: str, fwd: Callable, fwd_fake: Callable, bwd: Callable, bwd_fake: Callable,
                  setup: Callable, grads: Callable, stats: tuple[int, ...] = (),
-                 graph_grads: Callable | None = None, eager_fwd: Callable | None = None):
+                 graph_grads: Callable | None = None, eager_fwd: Callable | None = None,
+                 launch_fwd: Callable | None = None, launch_bwd: Callable | None = None):
         n_inputs = len(inspect.signature(fwd).parameters)
         fwd_def = torch.library.custom_op(f"fuseblock::{name}_fwd", fwd, mutates_args=())
         fwd_def.register_fake(fwd_fake)
@@ -57,12 +68,15 @@ class FusedOp:
 
         torch.library.register_autograd(f"fuseblock::{name}_fwd", op_backward, setup_context=setup)
 
+        eager_bwd = launch_bwd or bwd
+        plain_fwd = launch_fwd or fwd
+
         class Eager(torch.autograd.Function):
             @staticmethod
             def forward(ctx, extra, *inputs):
-                outputs = eager_fwd(*inputs, **extra) if extra else fwd(*inputs)
+                outputs = eager_fwd(*inputs, **extra) if extra else plain_fwd(*inputs)
                 constant = setup(ctx, inputs, outputs) or ()
-                ctx.mark_non_differentiable(*(outputs[i] for i in (*stats, *constant)))
+                ctx.mark_non_differentiable(*[outputs[i] for i in (*stats, *constant) if outputs[i] is not None])
                 ctx.set_materialize_grads(False)  # no zero-filled gradients (a memset launch each)
                 return outputs
 
@@ -70,13 +84,13 @@ class FusedOp:
             def backward(ctx, *grad_outputs):
                 if graph_grads is not None and torch.is_grad_enabled():  # create_graph=True
                     return (None, *pad(graph_grads(ctx, grad_outputs)))
-                return (None, *pad(grads(ctx, grad_outputs, bwd)))  # None: for `extra`
+                return (None, *pad(grads(ctx, grad_outputs, eager_bwd)))  # None: for `extra`
 
         Eager.__name__ = Eager.__qualname__ = f"Eager_{name}"
         self.fwd_op, self.bwd_op = fwd_op, bwd_op
         # the eager pieces, for an autograd node over the same backward with another
         # forward (a quantized output: `fuseblock.ops.quant`)
-        self.setup, self.grads, self.bwd, self.graph_grads = setup, grads, bwd, graph_grads
+        self.setup, self.grads, self.bwd, self.graph_grads = setup, grads, eager_bwd, graph_grads
         self._eager, self._eager_fwd = Eager, eager_fwd
 
     def __call__(self, *inputs, **extra):

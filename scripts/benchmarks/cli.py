@@ -23,7 +23,8 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--out", default="out/bench",
                     help="gpu: where the table and plots go; gpu-report: the folder make gpu-check fills")
     ap.add_argument("--device", default="cuda",
-                    help="gpu, gpt-step: the device; cpu runs a toy-size smoke test of the code")
+                    help="gpu, gpt-step: the device; cpu runs a toy-size smoke test of the code; overhead: cuda "
+                         "times the per-op rows' real launches (cpu, or no GPU: launches recorded, not run)")
     ap.add_argument("--no-compile", action="store_true", help="gpu: skip the torch.compile baseline")
     ap.add_argument("--all", action="store_true", help="targets: also sm_120 and gfx950")
     ap.add_argument("--threads", type=int, default=None)
@@ -31,7 +32,8 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
                     help="speed, gpt-step: independent runs of all the steps (median, min, max; default 3)")
     ap.add_argument("--ops", type=lambda v: v.split(","), default=None,
                     help="traffic: a comma list of ops (fuseblock.testing.cases.OPS, RESIDUAL_OPS, and hc_add_norm, "
-                         "hc_add_norm_nocomb: the mHC boundary at n = 4; default all but these two)")
+                         "hc_add_norm_nocomb: the mHC boundary at n = 4; default all but these two); overhead: "
+                         "only the per-op rows of these (add_norm, add_norm_layer, norm, norm_add)")
     ap.add_argument("--rows", type=_ints, default=None,
                     help="traffic: row counts (default 256,2048,16384; --quick 256,2048); gpu: the first is the "
                          "row count (default 32768), capped at 2^29 / d; stream: row counts (default 1024; "

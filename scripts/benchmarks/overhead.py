@@ -13,11 +13,24 @@
   (form "function"), and `fuseblock.AddNorm` against `x + r` then `nn.RMSNorm` (or
   `nn.LayerNorm`) (form "module"), alternated call by call; the median and min-max of the
   per-run medians.
+- Op rows (`path="ops"`): each public op (`add_norm` rms and layer, `norm`, `norm_add`) on
+  the kernel path, per call: `fwd_us` a forward under torch.no_grad, `fwd_bwd_us` a
+  forward with grad and `torch.autograd.grad` through it; `fwd_calls`, `fwd_bwd_calls` the
+  Python and builtin function calls per call (sys.setprofile: independent of the
+  machine's speed and load); `eager_*` the same of the naive eager form (`x + r` then
+  torch's norm). --device cuda: the real launches, timed as wall time per call over a
+  batch of calls (synchronized at its end: small inputs are host-bound, so this is the
+  host's time); --device cpu (or no GPU): CPU tensors whose launches are recorded, not
+  run: fuseblock's own Python and allocations, without Triton's launch, timed as this
+  thread's CPU time (time.thread_time: steady on a machine shared with other work). The
+  median of the repeats' per-call means.
 """
 from __future__ import annotations
 
 import statistics
+import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -135,8 +148,119 @@ def _torch_path_row(kind: str, form: str, repeats: int, calls: int) -> dict:
                 ratio_min=min(ratio), ratio_max=max(ratio))
 
 
+def calls_per_call(fn: Callable[[], object], calls: int = 20) -> float:
+    """Function calls (Python and builtin) per call of fn, after one uncounted call."""
+    fn()
+    n = 0
+
+    def count(frame, event, arg):
+        nonlocal n
+        if event == "call" or event == "c_call":
+            n += 1
+
+    sys.setprofile(count)
+    try:
+        for _ in range(calls):
+            fn()
+    finally:
+        sys.setprofile(None)
+    return (n - 1) / calls  # less the setprofile(None) call itself
+
+
+def median_us(fn: Callable[[], object], reps: int, calls: int, sync: Callable[[], object],
+              clock: Callable[[], float] = time.perf_counter) -> float:
+    """The median over `reps` of the mean time of `calls` calls by `clock`, in us per call;
+    sync() ends each batch (a GPU's queue drained), after a few untimed calls."""
+    for _ in range(3):
+        fn()
+    sync()
+    per_call = []
+    for _ in range(reps):
+        t0 = clock()
+        for _ in range(calls):
+            fn()
+        sync()
+        per_call.append((clock() - t0) / calls * 1e6)
+    return statistics.median(per_call)
+
+
+def _op_calls(op: str, x, r, w, b):
+    """(fused, naive): the op and its naive eager form, each (x, r, w, b) -> outputs."""
+    d = x.shape[-1]
+    if op == "add_norm":
+        return (lambda: fuseblock.add_norm(x, r, w, eps=1e-6),
+                lambda: (F.rms_norm(x + r, (d,), w, 1e-6), x + r))
+    if op == "add_norm_layer":
+        return (lambda: fuseblock.add_norm(x, r, w, b, kind="layer", eps=1e-6),
+                lambda: (F.layer_norm(x + r, (d,), w, b, 1e-6), x + r))
+    if op == "norm":
+        return lambda: fuseblock.norm(x, w, eps=1e-6), lambda: F.rms_norm(x, (d,), w, 1e-6)
+    if op == "norm_add":
+        return (lambda: fuseblock.norm_add(x, r, w, eps=1e-6),
+                lambda: r + F.rms_norm(x, (d,), w, 1e-6))
+    raise ValueError(op)
+
+
+OPS = ("add_norm", "add_norm_layer", "norm", "norm_add")
+
+
+def _op_row(op: str, device: str, reps: int, calls: int) -> dict:
+    cuda = device == "cuda"
+    rows, d, dtype = (140, 4096, torch.bfloat16) if cuda else (8, 256, torch.bfloat16)
+    torch.manual_seed(0)
+    x = torch.randn(rows, d, device=device, dtype=dtype, requires_grad=True)
+    r = torch.randn_like(x, requires_grad=True)
+    w = torch.randn(d, device=device, dtype=dtype, requires_grad=True)
+    b = torch.randn(d, device=device, dtype=dtype, requires_grad=True)
+    leaves = {"add_norm": [x, r, w], "add_norm_layer": [x, r, w, b], "norm": [x, w], "norm_add": [x, r, w]}[op]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    # on the CPU this thread's CPU time: what other processes take of the cores is not counted
+    clock = time.perf_counter if cuda else time.thread_time
+    row = dict(op=op, path="ops", device=device, shape=f"{rows}x{d} bf16")
+    for name, fn in zip(("", "eager_"), _op_calls(op, x, r, w, b), strict=True):
+        def fwd(fn=fn):
+            with torch.no_grad():
+                fn()
+
+        def fwd_bwd(fn=fn):
+            outs = fn()
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            torch.autograd.grad(outs, leaves, outs)
+
+        for what, step in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+            row[f"{name}{what}_calls"] = calls_per_call(step)
+            row[f"{name}{what}_us"] = median_us(step, reps, calls, sync, clock)
+    return row
+
+
+def op_rows(device: str, quick: bool, ops=OPS) -> list[dict]:
+    """One row per op: fwd and fwd+bwd host time and function calls per call, fuseblock's
+    and the naive form's (`path="ops"` above). cuda: real launches; cpu: recorded."""
+    reps, calls = (3, 100) if quick else (7, 200)
+    if device == "cuda":
+        return [_op_row(op, device, reps, calls) for op in ops]
+    from fuseblock.kernels import launch, norm_add
+
+    rows = []
+    with kernels_on_cpu(), captured_launches(kernels, norm_add, launch) as launches:
+        for op in ops:
+            rows.append(_op_row(op, "cpu", reps, calls))
+            launches.clear()
+    return rows
+
+
+def check(args) -> str | None:
+    unknown = sorted(set(args.ops or ()) - set(OPS))
+    return f"--ops: unknown {unknown}; choose from {list(OPS)}" if unknown else None
+
+
 def run(args) -> list[dict]:
+    """--ops: only those ops' rows (`path="ops"`); --device cuda (with a GPU) times them on it."""
+    device = "cuda" if args.device == "cuda" and torch.cuda.is_available() else "cpu"
+    ops = op_rows(device, args.quick, args.ops or OPS)
+    if args.ops:
+        return ops
     reps, calls = (3, 100) if args.quick else (7, 500)
     rows = [_kind_row(kind, reps, calls) for kind in ("rms", "layer")]
     return rows + [_torch_path_row(kind, form, args.repeats, calls) for form in ("function", "module")
-                   for kind in ("rms", "layer")]
+                   for kind in ("rms", "layer")] + ops

@@ -161,7 +161,15 @@ def test_sm90_quick_persistent_grids_fit_one_wave():
 def test_overhead_quick_times_the_host_side_alone():
     rows = _bench("overhead")
     torch_rows = [r for r in rows if r.get("path") == "torch"]
-    rows = [r for r in rows if r.get("path") != "torch"]
+    op_rows = [r for r in rows if r.get("path") == "ops"]
+    rows = [r for r in rows if r.get("path") not in ("torch", "ops")]
+    # per op, on the CPU (no GPU here): its launches recorded, calls counted and timed
+    assert [r["op"] for r in op_rows] == ["add_norm", "add_norm_layer", "norm", "norm_add"]
+    for r in op_rows:
+        assert r["device"] == "cpu"
+        for form in ("", "eager_"):
+            assert 0 < r[f"{form}fwd_calls"] < r[f"{form}fwd_bwd_calls"]
+            assert 0 < r[f"{form}fwd_us"] and 0 < r[f"{form}fwd_bwd_us"]
     assert {r["kind"] for r in rows} == {"rms", "layer"}
     assert sorted((r["kind"], r["form"]) for r in torch_rows) == [
         ("layer", "function"), ("layer", "module"), ("rms", "function"), ("rms", "module")]
@@ -173,6 +181,14 @@ def test_overhead_quick_times_the_host_side_alone():
         assert 0 < r["launcher_fwd_us"] and 0 < r["launcher_bwd_us"]
         assert r["eager_fwd_bwd_us"] > r["launcher_fwd_us"] + r["launcher_bwd_us"]
         assert 0 < r["serve_us"] and 0 < r["train_fwd_us"]
+
+
+def test_overhead_ops_picks_the_per_op_rows():
+    rows = _bench("overhead", "--ops", "norm", "--device", "cpu")
+    assert [(r["op"], r["path"]) for r in rows] == [("norm", "ops")]
+    p = timeouts.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--ops", "nope", "overhead"],
+                     capture_output=True, text=True, seconds=120, cwd=ROOT)
+    assert p.returncode == 2 and "--ops: unknown ['nope']" in p.stderr
 
 
 def test_traffic_options_before_the_subcommand_measure_the_kernels():
