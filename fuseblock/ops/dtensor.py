@@ -1,6 +1,6 @@
 """fuseblock's ops on DTensors (torch.distributed.tensor), both paths: `norm`, `add_norm`
-(its branch too: alpha, x1, dropout_p), `norm_add`, `norm_add_norm` and `norm_linear`.
-docs/parallel.md.
+(its branch too: alpha, x1, dropout_p), `norm_add`, `norm_add_norm` and `norm_linear`;
+the hc ops by tokens (`hyper`). docs/parallel.md.
 
 For each mesh dim, x's placement decides what runs there:
 - Replicate, or Shard on a row dim (any dim but the last): the op runs on each rank's
@@ -255,6 +255,42 @@ def add_norm(local_add_norm: Callable, x, residual, weight, bias, gate, x1=None,
     return at.placed(out.to(out_dtype)), (x if new_res is xl else at.placed(new_res))
 
 
+def hyper(local_apply: Callable, streams, branch, post, comb, fn, base, scale, weight):
+    """`local_apply(streams, branch, post, comb, fn, base, scale, weight)` (an hc op on
+    validated arguments, the kernels or the torch path) on DTensors: (y, new_streams,
+    post_next, comb_next), each placed as streams is (new_streams `streams` itself where
+    the op returns its input; post_next, comb_next None where it does). Every per-token
+    quantity of a boundary reads its own token's n streams alone, so streams by tokens
+    (Shard on a lead dim, not on n or d) or replicated runs on each rank's tokens,
+    unchanged; branch, post and comb placed as streams, fn, base, scale and weight
+    replicated (their gradients Partial on the token-sharded mesh dims). Anything else is
+    refused by name. (The torch path's ops on the DTensors themselves would flatten the token
+    dims for their matmuls, which torch 2.11's DTensor refuses where a dim after the first
+    is sharded: tokens by sequence.)"""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    streams, branch, post, comb, fn, base, scale, weight = _implicitly_replicated(
+        streams, branch, post, comb, fn, base, scale, weight)
+    if not isinstance(streams, DTensor):
+        raise TypeError(f"streams is a {type(streams).__name__}, but another argument is a DTensor: pass every "
+                        f"tensor as a DTensor on one mesh, or call inside torch's implicit_replication()")
+    lead = streams.ndim - 2
+    for i, p in enumerate(streams.placements):
+        if not (type(p) is Replicate or (type(p) is Shard and p.dim % streams.ndim < lead)):
+            raise ValueError(f"streams' placement {p!r} on mesh dim {i} is not supported: fuseblock's hc ops take "
+                             f"streams (..., n, d) Replicate or Shard on a token dim (one of its first {lead}); "
+                             f"redistribute it first (docs/parallel.md)")
+    at = _Placed(streams, {"branch": branch, "post": post, "comb": comb},
+                 {"fn": fn, "base": base, "scale": scale, "weight": weight})
+    loc = at.unwrap()
+    y, hn, post_n, comb_n = local_apply(loc["x"], loc["branch"], loc["post"], loc["comb"], loc["fn"], loc["base"],
+                                        loc["scale"], loc["weight"])
+    tokens, n = tuple(streams.shape[:-2]), streams.shape[-2]
+    return (at.placed(y, shape=(*tokens, streams.shape[-1])), streams if hn is loc["x"] else at.placed(hn),
+            None if post_n is None else at.placed(post_n, shape=(*tokens, n)),
+            None if comb_n is None else at.placed(comb_n, shape=(*tokens, n, n)))
+
+
 def _hidden_add_norm(at: _Placed, loc: dict, x, residual, weight, bias, gate, x1, *, kind, c, eps, residual_dtype,
                      gate_act, gate_position, num_groups, weight_offset, alpha=1.0, dropout_p=0.0, out_dtype=None):
     """add_norm on columns: new_residual by the torch path's own sum (reference.residual_sum,
@@ -377,6 +413,7 @@ def _column_output(wp, i: int, ndim: int):
         return Shard(ndim - 1)
     strided = _strided_shard()
     if strided is not None and type(wp) is strided and wp.dim == 0:
+        check_strided_split(f"norm_linear: weight's placement on mesh dim {i}", wp)
         return strided(ndim - 1, split_factor=_split_factor(wp))
     raise ValueError(f"weight's placement {wp!r} on mesh dim {i} is not supported by norm_linear: the Linear's weight "
                      f"must be Replicate() or split by its rows (Shard(0), or _StridedShard(0): column-parallel)")
@@ -385,6 +422,28 @@ def _column_output(wp, i: int, ndim: int):
 @torch.compiler.assume_constant_result  # Dynamo cannot read the attribute of this C++ placement
 def _split_factor(p) -> int:
     return p.split_factor
+
+
+def check_strided_split(what: str, placement) -> None:
+    """Refuse `placement`, a _StridedShard alone on its tensor dim (a column split in another
+    order: q | k | v by heads), on the torch whose DTensor cannot move one: in any
+    redistribution (full_tensor, an op's gradient) torch 2.11 reads every _StridedShard as
+    the order of nested shards and raises on a split factor no mesh order gives (sf 3 on a
+    1-D mesh), and 2.10 fails an assertion; 2.12 falls back to its other planner, 2.9 has
+    no such planner. One line, naming the torch needed."""
+    strided = _strided_shard()
+    if strided is None or type(placement) is not strided or STRIDED_SPLIT_REDISTRIBUTES:
+        return
+    raise ValueError(f"{what} is {placement!r}, a strided column split, which needs torch >= 2.12: torch "
+                     f"{torch.__version__}'s DTensor cannot redistribute a _StridedShard alone; use Shard(0)")
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+STRIDED_SPLIT_REDISTRIBUTES = _release(torch.__version__) not in ((2, 10), (2, 11))  # check_strided_split
 
 
 def _strided_shard():
