@@ -426,16 +426,16 @@ def _split_factor(p) -> int:
 
 def check_strided_split(what: str, placement) -> None:
     """Refuse `placement`, a _StridedShard alone on its tensor dim (a column split in another
-    order: q | k | v by heads), on the torch whose DTensor cannot move one: in any
-    redistribution (full_tensor, an op's gradient) torch 2.11 reads every _StridedShard as
-    the order of nested shards and raises on a split factor no mesh order gives (sf 3 on a
-    1-D mesh), and 2.10 fails an assertion; 2.12 falls back to its other planner, 2.9 has
-    no such planner. One line, naming the torch needed."""
+    order: q | k | v by heads), on a torch whose DTensor cannot move one: torch 2.12 is the
+    first whose redistributions (full_tensor, an op's gradient) take it. In those of 2.11
+    every _StridedShard is read as the order of nested shards, which raises on a split factor
+    no mesh order gives (sf 3 on a 1-D mesh); 2.10 fails an assertion; 2.9 moves it as a
+    plain Shard, silently out of order. One line, naming the torch needed."""
     strided = _strided_shard()
     if strided is None or type(placement) is not strided or STRIDED_SPLIT_REDISTRIBUTES:
         return
-    raise ValueError(f"{what} is {placement!r}, a strided column split, which needs torch >= 2.12: torch "
-                     f"{torch.__version__}'s DTensor cannot redistribute a _StridedShard alone; use Shard(0)")
+    raise ValueError(f"{what} is {placement!r}, a strided column split, which needs torch >= 2.12: the DTensor "
+                     f"of torch {torch.__version__} cannot redistribute a _StridedShard alone; use Shard(0)")
 
 
 def _release(version: str) -> tuple[int, int]:
@@ -443,7 +443,7 @@ def _release(version: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-STRIDED_SPLIT_REDISTRIBUTES = _release(torch.__version__) not in ((2, 10), (2, 11))  # check_strided_split
+STRIDED_SPLIT_REDISTRIBUTES = _release(torch.__version__) >= (2, 12)  # check_strided_split
 
 
 def _strided_shard():
