@@ -104,11 +104,11 @@ class _Placed:
                 raise ValueError(f"{name} is on mesh {t.device_mesh}, x on {self.mesh}: one mesh for every argument")
         self.rows, self.hidden = [], []
         for i, p in enumerate(x.placements):
-            if type(p) is Shard and p.dim % x.ndim == last:
+            if _is_shard(p) and p.dim % x.ndim == last:
                 self.hidden.append(i)
                 vector = Shard(0)
-            elif type(p) is Shard or type(p) is Replicate:
-                if type(p) is Shard:
+            elif _is_shard(p) or isinstance(p, Replicate):
+                if _is_shard(p):
                     self.rows.append(i)
                 vector = Replicate()
             else:
@@ -267,7 +267,7 @@ def hyper(local_apply: Callable, streams, branch, post, comb, fn, base, scale, w
     refused by name. (The torch path's ops on the DTensors themselves would flatten the token
     dims for their matmuls, which torch 2.11's DTensor refuses where a dim after the first
     is sharded: tokens by sequence.)"""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate
 
     streams, branch, post, comb, fn, base, scale, weight = _implicitly_replicated(
         streams, branch, post, comb, fn, base, scale, weight)
@@ -276,7 +276,7 @@ def hyper(local_apply: Callable, streams, branch, post, comb, fn, base, scale, w
                         f"tensor as a DTensor on one mesh, or call inside torch's implicit_replication()")
     lead = streams.ndim - 2
     for i, p in enumerate(streams.placements):
-        if not (type(p) is Replicate or (type(p) is Shard and p.dim % streams.ndim < lead)):
+        if not (isinstance(p, Replicate) or (_is_shard(p) and p.dim % streams.ndim < lead)):
             raise ValueError(f"streams' placement {p!r} on mesh dim {i} is not supported: fuseblock's hc ops take "
                              f"streams (..., n, d) Replicate or Shard on a token dim (one of its first {lead}); "
                              f"redistribute it first (docs/parallel.md)")
@@ -409,10 +409,10 @@ def _column_output(wp, i: int, ndim: int):
     anything else (a row-parallel Shard(1), Partial) is refused by name."""
     from torch.distributed.tensor import Shard
 
-    if type(wp) is Shard and wp.dim == 0:
+    if _is_shard(wp) and wp.dim == 0:
         return Shard(ndim - 1)
     strided = _strided_shard()
-    if strided is not None and type(wp) is strided and wp.dim == 0:
+    if strided is not None and isinstance(wp, strided) and wp.dim == 0:
         check_strided_split(f"norm_linear: weight's placement on mesh dim {i}", wp)
         return strided(ndim - 1, split_factor=_split_factor(wp))
     raise ValueError(f"weight's placement {wp!r} on mesh dim {i} is not supported by norm_linear: the Linear's weight "
@@ -432,7 +432,7 @@ def check_strided_split(what: str, placement) -> None:
     no mesh order gives (sf 3 on a 1-D mesh); 2.10 fails an assertion; 2.9 moves it as a
     plain Shard, silently out of order. One line, naming the torch needed."""
     strided = _strided_shard()
-    if strided is None or type(placement) is not strided or STRIDED_SPLIT_REDISTRIBUTES:
+    if strided is None or not isinstance(placement, strided) or STRIDED_SPLIT_REDISTRIBUTES:
         return
     raise ValueError(f"{what} is {placement!r}, a strided column split, which needs torch >= 2.12: the DTensor "
                      f"of torch {torch.__version__} cannot redistribute a _StridedShard alone; use Shard(0)")
@@ -444,6 +444,16 @@ def _release(version: str) -> tuple[int, int]:
 
 
 STRIDED_SPLIT_REDISTRIBUTES = _release(torch.__version__) >= (2, 12)  # check_strided_split
+
+
+def _is_shard(p) -> bool:
+    """Whether placement p is a Shard and no _StridedShard (a subclass of Shard up to torch
+    2.9): by isinstance, which Dynamo traces on torch 2.12's placements where it cannot
+    trace `type(p) is Shard`."""
+    from torch.distributed.tensor import Shard
+
+    strided = _strided_shard()
+    return isinstance(p, Shard) and not (strided is not None and isinstance(p, strided))
 
 
 def _strided_shard():
