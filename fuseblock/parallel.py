@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_module, distribu
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .modules import Norm
+from .ops.dtensor import check_strided_split
 
 __all__ = ["FusedColwiseParallel", "HiddenParallel", "SequenceParallel"]
 
@@ -138,6 +139,7 @@ class FusedColwiseParallel(ParallelStyle):
     def __init__(self, placement=None):
         super().__init__()
         self.placement = Shard(0) if placement is None else placement
+        check_strided_split("FusedColwiseParallel: placement", self.placement)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Linear):

@@ -1,6 +1,6 @@
 """fuseblock's ops on DTensors (torch.distributed.tensor), both paths: `norm`, `add_norm`
-(its branch too: alpha, x1, dropout_p), `norm_add`, `norm_add_norm` and `norm_linear`.
-docs/parallel.md.
+(its branch too: alpha, x1, dropout_p), `norm_add`, `norm_add_norm` and `norm_linear`;
+the hc ops by tokens (`hyper`). docs/parallel.md.
 
 For each mesh dim, x's placement decides what runs there:
 - Replicate, or Shard on a row dim (any dim but the last): the op runs on each rank's
@@ -104,11 +104,11 @@ class _Placed:
                 raise ValueError(f"{name} is on mesh {t.device_mesh}, x on {self.mesh}: one mesh for every argument")
         self.rows, self.hidden = [], []
         for i, p in enumerate(x.placements):
-            if type(p) is Shard and p.dim % x.ndim == last:
+            if _is_shard(p) and p.dim % x.ndim == last:
                 self.hidden.append(i)
                 vector = Shard(0)
-            elif type(p) is Shard or type(p) is Replicate:
-                if type(p) is Shard:
+            elif _is_shard(p) or isinstance(p, Replicate):
+                if _is_shard(p):
                     self.rows.append(i)
                 vector = Replicate()
             else:
@@ -255,6 +255,42 @@ def add_norm(local_add_norm: Callable, x, residual, weight, bias, gate, x1=None,
     return at.placed(out.to(out_dtype)), (x if new_res is xl else at.placed(new_res))
 
 
+def hyper(local_apply: Callable, streams, branch, post, comb, fn, base, scale, weight):
+    """`local_apply(streams, branch, post, comb, fn, base, scale, weight)` (an hc op on
+    validated arguments, the kernels or the torch path) on DTensors: (y, new_streams,
+    post_next, comb_next), each placed as streams is (new_streams `streams` itself where
+    the op returns its input; post_next, comb_next None where it does). Every per-token
+    quantity of a boundary reads its own token's n streams alone, so streams by tokens
+    (Shard on a lead dim, not on n or d) or replicated runs on each rank's tokens,
+    unchanged; branch, post and comb placed as streams, fn, base, scale and weight
+    replicated (their gradients Partial on the token-sharded mesh dims). Anything else is
+    refused by name. (The torch path's ops on the DTensors themselves would flatten the token
+    dims for their matmuls, which torch 2.11's DTensor refuses where a dim after the first
+    is sharded: tokens by sequence.)"""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    streams, branch, post, comb, fn, base, scale, weight = _implicitly_replicated(
+        streams, branch, post, comb, fn, base, scale, weight)
+    if not isinstance(streams, DTensor):
+        raise TypeError(f"streams is a {type(streams).__name__}, but another argument is a DTensor: pass every "
+                        f"tensor as a DTensor on one mesh, or call inside torch's implicit_replication()")
+    lead = streams.ndim - 2
+    for i, p in enumerate(streams.placements):
+        if not (isinstance(p, Replicate) or (_is_shard(p) and p.dim % streams.ndim < lead)):
+            raise ValueError(f"streams' placement {p!r} on mesh dim {i} is not supported: fuseblock's hc ops take "
+                             f"streams (..., n, d) Replicate or Shard on a token dim (one of its first {lead}); "
+                             f"redistribute it first (docs/parallel.md)")
+    at = _Placed(streams, {"branch": branch, "post": post, "comb": comb},
+                 {"fn": fn, "base": base, "scale": scale, "weight": weight})
+    loc = at.unwrap()
+    y, hn, post_n, comb_n = local_apply(loc["x"], loc["branch"], loc["post"], loc["comb"], loc["fn"], loc["base"],
+                                        loc["scale"], loc["weight"])
+    tokens, n = tuple(streams.shape[:-2]), streams.shape[-2]
+    return (at.placed(y, shape=(*tokens, streams.shape[-1])), streams if hn is loc["x"] else at.placed(hn),
+            None if post_n is None else at.placed(post_n, shape=(*tokens, n)),
+            None if comb_n is None else at.placed(comb_n, shape=(*tokens, n, n)))
+
+
 def _hidden_add_norm(at: _Placed, loc: dict, x, residual, weight, bias, gate, x1, *, kind, c, eps, residual_dtype,
                      gate_act, gate_position, num_groups, weight_offset, alpha=1.0, dropout_p=0.0, out_dtype=None):
     """add_norm on columns: new_residual by the torch path's own sum (reference.residual_sum,
@@ -373,10 +409,11 @@ def _column_output(wp, i: int, ndim: int):
     anything else (a row-parallel Shard(1), Partial) is refused by name."""
     from torch.distributed.tensor import Shard
 
-    if type(wp) is Shard and wp.dim == 0:
+    if _is_shard(wp) and wp.dim == 0:
         return Shard(ndim - 1)
     strided = _strided_shard()
-    if strided is not None and type(wp) is strided and wp.dim == 0:
+    if strided is not None and isinstance(wp, strided) and wp.dim == 0:
+        check_strided_split(f"norm_linear: weight's placement on mesh dim {i}", wp)
         return strided(ndim - 1, split_factor=_split_factor(wp))
     raise ValueError(f"weight's placement {wp!r} on mesh dim {i} is not supported by norm_linear: the Linear's weight "
                      f"must be Replicate() or split by its rows (Shard(0), or _StridedShard(0): column-parallel)")
@@ -385,6 +422,38 @@ def _column_output(wp, i: int, ndim: int):
 @torch.compiler.assume_constant_result  # Dynamo cannot read the attribute of this C++ placement
 def _split_factor(p) -> int:
     return p.split_factor
+
+
+def check_strided_split(what: str, placement) -> None:
+    """Refuse `placement`, a _StridedShard alone on its tensor dim (a column split in another
+    order: q | k | v by heads), on a torch whose DTensor cannot move one: torch 2.12 is the
+    first whose redistributions (full_tensor, an op's gradient) take it. In those of 2.11
+    every _StridedShard is read as the order of nested shards, which raises on a split factor
+    no mesh order gives (sf 3 on a 1-D mesh); 2.10 fails an assertion; 2.9 moves it as a
+    plain Shard, silently out of order. One line, naming the torch needed."""
+    strided = _strided_shard()
+    if strided is None or not isinstance(placement, strided) or STRIDED_SPLIT_REDISTRIBUTES:
+        return
+    raise ValueError(f"{what} is {placement!r}, a strided column split, which needs torch >= 2.12: the DTensor "
+                     f"of torch {torch.__version__} cannot redistribute a _StridedShard alone; use Shard(0)")
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+STRIDED_SPLIT_REDISTRIBUTES = _release(torch.__version__) >= (2, 12)  # check_strided_split
+
+
+def _is_shard(p) -> bool:
+    """Whether placement p is a Shard and no _StridedShard (a subclass of Shard up to torch
+    2.9): by isinstance, which Dynamo traces on torch 2.12's placements where it cannot
+    trace `type(p) is Shard`."""
+    from torch.distributed.tensor import Shard
+
+    strided = _strided_shard()
+    return isinstance(p, Shard) and not (strided is not None and isinstance(p, strided))
 
 
 def _strided_shard():

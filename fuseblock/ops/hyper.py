@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .. import hyper_reference
 from ..hyper_spec import FORMS, HyperSpec, Mode
+from . import dtensor
 from .checks import check_eps, check_int, check_number, check_tensor
 from .dispatch import func_transforms_active, kernels, uses_triton
 from .dtensor import has_dtensor
@@ -85,10 +86,17 @@ def resolve(streams, branch, post, comb, fn, base, scale, weight, *, iters, hc_e
 
 
 def apply(streams, branch, post, comb, fn, base, scale, weight, spec: HyperSpec):
-    """(y, new_streams, post_next, comb_next) on validated arguments: the kernels or the torch path."""
-    # DTensors run the torch path's ops, which DTensor shards as it does any torch op (the
-    # custom ops have no sharding rule: on the kernel path they would see DTensor wrappers)
-    if not uses_triton(streams) or func_transforms_active() or has_dtensor(streams, branch, fn, weight, post, comb):
+    """(y, new_streams, post_next, comb_next) on validated arguments: the kernels or the torch path
+    (on DTensors, on each rank's tokens: fuseblock.ops.dtensor.hyper)."""
+    if has_dtensor(streams, branch, fn, weight, post, comb):
+        return dtensor.hyper(lambda *local: _local(*local, spec), streams, branch, post, comb, fn, base, scale,
+                             weight)
+    return _local(streams, branch, post, comb, fn, base, scale, weight, spec)
+
+
+def _local(streams, branch, post, comb, fn, base, scale, weight, spec: HyperSpec):
+    """`apply` on plain tensors."""
+    if not uses_triton(streams) or func_transforms_active():
         return hyper_reference.hyper_fwd(streams, branch, post, comb, fn, base, scale, weight, spec)
     y, hn, post_n, comb_n, _, _ = hc_op(streams, branch, post, comb, fn, base, scale, weight, spec.pack())
     post_out = spec.mode in (Mode.PRE_POST_COMB, Mode.PRE_POST)
