@@ -45,10 +45,16 @@ def _grads(op, rows, d, dtype):
 
 def _by_sms(monkeypatch, op, rows, d, dtype):
     import fuseblock.kernels.launch as L
+    import fuseblock.kernels.norm as K
+    import fuseblock.kernels.norm_add as NA
 
     found = {}
     for sms in SMS:
+        # num_sms where the launchers read it: H100_SMS stands in only where there is no
+        # GPU (a GPU run asks its own, which the first H200 run showed left the check blind)
         monkeypatch.setattr(L, "H100_SMS", sms)
+        for module in (L, K, NA):
+            monkeypatch.setattr(module, "num_sms", lambda device, n=sms: n)
         found[sms] = _grads(op, rows, d, dtype)
     return found
 
@@ -91,6 +97,7 @@ def test_deterministic_mode_changes_nothing_but_the_split(deterministic, monkeyp
     import fuseblock.kernels.launch as L
 
     monkeypatch.setattr(L, "H100_SMS", 1)
+    monkeypatch.setattr(L, "num_sms", lambda device: 1)
     fixed = _grads("norm_add_norm", 300, 48, torch.float32)
     torch.use_deterministic_algorithms(False)
     default = _grads("norm_add_norm", 300, 48, torch.float32)

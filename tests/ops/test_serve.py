@@ -1,7 +1,7 @@
 """fuseblock.serve: vLLM's in-place entry points, bitwise the training op's forward."""
 import pytest
 import torch
-from helpers import KERNEL_PATH, generator
+from helpers import INTERPRETED, KERNEL_PATH, generator
 
 import fuseblock
 from fuseblock import serve
@@ -148,26 +148,27 @@ def test_a_call_allocates_nothing(monkeypatch):
         serve.fused_add_layer_norm(x, r, w, b, EPS)  # the first call of a shape validates its spec
         serve.rms_norm(out, x, w, EPS)
     mode = _Ops()
-    real = interpreter.GridExecutor.__call__
-
-    def launch(self, *a, **k):
-        mode.paused += 1
-        try:
-            return real(self, *a, **k)
-        finally:
-            mode.paused -= 1
-
-    monkeypatch.setattr(interpreter.GridExecutor, "__call__", launch)
     launched = []
-    monkeypatch.setattr(interpreter.GridExecutor, "__init__", lambda s, *a, f=interpreter.GridExecutor.__init__,
-                        **k: launched.append(1) or f(s, *a, **k))
+    if INTERPRETED:  # the interpreter's own tensors are not the call's ops; it counts the launches
+        real = interpreter.GridExecutor.__call__
+
+        def launch(self, *a, **k):
+            mode.paused += 1
+            try:
+                return real(self, *a, **k)
+            finally:
+                mode.paused -= 1
+
+        monkeypatch.setattr(interpreter.GridExecutor, "__call__", launch)
+        monkeypatch.setattr(interpreter.GridExecutor, "__init__", lambda s, *a, f=interpreter.GridExecutor.__init__,
+                            **k: launched.append(1) or f(s, *a, **k))
     with torch.no_grad(), mode:
         serve.fused_add_layer_norm(x, r, w, b, EPS)
         serve.rms_norm(out, x, w, EPS)
         serve.rms_norm(x, x, w, EPS)
     # views of the caller's tensors only: no factory, copy or out-of-place op
     assert {str(f) for f in mode.ops} <= {"aten.view.default"}, mode.ops
-    assert len(launched) == 3  # one launch a call
+    assert len(launched) == (3 if INTERPRETED else 0)  # one launch a call (counted under the interpreter)
     mode.ops.clear()
     with torch.no_grad(), mode:  # the count sees allocations: the training op's, for one
         fuseblock.add_norm(x, r, w, b, kind="layer", eps=EPS)
