@@ -86,11 +86,16 @@ GPU_CHECK_DEPS := $(if $(filter command line,$(origin PY)),,$(STAMP))
 # tests/ops/test_properties.py needs hypothesis, which a GPU image may lack: left out there, not an
 # error for the whole run (the report says whether it ran). Expanded when the recipe runs.
 NO_HYPOTHESIS   = $(shell $(PY) -c "import hypothesis" 2>/dev/null || echo --ignore=tests/ops/test_properties.py)
+# pytest-xdist, where installed (the GPU images here have it): the kernel tests in GPU_WORKERS
+# processes sharing the GPU, compiling their kernels in parallel (14 ran them in 113 to 128 s
+# on an H200's 16-core host, 2026-11-28). GPU_WORKERS=0: one process.
+GPU_WORKERS    ?= 14
+XDIST           = $(shell [ "$(GPU_WORKERS)" != 0 ] && $(PY) -c "import xdist" 2>/dev/null && printf -- '-n %s' "$(GPU_WORKERS)")
 
 gpu-check: $(GPU_CHECK_DEPS)
 	rm -rf $(GPU_OUT) && mkdir -p $(GPU_OUT)
 	if ls $(PEER_WHEELS)/*.whl >/dev/null 2>&1; then $(PY) -m pip install --quiet --no-index --no-deps $(PEER_WHEELS)/*.whl; fi
-	{ FUSEBLOCK_TEST_DEVICE=cuda $(PY) -m pytest -m kernel tests/ $(NO_HYPOTHESIS); echo $$? >$(GPU_OUT)/tests.rc; } 2>&1 | tee $(GPU_OUT)/tests.log
+	{ FUSEBLOCK_TEST_DEVICE=cuda $(PY) -m pytest -m kernel tests/ $(NO_HYPOTHESIS) $(XDIST); echo $$? >$(GPU_OUT)/tests.rc; } 2>&1 | tee $(GPU_OUT)/tests.log
 	{ $(PY) scripts/bench.py gpu --out $(GPU_OUT); echo $$? >$(GPU_OUT)/gpu.rc; } 2>&1 | tee $(GPU_OUT)/gpu.log
 	{ $(PY) scripts/bench.py gpt-step --json; echo $$? >$(GPU_OUT)/gpt_step.rc; } 2>&1 | tee $(GPU_OUT)/gpt_step.log
 	$(PY) scripts/bench.py gpu-report --out $(GPU_OUT)
