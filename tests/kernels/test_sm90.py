@@ -42,12 +42,16 @@ def _launches(config, d, dtype, rows=512, compiled=None):
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("d", [1000, 20000, 40000])  # tile both ways; tile forward, wide backward; wide both ways
+@pytest.mark.parametrize("d", [1000, 20000, 40000])  # tile both ways; tile forward (most), wide backward; wide
 def test_core_kernels_compile_for_h100(config, d):
     launches = _launches(config, d, torch.bfloat16)
     names = [ln.name for ln in launches]
-    # 512 rows: 8 tile backward programs, whose dw (db) partial rows _bwd_sum adds up
-    assert names == {1000: ["_fwd_tile", "_bwd_tile", "_bwd_sum"], 20000: ["_fwd_tile", "_bwd_dots", "_bwd_cols"],
+    # 512 rows: 8 tile backward programs, whose dw (db) partial rows _bwd_sum adds up. At
+    # 20000 (a 32768 tile) the pre-gate, groups and dropout take the loop forward
+    # (launch.MAX_TILE_FWD_HEAVY: their tile spilled and timed slower on an H200)
+    heavy = config in ("pre_gate_layer", "groups", "branch_dropout")
+    fwd_20000 = "_fwd_loop" if heavy else "_fwd_tile"
+    assert names == {1000: ["_fwd_tile", "_bwd_tile", "_bwd_sum"], 20000: [fwd_20000, "_bwd_dots", "_bwd_cols"],
                      40000: ["_fwd_loop", "_bwd_dots", "_bwd_cols"]}[d]
     for ln in launches:
         usage = resource_usage(compile_for(ln))
