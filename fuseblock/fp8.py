@@ -119,18 +119,19 @@ def _sat(v: Tensor, spec: NormSpec) -> Tensor:
     return torch.clamp(v, -m, m).to(fp8_dtype(spec))
 
 
-def div_rn(a, b: Tensor) -> Tensor:
+def div_rn(a: Tensor | float, b: Tensor | float) -> Tensor:
     """a / b rounded once to fp32, as the kernels' tl.div_rn: computed in fp64, whose
     quotient of fp32 operands rounds to the correctly rounded fp32 one, so the torch path
-    does not depend on how a device's own fp32 division rounds."""
-    return (a / b.double() if isinstance(a, (int, float)) else a.double() / b.double()).float()
+    does not depend on how a device's own fp32 division rounds. One of them a tensor."""
+    a, b = (t.double() if isinstance(t, Tensor) else t for t in (a, b))
+    return (a / b).float()
 
 
 def mx_exponents(amax: Tensor, spec: NormSpec) -> Tensor:
     """The biased e8m0 exponent (int32) of blocks with fp32 amax."""
     nan = torch.isnan(amax)
     if spec.mx_rceil:
-        descale = div_rn(amax, amax.new_tensor(fp8_max(spec)))
+        descale = div_rn(amax, fp8_max(spec))
         mant, exp = torch.frexp(descale)  # descale = mant * 2**exp, mant in [0.5, 1)
         k = torch.where(mant == 0.5, exp - 1, exp)  # the exact ceiling of log2(descale)
         k = torch.where(descale == 0, -E8M0_BIAS, k).clamp(-E8M0_BIAS, E8M0_BIAS)

@@ -39,7 +39,7 @@ from ..spec import Act, Gate, NormSpec, acc_dtype
 from .checks import check_eps, check_int, check_number, check_tensor
 from .dispatch import func_transforms_active, kernels, uses_triton
 from .norm import apply_norm, norm
-from .registry import FusedOp
+from .registry import FusedOp, placeholder
 
 
 def _check_input(x, what: str, min_dim: int) -> tuple[int, int, int]:
@@ -71,11 +71,6 @@ def check_momentum(momentum, *, allow_none: bool = False) -> None:
 
 
 # --------------------------------------------------------------------------- Triton path registration
-def _empty(x: Tensor) -> Tensor:
-    # custom ops cannot return None; absent gradients are empty placeholders
-    return x.new_empty(0, dtype=torch.float32)
-
-
 def _fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], batch: bool, groups: int,
          eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """(y, mean, rstd): sets per channel over the batch (batch), else per sample and group."""
@@ -101,13 +96,13 @@ def _fwd_fake(x, weight, bias, batch, groups, eps):
 def _bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor, rstd: Tensor,
          batch: bool, groups: int) -> tuple[Tensor, Tensor, Tensor]:
     dx, dw, db = kernels("channel_norm", x).channel_norm_bwd(dy, x, weight, bias, mean, rstd, batch, groups)
-    return dx, _empty(x) if dw is None else dw, _empty(x) if db is None else db
+    return dx, placeholder(x) if dw is None else dw, placeholder(x) if db is None else db
 
 
 def _bwd_fake(dy, x, weight, bias, mean, rstd, batch, groups):
     n_ch = x.shape[1]
-    return (x.new_empty(x.shape), _empty(x) if weight is None else weight.new_empty((n_ch,)),
-            _empty(x) if bias is None else bias.new_empty((n_ch,)))
+    return (x.new_empty(x.shape), placeholder(x) if weight is None else weight.new_empty((n_ch,)),
+            placeholder(x) if bias is None else bias.new_empty((n_ch,)))
 
 
 def _setup(ctx, inputs, output):

@@ -18,7 +18,7 @@ from . import dtensor
 from .checks import check_eps, check_int, check_number, check_tensor
 from .dispatch import func_transforms_active, kernels, uses_triton
 from .dtensor import has_dtensor
-from .registry import FusedOp
+from .registry import FusedOp, placeholder, placeholders
 
 MAX_STREAMS = 16
 
@@ -106,16 +106,12 @@ def _local(streams, branch, post, comb, fn, base, scale, weight, spec: HyperSpec
 
 # ---------------------------------------------------------------- the kernel path's custom ops
 # Absent tensors cross the op boundary as empty placeholders (custom ops return no None).
-def _empty(x: Tensor) -> Tensor:
-    return x.new_empty(0, dtype=torch.float32)
-
-
 def _fwd(streams: Tensor, branch: Optional[Tensor], post: Optional[Tensor], comb: Optional[Tensor],
          fn: Optional[Tensor], base: Optional[Tensor], scale: Optional[Tensor], weight: Optional[Tensor],
          spec: List[float]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # noqa: UP006
     out = kernels("hyper", streams).hyper_fwd(streams, branch, post, comb, fn, base, scale, weight,
                                                HyperSpec.unpack(spec))
-    return tuple(t if t is not None else _empty(streams) for t in out)
+    return placeholders(streams, out)
 
 
 def _fwd_fake(streams, branch, post, comb, fn, base, scale, weight, spec):
@@ -124,10 +120,10 @@ def _fwd_fake(streams, branch, post, comb, fn, base, scale, weight, spec):
     rows = streams.numel() // (s.n * s.d)
     return (
         streams.new_empty((*lead, s.d)),
-        streams.new_empty(streams.shape) if s.update else _empty(streams),
+        streams.new_empty(streams.shape) if s.update else placeholder(streams),
         streams.new_empty((*lead, s.n), dtype=acc) if s.mode in (Mode.PRE_POST_COMB, Mode.PRE_POST)
-        else _empty(streams),
-        streams.new_empty((*lead, s.n, s.n), dtype=acc) if s.mode == Mode.PRE_POST_COMB else _empty(streams),
+        else placeholder(streams),
+        streams.new_empty((*lead, s.n, s.n), dtype=acc) if s.mode == Mode.PRE_POST_COMB else placeholder(streams),
         streams.new_empty((rows, s.m), dtype=torch.float32),
         streams.new_empty((rows,), dtype=torch.float32),
     )
@@ -140,11 +136,11 @@ def _bwd(dy: Optional[Tensor], dhn: Optional[Tensor], dpost_n: Optional[Tensor],
          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     grads = kernels("hyper", streams).hyper_bwd(dy, dhn, dpost_n, dcomb_n, streams, branch, post, comb, hn, fn,
                                                  base, scale, weight, mix, rho, HyperSpec.unpack(spec))
-    return tuple(t if t is not None else _empty(streams) for t in grads)
+    return placeholders(streams, grads)
 
 
 def _bwd_fake(dy, dhn, dpost_n, dcomb_n, streams, branch, post, comb, hn, fn, base, scale, weight, mix, rho, spec):
-    return tuple(torch.empty_like(t) if t is not None else _empty(streams)
+    return tuple(torch.empty_like(t) if t is not None else placeholder(streams)
                  for t in (streams, branch, post, comb, fn, base, scale, weight))
 
 

@@ -41,13 +41,8 @@ from .checks import (
     resolve,
 )
 from .dispatch import func_transforms_active, kernels, kernels_take_cpu, uses_triton
-from .registry import FusedOp, placeholders
+from .registry import FusedOp, placeholder, placeholders
 from .seed import draw_seed
-
-
-def _empty(x: Tensor) -> Tensor:
-    # custom ops cannot return None; absent outputs are empty placeholders
-    return x.new_empty(0, dtype=torch.float32)
 
 
 def _launch_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1=None, seed=None):
@@ -81,9 +76,9 @@ def _fwd_fake(x, residual, gate, weight, bias, spec, residual_dtype, need_stats,
     stat = acc_dtype(x.dtype)
     return (
         x.new_empty(x.shape, dtype=s.out_dtype_for(x.dtype)),
-        x.new_empty(x.shape, dtype=residual_dtype) if residual_dtype is not None else _empty(x),
-        x.new_empty((rows, s.groups), dtype=stat) if need_stats else _empty(x),
-        x.new_empty((rows, s.groups), dtype=stat) if need_stats and s.center else _empty(x),
+        x.new_empty(x.shape, dtype=residual_dtype) if residual_dtype is not None else placeholder(x),
+        x.new_empty((rows, s.groups), dtype=stat) if need_stats else placeholder(x),
+        x.new_empty((rows, s.groups), dtype=stat) if need_stats and s.center else placeholder(x),
     )
 
 
@@ -109,11 +104,11 @@ def _bwd_fake(dout, dres, p, gate, weight, bias, rstd, mean, spec, x_dtype, resi
     d = p.shape[-1]
     return (
         p.new_empty(p.shape, dtype=x_dtype),
-        p.new_empty(p.shape, dtype=residual_grad_dtype) if residual_grad_dtype is not None else _empty(p),
-        p.new_empty(p.shape, dtype=gate.dtype) if gate is not None else _empty(p),
-        p.new_empty((d,), dtype=weight.dtype) if weight is not None else _empty(p),
-        p.new_empty((d,), dtype=bias.dtype) if bias is not None else _empty(p),
-        p.new_empty(p.shape, dtype=x_dtype) if has_x1 and NormSpec.unpack(spec).dropout_p > 0 else _empty(p),
+        p.new_empty(p.shape, dtype=residual_grad_dtype) if residual_grad_dtype is not None else placeholder(p),
+        p.new_empty(p.shape, dtype=gate.dtype) if gate is not None else placeholder(p),
+        p.new_empty((d,), dtype=weight.dtype) if weight is not None else placeholder(p),
+        p.new_empty((d,), dtype=bias.dtype) if bias is not None else placeholder(p),
+        p.new_empty(p.shape, dtype=x_dtype) if has_x1 and NormSpec.unpack(spec).dropout_p > 0 else placeholder(p),
     )
 
 

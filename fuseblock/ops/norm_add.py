@@ -32,11 +32,7 @@ from .checks import (
     resolve,
 )
 from .dispatch import func_transforms_active, kernels, uses_triton
-from .registry import FusedOp, placeholders
-
-
-def _empty(x: Tensor) -> Tensor:
-    return x.new_empty(0, dtype=torch.float32)  # custom ops cannot return None
+from .registry import FusedOp, placeholder, placeholders
 
 
 def _unpack(spec: List[float]) -> tuple[NormSpec, NormSpec, float]:  # noqa: UP006
@@ -68,9 +64,9 @@ def _fwd_fake(x, residual, branch_weight, branch_bias, weight, bias, spec, resid
     rows = x.numel() // x.shape[-1]
 
     def stat(on):
-        return x.new_empty((rows,), dtype=torch.float32) if need_stats and on else _empty(x)
+        return x.new_empty((rows,), dtype=torch.float32) if need_stats and on else placeholder(x)
 
-    out = x.new_empty(x.shape, dtype=second_spec.out_dtype_for(x.dtype)) if second else _empty(x)
+    out = x.new_empty(x.shape, dtype=second_spec.out_dtype_for(x.dtype)) if second else placeholder(x)
     return (x.new_empty(x.shape, dtype=residual_dtype), out,
             stat(True), stat(center), stat(second), stat(second and center))
 
@@ -99,9 +95,9 @@ def _bwd_fake(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b
     d = x.shape[-1]
 
     def param(t, on=True):
-        return x.new_empty((d,), dtype=t.dtype) if t is not None and on else _empty(x)
+        return x.new_empty((d,), dtype=t.dtype) if t is not None and on else placeholder(x)
 
-    return (x.new_empty(x.shape), x.new_empty(x.shape, dtype=residual_grad_dtype) if store_dr else _empty(x),
+    return (x.new_empty(x.shape), x.new_empty(x.shape, dtype=residual_grad_dtype) if store_dr else placeholder(x),
             param(branch_weight), param(branch_bias), param(weight, second), param(bias, second))
 
 

@@ -13,10 +13,15 @@ from collections.abc import Callable
 import torch
 
 
+def placeholder(x: torch.Tensor) -> torch.Tensor:
+    """An empty fp32 tensor on x's device: what a custom op returns for an absent output
+    (it cannot return None)."""
+    return x.new_empty(0, dtype=torch.float32)
+
+
 def placeholders(x: torch.Tensor, outputs) -> tuple[torch.Tensor, ...]:
-    """outputs with an empty fp32 tensor on x's device for each None: a custom op cannot
-    return None."""
-    return tuple(t if t is not None else x.new_empty(0, dtype=torch.float32) for t in outputs)
+    """outputs with a `placeholder` for each None."""
+    return tuple(t if t is not None else placeholder(x) for t in outputs)
 
 
 class FusedOp:
