@@ -202,3 +202,20 @@ def test_a_strided_column_split_is_refused_only_by_the_torch_that_cannot_move_it
         with pytest.raises(ValueError, match=r"^FusedColwiseParallel: placement is _StridedShard\(dim=0, sf=3\), a "
                                              r"strided column split, which needs torch >= 2\.12: the DTensor of "):
             FusedColwiseParallel(placement)
+
+
+@pytest.mark.parametrize("dim", [2, 3], ids=["n", "d"])
+def test_hc_ops_refuse_streams_split_across_a_token(mesh, dim):
+    """The hc ops run on each rank's tokens: streams sharded on n or d (a token's streams
+    split over ranks) are refused by name, as are plain streams beside DTensor parameters."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    n, m = 2, 2 * 2 + 2 * 2
+    streams = torch.randn(B, T, n, D, device=DEVICE)
+    params = [torch.randn(m, n * D, device=DEVICE) / 4, torch.randn(m, device=DEVICE), torch.ones(3, device=DEVICE),
+              torch.ones(D, device=DEVICE)]
+    placed = [distribute_tensor(t, mesh, [Replicate()]) for t in params]
+    with pytest.raises(ValueError, match=rf"^streams' placement Shard\(dim={dim}\) on mesh dim 0 is not supported"):
+        fuseblock.hc_norm(distribute_tensor(streams, mesh, [Shard(dim)]), *placed, iters=3)
+    with pytest.raises(TypeError, match="^streams is a Tensor, but another argument is a DTensor"):
+        fuseblock.hc_norm(streams, *placed, iters=3)
