@@ -43,16 +43,21 @@ from fuseblock.ops.dispatch import kernels_on_cpu
 from fuseblock.testing.targets import captured_launches
 
 
-def best_us(fn, reps: int, calls: int) -> float:
-    """The fastest of `reps` timings of `calls` calls, in us per call (after one untimed call)."""
-    fn()
-    best = float("inf")
+def per_call_us(fn: Callable[[], object], reps: int, calls: int, sync: Callable[[], object] = lambda: None,
+                clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """`reps` timings by `clock` of `calls` calls each, in us per call, after a few untimed
+    calls; sync() ends each batch (a GPU's queue drained)."""
+    for _ in range(3):
+        fn()
+    sync()
+    per_call = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(calls):
             fn()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-    return best
+        sync()
+        per_call.append((clock() - t0) / calls * 1e6)
+    return per_call
 
 
 def _kind_row(kind: str, reps: int, calls: int) -> dict:
@@ -92,7 +97,7 @@ def _kind_row(kind: str, reps: int, calls: int) -> dict:
     with kernels_on_cpu(), captured_launches(kernels):
         for name, fn in (("launcher_fwd_us", launcher_fwd), ("launcher_bwd_us", launcher_bwd),
                          ("eager_fwd_bwd_us", eager_step), ("serve_us", serve_call), ("train_fwd_us", train_fwd)):
-            row[name] = best_us(fn, reps, calls)
+            row[name] = min(per_call_us(fn, reps, calls))  # the fastest run
     return row
 
 
@@ -167,23 +172,6 @@ def calls_per_call(fn: Callable[[], object], calls: int = 20) -> float:
     return (n - 1) / calls  # less the setprofile(None) call itself
 
 
-def median_us(fn: Callable[[], object], reps: int, calls: int, sync: Callable[[], object],
-              clock: Callable[[], float] = time.perf_counter) -> float:
-    """The median over `reps` of the mean time of `calls` calls by `clock`, in us per call;
-    sync() ends each batch (a GPU's queue drained), after a few untimed calls."""
-    for _ in range(3):
-        fn()
-    sync()
-    per_call = []
-    for _ in range(reps):
-        t0 = clock()
-        for _ in range(calls):
-            fn()
-        sync()
-        per_call.append((clock() - t0) / calls * 1e6)
-    return statistics.median(per_call)
-
-
 def _op_calls(op: str, x, r, w, b):
     """(fused, naive): the op and its naive eager form, each (x, r, w, b) -> outputs."""
     d = x.shape[-1]
@@ -229,7 +217,7 @@ def _op_row(op: str, device: str, reps: int, calls: int) -> dict:
 
         for what, step in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
             row[f"{name}{what}_calls"] = calls_per_call(step)
-            row[f"{name}{what}_us"] = median_us(step, reps, calls, sync, clock)
+            row[f"{name}{what}_us"] = statistics.median(per_call_us(step, reps, calls, sync, clock))
     return row
 
 
