@@ -70,11 +70,10 @@ def call(script, *args, check=True):
     """Run scripts/<script>'s cli() in-process; returns .returncode, .stdout, .stderr."""
     out, err, code = io.StringIO(), io.StringIO(), 0
     threads, rng = torch.get_num_threads(), torch.get_rng_state()
-    # a user's process makes tensors on the CPU unless told otherwise, whatever default device
-    # conftest set for the tests (FUSEBLOCK_TEST_DEVICE=cuda)
-    home = torch.device("cpu") if DEVICE != "cpu" else contextlib.nullcontext()
     try:
-        with home, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        # on the CPU unless told otherwise, as a user's process, whatever default device
+        # conftest set for the tests (FUSEBLOCK_TEST_DEVICE=cuda)
+        with torch.device("cpu"), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             _module(script).cli([str(a) for a in args])
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
