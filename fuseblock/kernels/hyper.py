@@ -17,11 +17,14 @@ Backward (`_bwd`, persistent programs, then `_bwd_params`), from H, f, post, com
 and the saved mix and rho (no (m, n*d) intermediate):
 - pass A: sum z^2, sum g z (g = dy w), and per stream sum g H'_i, sum z H'_i, which give
   dpre_i = <dz, H'_i> with dz = r g - (r^3 <g, z>/d) z, no second pass;
-- the coefficients' backward in registers: sigmoid', and Sinkhorn backward pass by pass
-  from its last output, each pass's input rebuilt as output x denominator (the 2 iters - 1
-  denominators kept in registers, [BT, TP, NP]), then the softmax's; da (the gradient of
-  the logits, (M, m) fp32) stored for `_bwd_params`;
-- pass C: dH' = dH'_out + pre (x) dz + fn^T dv + (drho/dx) with dv = rho scale da, then
+- the coefficients' backward: sigmoid', then (with comb's gradient) the softmax and
+  Sinkhorn rerun forward, each pass's [BT, NP] denominators written to the program's
+  scratch, and Sinkhorn's backward pass by pass from its last output, each pass's input
+  rebuilt as output x denominator; then the softmax's; da (the gradient of the logits,
+  (M, m) fp32) stored for `_bwd_params`. Only pre is formed before pass A: what pass A
+  and pass C hold live is what limits their registers;
+- pass C: dH' = dH'_out + pre (x) dz + fn^T dv + (drho/dx) with dv = rho scale da (fn^T dv
+  a dot over KC rows of fn at a time, dv re-read from da), then
   dH = comb dH', df = post^T dH', dpost = <f, dH'_k>, dcomb_jk = <H_j, dH'_k>, and dw's
   partial rows (one per program, added to across its token blocks).
 `_bwd_params`: dfn = sum_t dv_t (x) flat(H'_t) as dots over token blocks, dbase and dscale
@@ -39,13 +42,15 @@ from ..hyper_spec import HyperSpec, Mode
 from .launch import LAUNCHES, cdiv, num_sms, pow2, sum_rows
 
 BT = 16  # tokens per block: the dots' row count (a tl.dot needs >= 16)
-# Sized from sm_90 builds (`fuseblock.testing.targets`, no GPU needed): registers, spills and
-# shared memory of each kernel at n = 4, 8, 16 and d = 1024, 4096.
+# Sized from compiler builds (`scripts/bench.py targets`, no GPU needed): registers, spills and
+# shared memory of each kernel at n = 4, 8, 16 and d = 64 to 262144, sm_90, sm_100 and gfx942.
 FN_TILE_FWD = 16384  # elements of a [NP*BD, MP] fn tile (the projection's chunk), forward
-FN_TILE_BWD = 4096  # and backward, whose chunk holds more blocks live
+FN_TILE_BWD = 1024  # and of a [KC_BWD, NP*BD] one backward, whose chunk holds more blocks live
+# (2048 spilled 16 B a thread at n = 8 and 16 on sm_90, bf16)
 MAX_DOT_K = 512  # NP*BD: the dot's operands pass through shared memory (278 KB at 1024, over sm_90's 227 KB)
 ROW_TILE_FWD = 16384  # elements of a [BT, NP, BD2] block of the collapse passes
 ROW_TILE_BWD = 8192
+KC_BWD = 16  # rows of fn a step of the backward's fn^T dv dot (its K; a dot needs >= 16)
 PARAMS_TILE = 8192  # elements of _bwd_params' [MP, BK] dfn accumulator
 PROGRAMS_PER_SM = 2
 # _bwd_params takes 8 warps for n = 16 (m = 288 rows of fn, MP = 512): with 4 it needed 255
@@ -69,82 +74,96 @@ def _softmax_rows(b_l, m_jk):
 
 
 @triton.jit
-def _put(b_dens, b_den, i, o_p):
-    """Row i of the [BT, TP, NP] denominators."""
-    return tl.where(o_p[None, :, None] == i, b_den[:, None, :], b_dens)
-
-
-@triton.jit
-def _take(b_dens, i, o_p):
-    return tl.sum(tl.where(o_p[None, :, None] == i, b_dens, 0.0), 1)
-
-
-@triton.jit
-def _sinkhorn(b_s, m_jk, iters, hc_eps, o_p, TP: tl.constexpr):
+def _sinkhorn(b_s, m_jk, iters, hc_eps, DENS, KEEP: tl.constexpr):
     """comb = Sinkhorn(S + hc_eps): a column pass, then (iters - 1) row and column passes,
-    each dividing by (sum + hc_eps). Returns comb and the denominators of the 2 iters - 1
-    passes (pass 0: columns; pass 2i + 1: rows, 2i + 2: columns)."""
+    each dividing by (sum + hc_eps). KEEP: each pass's [BT, NP] denominators go to this
+    program's scratch DENS (pass 0: columns; pass 2i + 1: rows, 2i + 2: columns) for
+    `_sinkhorn_bwd`. Registers could not hold them: 2 iters - 1 = 39 passes of [16, 16]
+    at n = 16 are 39 KB, and held as a [BT, 64, NP] block they spilled 1.7 KB a thread on
+    sm_90; the scratch stays in L1/L2 (the same program reads it back at once)."""
+    BT_: tl.constexpr = b_s.shape[0]
+    NP_: tl.constexpr = b_s.shape[1]
+    o_den = tl.arange(0, BT_)[:, None] * NP_ + tl.arange(0, NP_)[None, :]
     b_c = tl.where(m_jk, b_s + hc_eps, 0.0)
     b_den = tl.sum(b_c, 1) + hc_eps  # [BT, NP] per column k
     b_c = b_c / b_den[:, None, :]
-    b_dens = _put(tl.zeros([b_c.shape[0], TP, b_c.shape[1]], dtype=tl.float32), b_den, 0, o_p)
+    if KEEP:
+        tl.store(DENS + o_den, b_den)
     for i in range(iters - 1):
         b_den = tl.sum(b_c, 2) + hc_eps  # per row j
         b_c = b_c / b_den[:, :, None]
-        b_dens = _put(b_dens, b_den, 2 * i + 1, o_p)
+        if KEEP:
+            tl.store(DENS + (2 * i + 1) * BT_ * NP_ + o_den, b_den)
         b_den = tl.sum(b_c, 1) + hc_eps
         b_c = b_c / b_den[:, None, :]
-        b_dens = _put(b_dens, b_den, 2 * i + 2, o_p)
-    return b_c, b_dens
+        if KEEP:
+            tl.store(DENS + (2 * i + 2) * BT_ * NP_ + o_den, b_den)
+    return b_c
 
 
 @triton.jit
-def _sinkhorn_bwd(b_c, b_dc, b_dens, iters, o_p):
+def _sinkhorn_bwd(b_c, b_dc, iters, DENS):
     """The gradient at the passes' input S + hc_eps, from comb's b_dc: each pass
-    Y = X / den backs up as dX = (dY - sum(dY Y)) / den over its axis, and X = Y den."""
+    Y = X / den backs up as dX = (dY - sum(dY Y)) / den over its axis, and X = Y den
+    (den read back from `_sinkhorn`'s scratch, after a barrier)."""
+    BT_: tl.constexpr = b_c.shape[0]
+    NP_: tl.constexpr = b_c.shape[1]
+    o_den = tl.arange(0, BT_)[:, None] * NP_ + tl.arange(0, NP_)[None, :]
     for q in range(iters - 1):
         i = iters - 2 - q
-        b_den = _take(b_dens, 2 * i + 2, o_p)[:, None, :]
+        b_den = tl.load(DENS + (2 * i + 2) * BT_ * NP_ + o_den)[:, None, :]
         b_dc = (b_dc - tl.sum(b_dc * b_c, 1)[:, None, :]) / b_den
         b_c = b_c * b_den
-        b_den = _take(b_dens, 2 * i + 1, o_p)[:, :, None]
+        b_den = tl.load(DENS + (2 * i + 1) * BT_ * NP_ + o_den)[:, :, None]
         b_dc = (b_dc - tl.sum(b_dc * b_c, 2)[:, :, None]) / b_den
         b_c = b_c * b_den
-    b_den = _take(b_dens, 0, o_p)[:, None, :]
+    b_den = tl.load(DENS + o_den)[:, None, :]
     return (b_dc - tl.sum(b_dc * b_c, 1)[:, None, :]) / b_den
 
 
 @triton.jit
-def _coefficients(MIX, BASE, SCALE, o_t, m_t, N, m, o_s, m_s, hc_eps, iters, o_p,
-                  HAS_FN: tl.constexpr, POST_OUT: tl.constexpr, COMB_OUT: tl.constexpr, TP: tl.constexpr):
-    """(pre, sigmoid of pre's logits, sigmoid of post's, softmax S, comb, denominators) from the
-    stored mix of BT tokens; those not formed are zeros."""
+def _pre(MIX, BASE, SCALE, o_t, m_t, N, m, o_s, m_s, hc_eps, HAS_FN: tl.constexpr):
+    """(pre, the sigmoid of its logits) of BT tokens from the stored mix; with no fn, the
+    mean (and a zero sigmoid)."""
     m_ts = m_t[:, None] & m_s[None, :]
-    o_row = o_t[:, None] * m
     if HAS_FN:
-        b_a = tl.load(MIX + o_row + o_s[None, :], mask=m_ts, other=0.0) * tl.load(SCALE).to(tl.float32) \
+        b_a = tl.load(MIX + o_t[:, None] * m + o_s[None, :], mask=m_ts, other=0.0) * tl.load(SCALE).to(tl.float32) \
             + tl.load(BASE + o_s, mask=m_s, other=0.0).to(tl.float32)[None, :]
         b_sg_pre = tl.sigmoid(b_a)
         b_pre = tl.where(m_ts, b_sg_pre + hc_eps, 0.0)
     else:  # the mean
         b_sg_pre = tl.zeros([o_t.shape[0], o_s.shape[0]], dtype=tl.float32)
         b_pre = tl.where(m_ts, 1.0 / tl.cast(N, tl.float32), 0.0)
-    b_sg_post = tl.zeros_like(b_pre)
-    if POST_OUT:
-        b_a = tl.load(MIX + o_row + N + o_s[None, :], mask=m_ts, other=0.0) * tl.load(SCALE + 1).to(tl.float32) \
-            + tl.load(BASE + N + o_s, mask=m_s, other=0.0).to(tl.float32)[None, :]
-        b_sg_post = tl.sigmoid(b_a)
+    return b_pre, b_sg_pre
+
+
+@triton.jit
+def _post_sigmoid(MIX, BASE, SCALE, o_t, m_t, N, m, o_s, m_s):
+    """The sigmoid of post's logits, [BT, NP]."""
+    b_a = tl.load(MIX + o_t[:, None] * m + N + o_s[None, :], mask=m_t[:, None] & m_s[None, :], other=0.0) \
+        * tl.load(SCALE + 1).to(tl.float32) + tl.load(BASE + N + o_s, mask=m_s, other=0.0).to(tl.float32)[None, :]
+    return tl.sigmoid(b_a)
+
+
+@triton.jit
+def _comb_softmax(MIX, BASE, SCALE, o_t, m_t, N, m, o_s, m_s):
+    """S: the row softmax of comb's logits, [BT, NP, NP], and its mask."""
     m_jk = m_t[:, None, None] & m_s[None, :, None] & m_s[None, None, :]
-    b_S = tl.zeros([o_t.shape[0], o_s.shape[0], o_s.shape[0]], dtype=tl.float32)
-    b_c = b_S
-    b_dens = tl.zeros([o_t.shape[0], TP, o_s.shape[0]], dtype=tl.float32)
+    o_jk = 2 * N + o_s[:, None] * N + o_s[None, :]
+    b_l = tl.load(MIX + o_t[:, None, None] * m + o_jk[None, :, :], mask=m_jk, other=0.0) \
+        * tl.load(SCALE + 2).to(tl.float32) + tl.load(BASE + o_jk, mask=m_jk, other=0.0).to(tl.float32)
+    return _softmax_rows(b_l, m_jk), m_jk
+
+
+@triton.jit
+def _scales(SCALE, o_m, N, POST_OUT: tl.constexpr, COMB_OUT: tl.constexpr):
+    """The scale of each of mix's columns o_m: pre's, post's or comb's (0 past m)."""
+    b_sc = tl.where(o_m < N, tl.load(SCALE).to(tl.float32), 0.0)
+    if POST_OUT:
+        b_sc = tl.where((o_m >= N) & (o_m < 2 * N), tl.load(SCALE + 1).to(tl.float32), b_sc)
     if COMB_OUT:
-        o_jk = 2 * N + o_s[:, None] * N + o_s[None, :]
-        b_l = tl.load(MIX + o_row[:, :, None] + o_jk[None, :, :], mask=m_jk, other=0.0) \
-            * tl.load(SCALE + 2).to(tl.float32) + tl.load(BASE + o_jk, mask=m_jk, other=0.0).to(tl.float32)
-        b_S = _softmax_rows(b_l, m_jk)
-        b_c, b_dens = _sinkhorn(b_S, m_jk, iters, hc_eps, o_p, TP)
-    return b_pre, b_sg_pre, b_sg_post, b_S, b_c, b_dens
+        b_sc = tl.where(o_m >= 2 * N, tl.load(SCALE + 2).to(tl.float32), b_sc)
+    return b_sc
 
 
 @triton.jit
@@ -159,7 +178,7 @@ def _fn_offsets(o_s, o_d, m_s, m_d, D, NP: tl.constexpr, BD: tl.constexpr):
 @triton.jit(do_not_specialize=["M", "hc_eps", "eps", "post_mult", "post_eps", "iters"])
 def _fwd(H, F, POST, COMB, FN, BASE, SCALE, W, Y, HN, POSTN, COMBN, MIX, RHO,
          M, N, D, m, iters, hc_eps, eps, post_mult, post_eps,
-         NP: tl.constexpr, MP: tl.constexpr, TP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+         NP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
          BD2: tl.constexpr, UPDATE: tl.constexpr, COMB_IN: tl.constexpr, HAS_FN: tl.constexpr,
          POST_OUT: tl.constexpr, COMB_OUT: tl.constexpr, HAS_W: tl.constexpr):
     i_b = tl.program_id(0)
@@ -169,7 +188,6 @@ def _fwd(H, F, POST, COMB, FN, BASE, SCALE, W, Y, HN, POSTN, COMBN, MIX, RHO,
     m_s = o_s < N
     o_m = tl.arange(0, MP)
     m_m = o_m < m
-    o_p = tl.arange(0, TP)
     K = N * D
     m_ts = m_t[:, None] & m_s[None, :]
     # pass 1: the update, sum of squares and projection of flat(H')
@@ -208,12 +226,13 @@ def _fwd(H, F, POST, COMB, FN, BASE, SCALE, W, Y, HN, POSTN, COMBN, MIX, RHO,
         tl.store(MIX + o_t[:, None] * m + o_m[None, :], b_v * b_rho[:, None], mask=m_t[:, None] & m_m[None, :])
         tl.store(RHO + o_t, b_rho, mask=m_t)
     tl.debug_barrier()  # mix and H' are read back by other threads of this program
-    b_pre, _, b_sg_post, _, b_c, _ = _coefficients(
-        MIX, BASE, SCALE, o_t, m_t, N, m, o_s, m_s, hc_eps, iters, o_p,
-        HAS_FN, POST_OUT, COMB_OUT, TP)
+    b_pre, _ = _pre(MIX, BASE, SCALE, o_t, m_t, N, m, o_s, m_s, hc_eps, HAS_FN)
     if POST_OUT:
+        b_sg_post = _post_sigmoid(MIX, BASE, SCALE, o_t, m_t, N, m, o_s, m_s)
         tl.store(POSTN + o_t[:, None] * N + o_s[None, :], post_mult * b_sg_post + post_eps, mask=m_ts)
     if COMB_OUT:
+        b_S, m_jk = _comb_softmax(MIX, BASE, SCALE, o_t, m_t, N, m, o_s, m_s)
+        b_c = _sinkhorn(b_S, m_jk, iters, hc_eps, None, False)
         o_c = o_t[:, None, None] * N * N + o_s[None, :, None] * N + o_s[None, None, :]
         tl.store(COMBN + o_c, b_c, mask=m_ts[:, :, None] & m_s[None, None, :])
     # pass 2: z = sum_i pre_i H'_i, rounded and stored in y's place
@@ -245,10 +264,10 @@ def _fwd(H, F, POST, COMB, FN, BASE, SCALE, W, Y, HN, POSTN, COMBN, MIX, RHO,
 # --------------------------------------------------------------------------- backward
 @triton.jit(do_not_specialize=["M", "hc_eps", "eps", "post_mult", "post_eps", "iters", "n_prog"])
 def _bwd(H, F, POST, COMB, HN, FN, BASE, SCALE, W, MIX, RHO, DY, DHN, DPOSTN, DCOMBN,
-         DH, DF, DPOST, DCOMB, DA, DWP,
+         DH, DF, DPOST, DCOMB, DA, DWP, DENS,
          M, N, D, m, iters, hc_eps, eps, post_mult, post_eps, n_prog,
-         NP: tl.constexpr, MP: tl.constexpr, TP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-         BD2: tl.constexpr, UPDATE: tl.constexpr, COMB_IN: tl.constexpr, HAS_FN: tl.constexpr,
+         NP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+         BD2: tl.constexpr, KC: tl.constexpr, UPDATE: tl.constexpr, COMB_IN: tl.constexpr, HAS_FN: tl.constexpr,
          POST_OUT: tl.constexpr, COMB_OUT: tl.constexpr, HAS_W: tl.constexpr,
          HAS_DHN: tl.constexpr, HAS_DPOST: tl.constexpr, HAS_DCOMB: tl.constexpr):
     i_p = tl.program_id(0)
@@ -256,16 +275,15 @@ def _bwd(H, F, POST, COMB, HN, FN, BASE, SCALE, W, MIX, RHO, DY, DHN, DPOSTN, DC
     m_s = o_s < N
     o_m = tl.arange(0, MP)
     m_m = o_m < m
-    o_p = tl.arange(0, TP)
     K = N * D
     SRC = HN if UPDATE else H
+    if COMB_OUT and HAS_DCOMB:
+        DENS += i_p.to(tl.int64) * (2 * iters - 1) * BT * NP  # this program's Sinkhorn scratch
     for i_b in range(i_p, tl.cdiv(M, BT), n_prog):
         o_t = (i_b * BT + tl.arange(0, BT)).to(tl.int64)
         m_t = o_t < M
         m_ts = m_t[:, None] & m_s[None, :]
-        b_pre, b_sg_pre, b_sg_post, b_S, b_c, b_dens = _coefficients(
-            MIX, BASE, SCALE, o_t, m_t, N, m, o_s, m_s, hc_eps, iters, o_p,
-            HAS_FN, POST_OUT, COMB_OUT, TP)
+        b_pre, b_sg_pre = _pre(MIX, BASE, SCALE, o_t, m_t, N, m, o_s, m_s, hc_eps, HAS_FN)
         # pass A: the norm's sums, and per stream <g, H'_i>, <z, H'_i>
         b_zz = tl.zeros([BT, BD2], dtype=tl.float32)
         b_gz = tl.zeros([BT, BD2], dtype=tl.float32)
@@ -295,32 +313,32 @@ def _bwd(H, F, POST, COMB, HN, FN, BASE, SCALE, W, MIX, RHO, DY, DHN, DPOSTN, DC
             tl.store(DA + o_row + o_s[None, :], b_da, mask=m_ts)
         if POST_OUT:
             if HAS_DPOST:
+                b_sg_post = _post_sigmoid(MIX, BASE, SCALE, o_t, m_t, N, m, o_s, m_s)
                 b_dq = tl.load(DPOSTN + o_t[:, None] * N + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
+                b_da = b_dq * post_mult * b_sg_post * (1.0 - b_sg_post)
             else:
-                b_dq = tl.zeros([BT, NP], dtype=tl.float32)
-            tl.store(DA + o_row + N + o_s[None, :], b_dq * post_mult * b_sg_post * (1.0 - b_sg_post), mask=m_ts)
+                b_da = tl.zeros([BT, NP], dtype=tl.float32)
+            tl.store(DA + o_row + N + o_s[None, :], b_da, mask=m_ts)
         if COMB_OUT:
-            m_jk = m_ts[:, :, None] & m_s[None, None, :]
             o_jk = o_s[:, None] * N + o_s[None, :]
+            m_jk = m_ts[:, :, None] & m_s[None, None, :]
             if HAS_DCOMB:
+                b_S, m_jk = _comb_softmax(MIX, BASE, SCALE, o_t, m_t, N, m, o_s, m_s)
+                b_c = _sinkhorn(b_S, m_jk, iters, hc_eps, DENS, True)
+                tl.debug_barrier()  # the denominators are read back by other threads
                 b_dc = tl.load(DCOMBN + o_t[:, None, None] * N * N + o_jk[None, :, :], mask=m_jk, other=0.0)
-                b_dS = _sinkhorn_bwd(b_c, b_dc.to(tl.float32), b_dens, iters, o_p)
+                b_dS = _sinkhorn_bwd(b_c, b_dc.to(tl.float32), iters, DENS)
+                b_dl = b_S * (b_dS - tl.sum(b_dS * b_S, 2)[:, :, None])
             else:
-                b_dS = tl.zeros([BT, NP, NP], dtype=tl.float32)
-            b_dl = b_S * (b_dS - tl.sum(b_dS * b_S, 2)[:, :, None])
+                b_dl = tl.zeros([BT, NP, NP], dtype=tl.float32)
             tl.store(DA + o_row[:, :, None] + 2 * N + o_jk[None, :, :], b_dl, mask=m_jk)
         tl.debug_barrier()  # da is read back whole by other threads
         if HAS_FN:
             m_tm = m_t[:, None] & m_m[None, :]
-            b_sc = tl.where(o_m < N, tl.load(SCALE).to(tl.float32), 0.0)
-            if POST_OUT:
-                b_sc = tl.where((o_m >= N) & (o_m < 2 * N), tl.load(SCALE + 1).to(tl.float32), b_sc)
-            if COMB_OUT:
-                b_sc = tl.where(o_m >= 2 * N, tl.load(SCALE + 2).to(tl.float32), b_sc)
+            b_sc = _scales(SCALE, o_m, N, POST_OUT, COMB_OUT)
             b_dmix = tl.load(DA + o_row + o_m[None, :], mask=m_tm, other=0.0) * b_sc[None, :]
             b_rho = tl.load(RHO + o_t, mask=m_t, other=1.0)
             b_mix = tl.load(MIX + o_row + o_m[None, :], mask=m_tm, other=0.0)
-            b_dv = b_dmix * b_rho[:, None]
             # rho = (x.x / K + eps)^(-1/2): d rho / dx = -rho^3 x / K, d rho = sum dmix v = sum dmix mix / rho
             b_q = -tl.sum(b_dmix * b_mix, 1) * b_rho * b_rho / tl.cast(K, tl.float32)
         # pass C: dH' and what it gives
@@ -352,8 +370,19 @@ def _bwd(H, F, POST, COMB, HN, FN, BASE, SCALE, W, MIX, RHO, DY, DHN, DPOSTN, DC
                 b_dx += tl.load(DHN + o_x, mask=m_x, other=0.0).to(tl.float32)
             if HAS_FN:
                 o_k, m_k = _fn_offsets(o_s, o_d, m_s, m_d, D, NP, BD)
-                b_fn = tl.load(FN + o_m[:, None] * K + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
-                b_dx += tl.reshape(tl.dot(b_dv, b_fn.to(tl.float32), input_precision="ieee"), [BT, NP, BD])
+                # fn^T dv, its m rows KC at a time, dv re-read from da (just written: L1/L2): an
+                # fp32 (FMA) dot holds its operands' whole K extent a thread, and [BT, MP] held
+                # across the loop spilled 328 B (n = 8) and 2 KB (n = 16) a thread on sm_90
+                b_fv = tl.zeros([BT, NP * BD], dtype=tl.float32)
+                for i_m in range(0, m, KC):
+                    o_mc = i_m + tl.arange(0, KC)
+                    m_mc = o_mc < m
+                    b_dv = tl.load(DA + o_row + o_mc[None, :], mask=m_t[:, None] & m_mc[None, :], other=0.0) \
+                        * _scales(SCALE, o_mc, N, POST_OUT, COMB_OUT)[None, :] * b_rho[:, None]
+                    b_fn = tl.load(FN + o_mc[:, None] * K + o_k[None, :], mask=m_mc[:, None] & m_k[None, :],
+                                   other=0.0)
+                    b_fv += tl.dot(b_dv, b_fn.to(tl.float32), input_precision="ieee")
+                b_dx += tl.reshape(b_fv, [BT, NP, BD])
                 b_dx += b_q[:, None, None] * b_x
             if UPDATE:
                 b_f = tl.load(F + o_t[:, None] * D + o_d[None, :], mask=m_td, other=0.0).to(tl.float32)
@@ -391,11 +420,7 @@ def _bwd_params(SRC, DA, MIX, RHO, SCALE, DFN, DBASE, DSCALE, DWP, DW, M, N, D, 
     m_m = o_m < m
     o_tt = tl.arange(0, BT)
     if HAS_FN:
-        b_sc = tl.where(o_m < N, tl.load(SCALE).to(tl.float32), 0.0)
-        if POST_OUT:
-            b_sc = tl.where((o_m >= N) & (o_m < 2 * N), tl.load(SCALE + 1).to(tl.float32), b_sc)
-        if COMB_OUT:
-            b_sc = tl.where(o_m >= 2 * N, tl.load(SCALE + 2).to(tl.float32), b_sc)
+        b_sc = _scales(SCALE, o_m, N, POST_OUT, COMB_OUT)
     if i_p < n_fn:
         if HAS_FN:
             o_k = i_p * BK + tl.arange(0, BK)
@@ -437,19 +462,19 @@ def _bwd_params(SRC, DA, MIX, RHO, SCALE, DFN, DBASE, DSCALE, DWP, DW, M, N, D, 
 
 # --------------------------------------------------------------------------- launchers
 class _Blocks:
-    """The block sizes of one spec: NP, MP, TP, BD (the projection's chunk), BD2."""
+    """The block sizes of one spec: NP, MP, BD (the projection's chunk), BD2."""
 
-    def __init__(self, spec: HyperSpec, fn_tile: int, row_tile: int):
+    def __init__(self, spec: HyperSpec, fn_tile: int, row_tile: int, fn_rows: int | None = None):
+        """fn_rows: rows of fn in one [fn_rows, NP*BD] tile (None: all MP of them)."""
         n, d = spec.n, spec.d
         self.np, self.mp = pow2(n), max(16, pow2(max(spec.m, 1)))
-        self.tp = pow2(2 * spec.iters - 1) if spec.mode == Mode.PRE_POST_COMB else 1
-        bd = min(pow2(d), max(1, fn_tile // (self.np * self.mp)), MAX_DOT_K // self.np)
+        bd = min(pow2(d), max(1, fn_tile // (self.np * (fn_rows or self.mp))), MAX_DOT_K // self.np)
         self.bd = max(16 // self.np, bd)  # a dot needs K >= 16
         self.bd2 = min(pow2(d), max(16, row_tile // (BT * self.np)))
         self.warps = 8 if self.np * self.bd2 * BT >= 4096 else 4
 
     def flags(self, spec: HyperSpec, weight) -> dict:
-        return dict(NP=self.np, MP=self.mp, TP=self.tp, BT=BT, BD=self.bd, BD2=self.bd2, UPDATE=spec.update,
+        return dict(NP=self.np, MP=self.mp, BT=BT, BD=self.bd, BD2=self.bd2, UPDATE=spec.update,
                     COMB_IN=spec.comb_in, HAS_FN=spec.mode != Mode.MEAN_HEAD,
                     POST_OUT=spec.mode in (Mode.PRE_POST_COMB, Mode.PRE_POST),
                     COMB_OUT=spec.mode == Mode.PRE_POST_COMB, HAS_W=weight is not None)
@@ -500,7 +525,7 @@ def hyper_bwd(dy, dhn, dpost_n, dcomb_n, streams, branch, post, comb, hn, fn, ba
     H = _flat(streams, n, d)
     M, dev = H.shape[0], streams.device
     has_fn = spec.mode != Mode.MEAN_HEAD
-    blk = _Blocks(spec, FN_TILE_BWD, ROW_TILE_BWD)
+    blk = _Blocks(spec, FN_TILE_BWD, ROW_TILE_BWD, KC_BWD)
     dH = torch.empty(streams.shape, dtype=streams.dtype, device=dev)
     df = torch.empty_like(branch) if spec.update else None
     dpost = torch.empty_like(post) if spec.update else None
@@ -521,12 +546,15 @@ def hyper_bwd(dy, dhn, dpost_n, dcomb_n, streams, branch, post, comb, hn, fn, ba
     dwp = torch.empty(n_prog, d, dtype=torch.float32, device=dev) if weight is not None else None
     src = _flat(hn if spec.update else streams, n, d)
     flags = blk.flags(spec, weight)
+    # each program's Sinkhorn denominators (2 iters - 1 passes of [BT, NP]), rewritten per token block
+    dens = torch.empty(n_prog, 2 * spec.iters - 1, BT, blk.np, dtype=torch.float32, device=dev) \
+        if flags["COMB_OUT"] and dcomb_n is not None else None
     _bwd[(n_prog,)](
         H, _flat(branch, d), _flat(post, n), _flat(comb, n, n), src, _c(fn), _c(base), _c(scale), _c(weight), mix, rho,
         _flat(dy, d), _flat(dhn, n, d), _flat(dpost_n, n), _flat(dcomb_n, n, n),
-        dH, df, dpost, dcomb, da, dwp,
+        dH, df, dpost, dcomb, da, dwp, dens,
         M, n, d, m, spec.iters, spec.hc_eps, spec.eps, spec.post_mult, spec.post_eps, n_prog,
-        **flags, HAS_DHN=dhn is not None, HAS_DPOST=dpost_n is not None, HAS_DCOMB=dcomb_n is not None,
+        **flags, KC=KC_BWD, HAS_DHN=dhn is not None, HAS_DPOST=dpost_n is not None, HAS_DCOMB=dcomb_n is not None,
         num_warps=blk.warps)
     bk = max(16, PARAMS_TILE // blk.mp)
     n_fn = cdiv(n * d, bk) if has_fn else 0

@@ -162,6 +162,22 @@ def test_sixteen_streams():
     _check(got, (ref[0], ref[1], *ref[2]), leaves, torch.float32)
 
 
+@pytest.mark.kernel
+def test_programs_walking_several_token_blocks(monkeypatch):
+    """The backward's persistent programs each take several blocks of 16 tokens (one SM:
+    2 programs for 3 blocks, the last 8 tokens short), rewriting their Sinkhorn scratch per
+    block, and its fn^T dv dot takes fn's m = 80 rows (n = 8) 16 at a time."""
+    import fuseblock.kernels.hyper as K
+
+    monkeypatch.setattr(K, "num_sms", lambda device: 1)
+    t = _inputs(8, 24, lead=(40,))
+    leaves = _leaves(t)
+    got = fuseblock.hc_add_norm(t["H"], t["f"], t["post"], t["comb"], t["fn"], t["base"], t["scale"], t["weight"],
+                                iters=4)
+    ref = boundary64(t["H"], t["f"], t["post"], t["comb"], t["fn"], t["base"], t["scale"], t["weight"], iters=4)
+    _check(got, (ref[0], ref[1], *ref[2]), leaves, torch.float32)
+
+
 def test_gradcheck_fp64_torch_path():
     t = {k: (v.double() if v is not None else None) for k, v in _inputs(2, 3, lead=(2,)).items()}
     leaves = _leaves(t)
