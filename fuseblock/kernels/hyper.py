@@ -39,12 +39,13 @@ import triton
 import triton.language as tl
 
 from ..hyper_spec import HyperSpec, Mode
+from . import launch
 from .launch import LAUNCHES, cdiv, num_sms, pow2, sum_rows
 
 BT = 16  # tokens per block: the dots' row count (a tl.dot needs >= 16)
 # Sized from compiler builds (`scripts/bench.py targets`, no GPU needed): registers, spills and
 # shared memory of each kernel at n = 4, 8, 16 and d = 64 to 262144, sm_90, sm_100 and gfx942.
-FN_TILE_FWD = 16384  # elements of a [NP*BD, MP] fn tile (the projection's chunk), forward
+FN_TILE_FWD = 8192  # elements of a [NP*BD, MP] fn tile (the projection's chunk), forward
 FN_TILE_BWD = 1024  # and of a [KC_BWD, NP*BD] one backward, whose chunk holds more blocks live
 # (2048 spilled 16 B a thread at n = 8 and 16 on sm_90, bf16)
 MAX_DOT_K = 512  # NP*BD: the dot's operands pass through shared memory (278 KB at 1024, over sm_90's 227 KB)
@@ -53,6 +54,8 @@ ROW_TILE_BWD = 8192
 KC_BWD = 16  # rows of fn a step of the backward's fn^T dv dot (its K; a dot needs >= 16)
 PARAMS_TILE = 8192  # elements of _bwd_params' [MP, BK] dfn accumulator
 PROGRAMS_PER_SM = 2
+# _fwd and _bwd launch with launch.NO_SPILL: left to itself ptxas capped the forward at n = 8
+# (fp32, d = 64) at 128 registers, for two programs an SM, and spilled 8 bytes a thread
 # _bwd_params takes 8 warps for n = 16 (m = 288 rows of fn, MP = 512): with 4 it needed 255
 # registers and 40 bytes of stack a thread on sm_90, with 8 it needs 128 and none
 
@@ -508,7 +511,7 @@ def hyper_fwd(streams, branch, post, comb, fn, base, scale, weight, spec: HyperS
         _fwd[(cdiv(M, BT),)](
             H, _flat(branch, d), _flat(post, n), _flat(comb, n, n), _c(fn), _c(base), _c(scale), _c(weight), y, hn,
             post_n, comb_n, mix, rho, M, n, d, m, spec.iters, spec.hc_eps, spec.eps, spec.post_mult, spec.post_eps,
-            **blk.flags(spec, weight), num_warps=blk.warps)
+            **blk.flags(spec, weight), num_warps=blk.warps, **launch.NO_SPILL)
         LAUNCHES["hc_fwd"] += 1
     return y, hn, post_n, comb_n, mix, rho
 
@@ -555,7 +558,7 @@ def hyper_bwd(dy, dhn, dpost_n, dcomb_n, streams, branch, post, comb, hn, fn, ba
         dH, df, dpost, dcomb, da, dwp, dens,
         M, n, d, m, spec.iters, spec.hc_eps, spec.eps, spec.post_mult, spec.post_eps, n_prog,
         **flags, KC=KC_BWD, HAS_DHN=dhn is not None, HAS_DPOST=dpost_n is not None, HAS_DCOMB=dcomb_n is not None,
-        num_warps=blk.warps)
+        num_warps=blk.warps, **launch.NO_SPILL)
     bk = max(16, PARAMS_TILE // blk.mp)
     n_fn = cdiv(n * d, bk) if has_fn else 0
     bw = max(32, min(pow2(d), 1024))
