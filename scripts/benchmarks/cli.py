@@ -33,7 +33,8 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--ops", type=lambda v: v.split(","), default=None,
                     help="traffic: a comma list of ops (fuseblock.testing.cases.OPS, RESIDUAL_OPS, and hc_add_norm, "
                          "hc_add_norm_nocomb: the mHC boundary at n = 4; default all but these two); overhead: "
-                         "only the per-op rows of these (add_norm, add_norm_layer, norm, norm_add)")
+                         "only the per-op rows of these (add_norm, add_norm_layer, norm, norm_add); targets: "
+                         "only these of its ops (e.g. hc_n4,hc_n8,hc_n16)")
     ap.add_argument("--rows", type=_ints, default=None,
                     help="traffic: row counts (default 256,2048,16384; --quick 256,2048); gpu: the first is the "
                          "row count (default 32768), capped at 2^29 / d; stream: row counts (default 1024; "

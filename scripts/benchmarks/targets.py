@@ -175,7 +175,8 @@ def sweep(targets, ops: dict, widths, dtypes, progress=None) -> list[dict]:
 def check(args) -> str | None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return "targets needs triton's compiler: unset TRITON_INTERPRET"
-    return None
+    unknown = [op for op in args.ops or [] if op not in _ops(False)]
+    return f"--ops: unknown {unknown}; choose from {list(_ops(False))}" if unknown else None
 
 
 def run(args) -> list[dict]:
@@ -192,7 +193,8 @@ def run(args) -> list[dict]:
     widths = [args.d] if args.d else QUICK_WIDTHS if args.quick else WIDTHS
     dtypes = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float32]
     t0 = time.perf_counter()
-    out = sweep(targets, _ops(args.quick), widths, dtypes,
+    ops = {k: v for k, v in _ops(args.quick).items() if args.ops is None or k in args.ops}
+    out = sweep(targets, ops, widths, dtypes,
                 progress=None if args.json else lambda m: print(m, file=sys.stderr, flush=True))
     if not args.json:
         spills = [r for r in out if r["spill_bytes"]]

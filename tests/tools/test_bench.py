@@ -202,8 +202,9 @@ def test_traffic_options_before_the_subcommand_measure_the_kernels():
     assert first == _run_bench("traffic", *args, "--quick", "--json")
 
 
-def test_unknown_ops_are_a_usage_error():
-    p = timeouts.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--ops", "add_norm,nope", "traffic"],
+@pytest.mark.parametrize("what", ["traffic", "targets"])
+def test_unknown_ops_are_a_usage_error(what):
+    p = timeouts.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--ops", "add_norm,nope", what],
                      capture_output=True, text=True, seconds=120, cwd=ROOT)
     assert p.returncode == 2 and "--ops: unknown ['nope']" in p.stderr
 
