@@ -233,9 +233,10 @@ def _fwd_tile(
 
     b_p = _load_p(X, X1, R, RO, SEED, row * s_x + col, row * s_x1 + col, row * s_r + col, row * s_ro + col,
                   row * (G * DG) + col, mask, alpha, drop_p, drop_scale, HAS_X1, DROPOUT, HAS_R, STORE_R)
-    if GATE != GATE_NONE:
-        b_g = _act(tl.load(Z + row * s_z + col, mask=mask, other=0.0).to(tl.float32), ACT)
-    b_s = b_p * b_g if GATE == GATE_PRE else b_p
+    if GATE == GATE_PRE:
+        b_s = b_p * _act(tl.load(Z + row * s_z + col, mask=mask, other=0.0).to(tl.float32), ACT)
+    else:
+        b_s = b_p
     if CENTER:
         # Centre on each group's first element before summing: a constant group is then
         # exactly its value (q = 0, out = bias), where the fp32 mean's remainder would be
@@ -253,8 +254,8 @@ def _fwd_tile(
         b_o *= _weight(W, o_gd, m_gd, woff)[None, :, :]
     if HAS_B:
         b_o += tl.load(B + o_gd, mask=m_gd, other=0.0).to(tl.float32)[None, :, :]
-    if GATE == GATE_POST:
-        b_o *= b_g
+    if GATE == GATE_POST:  # loaded only now: held through the row sums, it spilled (rows of 32768)
+        b_o *= _act(tl.load(Z + row * s_z + col, mask=mask, other=0.0).to(tl.float32), ACT)
     if QUANT == 0:
         tl.store(O + row * s_o + col, b_o.to(O.dtype.element_ty), mask=mask)
     else:
