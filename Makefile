@@ -40,11 +40,16 @@ test: $(STAMP)
 lint: $(STAMP)
 	.venv/bin/ruff check .
 
+# One CPU thread for torch in each test part (and the processes it starts): two parts run
+# at once, so a second thread finds no idle core, and torch's idle OpenMP workers spin on
+# the core the other part needs (the tests' tensors are small: nothing gains from two).
+TEST_THREADS := OMP_NUM_THREADS=1
+
 test-torch: $(STAMP)
-	$(PY) -m pytest -q --durations=10
+	$(TEST_THREADS) $(PY) -m pytest -q --durations=10
 
 test-kernels: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m kernel --durations=10
+	$(TEST_THREADS) TRITON_INTERPRET=1 $(PY) -m pytest -q -m kernel --durations=10
 
 # .venv-floor: the declared floors exactly (tools/floor_env.py reads them from pyproject.toml).
 $(FLOOR_STAMP): pyproject.toml tools/floor_env.py
@@ -53,8 +58,8 @@ $(FLOOR_STAMP): pyproject.toml tools/floor_env.py
 	touch $(FLOOR_STAMP)
 
 test-floor: $(FLOOR_STAMP)
-	$(FLOOR_PY) -m pytest -q -p no:cacheprovider tests/tools/test_floor.py
-	TRITON_INTERPRET=1 $(FLOOR_PY) -m pytest -q -p no:cacheprovider tests/tools/test_floor.py
+	$(TEST_THREADS) $(FLOOR_PY) -m pytest -q -p no:cacheprovider tests/tools/test_floor.py
+	$(TEST_THREADS) TRITON_INTERPRET=1 $(FLOOR_PY) -m pytest -q -p no:cacheprovider tests/tools/test_floor.py
 
 # dist/fuseblock-<version>-py3-none-any.whl; build/ is cleared first so no stale file rides along
 wheel: $(STAMP)
