@@ -12,6 +12,9 @@ torch path's cast `fuseblock.fp8.quantize`), forward GB/s of the compulsory byte
 whether the fused codes and scales equal the unfused ones bit for bit (quant_from=bf16:
 the unfused pipeline's rounding points).
 
+The n-stream row (gpu_hyper.json): the mHC boundary, `hc_add_norm` at n = 4 (HYPER_SHAPE),
+against DeepSeek-V4's unfused torch ops, eager and compiled, GB/s of compulsory bytes.
+
 `fuseblock-deterministic` is fuseblock under torch.use_deterministic_algorithms(True):
 the weight gradients' partial rows fixed by the shape, not the GPU (docs/serving.md),
 with torch's fill of uninitialized memory off, so the row measures that order alone."""
@@ -185,6 +188,53 @@ def _fp8_row(mode: str, dev, do_bench, quick_cpu: bool) -> dict:
     return row
 
 
+HYPER_SHAPE = (8192, 4, 4096)  # tokens, streams, d: DeepSeek-V4's n = 4 at a 4096 hidden size
+
+
+def _hyper_row(dev, do_bench, quick_cpu: bool) -> dict:
+    """The mHC boundary (hc_add_norm with comb, 20 Sinkhorn passes, bf16 streams): GB/s of
+    the compulsory bytes (`fuseblock.testing.hyper_traffic.minimum_bytes`), forward and
+    backward, fused against the unfused torch form (DeepSeek-V4's ops) eager and compiled
+    (not in the CPU smoke run: inductor's C++ build of 20 Sinkhorn passes is most of a minute)."""
+    from torch import _dynamo
+
+    from fuseblock.testing import hyper_traffic as ht
+
+    M, n, d = (32, 4, 64) if quick_cpu else HYPER_SHAPE
+    row = dict(op="hc_add_norm", tokens=M, n=n, d=d)
+    _dynamo.reset()
+    compiled = None if quick_cpu else torch.compile(lambda *a: ht.boundary(list(a), False), dynamic=False)
+    try:
+        with dev:
+            inputs = ht.boundary_inputs(M, n, d, torch.bfloat16)
+        leaves = [t for t in inputs if t is not None]
+        outs = ht.boundary(inputs, True)
+        fwd_bytes, bwd_bytes = ht.minimum_bytes(inputs, outs)
+    except RuntimeError as e:  # out of memory
+        row["error"] = _error(e)
+        return row
+    impls = {"fused": lambda: ht.boundary(inputs, True), "eager": lambda: ht.boundary(inputs, False)}
+    if compiled is not None:
+        impls["compile"] = lambda: compiled(*inputs)
+    for name, fn in impls.items():
+        try:
+            with torch.no_grad():
+                row[f"{name}_fwd_GBps"] = fwd_bytes / do_bench(fn, warmup=5, rep=25) / 1e6
+            outs = fn()
+            grads = [torch.randn_like(t) for t in outs]
+            row[f"{name}_bwd_GBps"] = bwd_bytes / do_bench(
+                lambda outs=outs, grads=grads: torch.autograd.grad(outs, leaves, grads, retain_graph=True),
+                warmup=5, rep=25) / 1e6
+        except Exception as e:  # as in the bandwidth table
+            row[f"{name}_error"] = _error(e)
+    for name in ("eager", "compile"):
+        for pas in ("fwd", "bwd"):
+            ours, theirs = row.get(f"fused_{pas}_GBps"), row.get(f"{name}_{pas}_GBps")
+            if ours and theirs:
+                row[f"x_{name}_{pas}"] = ours / theirs
+    return row
+
+
 def run(args) -> list[dict]:
     dev = torch.device(args.device)
     out_dir = Path(args.out)
@@ -210,7 +260,9 @@ def run(args) -> list[dict]:
             _empty_cache(dev)
     latency = [_latency_row(kind, dev, do_bench, found, dev.type != "cuda") for kind in ("rms", "layer")]
     fp8 = [_fp8_row(mode, dev, do_bench, dev.type != "cuda") for mode in FP8_MODES]
+    hyper = [_hyper_row(dev, do_bench, dev.type != "cuda")]
     (out_dir / "gpu.json").write_text(json.dumps(rows, indent=1))
+    (out_dir / "gpu_hyper.json").write_text(json.dumps(hyper, indent=1))
     (out_dir / "gpu_latency.json").write_text(json.dumps(latency, indent=1))
     (out_dir / "gpu_fp8.json").write_text(json.dumps(fp8, indent=1))
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (smoke run)"
@@ -218,9 +270,10 @@ def run(args) -> list[dict]:
                                     + markdown(rows) + f"\n# latency at {LATENCY_SHAPE[0]} x {LATENCY_SHAPE[1]}, "
                                     "microseconds\n\n" + markdown(latency)
                                     + "\n# add_norm + fp8 cast, fused vs norm-then-cast, forward GB/s\n\n"
-                                    + markdown(fp8))
+                                    + markdown(fp8) + "\n# the mHC boundary, fused vs unfused, GB/s\n\n"
+                                    + markdown(hyper))
     _plot(rows, out_dir)
-    return rows + latency + fp8
+    return rows + latency + fp8 + hyper
 
 
 def _plot(rows, out_dir: Path) -> None:

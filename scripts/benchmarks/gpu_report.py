@@ -179,6 +179,7 @@ def report(out: Path, env: dict, gpu: bool = True) -> tuple[str, bool]:
     ok = not parts_failed and not missed
     found = _json(out / "peers.json") or {}
     latency = _json(out / "gpu_latency.json") or []
+    hyper = _json(out / "gpu_hyper.json") or []
     head = [] if gpu else ["**NO GPU**: no CUDA device is present (torch.cuda.is_available() is False). The parts "
                            "ran as far as they can without one; nothing below was measured on a GPU.", ""]
     lines = ["# make gpu-check", "", *head,
@@ -203,6 +204,8 @@ def report(out: Path, env: dict, gpu: bool = True) -> tuple[str, bool]:
               markdown(latency) if latency else "no rows (see gpu.log)\n",
               "## add_norm + fp8 cast, fused vs norm-then-cast, bf16 forward GB/s (bench.py gpu)", "",
               markdown(fp8) if fp8 else "no rows (see gpu.log)\n",
+              "## The mHC boundary (hc_add_norm, n = 4), fused vs unfused, bf16 GB/s (bench.py gpu)", "",
+              markdown(hyper) if hyper else "no rows (see gpu.log)\n",
               "## GPT-2-small training step, bf16 autocast (bench.py gpt-step)", "",
               markdown(steps) if steps else "no rows (see gpt_step.log)\n"]
     return "\n".join(lines), ok

@@ -92,8 +92,13 @@ def test_gpu_code_path_smoke_run_on_cpu(tmp_path):
     fp8 = [r for r in rows if r.get("op", "").startswith("add_norm+")]
     assert [r["op"] for r in fp8] == ["add_norm+fp8_row", "add_norm+mxfp8"]
     assert all(r["codes_equal"] is True and r["fused_fwd_GBps"] > 0 and r["unfused_fwd_GBps"] > 0 for r in fp8)
+    # the mHC boundary: fused against the unfused torch form (no compile on the CPU)
+    hyper = [r for r in rows if r.get("op") == "hc_add_norm"]
+    assert len(hyper) == 1 and all(hyper[0][f"{impl}_{pas}_GBps"] > 0 for impl in ("fused", "eager")
+                                   for pas in ("fwd", "bwd"))
+    assert hyper[0]["x_eager_fwd"] == hyper[0]["fused_fwd_GBps"] / hyper[0]["eager_fwd_GBps"]
     assert {f.name for f in tmp_path.iterdir()} == {"gpu.md", "gpu.json", "gpu_latency.json", "gpu_fp8.json",
-                                                    "peers.json", "gpu_rms.png", "gpu_layer.png"}
+                                                    "gpu_hyper.json", "peers.json", "gpu_rms.png", "gpu_layer.png"}
 
 
 def test_gpu_compiles_afresh_for_each_shape(monkeypatch):
