@@ -538,7 +538,7 @@ def _bwd_cols(
 ):
     _check_modes(GATE, ACT)
     # Wide rows, step 2 of 2, split stream-K: the work is n_t items (column chunk i_c
-    # inside one group, row block i_b), chunk-major, and program i_p takes the items
+    # inside one group, row block i_m), chunk-major, and program i_p takes the items
     # [i_p * n_t // n_p, (i_p + 1) * n_t // n_p): a whole wave of programs whatever the
     # chunk count, each within one item of the others. With the row constants from
     # _bwd_dots, dx needs only its own columns; and walking down a chunk's rows keeps
@@ -562,9 +562,9 @@ def _bwd_cols(
         b_dw = tl.zeros([BD], dtype=tl.float32)
         b_db = tl.zeros([BD], dtype=tl.float32)
         t_c = tl.cast(i_c, tl.int64) * n_b  # the chunk's first item
-        b_lo = tl.cast(tl.maximum(t_lo, t_c) - t_c, tl.int32)  # this program's row blocks of the chunk
-        b_hi = tl.cast(tl.minimum(t_hi, t_c + n_b) - t_c, tl.int32)
-        for i_m in range(b_lo, b_hi):
+        i_m0 = tl.cast(tl.maximum(t_lo, t_c) - t_c, tl.int32)  # this program's row blocks of the chunk
+        i_m1 = tl.cast(tl.minimum(t_hi, t_c + n_b) - t_c, tl.int32)
+        for i_m in range(i_m0, i_m1):
             o_m = (i_m * BR + tl.arange(0, BR)).to(tl.int64)
             m_m = o_m < M
             o_mg = o_m * G + i_g
