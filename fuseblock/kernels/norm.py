@@ -40,6 +40,7 @@ import triton.language as tl
 
 from .. import fp8
 from ..spec import Act, Gate, NormSpec, Quant
+from . import launch
 from .fp8 import quant_buffers, quantized, store_quantized
 from .launch import (
     LAUNCHES,
@@ -76,6 +77,9 @@ COLS_TILE = 8192  # and elements per [rows, columns] block it loads
 # With dropout the column pass also regenerates two masks a block: at 8192 elements it needed
 # 255 registers and 8 bytes of stack a thread on sm_100; at 4096, 214 and none (sm_90, sm_100)
 COLS_TILE_DROPOUT = 4096
+# ... and launches with launch.NO_SPILL: left to itself ptxas capped the stream-K column pass at
+# 128 registers (sm_90, bf16) to fit two programs an SM and spilled 8 bytes; uncapped it takes
+# 200 (one program, as before the split). The other variants fit two, or one, without it.
 # programs per SM before occupancy is learned: as many as an SM's threads allow; what fits is
 # 1 to 2 on sm_90 (118 to 146 registers x 256 threads), 3 on gfx942 (bench.py targets)
 COLS_PROGRAMS_PER_SM = 8
@@ -518,7 +522,7 @@ def _bwd_dots(
 
 @triton.jit
 def _store_sums(DW, DB, o_col, m_d, b_dw, b_db, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
-    """dw and db of a column chunk, in the parameters' dtypes, from its one program's sums."""
+    """A column chunk's dw and db, in the parameters' dtypes, from the one program that summed all its rows."""
     if HAS_W:
         tl.store(DW + o_col, b_dw.to(DW.dtype.element_ty), mask=m_d)
     if HAS_B:
@@ -537,81 +541,91 @@ def _bwd_cols(
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr,
 ):
     _check_modes(GATE, ACT)
-    # Wide rows, step 2 of 2, split stream-K: the work is n_t items (column chunk i_c
-    # inside one group, row block i_m), chunk-major, and program i_p takes the items
+    # Wide rows, step 2 of 2, split stream-K: the work is n_t items, (column chunk i_c
+    # inside one group, row block i_m) chunk-major, and program i_p takes the items
     # [i_p * n_t // n_p, (i_p + 1) * n_t // n_p): a whole wave of programs whatever the
     # chunk count, each within one item of the others. With the row constants from
     # _bwd_dots, dx needs only its own columns; and walking down a chunk's rows keeps
-    # dw/db in registers, so a program writes one partial row per chunk it touches (a
+    # dw/db in registers, so a program writes one row of sums per chunk it touches (a
     # row-major loop would read and write its partial row for every row it handles).
+    # One flat loop over the items, the chunk's columns worked out (and its weight loaded,
+    # from L1/L2) per item: a loop over chunks around one over row blocks took 20 more
+    # registers (sm_90), and 2 programs an SM no longer fitted.
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
     n_cg = tl.cdiv(DG, BD)  # chunks per group
     n_b = tl.cdiv(M, BR)  # row blocks: the items of one chunk
-    n_t = tl.cast(G * n_cg, tl.int64) * n_b  # (p + 1) * n_t passes 2^31 on large batches
-    t_lo = i_p * n_t // n_p
-    t_hi = (i_p + 1) * n_t // n_p  # > t_lo: the launcher takes no more programs than items
+    n_t = tl.cast(G * n_cg, tl.int64) * n_b  # (i_p + 1) * n_t may pass 2^31; n_t (M * d / 8192 or less) does not
+    t_lo = tl.cast(i_p * n_t // n_p, tl.int32)
+    t_hi = tl.cast((i_p + 1) * n_t // n_p, tl.int32)  # > t_lo: the launcher takes no more programs than items
     o_d = tl.arange(0, BD)
-    for i_c in range(tl.cast(t_lo // n_b, tl.int32), tl.cast((t_hi - 1) // n_b + 1, tl.int32)):
+    b_dw = tl.zeros([BD], dtype=tl.float32)
+    b_db = tl.zeros([BD], dtype=tl.float32)
+    for t in range(t_lo, t_hi):
+        i_c = t // n_b
+        i_m = t - i_c * n_b
         i_g = i_c // n_cg
         o_in = (i_c % n_cg) * BD + o_d  # columns within the group
         m_d = o_in < DG
         o_col = i_g * DG + o_in
         b_w = _weight(W, o_col, m_d, woff)[None, :] if HAS_W else None
         b_b = tl.load(B + o_col, mask=m_d, other=0.0).to(tl.float32)[None, :] if HAS_B else None
-        b_dw = tl.zeros([BD], dtype=tl.float32)
-        b_db = tl.zeros([BD], dtype=tl.float32)
-        t_c = tl.cast(i_c, tl.int64) * n_b  # the chunk's first item
-        i_m0 = tl.cast(tl.maximum(t_lo, t_c) - t_c, tl.int32)  # this program's row blocks of the chunk
-        i_m1 = tl.cast(tl.minimum(t_hi, t_c + n_b) - t_c, tl.int32)
-        for i_m in range(i_m0, i_m1):
-            o_m = (i_m * BR + tl.arange(0, BR)).to(tl.int64)
-            m_m = o_m < M
-            o_mg = o_m * G + i_g
-            b_rstd = tl.load(RSTD + o_mg, mask=m_m, other=0.0)[:, None]
-            b_mean = tl.load(MEAN + o_mg, mask=m_m, other=0.0)[:, None] if CENTER else None
-            b_c1 = tl.load(DOT + 2 * o_mg, mask=m_m, other=0.0)[:, None]
-            b_c2 = tl.load(DOT + 2 * o_mg + 1, mask=m_m, other=0.0)[:, None] if CENTER else None
-            b_sw, b_sb = _bwd_block(P, Z, DO, DRO, DX, DR, DZ, DX1, SEED, o_m[:, None], o_col[None, :],
-                                    m_m[:, None] & m_d[None, :], s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz, b_w, b_b,
-                                    b_rstd, b_mean, b_c1, b_c2, G * DG, DG, scale, alpha, drop_p, drop_scale,
-                                    HAS_X1, DROPOUT, HAS_DRO, STORE_DR, HAS_W, HAS_B, CENTER, GATE, ACT, False)
-            b_dw += b_sw
-            b_db += b_sb
-        if not SUM_PARTS:  # no chunk is shared (the launcher knows): this program's sums are dw and db
-            _store_sums(DW, DB, o_col, m_d, b_dw, b_db, HAS_W, HAS_B)
-        else:
-            # The programs that share chunk i_c, p_lo .. p_hi, are those owning its first and
-            # last items (item t's owner: the last p with p * n_t // n_p <= t).
-            p_lo = ((t_c + 1) * n_p - 1) // n_t
-            p_hi = ((t_c + n_b) * n_p - 1) // n_t
-            if p_lo == p_hi:
+        o_m = (i_m * BR + tl.arange(0, BR)).to(tl.int64)
+        m_m = o_m < M
+        o_mg = o_m * G + i_g
+        b_rstd = tl.load(RSTD + o_mg, mask=m_m, other=0.0)[:, None]
+        b_mean = tl.load(MEAN + o_mg, mask=m_m, other=0.0)[:, None] if CENTER else None
+        b_c1 = tl.load(DOT + 2 * o_mg, mask=m_m, other=0.0)[:, None]
+        b_c2 = tl.load(DOT + 2 * o_mg + 1, mask=m_m, other=0.0)[:, None] if CENTER else None
+        b_sw, b_sb = _bwd_block(P, Z, DO, DRO, DX, DR, DZ, DX1, SEED, o_m[:, None], o_col[None, :],
+                                m_m[:, None] & m_d[None, :], s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz, b_w, b_b,
+                                b_rstd, b_mean, b_c1, b_c2, G * DG, DG, scale, alpha, drop_p, drop_scale,
+                                HAS_X1, DROPOUT, HAS_DRO, STORE_DR, HAS_W, HAS_B, CENTER, GATE, ACT, False)
+        b_dw += b_sw
+        b_db += b_sb
+        if (i_m == n_b - 1) | (t == t_hi - 1):  # the chunk's last item, or this program's
+            if not SUM_PARTS:  # no chunk is shared (the launcher knows): these sums are dw and db
+                _store_sums(DW, DB, o_col, m_d, b_dw, b_db, HAS_W, HAS_B)
+            elif (t_lo <= t - i_m) & (t - i_m + n_b <= t_hi):  # all of the chunk's rows were this program's
                 _store_sums(DW, DB, o_col, m_d, b_dw, b_db, HAS_W, HAS_B)
             else:
-                # Each sharer writes its partial row (fp32) to slot i_p + i_c of DWP/DBP, rows of
-                # BD: along the items (p, c) only ever steps up, so p + c names each pair of a
-                # program and a chunk it touches once, and chunk i_c's sharers hold the slots
-                # p_lo + i_c .. p_hi + i_c (n_p + chunks - 1 rows in all). Then it counts
-                # itself in on the chunk's counter (zeroed by _bwd_dots); the last of the
-                # p_hi - p_lo + 1 to arrive sums their rows into dw and db: no third launch.
-                # Memory order: the barrier makes every thread's partial stores precede (in
-                # the CTA) the one thread that does the atomic; its release (acq_rel, GPU
-                # scope) publishes them, being cumulative, before the count can be seen. The
-                # last program's acquire (the same atomic) then sees every earlier sharer's
-                # release, so all their rows are visible to it; the result reaches the other
-                # threads through shared memory and a barrier (how Triton hands out a scalar
-                # atomic's value), which orders their loads after that acquire (and sum_rows
-                # loads through L2, past this SM's L1).
+                # A chunk shared by programs p_lo .. p_hi: each writes its row of sums (fp32)
+                # to slot i_p + i_c of DWP/DBP, rows of BD. Along the items (p, c) only ever
+                # steps up, so p + c names each (program, chunk) pair once, n_p + chunks - 1
+                # rows in all, and the chunk's sharers hold slots p_lo + i_c .. p_hi + i_c.
                 o_slot = tl.cast(i_p + i_c, tl.int64) * BD + o_d
                 if HAS_W:
                     tl.store(DWP + o_slot, b_dw, mask=m_d)
                 if HAS_B:
                     tl.store(DBP + o_slot, b_db, mask=m_d)
-                tl.debug_barrier()
+            b_dw = tl.zeros([BD], dtype=tl.float32)
+            b_db = tl.zeros([BD], dtype=tl.float32)
+    if SUM_PARTS:
+        # Only a program's first and last chunks can be shared. For each that is, the program
+        # counts itself in on the chunk's counter (zeroed by _bwd_dots) once all its rows are
+        # written (here, after the loop: the sums' registers stay out of it), and the last of
+        # the chunk's p_hi - p_lo + 1 sharers to arrive sums their rows into dw and db: no
+        # third launch. Memory order: the barrier makes every thread's partial stores precede
+        # (in the CTA) the one thread that does the atomic; its release (acq_rel, GPU scope)
+        # publishes them, being cumulative, before the count can be seen. The last sharer's
+        # acquire (the same atomic) then sees every earlier sharer's release, so all their
+        # rows are visible to it; the result reaches the other threads through shared memory
+        # and a barrier (how Triton hands out a scalar atomic's value), which orders their
+        # loads after that acquire (and sum_rows loads through L2, past this SM's L1).
+        tl.debug_barrier()
+        c_first = t_lo // n_b
+        c_last = (t_hi - 1) // n_b
+        for i_c in range(c_first, c_last + 1, tl.maximum(c_last - c_first, 1)):  # c_first, then c_last
+            t_c = i_c * n_b  # the chunk's first item
+            if (t_c < t_lo) | (t_hi < t_c + n_b):
                 n_before = tl.atomic_add(CNT + i_c, 1, sem="acq_rel", scope="gpu")
+                # the owners of the chunk's first and last items (item t's: the last p with p * n_t // n_p <= t)
+                p_lo = ((t_c + 1) * tl.cast(n_p, tl.int64) - 1) // n_t
+                p_hi = ((t_c + n_b) * tl.cast(n_p, tl.int64) - 1) // n_t
                 if n_before == p_hi - p_lo:
                     o_first = (p_lo + i_c) * BD  # the sharers' first slot
-                    o_start = i_g * DG + (i_c % n_cg) * BD  # the chunk's first column
+                    o_start = (i_c // n_cg) * DG + (i_c % n_cg) * BD  # the chunk's first column
+                    m_d = (i_c % n_cg) * BD + o_d < DG
                     if HAS_W:
                         sum_rows(DWP + o_first, DW + o_start, p_hi - p_lo + 1, BD, o_d, m_d, BR, BD)
                     if HAS_B:
@@ -803,7 +817,8 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
         learn(dev, dots_variant, dots_compiled, dots_lay.warps)
         compiled = _bwd_cols[(n_prog,)](p2, z2, weight, bias, rstd, mean, dots, *outs, dw, db, cnt, *strides,
                                         M, G, dg, spec.scale, spec.weight_offset, *_branch(spec),
-                                        BR=lay.br, BD=lay.bd, SUM_PARTS=sum_parts, num_warps=lay.warps, **flags)
+                                        BR=lay.br, BD=lay.bd, SUM_PARTS=sum_parts, num_warps=lay.warps, **flags,
+                                        **(launch.NO_SPILL if spec.dropout_p > 0 else {}))
         LAUNCHES["bwd"] += 2
     learn(dev, variant, compiled, lay.warps)
     return (*grads, dw, db, dx1)
