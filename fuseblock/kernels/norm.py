@@ -549,13 +549,14 @@ def _bwd_cols(
     # dw/db in registers, so a program writes one row of sums per chunk it touches (a
     # row-major loop would read and write its partial row for every row it handles).
     # One flat loop over the items, the chunk's columns worked out (and its weight loaded,
-    # from L1/L2) per item: a loop over chunks around one over row blocks took 20 more
-    # registers (sm_90), and 2 programs an SM no longer fitted.
+    # from L1/L2) per item: a loop over chunks around one over row blocks took up to 49
+    # more registers (sm_90, rms bf16: 167 where this takes 124), and 2 programs an SM no
+    # longer fitted.
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
     n_cg = tl.cdiv(DG, BD)  # chunks per group
     n_b = tl.cdiv(M, BR)  # row blocks: the items of one chunk
-    n_t = tl.cast(G * n_cg, tl.int64) * n_b  # (i_p + 1) * n_t may pass 2^31; n_t (M * d / 8192 or less) does not
+    n_t = tl.cast(G * n_cg, tl.int64) * n_b  # (i_p + 1) * n_t may pass 2^31; n_t (< M * d / 2048) does not
     t_lo = tl.cast(i_p * n_t // n_p, tl.int32)
     t_hi = tl.cast((i_p + 1) * n_t // n_p, tl.int32)  # > t_lo: the launcher takes no more programs than items
     o_d = tl.arange(0, BD)
