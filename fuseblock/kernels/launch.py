@@ -130,8 +130,10 @@ def deterministic() -> bool:
 def row_programs(device: torch.device, variant: tuple, per_sm: int) -> int:
     """The programs a persistent backward may split its rows among, each summing its rows'
     weight-gradient terms into one fp32 partial row: as many as the GPU holds at once (one
-    wave), or DETERMINISTIC_PROGRAMS in deterministic mode, whatever the GPU. Program i
-    always sums row blocks i, i + n, i + 2n, ... in that order, so a fixed n fixes the bits."""
+    wave), or DETERMINISTIC_PROGRAMS in deterministic mode, whatever the GPU. Which rows
+    program i sums, and in what order, follows from n and the shape alone (row blocks i,
+    i + n, ... in most; a contiguous range of (column chunk, row block) items in
+    the norm's `_bwd_cols`), so a fixed n fixes the bits."""
     if deterministic():
         return DETERMINISTIC_PROGRAMS
     return num_sms(device) * programs_per_sm(device, variant, per_sm)

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from .. import fp8
 from ..spec import Act, Gate, NormSpec, Quant
+from . import launch
 from .fp8 import quant_buffers, quantized, store_quantized
 from .launch import (
     LAUNCHES,
@@ -76,6 +77,9 @@ COLS_TILE = 8192  # and elements per [rows, columns] block it loads
 # With dropout the column pass also regenerates two masks a block: at 8192 elements it needed
 # 255 registers and 8 bytes of stack a thread on sm_100; at 4096, 214 and none (sm_90, sm_100)
 COLS_TILE_DROPOUT = 4096
+# ... and launches with launch.NO_SPILL: left to itself ptxas capped the stream-K column pass at
+# 128 registers (sm_90, bf16) to fit two programs an SM and spilled 8 bytes; uncapped it takes
+# 200 (one program, as before the split). The other variants fit two, or one, without it.
 # programs per SM before occupancy is learned: as many as an SM's threads allow; what fits is
 # 1 to 2 on sm_90 (118 to 146 registers x 256 threads), 3 on gfx942 (bench.py targets)
 COLS_PROGRAMS_PER_SM = 8
@@ -517,6 +521,15 @@ def _bwd_dots(
             tl.store(DOT + 2 * i_mg + 1, (_mean(tl.sum(b_c2, 0), DG) - c1 * _mean(tl.sum(b_c3, 0), DG)) * b_rstd)
 
 
+@triton.jit
+def _store_sums(DW, DB, o_col, m_d, b_dw, b_db, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    """A column chunk's dw and db, in the parameters' dtypes, from the one program that summed all its rows."""
+    if HAS_W:
+        tl.store(DW + o_col, b_dw.to(DW.dtype.element_ty), mask=m_d)
+    if HAS_B:
+        tl.store(DB + o_col, b_db.to(DB.dtype.element_ty), mask=m_d)
+
+
 @triton.jit(do_not_specialize=["M", "scale", "woff", "alpha", "drop_p", "drop_scale", "SEED"])
 def _bwd_cols(
     P, Z, W, B, RSTD, MEAN, DOT, DO, DRO, DX, DR, DZ, DWP, DBP, DX1, SEED, DW, DB, CNT,
@@ -529,24 +542,36 @@ def _bwd_cols(
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr,
 ):
     _check_modes(GATE, ACT)
-    # Wide rows, step 2 of 2: program (i_c, i_p) owns column chunk i_c (inside one group)
-    # of row blocks i_p, i_p + n_p, ... With the row constants from _bwd_dots, dx needs
-    # only its own columns; and walking down the columns keeps dw/db in registers, so
-    # each program writes one partial row once (a row-major loop would read and write
-    # its partial row for every row it handles).
-    i_c = tl.program_id(0)
-    i_p = tl.program_id(1)
-    n_p = tl.num_programs(1)
+    # Wide rows, step 2 of 2, split stream-K: the work is n_t items, (column chunk i_c
+    # inside one group, row block i_m) chunk-major, and program i_p takes the items
+    # [i_p * n_t // n_p, (i_p + 1) * n_t // n_p): a whole wave of programs whatever the
+    # chunk count, each within one item of the others. With the row constants from
+    # _bwd_dots, dx needs only its own columns; and walking down a chunk's rows keeps
+    # dw/db in registers, so a program writes one row of sums per chunk it touches (a
+    # row-major loop would read and write its partial row for every row it handles).
+    # One flat loop over the items, the chunk's columns worked out (and its weight loaded,
+    # from L1/L2) per item: a loop over chunks around one over row blocks took up to 49
+    # more registers (sm_90, rms bf16: 167 where this takes 124), and 2 programs an SM no
+    # longer fitted.
+    i_p = tl.program_id(0)
+    n_p = tl.num_programs(0)
     n_cg = tl.cdiv(DG, BD)  # chunks per group
-    i_g = i_c // n_cg
-    o_in = (i_c % n_cg) * BD + tl.arange(0, BD)  # columns within the group
-    m_d = o_in < DG
-    o_col = i_g * DG + o_in
-    b_w = _weight(W, o_col, m_d, woff)[None, :] if HAS_W else None
-    b_b = tl.load(B + o_col, mask=m_d, other=0.0).to(tl.float32)[None, :] if HAS_B else None
+    n_b = tl.cdiv(M, BR)  # row blocks: the items of one chunk
+    n_t = tl.cast(G * n_cg, tl.int64) * n_b  # (i_p + 1) * n_t may pass 2^31; n_t (< M * d / 2048) does not
+    t_lo = tl.cast(i_p * n_t // n_p, tl.int32)
+    t_hi = tl.cast((i_p + 1) * n_t // n_p, tl.int32)  # > t_lo: the launcher takes no more programs than items
+    o_d = tl.arange(0, BD)
     b_dw = tl.zeros([BD], dtype=tl.float32)
     b_db = tl.zeros([BD], dtype=tl.float32)
-    for i_m in range(i_p, tl.cdiv(M, BR), n_p):
+    for t in range(t_lo, t_hi):
+        i_c = t // n_b
+        i_m = t - i_c * n_b
+        i_g = i_c // n_cg
+        o_in = (i_c % n_cg) * BD + o_d  # columns within the group
+        m_d = o_in < DG
+        o_col = i_g * DG + o_in
+        b_w = _weight(W, o_col, m_d, woff)[None, :] if HAS_W else None
+        b_b = tl.load(B + o_col, mask=m_d, other=0.0).to(tl.float32)[None, :] if HAS_B else None
         o_m = (i_m * BR + tl.arange(0, BR)).to(tl.int64)
         m_m = o_m < M
         o_mg = o_m * G + i_g
@@ -560,34 +585,53 @@ def _bwd_cols(
                                 HAS_X1, DROPOUT, HAS_DRO, STORE_DR, HAS_W, HAS_B, CENTER, GATE, ACT, False)
         b_dw += b_sw
         b_db += b_sb
-    if not SUM_PARTS:  # one program per column chunk (n_p = 1): its sums are dw and db
-        if HAS_W:
-            tl.store(DW + o_col, b_dw.to(DW.dtype.element_ty), mask=m_d)
-        if HAS_B:
-            tl.store(DB + o_col, b_db.to(DB.dtype.element_ty), mask=m_d)
-    else:
-        # The n_p programs of a column chunk each write their partial row (fp32), then
-        # count themselves in on the chunk's counter (zeroed by _bwd_dots); the last to
-        # arrive sums the n_p rows into dw and db: no third launch. Memory order: the
-        # barrier makes every thread's partial stores precede (in the CTA) the one thread
-        # that does the atomic; its release (acq_rel, GPU scope) publishes them, being
-        # cumulative, before the count can be seen. The last program's acquire (the same
-        # atomic) then sees every earlier program's release, so all n_p rows are visible
-        # to it; the result reaches the other threads through shared memory and a barrier
-        # (how Triton hands out a scalar atomic's value), which orders their loads after
-        # that acquire (and sum_rows loads through L2, past this SM's L1).
-        o_part = i_p.to(tl.int64) * G * DG + o_col
-        if HAS_W:
-            tl.store(DWP + o_part, b_dw, mask=m_d)
-        if HAS_B:
-            tl.store(DBP + o_part, b_db, mask=m_d)
+        if (i_m == n_b - 1) | (t == t_hi - 1):  # the chunk's last item, or this program's
+            if not SUM_PARTS:  # no chunk is shared (the launcher knows): these sums are dw and db
+                _store_sums(DW, DB, o_col, m_d, b_dw, b_db, HAS_W, HAS_B)
+            elif (t_lo <= t - i_m) & (t - i_m + n_b <= t_hi):  # all of the chunk's rows were this program's
+                _store_sums(DW, DB, o_col, m_d, b_dw, b_db, HAS_W, HAS_B)
+            else:
+                # A chunk shared by programs p_lo .. p_hi: each writes its row of sums (fp32)
+                # to slot i_p + i_c of DWP/DBP, rows of BD. Along the items (p, c) only ever
+                # steps up, so p + c names each (program, chunk) pair once, n_p + chunks - 1
+                # rows in all, and the chunk's sharers hold slots p_lo + i_c .. p_hi + i_c.
+                o_slot = tl.cast(i_p + i_c, tl.int64) * BD + o_d
+                if HAS_W:
+                    tl.store(DWP + o_slot, b_dw, mask=m_d)
+                if HAS_B:
+                    tl.store(DBP + o_slot, b_db, mask=m_d)
+            b_dw = tl.zeros([BD], dtype=tl.float32)
+            b_db = tl.zeros([BD], dtype=tl.float32)
+    if SUM_PARTS:
+        # Only a program's first and last chunks can be shared. For each that is, the program
+        # counts itself in on the chunk's counter (zeroed by _bwd_dots) once all its rows are
+        # written (here, after the loop: the sums' registers stay out of it), and the last of
+        # the chunk's p_hi - p_lo + 1 sharers to arrive sums their rows into dw and db: no
+        # third launch. Memory order: the barrier makes every thread's partial stores precede
+        # (in the CTA) the one thread that does the atomic; its release (acq_rel, GPU scope)
+        # publishes them, being cumulative, before the count can be seen. The last sharer's
+        # acquire (the same atomic) then sees every earlier sharer's release, so all their
+        # rows are visible to it; the result reaches the other threads through shared memory
+        # and a barrier (how Triton hands out a scalar atomic's value), which orders their
+        # loads after that acquire (and sum_rows loads through L2, past this SM's L1).
         tl.debug_barrier()
-        n_before = tl.atomic_add(CNT + i_c, 1, sem="acq_rel", scope="gpu")
-        if n_before == n_p - 1:
-            if HAS_W:
-                sum_rows(DWP, DW, n_p, G * DG, o_col, m_d, BR, BD)
-            if HAS_B:
-                sum_rows(DBP, DB, n_p, G * DG, o_col, m_d, BR, BD)
+        c_first = t_lo // n_b
+        c_last = (t_hi - 1) // n_b
+        for i_c in range(c_first, c_last + 1, tl.maximum(c_last - c_first, 1)):  # c_first, then c_last
+            t_c = i_c * n_b  # the chunk's first item
+            if (t_c < t_lo) | (t_hi < t_c + n_b):
+                n_before = tl.atomic_add(CNT + i_c, 1, sem="acq_rel", scope="gpu")
+                # the owners of the chunk's first and last items (item t's: the last p with p * n_t // n_p <= t)
+                p_lo = ((t_c + 1) * tl.cast(n_p, tl.int64) - 1) // n_t
+                p_hi = ((t_c + n_b) * tl.cast(n_p, tl.int64) - 1) // n_t
+                if n_before == p_hi - p_lo:
+                    o_first = (p_lo + i_c) * BD  # the sharers' first slot
+                    o_start = (i_c // n_cg) * DG + (i_c % n_cg) * BD  # the chunk's first column
+                    m_d = (i_c % n_cg) * BD + o_d < DG
+                    if HAS_W:
+                        sum_rows(DWP + o_first, DW + o_start, p_hi - p_lo + 1, BD, o_d, m_d, BR, BD)
+                    if HAS_B:
+                        sum_rows(DBP + o_first, DB + o_start, p_hi - p_lo + 1, BD, o_d, m_d, BR, BD)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -730,20 +774,27 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
         tile = COLS_TILE_DROPOUT if spec.dropout_p > 0 else COLS_TILE
         lay = Layout(False, 1, bd, max(1, tile // bd), warps(256), COLS_PROGRAMS_PER_SM)
         n_cols = G * cdiv(dg, bd)
-    n_items = cdiv(M, lay.br)
+    n_blocks = cdiv(M, lay.br)
+    n_items = n_cols * n_blocks  # the tile's row blocks; the column kernel's (chunk, row block) pairs
     # The variant's registers are those of its main loop: the partial rows' summing
     # (SUM_PARTS below) comes after it, when those are free (bench.py sm90 shows both).
     variant = lay.variant("_bwd_tile" if lay.tile else "_bwd_cols", (p2, z2, weight, bias, do2, dro2, dx, dr, dz),
                           flags)
-    # Programs per SM as many as fit at once (one wave), and at least
-    # MIN_ROWS_PER_PROGRAM rows each, so the (n_prog, d) partial buffers stay small next
+    # As many programs as fit at once (one wave), the items split evenly among them, and at
+    # least MIN_ROWS_PER_PROGRAM rows' worth each, so the partial buffers stay small next
     # to the activations on small batches.
     slots = row_programs(dev, variant, lay.per_sm)
-    n_prog = max(1, min(slots // n_cols, n_items, cdiv(M, MIN_ROWS_PER_PROGRAM)))
-    # With one program its sums are dw and db: it writes them, and nothing is left to add.
-    sum_parts = n_prog > 1 and (need_dw or need_db)
-    dw_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_dw and sum_parts else dw
-    db_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if need_db and sum_parts else db
+    n_prog = max(1, min(slots, n_items, n_cols * cdiv(M, MIN_ROWS_PER_PROGRAM)))
+    # Partial sums are left to add where a (column) chunk's rows are split among programs:
+    # with more than one row block, unless the programs divide the chunks evenly (a
+    # program's range of items then ends where a chunk does). With one program, or one
+    # per chunk, its sums are dw and db: it writes them, and nothing is left to add.
+    sum_parts = (need_dw or need_db) and n_blocks > 1 and n_cols % n_prog != 0
+    # The tile's partial rows are its programs'; the column kernel's are one chunk wide, one
+    # for each program and chunk it touches: n_prog + n_cols - 1 pairs at most (_bwd_cols).
+    part = (n_prog, d) if lay.tile else (n_prog + n_cols - 1, lay.bd)
+    dw_part = torch.empty(part, dtype=torch.float32, device=dev) if need_dw and sum_parts else dw
+    db_part = torch.empty(part, dtype=torch.float32, device=dev) if need_db and sum_parts else db
     strides = (s_p, s_z, s_do, s_dro, d, 0 if dr is None else d, 0 if dz is None else d)
     outs = (do2, dro2, dx, dr, dz, dw_part, db_part, dx1, seed)
     if lay.tile:
@@ -766,10 +817,10 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
                                              s_do, M * G, G, dg, spec.scale, spec.weight_offset, n_cols,
                                              num_warps=dots_lay.warps, **dots_flags)
         learn(dev, dots_variant, dots_compiled, dots_lay.warps)
-        compiled = _bwd_cols[(n_cols, n_prog)](p2, z2, weight, bias, rstd, mean, dots, *outs, dw, db, cnt, *strides,
-                                               M, G, dg, spec.scale, spec.weight_offset, *_branch(spec),
-                                               BR=lay.br, BD=lay.bd,
-                                               SUM_PARTS=sum_parts, num_warps=lay.warps, **flags)
+        compiled = _bwd_cols[(n_prog,)](p2, z2, weight, bias, rstd, mean, dots, *outs, dw, db, cnt, *strides,
+                                        M, G, dg, spec.scale, spec.weight_offset, *_branch(spec),
+                                        BR=lay.br, BD=lay.bd, SUM_PARTS=sum_parts, num_warps=lay.warps, **flags,
+                                        **(launch.NO_SPILL if spec.dropout_p > 0 else {}))
         LAUNCHES["bwd"] += 2
     learn(dev, variant, compiled, lay.warps)
     return (*grads, dw, db, dx1)

@@ -14,7 +14,7 @@ per thread (local memory on NVIDIA, scratch on AMD), shared memory (LDS) per pro
 programs resident per SM (CU), and the grid and its waves of resident programs at a
 large row count (`rows`: 32768, or 2^29 / d elements' worth past d = 16384) once the
 launch has learned what fits (waves_first: the first launch). `fills`: whether the
-launch fills at least 95% of a wave where its work allows, the work being what it would
+launch fills at least a whole wave where its work allows, the work being what it would
 launch on a GPU with unbounded SMs (so a grid that is all the rows there are passes; the
 backward's at most one program per 64 rows is such a bound).
 A kernel compiled once per target serves every op that launches it alike (cached).
@@ -37,7 +37,6 @@ WIDTHS = [64, 256, 1024, 4096, 8192, 16384, 32768, 65536, 262144]
 # The sums over partial rows (one program per column chunk, a few hundred at most) are
 # not row launches: a fraction of a wave is their design, and they move ~1% of the bytes.
 NOT_ROWS = {"_bwd_sum", "_bwd_sum4"}
-FULL = 0.95  # a wave this full counts as full: _bwd_cols splits its programs evenly among column chunks
 
 
 def _ops(quick: bool) -> dict:
@@ -148,7 +147,7 @@ def _rows(target: str, op: str, build, d: int, dtype, rows: int, comp: _Compiler
         slots = t.sms * per_sm
         block = "x".join(str(ln.kwargs[k]) for k in ("BR", "BG", "BD", "BL") if k in ln.kwargs)
         grid = _grid(ln_l)
-        fills = ln.name in NOT_ROWS or grid >= min(FULL * slots, _grid(ln_w))
+        fills = ln.name in NOT_ROWS or grid >= min(slots, _grid(ln_w))
         out.append(dict(
             target=target, gpu=t.gpu, op=op, kernel=ln.name, d=d, dtype=str(dtype).removeprefix("torch."),
             block=block, num_warps=warps, registers=u["registers"], spill_bytes=u["stack"], shared=u["shared"],

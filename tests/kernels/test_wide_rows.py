@@ -8,7 +8,8 @@ and several programs: every path of their indexing, against the fp64 reference.
 """
 import pytest
 import torch
-from helpers import run_case
+from helpers import assert_close, run_case
+from ref64 import add_norm64
 
 import fuseblock
 
@@ -132,3 +133,120 @@ def test_embed_norm_takes_its_loop_kernels_under_the_same_limits(ord, monkeypatc
     dx, dx_ref = torch.autograd.grad(y, x, cot)[0], torch.autograd.grad(ref, xr, cot.double())[0]
     torch.testing.assert_close(dx.double(), dx_ref, rtol=1e-4, atol=1e-5)
     assert ran == ["_fwd_loop", "_bwd_loop"]
+
+
+class _Split:
+    """Records `_bwd_cols`'s launches (grid, row blocks, chunks) and works out, apart from the
+    kernel, the stream-K split they make: program p takes items [p T // P, (p + 1) T // P)
+    of the T = chunks x row blocks, chunk-major."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        run = self.kernel[grid]
+
+        def launch(*args, **kw):
+            named = dict(zip(self.kernel.arg_names, args, strict=False))
+            n_cols = named["G"] * -(-named["DG"] // kw["BD"])
+            self.launches.append((grid, n_cols, -(-named["M"] // kw["BR"])))
+            return run(*args, **kw)
+
+        return launch
+
+    def chunks_and_sharers(self):
+        """(chunks each program touches, programs sharing each chunk) of the last launch."""
+        (n_p,), n_cols, n_b = self.launches[-1]
+        t = n_cols * n_b
+        touched = [range(p * t // n_p // n_b, ((p + 1) * t // n_p - 1) // n_b + 1) for p in range(n_p)]
+        return [len(r) for r in touched], [sum(c in r for r in touched) for c in range(n_cols)]
+
+
+@pytest.fixture
+def split(monkeypatch):
+    """`_bwd_cols` watched, and `slots(n)` makes the wave n programs (num_sms as a GPU reads it too)."""
+    import fuseblock.kernels.launch as L
+    import fuseblock.kernels.norm as K
+
+    spy = _Split(K._bwd_cols)
+    monkeypatch.setattr(K, "_bwd_cols", spy)
+    monkeypatch.setattr(K, "COLS_PROGRAMS_PER_SM", 1)
+
+    def slots(n):
+        monkeypatch.setattr(L, "H100_SMS", n)
+        monkeypatch.setattr(L, "num_sms", lambda device: n)
+
+    spy.slots = slots
+    return spy
+
+
+# (rows, slots) -> the split's edge it reaches: rms rows of 37 are 5 chunks of 8 columns (the
+# last 5), layer norm's 3 groups of 20 are 9 (8 + 8 + 4 a group); row blocks of 4 rows
+STREAM_K = {
+    "spans_3_chunks": (6, 2),  # 2 programs of 10 or 18 items: 3 and 5 chunks each, the middle one shared
+    "many_per_chunk": (29, 29),  # a chunk of 8 row blocks (the last ragged) over 3 to 6 programs
+    "one_item_each": (8, 64),  # as many programs as items (the wave is larger): every chunk shared
+    "one_row_block": (3, 2),  # 5 or 9 chunks of one item over 2 programs: none shared, dw stored directly
+}
+
+
+@pytest.mark.parametrize("case", list(STREAM_K))
+@pytest.mark.parametrize("kind", ["rms", "layer_groups"])
+def test_stream_k_split_matches_fp64_reference(split, case, kind):
+    # A wave that the chunks do not divide: the programs split the (chunk, row block) items
+    # evenly, a chunk's rows among several programs and a program's across several chunks
+    # (and groups); dx, dw, db against the fp64 reference whichever program summed what
+    rows, slots = STREAM_K[case]
+    split.slots(slots)
+    groups, d = (3, 60) if kind == "layer_groups" else (1, 37)
+    x, residual = torch.randn(rows, d) * 3 + 2, torch.randn(rows, d)
+    run_case(x, residual, torch.randn(d), torch.randn(d) if groups > 1 else None,
+             kind="layer" if groups > 1 else "rms", num_groups=groups)
+    (n_p,), n_cols, n_b = split.launches[-1]
+    chunks, sharers = split.chunks_and_sharers()
+    assert n_cols == (9 if groups > 1 else 5) and n_cols % n_p != 0  # the even split's slots would idle
+    if case == "spans_3_chunks":
+        assert n_p == 2 and min(chunks) >= 3 and max(sharers) == 2
+    elif case == "many_per_chunk":
+        assert n_p == slots and max(sharers) >= 3
+    elif case == "one_item_each":
+        assert n_p == n_cols * n_b < slots and n_b == 2 and sharers == [2] * n_cols
+    else:
+        assert n_b == 1 and n_p == 2 and max(chunks) >= 3 and sharers == [1] * n_cols
+
+
+def test_stream_k_dropout_masks_follow_the_elements(split):
+    # dropout's masks are drawn by element position, not by program: dx, dx1 and dresidual
+    # are the same bits under a split that shares chunks (3 programs, 25 items: 2 rows a
+    # block with dropout) and one that gives each of the 5 chunks its own program; dw and db
+    # differ only in the order of their fp32 sums, and both match the fp64 reference on the masks
+    d, rows, p, alpha = 37, 9, 0.3, 0.75
+    x, x1, residual, w, b = (torch.randn(rows, d), torch.randn(rows, d), torch.randn(rows, d), torch.randn(d),
+                             torch.randn(d))
+    g_out, g_res = torch.randn(rows, d), torch.randn(rows, d)
+
+    def grads(slots):
+        split.slots(slots)
+        leaves = [t.detach().requires_grad_() for t in (x, x1, residual, w, b)]
+        torch.manual_seed(5)
+        out, new_res = fuseblock.add_norm(*leaves[:1], leaves[2], *leaves[3:], kind="layer", alpha=alpha,
+                                          x1=leaves[1], dropout_p=p)
+        return torch.autograd.grad((out * g_out).sum() + (new_res * g_res).sum(), leaves)
+
+    shared = grads(3)
+    assert split.launches[-1][0] == (3,) and split.chunks_and_sharers() == ([2, 3, 2], [1, 2, 1, 2, 1])
+    own = grads(5)
+    assert split.launches[-1][0] == (5,) and split.chunks_and_sharers() == ([1] * 5, [1] * 5)
+    for a, b_ in zip(shared[:3], own[:3], strict=True):
+        assert torch.equal(a, b_)
+    torch.manual_seed(5)  # the masks, from a forward on x = 1, x1 = 0 (then x = 0, x1 = 1)
+    kx = fuseblock.add_norm(torch.ones(rows, d), None, None, x1=torch.zeros(rows, d), dropout_p=p)[1] != 0
+    torch.manual_seed(5)
+    kx1 = fuseblock.add_norm(torch.zeros(rows, d), None, None, x1=torch.ones(rows, d), dropout_p=p)[1] != 0
+    leaves = [t.double().requires_grad_() for t in (x, x1, residual, w, b)]
+    ref_out, ref_p = add_norm64(leaves[0] * kx / (1 - p), leaves[2], leaves[3], leaves[4], kind="layer", alpha=alpha,
+                                x1=leaves[1] * kx1 / (1 - p))
+    ref = torch.autograd.grad((ref_out * g_out.double()).sum() + (ref_p * g_res.double()).sum(), leaves)
+    for name, g_shared, g_own, r in zip(("x", "x1", "residual", "weight", "bias"), shared, own, ref, strict=True):
+        assert_close(g_shared, r, torch.float32, f"d{name}")
+        assert_close(g_own, r, torch.float32, f"d{name}")
