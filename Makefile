@@ -75,7 +75,8 @@ bench: $(STAMP)
 # bandwidth and small-row latency against eager, torch.compile and the peers found:
 # Liger-Kernel, flash-attention, quack; scripts/benchmarks/peers.py) and `bench.py gpt-step`
 # (GPT-2 small, fused against naive, eager and compiled, and naive with Liger's norms where
-# Liger is found), then one report, $(GPU_OUT)/report.md, with each
+# Liger is found), `tools/tile_vs_loop.py` (the forward tile against the loop kernel at
+# d = 32768, bf16 and fp32: what keeps or moves each variant's tile there), then one report, $(GPU_OUT)/report.md, with each
 # part's exit status and PASS/FAIL against the targets (scripts/benchmarks/gpu_report.py).
 # Every part runs whatever the one before it did (each one's output and status go to
 # $(GPU_OUT)/<part>.log and .rc); the target fails when a part failed or a target was missed.
@@ -103,6 +104,7 @@ gpu-check: $(GPU_CHECK_DEPS)
 	{ FUSEBLOCK_TEST_DEVICE=cuda $(PY) -m pytest -m kernel tests/ $(NO_HYPOTHESIS) $(XDIST); echo $$? >$(GPU_OUT)/tests.rc; } 2>&1 | tee $(GPU_OUT)/tests.log
 	{ $(PY) scripts/bench.py gpu --out $(GPU_OUT); echo $$? >$(GPU_OUT)/gpu.rc; } 2>&1 | tee $(GPU_OUT)/gpu.log
 	{ $(PY) scripts/bench.py gpt-step --json; echo $$? >$(GPU_OUT)/gpt_step.rc; } 2>&1 | tee $(GPU_OUT)/gpt_step.log
+	{ $(PY) tools/tile_vs_loop.py --dtype bf16 --json $(GPU_OUT)/tile_bf16.json && $(PY) tools/tile_vs_loop.py --dtype fp32 --json $(GPU_OUT)/tile_fp32.json; echo $$? >$(GPU_OUT)/tile.rc; } 2>&1 | tee $(GPU_OUT)/tile.log
 	$(PY) scripts/bench.py gpu-report --out $(GPU_OUT)
 
 # fuseblock's kernel-hub layers (fuseblock.hub.layers) as a local kernel repository, for

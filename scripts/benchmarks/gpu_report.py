@@ -32,7 +32,8 @@ PASSES = ("fwd", "bwd")
 # name in DIR (the Makefile's), what it is
 PARTS = (("tests", "kernel tests on the compiled kernels (pytest -m kernel, FUSEBLOCK_TEST_DEVICE=cuda)"),
          ("gpu", "add_norm bandwidth (bench.py gpu)"),
-         ("gpt_step", "GPT-2-small training step (bench.py gpt-step)"))
+         ("gpt_step", "GPT-2-small training step (bench.py gpt-step)"),
+         ("tile", "forward tile against the loop kernel at d = 32768, bf16 and fp32 (tools/tile_vs_loop.py)"))
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -180,6 +181,7 @@ def report(out: Path, env: dict, gpu: bool = True) -> tuple[str, bool]:
     found = _json(out / "peers.json") or {}
     latency = _json(out / "gpu_latency.json") or []
     hyper = _json(out / "gpu_hyper.json") or []
+    tile = (_json(out / "tile_bf16.json") or []) + (_json(out / "tile_fp32.json") or [])
     head = [] if gpu else ["**NO GPU**: no CUDA device is present (torch.cuda.is_available() is False). The parts "
                            "ran as far as they can without one; nothing below was measured on a GPU.", ""]
     lines = ["# make gpu-check", "", *head,
@@ -206,6 +208,8 @@ def report(out: Path, env: dict, gpu: bool = True) -> tuple[str, bool]:
               markdown(fp8) if fp8 else "no rows (see gpu.log)\n",
               "## The mHC boundary (hc_add_norm, n = 4), fused vs unfused, bf16 GB/s (bench.py gpu)", "",
               markdown(hyper) if hyper else "no rows (see gpu.log)\n",
+              "## Forward tile against the loop kernel, d = 32768, ms (tools/tile_vs_loop.py)", "",
+              markdown(tile) if tile else "no rows (see tile.log)\n",
               "## GPT-2-small training step, bf16 autocast (bench.py gpt-step)", "",
               markdown(steps) if steps else "no rows (see gpt_step.log)\n"]
     return "\n".join(lines), ok

@@ -300,7 +300,8 @@ def test_gpu_report_writes_one_report_and_fails_on_any_part_or_target(monkeypatc
     (tmp_path / "tests.log").write_text("tests/ops/test_norm.py ....\n=== short test summary info ===\n"
                                         "FAILED tests/ops/test_norm.py::test_x - AssertionError\n"
                                         "======= 1 failed, 599 passed, 3 skipped in 95.12s (0:01:35) =======\n")
-    for part, rc in (("tests", 1), ("gpu", 0), ("gpt_step", 0)):
+    (tmp_path / "tile_fp32.json").write_text(json.dumps([dict(variant="post_gate", dtype="fp32", loop_over_tile=0.9)]))
+    for part, rc in (("tests", 1), ("gpu", 0), ("gpt_step", 0), ("tile", 0)):
         (tmp_path / f"{part}.rc").write_text(f"{rc}\n")
     args = types.SimpleNamespace(out=str(tmp_path))
     with pytest.raises(SystemExit) as e:
@@ -312,6 +313,7 @@ def test_gpu_report_writes_one_report_and_fails_on_any_part_or_target(monkeypatc
     assert "NVIDIA H100 (fake)" in text and "1 failed, 599 passed, 3 skipped in 95.12s (0:01:35)" in text
     assert "FAILED tests/ops/test_norm.py::test_x" in text and text.count("| PASS |") == 10
     assert "| fused+compile | 80.0" in text.replace("80.000", "80.0")  # the GPT step table
+    assert "| post_gate | fp32 | 0.9" in text  # the tile against the loop
 
     (tmp_path / "tests.rc").write_text("0\n")
     with pytest.raises(SystemExit) as e:
@@ -338,7 +340,8 @@ def test_make_gpu_check_prints_its_commands():
     assert not any(("pip" in ln and "--no-index" not in ln) or "venv" in ln for ln in lines)
     for command in ("FUSEBLOCK_TEST_DEVICE=cuda python -m pytest -m kernel tests/",
                     "python scripts/bench.py gpu --out out/gpu-check",
-                    "python scripts/bench.py gpt-step --json"):
+                    "python scripts/bench.py gpt-step --json",
+                    "python tools/tile_vs_loop.py --dtype fp32 --json out/gpu-check/tile_fp32.json"):
         line = next(ln for ln in lines if command in ln)  # each part's status is kept, and make goes on
         assert "echo $? >out/gpu-check/" in line and "| tee out/gpu-check/" in line
     assert lines[-1] == "python scripts/bench.py gpu-report --out out/gpu-check"
@@ -461,6 +464,7 @@ def test_make_gpu_check_without_a_gpu_runs_what_it_can_and_exits_3(tmp_path):
     assert "no kernel test can run" in (out / "tests.log").read_text()
     assert (out / "tests.rc").read_text().strip() == "3"
     assert "peers:" in (out / "gpu.log").read_text() and "no CUDA device" in (out / "gpu.log").read_text()
+    assert "no CUDA device" in (out / "tile.log").read_text() and (out / "tile.rc").read_text().strip() == "0"
     text = (out / "report.md").read_text()
     assert text.startswith("# make gpu-check\n\n**NO GPU**: no CUDA device is present")
     assert "## Peers found" in text and "| liger |" in text
