@@ -326,7 +326,7 @@ def _bwd(H, F, POST, COMB, HN, FN, BASE, SCALE, W, MIX, RHO, DY, DHN, DPOSTN, DC
             o_jk = o_s[:, None] * N + o_s[None, :]
             m_jk = m_ts[:, :, None] & m_s[None, None, :]
             if HAS_DCOMB:
-                b_S, m_jk = _comb_softmax(MIX, BASE, SCALE, o_t, m_t, N, m, o_s, m_s)
+                b_S, _ = _comb_softmax(MIX, BASE, SCALE, o_t, m_t, N, m, o_s, m_s)
                 b_c = _sinkhorn(b_S, m_jk, iters, hc_eps, DENS, True)
                 tl.debug_barrier()  # the denominators are read back by other threads
                 b_dc = tl.load(DCOMBN + o_t[:, None, None] * N * N + o_jk[None, :, :], mask=m_jk, other=0.0)

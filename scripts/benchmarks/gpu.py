@@ -42,14 +42,30 @@ def _naive(x, r, w, kind):
     return out, p
 
 
+def _fwd_bwd_ms(fn, leaves, do_bench) -> tuple[float, float]:
+    """Milliseconds of fn() -> its outputs, forward (no graph) and backward to the leaves."""
+    with torch.no_grad():
+        t_fwd = do_bench(fn, warmup=5, rep=25)
+    outs = fn()
+    grads = [torch.randn_like(t) for t in outs]
+    t_bwd = do_bench(lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True), warmup=5, rep=25)
+    return t_fwd, t_bwd
+
+
 def _fwd_bwd_TBps(fn, x, r, w, nbytes: int, do_bench) -> tuple[float, float]:
     """Compulsory bytes / time of fn(x, r, w) -> (out, p), forward and backward."""
-    with torch.no_grad():
-        t_fwd = do_bench(lambda: fn(x, r, w), warmup=5, rep=25)
-    out, p = fn(x, r, w)
-    grads = (torch.randn_like(out), torch.randn_like(p))
-    t_bwd = do_bench(lambda: torch.autograd.grad((out, p), (x, r, w), grads, retain_graph=True), warmup=5, rep=25)
+    t_fwd, t_bwd = _fwd_bwd_ms(lambda: fn(x, r, w), (x, r, w), do_bench)
     return nbytes / t_fwd / 1e9, nbytes / t_bwd / 1e9
+
+
+def _add_ratios(row: dict, ours: str, others, unit: str) -> None:
+    """row's x_<other>_<pass>: ours / other's figure, forward and backward, where both were
+    measured (above 1, ours is faster)."""
+    for name in others:
+        for pas in ("fwd", "bwd"):
+            mine, theirs = row.get(f"{ours}_{pas}_{unit}"), row.get(f"{name}_{pas}_{unit}")
+            if name != ours and mine and theirs:
+                row[f"x_{name}_{pas}"] = mine / theirs
 
 
 @contextlib.contextmanager
@@ -111,11 +127,7 @@ def _bandwidth_row(kind: str, d: int, args, dev, do_bench, found: dict) -> dict:
                 row[f"{name}_fwd_TBps"], row[f"{name}_bwd_TBps"] = _fwd_bwd_TBps(fn, x, r, w, nbytes, do_bench)
         except Exception as e:  # a contender's failure of any kind (a Triton compile error too): in the table
             row[f"{name}_error"] = _error(e)
-    for name in impls:  # fuseblock / each contender: above 1, fuseblock is faster
-        for pas in ("fwd", "bwd"):
-            ours, theirs = row.get(f"fuseblock_{pas}_TBps"), row.get(f"{name}_{pas}_TBps")
-            if name != "fuseblock" and ours and theirs:
-                row[f"x_{name}_{pas}"] = ours / theirs
+    _add_ratios(row, "fuseblock", impls, "TBps")
     return row
 
 
@@ -218,20 +230,11 @@ def _hyper_row(dev, do_bench, quick_cpu: bool) -> dict:
         impls["compile"] = lambda: compiled(*inputs)
     for name, fn in impls.items():
         try:
-            with torch.no_grad():
-                row[f"{name}_fwd_GBps"] = fwd_bytes / do_bench(fn, warmup=5, rep=25) / 1e6
-            outs = fn()
-            grads = [torch.randn_like(t) for t in outs]
-            row[f"{name}_bwd_GBps"] = bwd_bytes / do_bench(
-                lambda outs=outs, grads=grads: torch.autograd.grad(outs, leaves, grads, retain_graph=True),
-                warmup=5, rep=25) / 1e6
+            t_fwd, t_bwd = _fwd_bwd_ms(fn, leaves, do_bench)
+            row[f"{name}_fwd_GBps"], row[f"{name}_bwd_GBps"] = fwd_bytes / t_fwd / 1e6, bwd_bytes / t_bwd / 1e6
         except Exception as e:  # as in the bandwidth table
             row[f"{name}_error"] = _error(e)
-    for name in ("eager", "compile"):
-        for pas in ("fwd", "bwd"):
-            ours, theirs = row.get(f"fused_{pas}_GBps"), row.get(f"{name}_{pas}_GBps")
-            if ours and theirs:
-                row[f"x_{name}_{pas}"] = ours / theirs
+    _add_ratios(row, "fused", impls, "GBps")
     return row
 
 

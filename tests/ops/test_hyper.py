@@ -93,6 +93,15 @@ def _check(got, ref, leaves, dtype, *, cond=1.0):
         assert_close(g, rg, dtype, f"d{name}", cond=cond)
 
 
+def _boundary_against_fp64(t, iters):
+    """hc_add_norm on inputs t (fp32), values and every gradient against boundary64."""
+    leaves = _leaves(t)
+    got = fuseblock.hc_add_norm(t["H"], t["f"], t["post"], t["comb"], t["fn"], t["base"], t["scale"], t["weight"],
+                                iters=iters)
+    ref = boundary64(t["H"], t["f"], t["post"], t["comb"], t["fn"], t["base"], t["scale"], t["weight"], iters=iters)
+    _check(got, (ref[0], ref[1], *ref[2]), leaves, torch.float32)
+
+
 F32, BF16 = torch.float32, torch.bfloat16
 
 
@@ -119,12 +128,7 @@ def test_hc_add_norm_against_fp64(n, iters, comb, dtype):
 def test_hc_add_norm_wide_rows(comb):
     """Rows of several column chunks in every pass of the kernels (d = 300: 5 chunks of 64 in the
     projection pass, 3 of 128 in the collapse passes)."""
-    t = _inputs(4, 300, lead=(3,), comb=comb, comb_out=comb)
-    leaves = _leaves(t)
-    got = fuseblock.hc_add_norm(t["H"], t["f"], t["post"], t["comb"], t["fn"], t["base"], t["scale"], t["weight"],
-                                iters=5)
-    ref = boundary64(t["H"], t["f"], t["post"], t["comb"], t["fn"], t["base"], t["scale"], t["weight"], iters=5)
-    _check(got, (ref[0], ref[1], *ref[2]), leaves, torch.float32)
+    _boundary_against_fp64(_inputs(4, 300, lead=(3,), comb=comb, comb_out=comb), iters=5)
 
 
 @pytest.mark.kernel
@@ -154,12 +158,7 @@ def test_hc_head(mean, update):
 
 @pytest.mark.kernel
 def test_sixteen_streams():
-    t = _inputs(16, 8, lead=(2,))
-    leaves = _leaves(t)
-    got = fuseblock.hc_add_norm(t["H"], t["f"], t["post"], t["comb"], t["fn"], t["base"], t["scale"], t["weight"],
-                                iters=2)
-    ref = boundary64(t["H"], t["f"], t["post"], t["comb"], t["fn"], t["base"], t["scale"], t["weight"], iters=2)
-    _check(got, (ref[0], ref[1], *ref[2]), leaves, torch.float32)
+    _boundary_against_fp64(_inputs(16, 8, lead=(2,)), iters=2)
 
 
 @pytest.mark.kernel
@@ -170,12 +169,7 @@ def test_programs_walking_several_token_blocks(monkeypatch):
     import fuseblock.kernels.hyper as K
 
     monkeypatch.setattr(K, "num_sms", lambda device: 1)
-    t = _inputs(8, 24, lead=(40,))
-    leaves = _leaves(t)
-    got = fuseblock.hc_add_norm(t["H"], t["f"], t["post"], t["comb"], t["fn"], t["base"], t["scale"], t["weight"],
-                                iters=4)
-    ref = boundary64(t["H"], t["f"], t["post"], t["comb"], t["fn"], t["base"], t["scale"], t["weight"], iters=4)
-    _check(got, (ref[0], ref[1], *ref[2]), leaves, torch.float32)
+    _boundary_against_fp64(_inputs(8, 24, lead=(40,)), iters=4)
 
 
 def test_gradcheck_fp64_torch_path():
