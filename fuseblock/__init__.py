@@ -1,21 +1,14 @@
 """fuseblock: fused residual-add + normalization kernels and the fused pre-norm residual stream."""
 from .convert import norm_from
-from .family import (
-    BatchNorm,
-    InstanceNorm,
-    batch_norm,
-    embed_norm,
-    group_norm,
-    instance_norm,
-)
-from .fp8 import Quantized
 from .hyper_stream import HyperConnectionStack
-from .modules import AddNorm, Norm
-from .norm_linear import NormLinear
+from .modules import AddNorm, BatchNorm, InstanceNorm, Norm, NormLinear
+from .ops.channel_norm import batch_norm, group_norm, instance_norm
+from .ops.embed_norm import embed_norm
 from .ops.hyper import hc_add_norm, hc_head, hc_norm
 from .ops.norm import add_norm, norm
 from .ops.norm_add import norm_add, norm_add_norm
-from .ops.norm_linear import norm_linear  # after .norm_linear: `fuseblock.norm_linear` is the op, not the module
+from .ops.norm_linear import norm_linear
+from .reference.fp8 import Quantized
 from .stream import PreNormBlock, ResidualStack
 from .swap import SwapReport, swap_norms
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .modules import Norm
+from .modules.norm import Norm
 
 # Hugging Face's RMSNorms store eps under either name (LlamaRMSNorm: variance_epsilon, GemmaRMSNorm: eps)
 _EPS_NAMES = ("variance_epsilon", "eps")

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .modules import Norm
+from .modules.norm import Norm
 from .ops.dtensor import check_strided_split
 
 __all__ = ["FusedColwiseParallel", "HiddenParallel", "SequenceParallel"]

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .modules import AddNorm, Norm
+from .modules.norm import AddNorm, Norm
 from .ops.checks import check_flag, check_float_dtype, check_int, check_number
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .convert import _OTHER_AXIS_NORMS, _hf_eps, norm_from
-from .modules import Norm
+from .modules.norm import Norm
 
 # The hooks a module can carry that its replacement would not (torch's names for them)
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",

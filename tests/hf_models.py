@@ -10,7 +10,7 @@ import transformers
 from helpers import DEVICE, generator
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import fuseblock.modules
+import fuseblock.modules.norm
 from fuseblock.integrations.transformers import fuse
 from fuseblock.integrations.transformers.tiny import SIZES, tiny_config
 
@@ -125,7 +125,7 @@ def stream_ops(unfused, fused, ids, monkeypatch):
         return op
 
     for name in ("add_norm", "norm_add", "norm_add_norm"):
-        monkeypatch.setattr(fuseblock.modules, name, counting(name, getattr(fuseblock.modules, name)))
+        monkeypatch.setattr(fuseblock.modules.norm, name, counting(name, getattr(fuseblock.modules.norm, name)))
     with torch.no_grad():
         with StreamOps(shape) as mode:
             unfused(ids)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import fp8
+from ..reference import fp8
 from ..spec import MX_BLOCK as MX_COLS
 from ..spec import Quant
 

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import fp8
+from ..reference import fp8
 from ..spec import NormSpec, Quant
 from . import launch
 from .fp8 import quant_buffers, quantized, store_quantized

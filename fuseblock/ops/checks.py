@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..fp8 import FP8_DTYPES
+from ..reference.fp8 import FP8_DTYPES
 from ..spec import (
     DEFAULT_GATE_ACT,
     DEFAULT_GATE_POSITION,

@@ -304,7 +304,7 @@ def _hidden_add_norm(at: _Placed, loc: dict, x, residual, weight, bias, gate, x1
     spec = resolve(x, residual, weight, bias, None, kind=kind, c=c, eps=eps, gate_act=gate_act,
                    gate_position=gate_position, num_groups=1, residual_dtype=residual_dtype,
                    weight_offset=weight_offset)
-    from .. import reference
+    from ..reference import norm as reference
 
     xl, rl, x1l = loc["x"], loc["residual"], loc["x1"]
     rin = None if residual is None else residual.dtype

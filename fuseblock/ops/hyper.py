@@ -12,8 +12,8 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from .. import hyper_reference
 from ..hyper_spec import FORMS, HyperSpec, Mode
+from ..reference import hyper as hyper_reference
 from . import dtensor
 from .checks import check_eps, check_int, check_number, check_tensor
 from .dispatch import func_transforms_active, kernels, uses_triton

@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.compiler import is_compiling
 from torch.utils.checkpoint import CheckpointError
 
-from .. import reference
+from ..reference import norm as reference
 from ..spec import (
     DEFAULT_GATE_ACT,
     DEFAULT_GATE_POSITION,
@@ -29,7 +29,7 @@ from ..spec import (
     stored_dtype,
 )
 from . import dtensor
-from . import quant as quant_ops
+from . import fp8 as quant_ops
 from .checks import (
     QUANT_DEFAULTS,
     QuantArgs,

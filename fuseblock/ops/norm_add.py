@@ -17,10 +17,10 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from .. import reference
+from ..reference import norm as reference
 from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, Quant, acc_dtype, stored_dtype
 from . import dtensor
-from . import quant as quant_ops
+from . import fp8 as quant_ops
 from .checks import (
     QUANT_DEFAULTS,
     QuantArgs,

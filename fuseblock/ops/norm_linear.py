@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import fp8, reference
+from ..reference import fp8
+from ..reference import norm as reference
 from ..spec import (
     DEFAULT_GATE_ACT,
     DEFAULT_GATE_POSITION,
@@ -35,8 +36,8 @@ from ..spec import (
 from . import dtensor
 from .checks import QUANT_DEFAULTS, QuantArgs, check_float_dtype, check_tensor, resolve
 from .dispatch import func_transforms_active, kernels, uses_triton
+from .fp8 import quantized_norm_fwd
 from .norm import add_norm, apply_norm, norm_op
-from .quant import quantized_norm_fwd
 
 
 def _kernel_out(p: Tensor, weight, bias, spec: NormSpec) -> Tensor:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import fuseblock
 
-from .. import reference
+from ..reference import norm as reference
 from ..spec import NormSpec
 from .traffic import charge, uncounted
 

@@ -20,8 +20,8 @@ import torch
 
 import fuseblock
 
-from .. import hyper_reference
 from ..hyper_spec import Form, HyperSpec, Mode
+from ..reference import hyper as hyper_reference
 from .traffic import EagerTraffic, KernelTraffic
 
 EPS = HC_EPS = 1e-6

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from .. import add_norm
-from ..fp8 import quantize
 from ..ops.checks import QuantArgs, quant_spec
+from ..reference.fp8 import quantize
 from ..spec import NormSpec
 from .op_traffic import UNCACHED_ARGS, _activation_bytes
 from .traffic import EagerTraffic, KernelTraffic

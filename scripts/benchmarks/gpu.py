@@ -165,7 +165,7 @@ def _fp8_row(mode: str, dev, do_bench, quick_cpu: bool) -> dict:
     bytes (x, residual read; new_residual, codes, scales written) and the codes' equality."""
     from dataclasses import replace
 
-    from fuseblock.fp8 import quantize
+    from fuseblock.reference.fp8 import quantize
     from fuseblock.spec import NormSpec, Quant
 
     M, d = (32, 64) if quick_cpu else FP8_SHAPE

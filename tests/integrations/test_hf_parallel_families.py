@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from helpers import generator  # noqa: E402
 from hf_models import HIDDEN, batch, make, max_diff, pair, run  # noqa: E402
 
-import fuseblock.modules  # noqa: E402
+import fuseblock.modules.norm  # noqa: E402
 from fuseblock.integrations.transformers import fuse  # noqa: E402
 
 SETTINGS = [("gpt_neox", True), ("gpt_neox", False), ("stablelm", True), ("stablelm", False)]
@@ -82,7 +82,7 @@ def test_a_parallel_layer_is_one_add_norm_with_x1(arch, overrides, monkeypatch):
     n = 3
     unfused, fused = pair(arch, layers=n, **overrides)
     calls, inside = [], [0]
-    real = fuseblock.modules.add_norm
+    real = fuseblock.modules.norm.add_norm
 
     def counting(x, residual, *args, **kwargs):
         calls.append((residual is not None, kwargs.get("x1") is not None))
@@ -92,7 +92,7 @@ def test_a_parallel_layer_is_one_add_norm_with_x1(arch, overrides, monkeypatch):
         finally:
             inside[0] -= 1
 
-    monkeypatch.setattr(fuseblock.modules, "add_norm", counting)
+    monkeypatch.setattr(fuseblock.modules.norm, "add_norm", counting)
     ids = batch()[0]
     adds, hidden = [], (*ids.shape, HIDDEN)
 
@@ -200,7 +200,7 @@ def test_the_fused_add_drops_each_branch_with_p_independently(arch, overrides, m
     p = 0.1
     _, fused = pair(arch, **overrides)
     seen = []
-    real = fuseblock.modules.add_norm
+    real = fuseblock.modules.norm.add_norm
 
     def recording(x, residual, *args, **kwargs):
         out = real(x, residual, *args, **kwargs)
@@ -210,7 +210,7 @@ def test_the_fused_add_drops_each_branch_with_p_independently(arch, overrides, m
                          residual.detach(), out[1].detach()))
         return out
 
-    monkeypatch.setattr(fuseblock.modules, "add_norm", recording)
+    monkeypatch.setattr(fuseblock.modules.norm, "add_norm", recording)
     fused.train()
     ids, mask, labels = batch(b=4, t=12)
     for s in range(3):

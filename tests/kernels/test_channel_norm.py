@@ -10,7 +10,7 @@ from helpers import assert_close
 from ref64 import leaf64
 
 import fuseblock
-from fuseblock.ops.batch_norm import channel_norm_op
+from fuseblock.ops.channel_norm import channel_norm_op
 
 # fuseblock.kernels.channel_norm on the kernel path (one program per normalized set, the
 # affine per channel), the torch path's ops elsewhere: values, gradients and running

@@ -203,7 +203,7 @@ def test_rceil_is_the_exact_ceiling_where_torchaos_eager_log2_rounds():
     sm_100) takes the exact ceiling, k + 1; everywhere else the two agree."""
     from dataclasses import replace
 
-    from fuseblock.fp8 import quantize
+    from fuseblock.reference.fp8 import quantize
     from fuseblock.spec import NormSpec, Quant
     spec = replace(NormSpec(False, 1.0, 1e-6, 0, 0, 1), quant=Quant.MX, mx_rceil=True)
     block = torch.full((1, 32), 0.5)

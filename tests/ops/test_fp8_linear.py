@@ -132,7 +132,7 @@ def test_mxfp8_norm_linear_equals_unfused_norm_to_mx_and_the_fallback(rounding):
 
 
 def test_mx_block_scale_layout_equals_torchaos_to_blocked():
-    from fuseblock.fp8 import blocked_scales
+    from fuseblock.reference.fp8 import blocked_scales
     for rows, cols in ((128, 4), (200, 6), (3, 1)):
         s = torch.randint(0, 255, (rows, cols), dtype=torch.uint8).view(torch.float8_e8m0fnu)
         assert torch.equal(blocked_scales(s).view(torch.uint8), to_blocked(s).reshape(-1).view(torch.uint8))

@@ -17,7 +17,7 @@ from ref64 import add_norm64, leaf64
 from trainutil import ROOT
 
 import fuseblock
-from fuseblock.norm_linear import NormLinear, norm_linear
+from fuseblock import NormLinear, norm_linear
 
 D, N = 16, 12  # norm width, Linear outputs
 
@@ -124,7 +124,7 @@ def test_the_torch_paths_backward_is_autograds(kind, c, offset, native, dtype):
     traffic tool's RMS norm's), from what norm_and_stats saved: the closed form (any
     norm) and torch's layer norm backward (the plain layer norm), against autograd
     through the reference's composition in fp64. c=2 and l2: a scale other than 1."""
-    from fuseblock import reference
+    from fuseblock.reference import norm as reference
     from fuseblock.spec import NormSpec
 
     spec = NormSpec.of(D, kind=kind, c=c, eps=1e-6, num_groups=1, gate_act=None, gate_position=None,

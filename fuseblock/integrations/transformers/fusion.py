@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 from transformers import initialization as hf_init
 
 from ...convert import norm_from
-from ...modules import Norm
+from ...modules.norm import Norm
 from ...ops.checks import check_float_dtype
 from .check import refusals
 from .families import FAMILIES, SUPPORTED, WRAPPED, WRAPPERS, Family

@@ -26,9 +26,9 @@ from typing import NamedTuple
 
 from torch import Tensor, nn
 
-from ... import hyper_reference
 from ...hyper_spec import FORMS, HyperSpec, Mode
 from ...ops.hyper import hc_add_norm, hc_norm
+from ...reference import hyper as hyper_reference
 
 # The private keyword the fused model forward gives its layers when hidden states are
 # recorded: the layer then also returns its unfused output, p + r

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import reference
-from .hyper_spec import Form, HyperSpec, Mode
-from .spec import NormSpec, acc_dtype
+from ..hyper_spec import Form, HyperSpec, Mode
+from ..spec import NormSpec, acc_dtype
+from . import norm as reference
 
 
 def update(H: Tensor, f: Tensor, post: Tensor, comb: Tensor | None, spec: HyperSpec) -> Tensor:

@@ -10,9 +10,9 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .ops.checks import check_flag, check_float_dtype, check_int, check_last_dim, check_number, check_options
-from .ops.norm_linear import norm_linear
-from .spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION
+from ..ops.checks import check_flag, check_float_dtype, check_int, check_last_dim, check_number, check_options
+from ..ops.norm_linear import norm_linear
+from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION
 
 __all__ = ["NormLinear", "norm_linear"]
 

@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from . import reference
-from .ops.checks import (
+from ..ops.checks import (
     check_flag,
     check_float_dtype,
     check_int,
@@ -29,11 +28,12 @@ from .ops.checks import (
     refuse_positional,
     resolve,
 )
-from .ops.dtensor import keeps_inputs
-from .ops.norm import _NO_DROPOUT, _NO_SCALE, add_norm
-from .ops.norm_add import norm_add, norm_add_norm
-from .ops.norm_linear import norm_linear
-from .spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION
+from ..ops.dtensor import keeps_inputs
+from ..ops.norm import _NO_DROPOUT, _NO_SCALE, add_norm
+from ..ops.norm_add import norm_add, norm_add_norm
+from ..ops.norm_linear import norm_linear
+from ..reference import norm as reference
+from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION
 
 
 def normalized_dim(normalized_shape) -> int:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .ops.batch_norm import batch_norm, check_momentum, group_norm, instance_norm
-from .ops.checks import check_eps, check_flag, check_float_dtype, check_int
-from .ops.embed_norm import embed_norm
+from ..ops.channel_norm import batch_norm, check_momentum, group_norm, instance_norm
+from ..ops.checks import check_eps, check_flag, check_float_dtype, check_int
+from ..ops.embed_norm import embed_norm
 
 __all__ = ["embed_norm", "batch_norm", "group_norm", "instance_norm", "BatchNorm", "InstanceNorm"]
 

@@ -17,7 +17,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from .. import fp8, reference
+from ..reference import fp8
+from ..reference import norm as reference
 from ..spec import NormSpec, Quant
 from .dispatch import func_transforms_active, kernels, uses_triton
 from .registry import FusedOp

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .spec import Act, Gate, NormSpec, acc_dtype
+from ..spec import Act, Gate, NormSpec, acc_dtype
 
 
 def gate_act(z: Tensor, act: Act) -> Tensor:

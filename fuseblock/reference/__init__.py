@@ -1,0 +1,1 @@
+"""The torch path, one module per op family: the math as plain differentiable torch ops."""
