@@ -1,7 +1,9 @@
 """fuseblock: fused residual-add + normalization kernels and the fused pre-norm residual stream."""
 from .convert import norm_from
 from .hyper_stream import HyperConnectionStack
-from .modules import AddNorm, BatchNorm, InstanceNorm, Norm, NormLinear
+from .modules.channel_norm import BatchNorm, InstanceNorm
+from .modules.norm import AddNorm, Norm
+from .modules.norm_linear import NormLinear
 from .ops.channel_norm import batch_norm, group_norm, instance_norm
 from .ops.embed_norm import embed_norm
 from .ops.hyper import hc_add_norm, hc_head, hc_norm

@@ -33,7 +33,7 @@ _EPS_NAMES = ("variance_epsilon", "eps")
 # Nemotron's LayerNorm1P)
 _OFFSETS = (0.0, 1.0)
 # torch's norms over other dims than the last (the channels of (N, C, ...), groups of them)
-_OTHER_AXIS_NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LocalResponseNorm, nn.CrossMapLRN2d)
+OTHER_AXIS_NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LocalResponseNorm, nn.CrossMapLRN2d)
 
 
 def norm_from(module: nn.Module) -> Norm:
@@ -45,7 +45,7 @@ def norm_from(module: nn.Module) -> Norm:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"norm_from needs an nn.Module, got {type(module).__name__}")
-    if isinstance(module, _OTHER_AXIS_NORMS):
+    if isinstance(module, OTHER_AXIS_NORMS):
         raise TypeError(f"norm_from: unsupported module {type(module).__name__}: it normalizes over other dims "
                         f"than the last")
     # a subclass that keeps torch's forward is torch's norm; one with its own is probed below
@@ -66,7 +66,7 @@ def norm_from(module: nn.Module) -> Norm:
             f"norm_from: unsupported module {type(module).__name__}: expected nn.LayerNorm, nn.RMSNorm or a "
             f"Hugging Face style RMSNorm or LayerNorm (a 1-d `weight` Parameter, optionally a `bias` of its size, "
             f"or no parameters and a 1-d `normalized_shape`; no submodules or buffers)")
-    kind, offset, eps = _probe(module, d, _hf_eps(module))
+    kind, offset, eps = _probe(module, d, hf_eps(module))
     return _shared(module, kind, d, eps, offset)
 
 
@@ -92,7 +92,8 @@ def _hf_dim(module: nn.Module) -> int | None:
     return weight.shape[0]
 
 
-def _hf_eps(module: nn.Module) -> float | None:
+def hf_eps(module: nn.Module) -> float | None:
+    """The eps a Hugging Face RMSNorm stores (under one of `_EPS_NAMES`), or None."""
     for name in _EPS_NAMES:
         eps = getattr(module, name, None)
         if isinstance(eps, numbers.Real) and not isinstance(eps, bool):

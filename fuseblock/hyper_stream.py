@@ -21,30 +21,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .hyper_spec import HyperSpec, Mode
 from .ops.checks import check_eps, check_int, check_number
 from .ops.hyper import MAX_STREAMS, hc_add_norm, hc_head, hc_norm
+from .reference.hyper import coefficients
 from .stream import ResidualStack, keywords_accepted, route_keywords, split_output
 
 
 def naive_coefficients(H: Tensor, fn: Tensor, base: Tensor, scale: Tensor, n: int, iters: int, hc_eps: float,
                        eps: float, post_mult: float):
-    """(pre, post, comb) from the streams H (..., n, d) in plain torch ops, fp32 (fp64 for
-    fp64 streams); post and comb None for the head (fn of n rows)."""
-    acc = torch.float64 if H.dtype == torch.float64 else torch.float32
-    flat = H.flatten(-2).to(acc)
-    mix = F.linear(flat, fn.to(acc)) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
-    base, scale = base.to(acc), scale.to(acc)
-    pre = torch.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
-    if fn.shape[0] == n:
-        return pre, None, None
-    post = post_mult * torch.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
-    logits = mix[..., 2 * n:] * scale[2] + base[2 * n:]
-    comb = torch.softmax(logits.unflatten(-1, (n, n)), dim=-1) + hc_eps
-    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    return pre, post, comb
+    """(pre, post, comb) from the streams H (..., n, d): the torch path's coefficients
+    (`fuseblock.reference.hyper.coefficients`, the fused form's order), fp32 (fp64 for fp64
+    streams); post and comb None for the head (fn of n rows)."""
+    mode = Mode.HEAD if fn.shape[0] == n else Mode.PRE_POST_COMB
+    spec = HyperSpec(n, H.shape[-1], mode, update=False, comb_in=False, iters=iters, hc_eps=hc_eps, eps=eps,
+                     post_mult=post_mult, post_eps=0.0)
+    return coefficients(H, fn, base, scale, spec)
 
 
 def naive_collapse_norm(H: Tensor, pre: Tensor, weight: Tensor, eps: float) -> Tensor:

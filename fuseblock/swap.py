@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .convert import _OTHER_AXIS_NORMS, _hf_eps, norm_from
+from .convert import OTHER_AXIS_NORMS, hf_eps, norm_from
 from .modules.norm import Norm
 
 # The hooks a module can carry that its replacement would not (torch's names for them)
@@ -93,10 +93,10 @@ def swap_norms(model: nn.Module) -> SwapReport:
 def _norm_like(module: nn.Module) -> bool:
     """Whether the report should account for `module`: one of torch's norms (a parametrized
     one holds its parametrizations as a child), or a leaf named like a norm or holding an eps."""
-    if isinstance(module, (nn.LayerNorm, nn.RMSNorm, Norm, *_OTHER_AXIS_NORMS)):
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm, Norm, *OTHER_AXIS_NORMS)):
         return True
     return next(module.children(), None) is None and (
-        "norm" in type(module).__name__.lower() or _hf_eps(module) is not None)
+        "norm" in type(module).__name__.lower() or hf_eps(module) is not None)
 
 
 def _replacement(module: nn.Module, name: str) -> Norm | str:

@@ -1,6 +1,6 @@
 """Triton helpers that write a norm's fp32 output as scaled fp8 codes (docs/low_precision.md).
 
-The conventions are `fuseblock.fp8`'s (the torch path), value for value. The codes are
+The conventions are `fuseblock.reference.fp8`'s (the torch path), value for value. The codes are
 made with integer operations on the fp32 bits, never by Triton's fp8 conversion: Triton's
 interpreter rounds that conversion wrongly (ties, the carry into the exponent,
 subnormals: tests/ops/test_fp8.py shows it), and integer rounding is the same on the
@@ -69,7 +69,7 @@ def pow2(k):
 @triton.jit
 def mx_exponent(amax, fmax, MAXPOW2: tl.constexpr, RCEIL: tl.constexpr):
     """The biased e8m0 exponent (int32) of blocks of fp32 amax, and the multiplier of
-    their values (1 / their scale; `fuseblock.fp8.mx_exponents`, `mx_multiplier`)."""
+    their values (1 / their scale; `fuseblock.reference.fp8.mx_exponents`, `mx_multiplier`)."""
     nan = amax != amax
     if RCEIL:
         descale = tl.div_rn(amax, fmax)

@@ -23,7 +23,7 @@ Traffic (tile kernels): forward reads x, x1, residual, gate once and writes out,
 new_residual once. Backward reads the saved p (new_residual or x), gate, dout and the
 gradient arriving at new_residual once, and writes dx (which is also the residual's
 gradient unless alpha != 1 or dropout), dx1 (with dropout), dgate once. Dropout masks
-are regenerated from SEED, never stored (`_keep`). dw and db are reduced per program in registers and written as
+are regenerated from SEED, never stored (`philox_keep`). dw and db are reduced per program in registers and written as
 one fp32 partial row per program, which a second launch (`_bwd_sum`) adds up and
 stores in the parameters' dtypes; `_bwd_cols` sums them itself, in the last program of
 each column chunk to finish. A single program writes dw and db directly. Wide rows read
@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ..reference import fp8
-from ..spec import Act, Gate, NormSpec, Quant
+from ..spec import Gate, NormSpec, Quant
 from . import launch
 from .fp8 import quant_buffers, quantized, store_quantized
 from .launch import (
@@ -61,15 +61,19 @@ from .launch import (
     warps,
 )
 from .occupancy import learn, programs_per_sm
-
-# The modes of fuseblock.spec as kernel constants (launchers pass int(spec.gate) etc.).
-GATE_NONE = tl.constexpr(int(Gate.NONE))
-GATE_PRE = tl.constexpr(int(Gate.PRE))
-GATE_POST = tl.constexpr(int(Gate.POST))
-ACT_UNUSED = tl.constexpr(int(Act.UNUSED))
-ACT_IDENTITY = tl.constexpr(int(Act.IDENTITY))
-ACT_SIGMOID = tl.constexpr(int(Act.SIGMOID))
-ACT_SILU = tl.constexpr(int(Act.SILU))
+from .row_math import (
+    GATE_NONE,
+    GATE_POST,
+    GATE_PRE,
+    check_modes,
+    gate_act,
+    gate_act_grad,
+    philox_keep,
+    row_mean,
+    row_rstd,
+    row_weight,
+    sq_prod,
+)
 
 # The wide-row backward's column pass (read at call time, as launch.py's constants)
 COLS_BLOCK = 2048  # columns per program of the column-chunk kernel
@@ -87,98 +91,12 @@ COLS_PROGRAMS_PER_SM = 8
 # each column) and transposes them, up to this many elements. Compiled for sm_90 and sm_100,
 # 32 rows of 256 took 201 to 217 registers and no stack in 4 warps; of 512, 64 to 744 bytes
 # of stack in 8 or 16 warps; of 1024, 312 to 15056 (up to MAX_TILE_FWD, as before). Wider
-# rows are normed by the plain kernel and quantized by `fuseblock.fp8.quantize`.
+# rows are normed by the plain kernel and quantized by `fuseblock.reference.fp8.quantize`.
 MX_COLUMNWISE_TILE = 8192
 MIN_ROWS_PER_PROGRAM = 64  # keeps dw/db partial rows (fp32, written and summed) near 3% of bf16 traffic
 
 
 # --------------------------------------------------------------------------- helpers
-@triton.jit
-def _check_modes(GATE: tl.constexpr, ACT: tl.constexpr):
-    """An unknown mode fails to compile, never runs as a silent identity."""
-    tl.static_assert(GATE == GATE_NONE or GATE == GATE_PRE or GATE == GATE_POST, "unknown GATE mode")
-    tl.static_assert((GATE == GATE_NONE and ACT == ACT_UNUSED)
-                     or (GATE != GATE_NONE and (ACT == ACT_IDENTITY or ACT == ACT_SIGMOID or ACT == ACT_SILU)),
-                     "unknown ACT for this GATE")
-
-
-@triton.jit
-def _act(z, ACT: tl.constexpr):
-    """The gate function g(z)."""
-    if ACT == ACT_SIGMOID:
-        z = tl.sigmoid(z)
-    elif ACT == ACT_SILU:
-        z = z * tl.sigmoid(z)
-    return z
-
-
-@triton.jit
-def _act_grad(z, ACT: tl.constexpr):
-    """g'(z) for the gate functions of `_act`."""
-    s = tl.sigmoid(z)
-    if ACT == ACT_SIGMOID:
-        d = s * (1.0 - s)
-    elif ACT == ACT_SILU:
-        d = s * (1.0 + z * (1.0 - s))
-    else:
-        d = s * 0.0 + 1.0
-    return d
-
-
-@triton.jit
-def _weight(W, o_w, m_w, woff):
-    """woff + w in fp32 (Gemma's 1 + w): the sum is never rounded to the weight's dtype."""
-    return tl.load(W + o_w, mask=m_w, other=0.0).to(tl.float32) + woff
-
-
-@triton.jit
-def _mean(b_sum, DG):
-    # IEEE division: the default GPU division is approximate (2 ulp), and that error
-    # is multiplied by rstd, which is huge for (near-)constant rows such as d = 1.
-    return tl.div_rn(b_sum, tl.cast(DG, tl.float32))
-
-
-@triton.jit
-def _rstd(b_ss, DG, eps, EXACT_SQ: tl.constexpr):
-    """1 / sqrt(b_ss / DG + eps) from a sum of squares. EXACT_SQ (eps = 0): b_ss was summed in
-    fp64, where no fp32 value's square underflows or overflows, so rows of any scale
-    normalize to unit size; with eps > 0, eps sets the floor and fp32 suffices."""
-    if EXACT_SQ:
-        b_r = (1.0 / tl.sqrt(b_ss / DG)).to(tl.float32)
-    else:
-        b_r = tl.rsqrt(_mean(b_ss, DG) + eps)
-    return b_r
-
-
-@triton.jit
-def _prod(b_a, b_b, EXACT_SQ: tl.constexpr):
-    """b_a * b_b for a sum of squares: in fp64 when EXACT_SQ (see _rstd)."""
-    if EXACT_SQ:
-        b_a = b_a.to(tl.float64)
-        b_b = b_b.to(tl.float64)
-    return b_a * b_b
-
-
-@triton.jit
-def _keep(SEED, o_e, drop_p):
-    """The dropout masks (True: kept) of x and of x1 at the elements o_e = row * d + column:
-    two of the four independent streams of one Philox draw keyed by the call's seed. Keyed
-    by the element, not by its address or program, so the backward (any layout) regenerates
-    exactly the forward's masks and nothing is stored. SEED is the seed itself (an int64
-    drawn on the host: no launch to make it) or a pointer to it (drawn on the device while
-    a CUDA graph is captured); each is its own compiled variant."""
-    if SEED.dtype.is_ptr():
-        key = tl.load(SEED)
-    else:
-        # The key per element (o_e >= 0 always): a scalar key lets the compiler hoist
-        # Philox's 20 round keys out of the persistent loop, live throughout it. Compiled
-        # for sm_90 (bf16, layer, x1), the tile backward then spilled 888 bytes a thread at
-        # d = 1000, against 80 this way (48 with the seed loaded, as before).
-        key = tl.where(o_e >= 0, SEED, 0)
-    b_u0, b_u1, _, _ = tl.rand4x(key, o_e)
-    return b_u0 >= drop_p, b_u1 >= drop_p
-
-
 @triton.jit
 def _load_p(X, X1, R, RO, SEED, o_x, o_x1, o_r, o_ro, o_e, mask, alpha, drop_p, drop_scale,
             HAS_X1: tl.constexpr, DROPOUT: tl.constexpr,
@@ -186,12 +104,12 @@ def _load_p(X, X1, R, RO, SEED, o_x, o_x1, o_r, o_ro, o_e, mask, alpha, drop_p, 
     """p = residual + alpha * (drop(x) + drop(x1)) in fp32 (the plain op: x + residual, alpha
     = 1 being exact); stores new_residual and returns its rounded value, so the norm sees
     exactly what was stored (and what the naive stack would add). o_e keys the dropout
-    masks (`_keep`); drop_scale = 1 / (1 - drop_p)."""
+    masks (`philox_keep`); drop_scale = 1 / (1 - drop_p)."""
     b_p = tl.load(X + o_x, mask=mask, other=0.0).to(tl.float32)
     if HAS_X1:
         b_x1 = tl.load(X1 + o_x1, mask=mask, other=0.0).to(tl.float32)
     if DROPOUT:
-        b_kx, b_kx1 = _keep(SEED, o_e, drop_p)
+        b_kx, b_kx1 = philox_keep(SEED, o_e, drop_p)
         b_p = tl.where(b_kx, b_p * drop_scale, 0.0)
         if HAS_X1:
             b_x1 = tl.where(b_kx1, b_x1 * drop_scale, 0.0)
@@ -223,7 +141,7 @@ def _fwd_tile(
     QUANT: tl.constexpr = 0, Q_MBITS: tl.constexpr = 3, Q_BIAS: tl.constexpr = 7, Q_MAXPOW2: tl.constexpr = 8,
     Q_RCEIL: tl.constexpr = False, Q_ROUND: tl.constexpr = 0, OT=None, QST=None, M_T=0, COLS: tl.constexpr = False,
 ):
-    _check_modes(GATE, ACT)
+    check_modes(GATE, ACT)
     i_m = tl.program_id(0)
     o_m = (i_m * BR + tl.arange(0, BR)).to(tl.int64)  # int64: M * stride may pass 2**31
     o_g = tl.arange(0, BG)
@@ -238,7 +156,7 @@ def _fwd_tile(
     b_p = _load_p(X, X1, R, RO, SEED, row * s_x + col, row * s_x1 + col, row * s_r + col, row * s_ro + col,
                   row * (G * DG) + col, mask, alpha, drop_p, drop_scale, HAS_X1, DROPOUT, HAS_R, STORE_R)
     if GATE == GATE_PRE:
-        b_s = b_p * _act(tl.load(Z + row * s_z + col, mask=mask, other=0.0).to(tl.float32), ACT)
+        b_s = b_p * gate_act(tl.load(Z + row * s_z + col, mask=mask, other=0.0).to(tl.float32), ACT)
     else:
         b_s = b_p
     if CENTER:
@@ -247,19 +165,19 @@ def _fwd_tile(
         # amplified by rstd ~ 1/sqrt(eps). It also cancels less on offset rows.
         b_shift = tl.sum(tl.where(o_d[None, None, :] == 0, b_s, 0.0), 2)  # [BR, BG]
         b_c = tl.where(mask, b_s - b_shift[:, :, None], 0.0)
-        b_dmean = _mean(tl.sum(b_c, 2), DG)
+        b_dmean = row_mean(tl.sum(b_c, 2), DG)
         b_mean = b_shift + b_dmean
         b_q = tl.where(mask, b_c - b_dmean[:, :, None], 0.0)
     else:
         b_q = b_s
-    b_rstd = _rstd(tl.sum(_prod(b_q, b_q, EXACT_SQ), 2), DG, eps, EXACT_SQ)
+    b_rstd = row_rstd(tl.sum(sq_prod(b_q, b_q, EXACT_SQ), 2), DG, eps, EXACT_SQ)
     b_o = b_q * (b_rstd[:, :, None] * scale)
     if HAS_W:
-        b_o *= _weight(W, o_gd, m_gd, woff)[None, :, :]
+        b_o *= row_weight(W, o_gd, m_gd, woff)[None, :, :]
     if HAS_B:
         b_o += tl.load(B + o_gd, mask=m_gd, other=0.0).to(tl.float32)[None, :, :]
     if GATE == GATE_POST:  # loaded only now: held through the row sums, it spilled (rows of 32768)
-        b_o *= _act(tl.load(Z + row * s_z + col, mask=mask, other=0.0).to(tl.float32), ACT)
+        b_o *= gate_act(tl.load(Z + row * s_z + col, mask=mask, other=0.0).to(tl.float32), ACT)
     if QUANT == 0:
         tl.store(O + row * s_o + col, b_o.to(O.dtype.element_ty), mask=mask)
     else:
@@ -284,7 +202,7 @@ def _fwd_loop(
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, STORE_STATS: tl.constexpr,
     EXACT_SQ: tl.constexpr,
 ):
-    _check_modes(GATE, ACT)
+    check_modes(GATE, ACT)
     # Persistent: program i_p handles (row, group) pairs i_p, i_p + n_p, ... A row this
     # wide does not fit on chip, so it is read twice, never three times: pass 1 reads the
     # inputs, writes new_residual and gathers the statistics in one sweep; pass 2 reads
@@ -312,23 +230,23 @@ def _fwd_loop(
                           i_m * s_ro + o_col, i_m * (G * DG) + o_col, m_d, alpha, drop_p, drop_scale,
                           HAS_X1, DROPOUT, HAS_R, STORE_R)
             if GATE == GATE_PRE:
-                b_s *= _act(tl.load(Z + i_m * s_z + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
+                b_s *= gate_act(tl.load(Z + i_m * s_z + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
             if CENTER:
                 b_n += tl.where(m_d, 1.0, 0.0)
                 b_delta = tl.where(m_d, b_s - b_mu, 0.0)
                 b_mu += b_delta / tl.maximum(b_n, 1.0)
-                b_sq += _prod(b_delta, b_s - b_mu, EXACT_SQ)
+                b_sq += sq_prod(b_delta, b_s - b_mu, EXACT_SQ)
             else:
-                b_sq += _prod(b_s, b_s, EXACT_SQ)
+                b_sq += sq_prod(b_s, b_s, EXACT_SQ)
         if CENTER:  # merge the lanes (Chan et al.): M2 = sum M2_j + sum n_j (mu_j - mean)^2
             # relative to lane 0's mean: a constant row's lane means all equal it, so its
             # mean is exact and q = 0 (out = bias), as in the tile kernel
             b_mu0 = tl.sum(tl.where(o_d == 0, b_mu, 0.0), 0)
-            b_mean = b_mu0 + _mean(tl.sum(b_n * (b_mu - b_mu0), 0), DG)
+            b_mean = b_mu0 + row_mean(tl.sum(b_n * (b_mu - b_mu0), 0), DG)
             b_dev = b_mu - b_mean
-            b_rstd = _rstd(tl.sum(b_sq, 0) + tl.sum(_prod(b_n * b_dev, b_dev, EXACT_SQ), 0), DG, eps, EXACT_SQ)
+            b_rstd = row_rstd(tl.sum(b_sq, 0) + tl.sum(sq_prod(b_n * b_dev, b_dev, EXACT_SQ), 0), DG, eps, EXACT_SQ)
         else:
-            b_rstd = _rstd(tl.sum(b_sq, 0), DG, eps, EXACT_SQ)
+            b_rstd = row_rstd(tl.sum(b_sq, 0), DG, eps, EXACT_SQ)
         for i_d in range(0, DG, BD):
             o_col = o_base + i_d + o_d
             m_d = i_d + o_d < DG
@@ -341,13 +259,13 @@ def _fwd_loop(
                 if STORE_R:  # new_residual is (alpha times) x in another dtype: the norm sees the rounded value
                     b_s = b_s.to(RO.dtype.element_ty).to(tl.float32)
             if GATE != GATE_NONE:
-                b_g = _act(tl.load(Z + i_m * s_z + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
+                b_g = gate_act(tl.load(Z + i_m * s_z + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
             if GATE == GATE_PRE:
                 b_s *= b_g
             b_q = b_s - b_mean if CENTER else b_s
             b_o = b_q * (b_rstd * scale)
             if HAS_W:
-                b_o *= _weight(W, o_col, m_d, woff)
+                b_o *= row_weight(W, o_col, m_d, woff)
             if HAS_B:
                 b_o += tl.load(B + o_col, mask=m_d, other=0.0).to(tl.float32)
             if GATE == GATE_POST:
@@ -382,10 +300,10 @@ def _bwd_block(
     mean(r * dr) and mean(dq) it sums itself; the wide-row column pass's [BR, BD] blocks
     hold a chunk of one group's columns, and get them from _bwd_dots as b_c1 and b_c2."""
     if DROPOUT:  # the forward's masks, regenerated first: Philox's temporaries live while little else does
-        b_kx, b_kx1 = _keep(SEED, row * D + col, drop_p)
+        b_kx, b_kx1 = philox_keep(SEED, row * D + col, drop_p)
     b_p = tl.load(P + row * s_p + col, mask=mask, other=0.0).to(tl.float32)
     b_z = tl.load(Z + row * s_z + col, mask=mask, other=0.0).to(tl.float32) if GATE != GATE_NONE else None
-    b_g = _act(b_z, ACT) if GATE != GATE_NONE else None
+    b_g = gate_act(b_z, ACT) if GATE != GATE_NONE else None
     b_r = _normalized(b_p, b_g, b_rstd, b_mean, mask, CENTER, GATE)
     b_do = tl.load(DO + row * s_do + col, mask=mask, other=0.0).to(tl.float32)
     if GATE == GATE_POST:  # dz = do * o1 * g'(z); what reaches o1 is do1 = do * g(z)
@@ -394,22 +312,22 @@ def _bwd_block(
             b_o1 *= b_w
         if HAS_B:
             b_o1 += b_b
-        tl.store(DZ + row * s_dz + col, (b_do * b_o1 * _act_grad(b_z, ACT)).to(DZ.dtype.element_ty), mask=mask)
+        tl.store(DZ + row * s_dz + col, (b_do * b_o1 * gate_act_grad(b_z, ACT)).to(DZ.dtype.element_ty), mask=mask)
         b_do *= b_g
     b_dr = b_do * scale
     if HAS_W:
         b_dr *= b_w
     # dq = (dr - (r.dr/d) r) / sigma; layer: dp = dq - mean(dq)
     if WHOLE:
-        b_c1 = _mean(tl.sum(b_r * b_dr, 2), DG)[:, :, None]
+        b_c1 = row_mean(tl.sum(b_r * b_dr, 2), DG)[:, :, None]
     b_dq = (b_dr - b_r * b_c1) * b_rstd
     if CENTER:
         if WHOLE:
-            b_dq = tl.where(mask, b_dq - _mean(tl.sum(b_dq, 2), DG)[:, :, None], 0.0)
+            b_dq = tl.where(mask, b_dq - row_mean(tl.sum(b_dq, 2), DG)[:, :, None], 0.0)
         else:
             b_dq -= b_c2
     if GATE == GATE_PRE:  # dz = dq * p * g'(z), dp = dq * g(z)
-        tl.store(DZ + row * s_dz + col, (b_dq * b_p * _act_grad(b_z, ACT)).to(DZ.dtype.element_ty), mask=mask)
+        tl.store(DZ + row * s_dz + col, (b_dq * b_p * gate_act_grad(b_z, ACT)).to(DZ.dtype.element_ty), mask=mask)
         b_dq *= b_g
     if HAS_DRO:  # dp: the norm's part + the gradient arriving at new_residual
         b_dq += tl.load(DRO + row * s_dro + col, mask=mask, other=0.0).to(tl.float32)
@@ -438,7 +356,7 @@ def _bwd_tile(
     HAS_DRO: tl.constexpr, STORE_DR: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr,
 ):
-    _check_modes(GATE, ACT)
+    check_modes(GATE, ACT)
     # A persistent grid: program i_p handles row blocks i_p, i_p + n_p, ... and keeps
     # its dw/db sums in registers, so it writes one partial row (fp32) at the very end:
     # row i_p of DWP/DBP, which `_bwd_sum` adds up. A grid of one program writes dw and
@@ -449,7 +367,7 @@ def _bwd_tile(
     o_d = tl.arange(0, BD)
     m_gd = (o_g[:, None] < G) & (o_d[None, :] < DG)
     o_gd = o_g[:, None] * DG + o_d[None, :]
-    b_w = _weight(W, o_gd, m_gd, woff)[None, :, :] if HAS_W else None
+    b_w = row_weight(W, o_gd, m_gd, woff)[None, :, :] if HAS_W else None
     b_b = tl.load(B + o_gd, mask=m_gd, other=0.0).to(tl.float32)[None, :, :] if HAS_B else None
     b_dw = tl.zeros([BG, BD], dtype=tl.float32)
     b_db = tl.zeros([BG, BD], dtype=tl.float32)
@@ -481,7 +399,7 @@ def _bwd_dots(
     BD: tl.constexpr,
     HAS_W: tl.constexpr, CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, ZERO_CNT: tl.constexpr,
 ):
-    _check_modes(GATE, ACT)
+    check_modes(GATE, ACT)
     # Wide rows, step 1 of 2: the per-(row, group) constants of dq, which need the whole
     # row before any dx can be written. DOT[mg] = (mean(r * dr), mean(dq)).
     i_p = tl.program_id(0)
@@ -505,20 +423,20 @@ def _bwd_dots(
             b_do = tl.load(DO + i_m * s_do + o_col, mask=m_d, other=0.0).to(tl.float32)
             b_g = None
             if GATE != GATE_NONE:
-                b_g = _act(tl.load(Z + i_m * s_z + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
+                b_g = gate_act(tl.load(Z + i_m * s_z + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
             b_r = _normalized(b_p, b_g, b_rstd, b_mean, m_d, CENTER, GATE)
             if GATE == GATE_POST:
                 b_do *= b_g
             b_dr = b_do * scale
             if HAS_W:
-                b_dr *= _weight(W, o_col, m_d, woff)
+                b_dr *= row_weight(W, o_col, m_d, woff)
             b_c1 += b_r * b_dr
             b_c2 += b_dr
             b_c3 += b_r
-        c1 = _mean(tl.sum(b_c1, 0), DG)
+        c1 = row_mean(tl.sum(b_c1, 0), DG)
         tl.store(DOT + 2 * i_mg, c1)
         if CENTER:  # mean of dq = rstd * (mean(dr) - c1 * mean(r)); mean(r) is 0 up to rounding
-            tl.store(DOT + 2 * i_mg + 1, (_mean(tl.sum(b_c2, 0), DG) - c1 * _mean(tl.sum(b_c3, 0), DG)) * b_rstd)
+            tl.store(DOT + 2 * i_mg + 1, (row_mean(tl.sum(b_c2, 0), DG) - c1 * row_mean(tl.sum(b_c3, 0), DG)) * b_rstd)
 
 
 @triton.jit
@@ -541,7 +459,7 @@ def _bwd_cols(
     SUM_PARTS: tl.constexpr,
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr,
 ):
-    _check_modes(GATE, ACT)
+    check_modes(GATE, ACT)
     # Wide rows, step 2 of 2, split stream-K: the work is n_t items, (column chunk i_c
     # inside one group, row block i_m) chunk-major, and program i_p takes the items
     # [i_p * n_t // n_p, (i_p + 1) * n_t // n_p): a whole wave of programs whatever the
@@ -570,7 +488,7 @@ def _bwd_cols(
         o_in = (i_c % n_cg) * BD + o_d  # columns within the group
         m_d = o_in < DG
         o_col = i_g * DG + o_in
-        b_w = _weight(W, o_col, m_d, woff)[None, :] if HAS_W else None
+        b_w = row_weight(W, o_col, m_d, woff)[None, :] if HAS_W else None
         b_b = tl.load(B + o_col, mask=m_d, other=0.0).to(tl.float32)[None, :] if HAS_B else None
         o_m = (i_m * BR + tl.arange(0, BR)).to(tl.int64)
         m_m = o_m < M
@@ -666,16 +584,16 @@ def _quantized_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_s
 
 def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, need_stats, x1=None, seed=None,
              out=None, new_res=None, qscale=None, _codes=None, _quant=None):
-    """Triton forward, same contract as `fuseblock.reference.norm_fwd`. x1 and seed (the
+    """Triton forward, same contract as `fuseblock.reference.norm.norm_fwd`. x1 and seed (the
     dropout masks' key, drawn by the caller when spec.dropout_p > 0: an int, or a one-element
     int64 tensor on x's device that the kernel reads) are add_norm's branch:
     p = residual + alpha * (drop(x) + drop(x1)). out and new_res: (M, d) tensors to write
     into (of x's and residual_dtype), for `fuseblock.serve`, which may pass x and the
     residual themselves; else they are allocated.
 
-    With spec.quant, out is `fuseblock.fp8.Quantized` (qscale: fp8_tensor's static scale),
+    With spec.quant, out is `fuseblock.reference.fp8.Quantized` (qscale: fp8_tensor's static scale),
     written by the tile kernel in its one launch. Rows too wide for a tile are normed into
-    fp32 by the loop kernel and cast by `fuseblock.fp8.quantize` (two passes more)."""
+    fp32 by the loop kernel and cast by `fuseblock.reference.fp8.quantize` (two passes more)."""
     if spec.quant != Quant.NONE and _codes is None:
         return _quantized_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1, seed, qscale)
     # The launchers' stride contract: activations may have any strides (rows are passed

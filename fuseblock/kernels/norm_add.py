@@ -54,8 +54,8 @@ from .launch import (
     vec,
     warps,
 )
-from .norm import _mean, _prod, _rstd, _weight
 from .occupancy import learn, programs_per_sm
+from .row_math import row_mean, row_rstd, row_weight, sq_prod
 
 MIN_ROWS_PER_PROGRAM = 64  # as the norm's backward: keeps the partial rows small next to the activations
 LOOP_ROWS = 4  # _bwd_loop's rows per block: a program's partial rows are updated once per block
@@ -100,13 +100,13 @@ def _stats(b_s, mask, D, eps, BR: tl.constexpr, BD: tl.constexpr, CENTER: tl.con
         o_d = tl.arange(0, BD)
         b_shift = tl.sum(tl.where(o_d[None, :] == 0, b_s, 0.0), 1)
         b_c = tl.where(mask, b_s - b_shift[:, None], 0.0)
-        b_dmean = _mean(tl.sum(b_c, 1), D)
+        b_dmean = row_mean(tl.sum(b_c, 1), D)
         b_mean = b_shift + b_dmean
         b_q = tl.where(mask, b_c - b_dmean[:, None], 0.0)
     else:
         b_mean = tl.zeros([BR], dtype=tl.float32)  # unused: no mean
         b_q = b_s
-    b_rstd = _rstd(tl.sum(_prod(b_q, b_q, EXACT_SQ), 1), D, eps, EXACT_SQ)
+    b_rstd = row_rstd(tl.sum(sq_prod(b_q, b_q, EXACT_SQ), 1), D, eps, EXACT_SQ)
     return b_q, b_rstd, b_mean
 
 
@@ -116,7 +116,7 @@ def _affine(b_r, W, B, o_d, m_d, scale, woff, HAS_W: tl.constexpr, HAS_B: tl.con
     [BD] chunk (the loop kernel): the weight and bias broadcast over the leading dim."""
     b_o = b_r * scale
     if HAS_W:
-        b_o *= _weight(W, o_d, m_d, woff)
+        b_o *= row_weight(W, o_d, m_d, woff)
     if HAS_B:
         b_o += tl.load(B + o_d, mask=m_d, other=0.0).to(tl.float32)
     return b_o
@@ -189,17 +189,17 @@ def _row_stats(PTR, base, D, eps, BD: tl.constexpr, CENTER: tl.constexpr, EXACT_
             b_n += tl.where(m_d, 1.0, 0.0)
             b_delta = tl.where(m_d, b_s - b_mu, 0.0)
             b_mu += b_delta / tl.maximum(b_n, 1.0)
-            b_sq += _prod(b_delta, b_s - b_mu, EXACT_SQ)
+            b_sq += sq_prod(b_delta, b_s - b_mu, EXACT_SQ)
         else:
-            b_sq += _prod(b_s, b_s, EXACT_SQ)
+            b_sq += sq_prod(b_s, b_s, EXACT_SQ)
     if CENTER:
         b_mu0 = tl.sum(tl.where(o_d == 0, b_mu, 0.0), 0)
-        b_mean = b_mu0 + _mean(tl.sum(b_n * (b_mu - b_mu0), 0), D)
+        b_mean = b_mu0 + row_mean(tl.sum(b_n * (b_mu - b_mu0), 0), D)
         b_dev = b_mu - b_mean
-        b_rstd = _rstd(tl.sum(b_sq, 0) + tl.sum(_prod(b_n * b_dev, b_dev, EXACT_SQ), 0), D, eps, EXACT_SQ)
+        b_rstd = row_rstd(tl.sum(b_sq, 0) + tl.sum(sq_prod(b_n * b_dev, b_dev, EXACT_SQ), 0), D, eps, EXACT_SQ)
     else:
         b_mean = 0.0
-        b_rstd = _rstd(tl.sum(b_sq, 0), D, eps, EXACT_SQ)
+        b_rstd = row_rstd(tl.sum(b_sq, 0), D, eps, EXACT_SQ)
     return b_rstd, b_mean
 
 
@@ -262,10 +262,10 @@ def _norm_bwd(b_s, b_do, RSTD, MEAN, W, o_m, m_m, o_d, m_d, mask, D, scale, woff
         b_r = b_s * b_rstd
     b_dr = b_do * scale
     if HAS_W:
-        b_dr *= _weight(W, o_d, m_d, woff)[None, :]
-    b_ds = (b_dr - b_r * _mean(tl.sum(b_r * b_dr, 1), D)[:, None]) * b_rstd
+        b_dr *= row_weight(W, o_d, m_d, woff)[None, :]
+    b_ds = (b_dr - b_r * row_mean(tl.sum(b_r * b_dr, 1), D)[:, None]) * b_rstd
     if CENTER:
-        b_ds = tl.where(mask, b_ds - _mean(tl.sum(b_ds, 1), D)[:, None], 0.0)
+        b_ds = tl.where(mask, b_ds - row_mean(tl.sum(b_ds, 1), D)[:, None], 0.0)
     return b_ds, tl.sum(b_do * b_r, 0) * scale
 
 
@@ -391,14 +391,14 @@ def _bwd_loop(
                 b_r = _normalized(P, row * s_p + col, mask, b_rstd, b_mean, CENTER)
                 b_dr = tl.load(DO + row * s_do + col, mask=mask, other=0.0).to(tl.float32) * scale
                 if HAS_W:
-                    b_dr *= _weight(W, o_col, m_d, woff)[None, :]
+                    b_dr *= row_weight(W, o_col, m_d, woff)[None, :]
                 b_c1 += tl.sum(b_r * b_dr, 1)
                 if CENTER:
                     b_c2 += tl.sum(b_dr, 1)
                     b_c3 += tl.sum(b_r, 1)
-            b_c1 = _mean(b_c1, D)
+            b_c1 = row_mean(b_c1, D)
             if CENTER:  # mean(dq) = rstd * (mean(dr) - c1 * mean(r)), as the norm's _bwd_dots
-                b_c2 = (_mean(b_c2, D) - b_c1 * _mean(b_c3, D)) * b_rstd
+                b_c2 = (row_mean(b_c2, D) - b_c1 * row_mean(b_c3, D)) * b_rstd
         b_rstdb = tl.load(RSTDB + o_m, mask=m_m, other=0.0)
         b_meanb = tl.load(MEANB + o_m, mask=m_m, other=0.0) if CENTER else None
         b_e1 = tl.zeros([BR], dtype=tl.float32)  # the branch's sums, as b_c1 .. b_c3
@@ -416,7 +416,7 @@ def _bwd_loop(
                 b_do = tl.load(DO + row * s_do + col, mask=mask, other=0.0).to(tl.float32)
                 b_dr = b_do * scale
                 if HAS_W:
-                    b_dr *= _weight(W, o_col, m_d, woff)[None, :]
+                    b_dr *= row_weight(W, o_col, m_d, woff)[None, :]
                     _add_part(DWP, o_part, m_d, m_old, tl.sum(b_do * b_r, 0) * scale)
                 if HAS_B:
                     _add_part(DBP, o_part, m_d, m_old, tl.sum(b_do, 0))
@@ -441,7 +441,7 @@ def _bwd_loop(
             b_rb = _normalized(X, row * s_x + col, mask, b_rstdb, b_meanb, CENTER)
             b_dyw = b_dy * scale
             if HAS_BW:
-                b_dyw *= _weight(BW, o_col, m_d, woff_b)[None, :]
+                b_dyw *= row_weight(BW, o_col, m_d, woff_b)[None, :]
                 _add_part(DBWP, o_part, m_d, m_old, tl.sum(b_dy * b_rb, 0) * scale)
             if HAS_BB:
                 _add_part(DBBP, o_part, m_d, m_old, tl.sum(b_dy, 0))
@@ -449,9 +449,9 @@ def _bwd_loop(
             if CENTER:
                 b_e2 += tl.sum(b_dyw, 1)
                 b_e3 += tl.sum(b_rb, 1)
-        b_e1 = _mean(b_e1, D)
+        b_e1 = row_mean(b_e1, D)
         if CENTER:
-            b_e2 = (_mean(b_e2, D) - b_e1 * _mean(b_e3, D)) * b_rstdb
+            b_e2 = (row_mean(b_e2, D) - b_e1 * row_mean(b_e3, D)) * b_rstdb
         # sweep 3 reads dp back, and the next block's updates the partial rows, which
         # other threads of this program may have stored: a barrier orders them
         tl.debug_barrier()
@@ -466,7 +466,7 @@ def _bwd_loop(
                 b_dp = tl.load(DRO + row * s_dro + col, mask=mask, other=0.0).to(tl.float32)
             b_dyw = alpha * scale * b_dp
             if HAS_BW:
-                b_dyw *= _weight(BW, o_col, m_d, woff_b)[None, :]
+                b_dyw *= row_weight(BW, o_col, m_d, woff_b)[None, :]
             b_rb = _normalized(X, row * s_x + col, mask, b_rstdb, b_meanb, CENTER)
             b_dx = (b_dyw - b_rb * b_e1[:, None]) * b_rstdb[:, None]
             if CENTER:
@@ -500,9 +500,9 @@ def _flag_eps(spec: NormSpec) -> bool:
 def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_spec: NormSpec, spec: NormSpec,
                  alpha: float, residual_dtype, second: bool, need_stats: bool, qscale=None):
     """(new_residual, out or None, rstd_b, mean_b, rstd, mean), the statistics (M,) fp32 or
-    None; same contract as `fuseblock.reference.norm_add_fwd`. With spec.quant, out is
-    `fuseblock.fp8.Quantized` (qscale: fp8_tensor's static scale), written by the tile
-    kernel; rows too wide for it are normed into fp32 and cast by `fuseblock.fp8.quantize`."""
+    None; same contract as `fuseblock.reference.norm.norm_add_fwd`. With spec.quant, out is
+    `fuseblock.reference.fp8.Quantized` (qscale: fp8_tensor's static scale), written by the tile
+    kernel; rows too wide for it are normed into fp32 and cast by `fuseblock.reference.fp8.quantize`."""
     d = x.shape[-1]
     quant, codes = {}, None
     if spec.quant != Quant.NONE:

@@ -1,4 +1,4 @@
-"""The rest of the normalization family: the functions, and the modules `BatchNorm` and `InstanceNorm`.
+"""The channel norms as modules: `BatchNorm` and `InstanceNorm` (the functions: fuseblock.ops.channel_norm).
 
 Parameter and buffer names follow nn.BatchNorm1d / nn.InstanceNorm1d (weight, bias,
 running_mean, running_var, num_batches_tracked), so state_dicts load both ways.
@@ -8,11 +8,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..ops.channel_norm import batch_norm, check_momentum, group_norm, instance_norm
+from ..ops.channel_norm import batch_norm, check_momentum, instance_norm
 from ..ops.checks import check_eps, check_flag, check_float_dtype, check_int
-from ..ops.embed_norm import embed_norm
 
-__all__ = ["embed_norm", "batch_norm", "group_norm", "instance_norm", "BatchNorm", "InstanceNorm"]
+__all__ = ["BatchNorm", "InstanceNorm"]
 
 
 def _check_config(num_features, eps) -> None:

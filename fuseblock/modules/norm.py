@@ -29,7 +29,7 @@ from ..ops.checks import (
     resolve,
 )
 from ..ops.dtensor import keeps_inputs
-from ..ops.norm import _NO_DROPOUT, _NO_SCALE, add_norm
+from ..ops.norm import NO_DROPOUT, NO_SCALE, add_norm
 from ..ops.norm_add import norm_add, norm_add_norm
 from ..ops.norm_linear import norm_linear
 from ..reference import norm as reference
@@ -122,8 +122,8 @@ class Norm(nn.Module):
         return self.add(x, None, gate=gate)[0]
 
     def add(self, x: Tensor, residual: Tensor | None = None, *positional: Tensor,
-            residual_dtype: torch.dtype | None = None, gate: Tensor | None = None, alpha: float = _NO_SCALE,
-            x1: Tensor | None = None, dropout_p: float = _NO_DROPOUT) -> tuple[Tensor, Tensor]:
+            residual_dtype: torch.dtype | None = None, gate: Tensor | None = None, alpha: float = NO_SCALE,
+            x1: Tensor | None = None, dropout_p: float = NO_DROPOUT) -> tuple[Tensor, Tensor]:
         """fuseblock.add_norm with this module's parameters and settings: (N(r'), r') with
         r' = residual + alpha * (drop(x) + drop(x1)). residual_dtype=None keeps new_residual
         in the module's residual_dtype (an AddNorm's), else in the dtype torch's

@@ -1,7 +1,6 @@
 """`NormLinear`: a norm fused with the Linear after it, as a module.
 
-The op it runs, `norm_linear`, lives in `fuseblock.ops.norm_linear` (and is importable
-from here, as before).
+The op it runs is `fuseblock.norm_linear` (fuseblock.ops.norm_linear).
 """
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from ..ops.checks import check_flag, check_float_dtype, check_int, check_last_di
 from ..ops.norm_linear import norm_linear
 from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION
 
-__all__ = ["NormLinear", "norm_linear"]
+__all__ = ["NormLinear"]
 
 
 class NormLinear(nn.Module):

@@ -22,8 +22,9 @@ programs, few when C is small and N*L large (a split reduction would spread them
 
 The torch path (CPU tensors without TRITON_INTERPRET=1, float64, torch.func transforms)
 is the reference's plain differentiable ops: batch norm as the layer norm of the
-transposed batch (docs/family.md: "layer norm is the transpose of batch norm"), group
-norm as the core op with num_groups and the weight repeated per column.
+transposed batch (`fuseblock.reference.channel_norm`; docs/family.md: "layer norm is the
+transpose of batch norm"), group norm as the core op with num_groups and the weight
+repeated per column.
 """
 from __future__ import annotations
 
@@ -35,10 +36,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.graph import increment_version
 
-from ..spec import Act, Gate, NormSpec, acc_dtype
+from ..reference.channel_norm import batch_norm_fwd, update_running
+from ..spec import acc_dtype
 from .checks import check_eps, check_int, check_number, check_tensor
 from .dispatch import func_transforms_active, kernels, uses_triton
-from .norm import apply_norm, norm
+from .norm import norm
 from .registry import FusedOp, placeholder
 
 
@@ -147,42 +149,6 @@ def _kernel_path(x: Tensor) -> bool:
     return uses_triton(x) and not func_transforms_active()
 
 
-def _dense(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """t in dtype and contiguous, in one copy (`to` alone keeps the strides, and
-    returns t itself, strides and all, when the dtype already matches)."""
-    return t.to(dtype, memory_format=torch.contiguous_format).contiguous()
-
-
-def _update_running(running_mean, running_var, mean, rstd, momentum, eps, rows):
-    """r = (1 - momentum) r + momentum s from the batch statistics, the variance unbiased."""
-    with torch.no_grad():
-        # biased variance back from rstd = 1/sqrt(var + eps); clamp the rounding at 0
-        var = (rstd.view(-1).reciprocal().square() - eps).clamp_min(0)
-        running_mean.mul_(1 - momentum).add_(mean.view(-1) * momentum)
-        running_var.mul_(1 - momentum).add_(var * (momentum * rows / (rows - 1)))
-
-
-def _torch_batch_norm(x, running_mean, running_var, weight, bias, momentum, eps):
-    """Training-mode batch norm on the torch path: the core layer norm of the transposed batch."""
-    n_ch = x.shape[1]
-    rows = x.numel() // n_ch
-    # (N, C, *) -> (C, N, *) in fp32, one copy; then each channel is one contiguous row
-    xt = _dense(x.transpose(0, 1), acc_dtype(x.dtype))
-    # the core layer norm (scale c/sqrt(d) = 1, no gate, one group, no residual), with
-    # the row statistics
-    spec = NormSpec(center=True, scale=1.0, eps=eps, gate=Gate.NONE, act=Act.UNUSED, groups=1)
-    out, _, rstd, mean = apply_norm(xt.view(n_ch, rows), None, None, None, None, spec, None, True)
-    if running_mean is not None:
-        _update_running(running_mean, running_var, mean, rstd, momentum, eps, rows)
-    y = out.view(xt.shape)  # (C, N, *)
-    t_shape = (n_ch,) + (1,) * (x.dim() - 1)
-    if weight is not None:
-        y = y * weight.view(t_shape)
-    if bias is not None:
-        y = y + bias.view(t_shape)
-    return _dense(y.transpose(0, 1), x.dtype)
-
-
 def batch_norm(
     x: Tensor,
     running_mean: Tensor | None,
@@ -224,12 +190,12 @@ def batch_norm(
     if rows < 2:
         raise ValueError(f"x: expected more than 1 value per channel when training, got shape {tuple(x.shape)}")
     if not _kernel_path(x):
-        return _torch_batch_norm(x, running_mean, running_var, weight, bias, momentum, float(eps))
+        return batch_norm_fwd(x, running_mean, running_var, weight, bias, momentum, float(eps))
     if running_mean is None:
         return channel_norm_op(x, weight, bias, True, 0, float(eps))[0]
     if torch.compiler.is_compiling():  # the custom op mutates nothing: the update is torch ops here
         y, mean, rstd = channel_norm_op(x, weight, bias, True, 0, float(eps))
-        _update_running(running_mean, running_var, mean, rstd, momentum, eps, rows)
+        update_running(running_mean, running_var, mean, rstd, momentum, eps, rows)
         return y
     return channel_norm_op(x, weight, bias, True, 0, float(eps), running_mean=running_mean, running_var=running_var,
                            momentum=float(momentum))[0]

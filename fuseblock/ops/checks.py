@@ -197,9 +197,9 @@ def resolve(
     # written out, not looped over (name, tensor) pairs: on the eager torch path this
     # function's host time is part of every call's
     if weight is not None:
-        _check_vector("weight", weight, x, d)
+        check_vector("weight", weight, x, d)
     if bias is not None:
-        _check_vector("bias", bias, x, d)
+        check_vector("bias", bias, x, d)
     if residual is not None:
         _check_like_x("residual", residual, x)
     if gate is not None:
@@ -300,7 +300,7 @@ def check_branch(x: torch.Tensor, x1, alpha, dropout_p) -> None:
             raise TypeError(f"x1 must have x's dtype {x.dtype}, got {x1.dtype}")
 
 
-def _check_vector(name: str, t, x: torch.Tensor, d: int) -> None:
+def check_vector(name: str, t, x: torch.Tensor, d: int) -> None:
     check_tensor(name, t, x)
     if t.dim() != 1 or t.shape[0] != d:
         raise ValueError(f"{name} must have shape ({d},), got {tuple(t.shape)}")

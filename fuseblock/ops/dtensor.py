@@ -17,7 +17,7 @@ For each mesh dim, x's placement decides what runs there:
 
 Dropout (add_norm's dropout_p) is applied here, before the op, as torch integer ops: each
 element's mask is a hash of one key drawn per call and the element's index in the global
-tensor (`_keep`), so the masks are the same whatever the layout (rows, columns, replicas,
+tensor (`fuseblock.ops.seed.hash_keep`), so the masks are the same whatever the layout (rows, columns, replicas,
 one process), need no generator state per shard, and trace under torch.compile.
 
 The custom ops' sharding is not registered with DTensor (register_sharding): the calls
@@ -40,7 +40,7 @@ from torch import Tensor
 
 from ..spec import acc_dtype, new_residual_dtype, stored_dtype
 from .checks import check_branch, check_tensor, resolve
-from .seed import draw_seed
+from .seed import draw_seed, hash_keep
 
 
 def has_dtensor(x, residual, weight, bias, gate, x1=None) -> bool:
@@ -64,19 +64,13 @@ def _implicitly_replicated(*tensors):
     plain tensor); unchanged outside it, where _Placed refuses a plain tensor by name."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    if all(t is None or isinstance(t, DTensor) for t in tensors) or not _implicit_replication():
+    from .dtensor_constants import implicit_replication
+
+    if all(t is None or isinstance(t, DTensor) for t in tensors) or not implicit_replication():
         return tensors
     mesh = next(t.device_mesh for t in tensors if isinstance(t, DTensor))
     return tuple(DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
                  if isinstance(t, Tensor) and not isinstance(t, DTensor) else t for t in tensors)
-
-
-@torch.compiler.assume_constant_result  # Dynamo cannot trace the C++ flag's read: a constant of the trace
-def _implicit_replication() -> bool:
-    """Whether torch's implicit_replication() context is active (DTensor's dispatcher flag)."""
-    from torch.distributed.tensor import DTensor
-
-    return bool(getattr(DTensor._op_dispatcher, "_allow_implicit_replication", False))
 
 
 class _Placed:
@@ -187,30 +181,6 @@ def shard_offsets(shape, placements, mesh_shape, coordinate) -> tuple[list[int],
     return local, offset
 
 
-# odd multipliers (murmur2's, and one of lowbias32's) below 2**31: times an h below 2**32
-# the int64 product cannot overflow, so `(h * m) & _LOW32` is h * m mod 2**32 exactly
-_MIX = (0x5BD1E995, 0x7FEB352D)
-_LOW32 = 0xFFFFFFFF
-
-
-def _mix(h: Tensor) -> Tensor:
-    """A bijection of [0, 2**32) (xorshift-multiply rounds) whose output bits each depend on
-    every input bit. In place on h, a temporary of the caller's: eager, each op is a pass over
-    the shard, and fewer allocations save time there (compiled, inductor fuses them)."""
-    h.bitwise_xor_(h >> 16).mul_(_MIX[0]).bitwise_and_(_LOW32)
-    h.bitwise_xor_(h >> 15).mul_(_MIX[1]).bitwise_and_(_LOW32)
-    return h.bitwise_xor_(h >> 16)
-
-
-def _keep(key: Tensor, index: Tensor, dropout_p: float) -> Tensor:
-    """Whether each element of global `index` (int64, >= 0) is kept, for the call's `key`
-    (int64 in [0, 2**62)): a 32-bit hash of both, kept where it is at least
-    round(dropout_p * 2**32). A function of the key and the index alone."""
-    h = _mix((index & _LOW32).bitwise_xor_(key & _LOW32))
-    h = _mix(h.bitwise_xor_(index >> 32).bitwise_xor_(key >> 32))
-    return h >= round(dropout_p * 2**32)
-
-
 def _dropped(at: _Placed, x, residual, x1, loc: dict, options: dict) -> None:
     """add_norm's dropout on this rank's x and x1 (x1's indices after x's: its masks are
     others), in place of the op's own: loc's x and x1 become the kept elements scaled by
@@ -224,9 +194,9 @@ def _dropped(at: _Placed, x, residual, x1, loc: dict, options: dict) -> None:
     # every rank (DTensor expects every rank seeded alike), so the same key everywhere
     key = draw_seed(loc["x"]).to(loc["x"].device)
     index = at.global_index()
-    loc["x"] = torch.where(_keep(key, index, p), loc["x"].to(wide) * scale, 0.0)
+    loc["x"] = torch.where(hash_keep(key, index, p), loc["x"].to(wide) * scale, 0.0)
     if x1 is not None:
-        loc["x1"] = torch.where(_keep(key, index + x.numel(), p), loc["x1"].to(wide) * scale, 0.0)
+        loc["x1"] = torch.where(hash_keep(key, index + x.numel(), p), loc["x1"].to(wide) * scale, 0.0)
     options["residual_dtype"] = stored_dtype(x.dtype, None if residual is None else residual.dtype,
                                              options["residual_dtype"])
     options["dropout_p"] = 0.0
@@ -235,7 +205,7 @@ def _dropped(at: _Placed, x, residual, x1, loc: dict, options: dict) -> None:
 def add_norm(local_add_norm: Callable, x, residual, weight, bias, gate, x1=None, **options):
     """`local_add_norm(x, residual, weight, bias, gate=gate, **options)` (fuseblock's add_norm)
     on DTensor arguments: (out, new_residual) as DTensors placed as x is. x1 is placed as x;
-    dropout is applied here (`_dropped`), its masks keyed by the global index (`_keep`)."""
+    dropout is applied here (`_dropped`), its masks keyed by the global index (`hash_keep`)."""
     x, residual, weight, bias, gate, x1 = _implicitly_replicated(x, residual, weight, bias, gate, x1)
     at = _Placed(x, {"residual": residual, "gate": gate, "x1": x1}, {"weight": weight, "bias": bias})
     loc = at.unwrap()
@@ -409,19 +379,16 @@ def _column_output(wp, i: int, ndim: int):
     anything else (a row-parallel Shard(1), Partial) is refused by name."""
     from torch.distributed.tensor import Shard
 
+    from .dtensor_constants import split_factor
+
     if _is_shard(wp) and wp.dim == 0:
         return Shard(ndim - 1)
     strided = _strided_shard()
     if strided is not None and isinstance(wp, strided) and wp.dim == 0:
         check_strided_split(f"norm_linear: weight's placement on mesh dim {i}", wp)
-        return strided(ndim - 1, split_factor=_split_factor(wp))
+        return strided(ndim - 1, split_factor=split_factor(wp))
     raise ValueError(f"weight's placement {wp!r} on mesh dim {i} is not supported by norm_linear: the Linear's weight "
                      f"must be Replicate() or split by its rows (Shard(0), or _StridedShard(0): column-parallel)")
-
-
-@torch.compiler.assume_constant_result  # Dynamo cannot read the attribute of this C++ placement
-def _split_factor(p) -> int:
-    return p.split_factor
 
 
 def check_strided_split(what: str, placement) -> None:

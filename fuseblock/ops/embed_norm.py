@@ -11,37 +11,18 @@ Subgradients (the same as torch's autograd of that formula):
 
 Dispatch is `fuseblock.ops.dispatch`'s: the Triton kernels on CUDA (or
 TRITON_INTERPRET=1), their forward and backward registered by
-`fuseblock.ops.registry.FusedOp` as the core op's are; else the torch path here, plain
-differentiable ops.
+`fuseblock.ops.registry.FusedOp` as the core op's are; else the torch path,
+`fuseblock.reference.embed_norm`: plain differentiable ops.
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
+from ..reference.embed_norm import embed_norm_fwd
 from ..spec import ORDS, Ord, acc_dtype
 from .checks import check_eps, check_tensor
 from .dispatch import func_transforms_active, kernels, uses_triton
 from .registry import FusedOp
-
-
-# --------------------------------------------------------------------------- torch path
-def _stat(xa: Tensor, ord: Ord) -> Tensor:
-    if ord == Ord.L1:
-        return xa.abs().sum(-1)
-    if ord == Ord.L2:
-        return torch.linalg.vector_norm(xa, dim=-1)
-    if ord == Ord.MAX:
-        return xa.abs().amax(-1)
-    raise ValueError(f"unknown embedding norm {ord!r}")
-
-
-def torch_fwd(x: Tensor, ord: Ord, eps: float) -> tuple[Tensor, Tensor]:
-    """Same contract as `kernels.embed_norm_fwd`: (y, n), n in fp32 (fp64 for fp64 x). Plain
-    differentiable ops: autograd's subgradients of them are the ones described above."""
-    xa = x.to(acc_dtype(x.dtype))
-    n = _stat(xa, ord)
-    return (xa / n.clamp_min(eps)[..., None]).to(x.dtype), n
 
 
 # --------------------------------------------------------------------------- registration
@@ -92,5 +73,5 @@ def embed_norm(x: Tensor, ord: str = "l2", eps: float = 1e-12) -> Tensor:
     check_eps(eps)
     # the torch path, and torch.func transforms, run plain torch ops (see fuseblock.ops.norm.apply_norm)
     if not uses_triton(x) or func_transforms_active():
-        return torch_fwd(x, ORDS[ord], float(eps))[0]
+        return embed_norm_fwd(x, ORDS[ord], float(eps))[0]
     return embed_norm_op(x, int(ORDS[ord]), float(eps))[0]

@@ -2,7 +2,7 @@
 forward and backward. (The keywords are validated into the spec by `checks.resolve`.)
 
 The quantized forward is one kernel launch on the Triton path (`fuseblock.kernels.fp8`)
-and `fuseblock.fp8.quantize` of the fp32 normed output on the torch path; the two give
+and `fuseblock.reference.fp8.quantize` of the fp32 normed output on the torch path; the two give
 the same codes and scales bit for bit. The codes carry no gradient. When an input
 requires one, the result's `Quantized.anchor` stands for the normed output in the graph:
 the gradient given to it (in high precision, the unquantized output's dtype) reaches the

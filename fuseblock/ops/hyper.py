@@ -3,7 +3,7 @@
 Validation into a `HyperSpec` (once per call), then dispatch as for the other ops
 (`fuseblock.ops.dispatch`): the Triton kernels (`fuseblock.kernels.hyper`, one launch
 forward, registered as custom ops with their backward), or the torch path
-(`fuseblock.hyper_reference`), plain differentiable torch ops. The math is in
+(`fuseblock.reference.hyper`), plain differentiable torch ops. The math is in
 `fuseblock.hyper_spec` and docs/stream.md.
 """
 # No `from __future__ import annotations`: the custom ops' schemas are read from the annotations
@@ -192,7 +192,7 @@ def hc_add_norm(streams: Tensor, branch: Tensor, post: Tensor, comb: Tensor | No
     DeepSeek-V4 and GLM-5-next: post_mult=2, post_eps=0; HY-V4: post_mult=hc_magnitude,
     post_eps=hc_eps, no comb. `form` ("fused", "deepseek_v4", "hy_v4", "glm5_next") picks
     the torch path's order of operations, to equal that family's modeling code bit for bit
-    (fuseblock.hyper_reference); the kernels compute the same math in their own order.
+    (fuseblock.reference.hyper); the kernels compute the same math in their own order.
     """
     spec = resolve(streams, branch, post, comb, fn, base, scale, weight, iters=iters, hc_eps=hc_eps, eps=eps,
                    kind=kind, post_mult=post_mult, post_eps=post_eps, form=form, head=False)

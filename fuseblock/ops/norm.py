@@ -29,7 +29,6 @@ from ..spec import (
     stored_dtype,
 )
 from . import dtensor
-from . import fp8 as quant_ops
 from .checks import (
     QUANT_DEFAULTS,
     QuantArgs,
@@ -244,8 +243,8 @@ _DEFAULT_EPS = {(kind, dt): default_eps(dt, kind) for kind in ("rms", "layer") f
 _ONE_GROUP = 1  # compared by identity: CPython has one int 1, and True is another object
 _INF = math.inf
 # add_norm's branch defaults, compared by identity: the plain fast lane pays two `is`
-_NO_SCALE = 1.0
-_NO_DROPOUT = 0.0
+NO_SCALE = 1.0
+NO_DROPOUT = 0.0
 _E4M3, _FLOOR = QUANT_DEFAULTS.fp8_dtype, QUANT_DEFAULTS.mx_rounding  # the fp8 keywords' defaults
 
 
@@ -305,9 +304,9 @@ def add_norm(
     gate_position: str = DEFAULT_GATE_POSITION,
     num_groups: int = 1,
     weight_offset: float = 0.0,
-    alpha: float = _NO_SCALE,
+    alpha: float = NO_SCALE,
     x1: Optional[Tensor] = None,
-    dropout_p: float = _NO_DROPOUT,
+    dropout_p: float = NO_DROPOUT,
     out_dtype: Optional[torch.dtype] = None,
     quant: Optional[str] = QUANT_DEFAULTS.quant,
     scale: Optional[Tensor] = QUANT_DEFAULTS.scale,
@@ -369,7 +368,7 @@ def add_norm(
                                 residual_dtype=residual_dtype, gate_act=gate_act, gate_position=gate_position,
                                 num_groups=num_groups, weight_offset=weight_offset, alpha=alpha,
                                 dropout_p=dropout_p, out_dtype=out_dtype)
-    no_branch = x1 is None and alpha is _NO_SCALE and dropout_p is _NO_DROPOUT  # else checked below
+    no_branch = x1 is None and alpha is NO_SCALE and dropout_p is NO_DROPOUT  # else checked below
     if (no_branch and gate is None and quant is None and scale is None and scale_ub is None and quant_from is None
             and mx_columnwise is False and fp8_dtype is _E4M3 and mx_rounding is _FLOOR  # else resolve names them
             and c is None and residual_dtype is None and out_dtype is None
@@ -400,6 +399,8 @@ def add_norm(
             spec = spec.with_branch(alpha, dropout_p)
             rdtype = stored_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
     if spec.quant != Quant.NONE:
+        # here, not at the top: ops/fp8.py's torch.compiler.disable imports torch._dynamo
+        from . import fp8 as quant_ops
         out, new_res = quant_ops.quantized_norm(norm_op, x, residual, gate, weight, bias, spec, rdtype, x1, scale)
         return out, (x if rdtype is None else new_res)
     out, new_res, _, _ = apply_norm(x, residual, gate, weight, bias, spec, rdtype, x1=x1)

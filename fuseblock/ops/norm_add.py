@@ -6,7 +6,7 @@
 
 Dispatch as `fuseblock.ops.norm`'s: the Triton kernels (`fuseblock.kernels.norm_add`,
 one forward launch that holds both norms, a backward of at most two) registered through
-`FusedOp`; the torch path (`fuseblock.reference.norm_add_fwd`) as plain differentiable
+`FusedOp`; the torch path (`fuseblock.reference.norm.norm_add_fwd`) as plain differentiable
 torch ops. Rows wider than the kernels' tile (more than MAX_TILE_BWD columns) take loop
 kernels with the same launch counts (see `fuseblock.kernels.norm_add`).
 """
@@ -20,13 +20,12 @@ from torch import Tensor
 from ..reference import norm as reference
 from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, Quant, acc_dtype, stored_dtype
 from . import dtensor
-from . import fp8 as quant_ops
 from .checks import (
     QUANT_DEFAULTS,
     QuantArgs,
-    _check_vector,
     check_number,
     check_tensor,
+    check_vector,
     default_eps,
     quant_args,
     resolve,
@@ -279,7 +278,7 @@ def norm_add_norm(
                                  "kind='l2')")
     for name, t in (("branch_weight", branch_weight), ("branch_bias", branch_bias)):
         if t is not None:
-            _check_vector(name, t, x, x.shape[-1])
+            check_vector(name, t, x, x.shape[-1])
     if branch_eps is None:
         branch_eps = default_eps(x.dtype, kind) if eps is None else eps
     else:
@@ -297,6 +296,8 @@ def norm_add_norm(
     if spec.quant != Quant.NONE:
         if dtensor.has_dtensor(x, residual, branch_weight, branch_bias, weight, bias):
             raise ValueError("quant= does not take DTensor inputs yet: quantize each rank's local tensor")
+        # here, not at the top: ops/fp8.py's torch.compiler.disable imports torch._dynamo
+        from . import fp8 as quant_ops
         return quant_ops.quantized_norm_add(norm_add_op, x, residual, branch_weight, branch_bias, weight, bias, bspec,
                                             spec, alpha, rdtype, scale)
     new_res, out = _apply(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha, rdtype, True)

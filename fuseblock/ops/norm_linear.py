@@ -36,7 +36,6 @@ from ..spec import (
 from . import dtensor
 from .checks import QUANT_DEFAULTS, QuantArgs, check_float_dtype, check_tensor, resolve
 from .dispatch import func_transforms_active, kernels, uses_triton
-from .fp8 import quantized_norm_fwd
 from .norm import add_norm, apply_norm, norm_op
 
 
@@ -66,11 +65,13 @@ def _fp8_forward(x, residual, norm_weight, norm_bias, weight, bias, spec: NormSp
     path; the torch path casts its fp32 output) and the weight along its own rows (the
     shared axis k), then y in x's dtype and the bias added after it. fp8_row (torchao's
     Float8Linear "rowwise"): a scale per row of each, one torch._scaled_mm. mxfp8: blocks
-    of 32 along k with e8m0 scales, `fuseblock.fp8.mx_linear` (torch._scaled_mm with block
+    of 32 along k with e8m0 scales, `fuseblock.reference.fp8.mx_linear` (torch._scaled_mm with block
     scales where the device takes them, else dequantize-and-matmul in fp32).
     Returns (y, new_residual, rstd, mean, native)."""
     native = False
     if uses_triton(x):
+        # here, not at the top: ops/fp8.py's torch.compiler.disable imports torch._dynamo
+        from .fp8 import quantized_norm_fwd
         q, new_res, rstd, mean = quantized_norm_fwd(x, residual, None, norm_weight, norm_bias, spec, residual_dtype,
                                                     True)
     else:
@@ -234,7 +235,7 @@ def norm_linear(
     norm writes its rows as fp8 codes and scales in its one launch (fp8_row's amax
     bounded by scale_ub when given), the weight is quantized along its own rows, and
     torch._scaled_mm forms y (mxfp8 where the device takes block scales; elsewhere the
-    dequantize-and-matmul fallback of `fuseblock.fp8.mx_linear`). The backward is the
+    dequantize-and-matmul fallback of `fuseblock.reference.fp8.mx_linear`). The backward is the
     unquantized one, in high precision: dout = dy W and dW = dy^T out with out rebuilt from
     p, so dx, dresidual and the norm's gradients equal those of norm_linear without quant
     for the same dy.

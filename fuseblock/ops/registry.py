@@ -94,7 +94,7 @@ class FusedOp:
         Eager.__name__ = Eager.__qualname__ = f"Eager_{name}"
         self.fwd_op, self.bwd_op = fwd_op, bwd_op
         # the eager pieces, for an autograd node over the same backward with another
-        # forward (a quantized output: `fuseblock.ops.quant`)
+        # forward (a quantized output: `fuseblock.ops.fp8`)
         self.setup, self.grads, self.bwd, self.graph_grads = setup, grads, eager_bwd, graph_grads
         self._eager, self._eager_fwd = Eager, eager_fwd
 

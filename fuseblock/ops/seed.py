@@ -1,5 +1,7 @@
-"""The dropout masks' key: `draw_seed`, shared by the kernels' dropout (fuseblock.ops.norm)
-and the DTensor calls' (fuseblock.ops.dtensor)."""
+"""Dropout's randomness off the kernels: the masks' key, `draw_seed`, shared by the kernels'
+dropout (fuseblock.ops.norm; the kernels draw their masks by Philox, `kernels.row_math.philox_keep`)
+and the DTensor calls' (fuseblock.ops.dtensor), whose masks are `hash_keep`: integer torch ops,
+a hash of the key and each element's global index."""
 from __future__ import annotations
 
 import torch
@@ -22,3 +24,27 @@ def draw_seed(x: Tensor) -> Tensor:
         return torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64)
     # device named: under torch.set_default_device("cuda") a bare randint would draw on the GPU
     return torch.randint(0, 2**62, (1,), dtype=torch.int64, device="cpu")
+
+
+# odd multipliers (murmur2's, and one of lowbias32's) below 2**31: times an h below 2**32
+# the int64 product cannot overflow, so `(h * m) & _LOW32` is h * m mod 2**32 exactly
+_MIX = (0x5BD1E995, 0x7FEB352D)
+_LOW32 = 0xFFFFFFFF
+
+
+def _mix(h: Tensor) -> Tensor:
+    """A bijection of [0, 2**32) (xorshift-multiply rounds) whose output bits each depend on
+    every input bit. In place on h, a temporary of the caller's: eager, each op is a pass over
+    the shard, and fewer allocations save time there (compiled, inductor fuses them)."""
+    h.bitwise_xor_(h >> 16).mul_(_MIX[0]).bitwise_and_(_LOW32)
+    h.bitwise_xor_(h >> 15).mul_(_MIX[1]).bitwise_and_(_LOW32)
+    return h.bitwise_xor_(h >> 16)
+
+
+def hash_keep(key: Tensor, index: Tensor, dropout_p: float) -> Tensor:
+    """Whether each element of global `index` (int64, >= 0) is kept, for the call's `key`
+    (int64 in [0, 2**62)): a 32-bit hash of both, kept where it is at least
+    round(dropout_p * 2**32). A function of the key and the index alone."""
+    h = _mix((index & _LOW32).bitwise_xor_(key & _LOW32))
+    h = _mix(h.bitwise_xor_(index >> 32).bitwise_xor_(key >> 32))
+    return h >= round(dropout_p * 2**32)

@@ -1,7 +1,7 @@
 """The bytes one hyper-connection (mHC) boundary moves: the kernels against the unfused torch form.
 
 Unfused is the torch ops DeepSeek-V4's decoder layer writes for a boundary (its update,
-DeepseekV4HyperConnection and DeepseekV4RMSNorm: `fuseblock.hyper_reference` in the
+DeepseekV4HyperConnection and DeepseekV4RMSNorm: `fuseblock.reference.hyper` in the
 deepseek_v4 form; hy_v4's without comb), each aten op one kernel reading its distinct
 inputs and writing its outputs (EagerTraffic). Fused: `fuseblock.hc_add_norm`'s launches,
 their distinct bytes counted by the Triton interpreter (KernelTraffic).

@@ -47,7 +47,7 @@ def minimum_bytes(x, residual, kw, out, new_res) -> tuple[int, int]:
     return fwd_in + fwd_out, bwd_in + bwd_out
 
 
-def _activation_bytes(kt: KernelTraffic) -> int:
+def activation_bytes(kt: KernelTraffic) -> int:
     parts = (part for ln in kt.launches for part in (ln.read, ln.written))
     return sum(v for part in parts for k, v in part.items() if k in ACTIVATION_ARGS)
 
@@ -84,7 +84,7 @@ def measure_traffic(op: str, rows: int, d: int, dtype) -> list[dict]:
 def _row(op, dtype, rows, d, pas, kts, nts, n1s, mn) -> dict:
     """One row of measure_traffic or measure_residual_traffic: the kernels' counts kts, the
     naive eager ones nts (n1s: one kernel per torch norm) and the minimum mn, for one pass."""
-    a = sum(map(_activation_bytes, kts))
+    a = sum(map(activation_bytes, kts))
     kernel = sum(k.bytes + k.glue_bytes for k in kts)
     uncached = sum(k.accessed(UNCACHED_ARGS) + k.glue_bytes for k in kts)
     naive_b, naive1 = sum(n.bytes for n in nts), sum(n.bytes for n in n1s)

@@ -4,7 +4,7 @@ against norm-then-cast.
 Byte model: the minimum reads x and residual once and writes new_residual, the fp8 codes
 (one byte per element) and the scales once. Unfused, the norm writes out in x's dtype
 and a cast reads it back: `naive` charges that cast as torch's eager ops
-(`fuseblock.fp8.quantize`, one kernel per op), `naive1` as one ideal kernel that reads
+(`fuseblock.reference.fp8.quantize`, one kernel per op), `naive1` as one ideal kernel that reads
 out once and writes the codes and scales. The kernel counts need the Triton interpreter.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from .. import add_norm
 from ..ops.checks import QuantArgs, quant_spec
 from ..reference.fp8 import quantize
 from ..spec import NormSpec
-from .op_traffic import UNCACHED_ARGS, _activation_bytes
+from .op_traffic import UNCACHED_ARGS, activation_bytes
 from .traffic import EagerTraffic, KernelTraffic
 
 QUANT_OPS = ["add_norm+fp8_tensor", "add_norm+fp8_row", "add_norm+mxfp8"]
@@ -40,7 +40,7 @@ def measure_quant_traffic(op: str, rows: int, d: int, dtype) -> list[dict]:
     kernel = kf.bytes + kf.glue_bytes
     unfused = kn.bytes + kn.glue_bytes
     naive_b, naive1 = unfused + cast.bytes, unfused + out.nbytes + q.data.nbytes + scale_bytes
-    a = _activation_bytes(kf)
+    a = activation_bytes(kf)
     return [dict(
         op=op, dtype=str(dtype).removeprefix("torch."), rows=rows, d=d, pas="fwd",
         kernel_MB=kernel / 1e6, naive_MB=naive_b / 1e6, min_MB=mn / 1e6, other_MB=(kernel - a) / 1e6,

@@ -132,7 +132,7 @@ def captured_launches(*modules, compiled=None):
         install(False)
 
 
-def _signature(launch: CapturedLaunch):
+def launch_signature(launch: CapturedLaunch):
     """(signature, constexprs, attrs, options) as Triton's JIT would build them."""
     fn = launch.fn
     values = dict(zip(fn.arg_names, launch.args, strict=False))  # the rest passed by keyword
@@ -189,7 +189,7 @@ def compile_for(launch: CapturedLaunch, target: str = "sm_90"):
     from triton.compiler import ASTSource
 
     t = TARGETS[target]
-    signature, constexprs, attrs, options = _signature(launch)
+    signature, constexprs, attrs, options = launch_signature(launch)
     options.setdefault("enable_fp_fusion", True)  # Triton 3.9's default, which the JIT uses
     src = ASTSource(fn=launch.fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget(t.backend, t.arch, t.warp), options=options)

@@ -8,7 +8,7 @@ without a GPU; with no GPU and --device cuda it reports the peers found and stop
 
 The fp8 rows (gpu_fp8.json): add_norm with its output written as fp8 (quant="fp8_row",
 "mxfp8") by the norm's own launch, against norm-then-cast (add_norm in bf16, then the
-torch path's cast `fuseblock.fp8.quantize`), forward GB/s of the compulsory bytes, and
+torch path's cast `fuseblock.reference.fp8.quantize`), forward GB/s of the compulsory bytes, and
 whether the fused codes and scales equal the unfused ones bit for bit (quant_from=bf16:
 the unfused pipeline's rounding points).
 

@@ -101,7 +101,7 @@ def _ops(quick: bool) -> dict:
 
 
 def _key(target: str, ln) -> tuple:
-    sig, constexprs, attrs, options = T._signature(ln)
+    sig, constexprs, attrs, options = T.launch_signature(ln)
     return (target, ln.fn.fn.__module__, ln.name, tuple(sig.items()), repr(sorted(constexprs.items())),
             repr(sorted(attrs.items())), repr(sorted(options.items())))
 

@@ -102,7 +102,7 @@ def _deq(scale, data, dtype=torch.float32):
 def test_mxfp8_norm_linear_equals_unfused_norm_to_mx_and_the_fallback(rounding):
     """y = the unfused norm's fp32 output and the weight, each cast by torchao's to_mx
     (blocks of 32 along the features), dequantized by torchao and multiplied in fp32, then
-    cast to x's dtype and the bias added (`fuseblock.fp8.mx_linear`'s fallback, which the
+    cast to x's dtype and the bias added (`fuseblock.reference.fp8.mx_linear`'s fallback, which the
     CPU takes). The gradients are norm_linear's without quant, bit for bit, and close to
     the unfused norm + F.linear's."""
     g = generator(0)

@@ -89,7 +89,7 @@ def test_only_the_ops_name_the_registered_ops_by_string():
 
 def test_the_tests_are_grouped_by_area_and_import_no_test_module():
     """Test modules live in a folder of their area and import shared code from the helper
-    modules at tests/ (helpers, ref64, trainutil, family_helpers), never from conftest or
+    modules at tests/ (helpers, ref64, trainutil, family_helpers, hf_models, timeouts), never from conftest or
     from one another."""
     tests = ROOT / "tests"
     loose = sorted(p.name for p in tests.glob("test_*.py"))

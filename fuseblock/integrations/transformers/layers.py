@@ -260,7 +260,7 @@ class Hyper(NamedTuple):
     """What an n-stream (hyper-connection) family's fused forwards need beyond its modules
     (families.py holds one per family; their layers call attention and MLP differently).
 
-    form: whose order of operations the hc ops' torch path follows (fuseblock.hyper_reference),
+    form: whose order of operations the hc ops' torch path follows (fuseblock.reference.hyper),
         the family's modeling code's, so that fp32 is bitwise.
     options: the layer's hyper-connection module -> the hc ops' keywords it fixes (iters,
         hc_eps, post_mult, post_eps), read off the module as its forward reads them.
