@@ -22,4 +22,4 @@ __all__ += ["Quantized"]
 __all__ += ["hc_add_norm", "hc_norm", "hc_head"]
 __all__ += ["HyperConnectionStack"]
 __all__ += ["embed_norm", "batch_norm", "group_norm", "instance_norm", "BatchNorm", "InstanceNorm"]
-__version__ = "0.3.0"
+__version__ = "0.4.0"

@@ -2,8 +2,8 @@
 
 - CUDA tensors, and CPU tensors under TRITON_INTERPRET=1: the Triton kernels
   (`fuseblock.kernels.<op>`, imported with triton on first use).
-- anything else, and float64 everywhere: the torch path (`fuseblock.reference` and the
-  torch functions beside each family op).
+- anything else, and float64 everywhere: the torch path (`fuseblock.reference`, a module
+  per op family).
 - under a torch.func transform: the reference's plain differentiable ops, whatever the
   device (the only thing such a transform can see through).
 """
@@ -35,7 +35,8 @@ def uses_triton(x: Tensor) -> bool:
 
 
 def kernels(op: str, x: Tensor) -> ModuleType:
-    """The Triton launchers of `op` ("norm", "embed_norm", "channel_norm") for a call on `x`."""
+    """The Triton launchers of `op` (`fuseblock.kernels.<op>`: "norm", "norm_add", "embed_norm",
+    "channel_norm", "hyper") for a call on `x`."""
     return kernel_module(op, x.device)
 
 
