@@ -33,8 +33,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # fuseblock and models/ from this checkout
-sys.path.insert(1, str(ROOT / "scripts"))  # benchmarks/, when bench.py is imported rather than run
+sys.path.insert(0, str(ROOT))  # the bootstrap: fuseblock and models/ (not in the wheel) from this checkout
 
 from benchmarks import cli  # noqa: E402  (imports neither torch nor fuseblock)
 

@@ -18,9 +18,8 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests import helpers, ref64 and friends
-sys.path.insert(1, ROOT)  # and the GPT from the checkout's models/, which the wheel does not install
-
+# tests/, the root and scripts/ are on the path (pyproject's pythonpath): the tests import helpers,
+# ref64 and friends, the GPT from the checkout's models/ (not in the wheel), and scripts' benchmarks/
 from helpers import DEVICE, KERNEL_PATH, Launches  # noqa: E402
 
 NO_GPU = DEVICE == "cuda" and not torch.cuda.is_available()  # make gpu-check on a machine with no GPU

@@ -32,7 +32,12 @@ _LIMITED = ("import resource, runpy, sys; n = int(sys.argv[1]); resource.setrlim
 
 
 def env():
-    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CPU torch path
+    """A started process's environment: the CPU torch path (no TRITON_INTERPRET), and this
+    checkout's root (fuseblock, models/) and scripts/ first on its path, as pytest's are."""
+    environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    first = [str(ROOT), str(ROOT / "scripts")]
+    environ["PYTHONPATH"] = os.pathsep.join(first + ([environ["PYTHONPATH"]] if environ.get("PYTHONPATH") else []))
+    return environ
 
 
 def command(script, *args, fsize=None):
@@ -161,11 +166,11 @@ def torchrun(n: int, *args, kernel_path: bool = False, seconds: float = 300) -> 
     if DEVICE == "cuda":
         pytest.skip("multi-process tests run their ranks as CPU processes under the interpreter (make test); "
                     "a GPU machine would need one GPU per rank")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    environ = env()
     if kernel_path:
-        env["TRITON_INTERPRET"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
+        environ["TRITON_INTERPRET"] = "1"
+    environ["OMP_NUM_THREADS"] = "1"
     p = timeouts.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-                      *map(str, args)], seconds=seconds, env=env, cwd=ROOT, capture_output=True, text=True)
+                      *map(str, args)], seconds=seconds, env=environ, cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0, f"{p.stdout}\n{p.stderr}"
     return p

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # the bootstrap: models/ (not in the wheel) from this checkout
 
 RUNS = (("plain", ()), ("hc 4", ("--hc", "4")))
 

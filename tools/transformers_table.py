@@ -17,8 +17,6 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 DOC = Path(__file__).resolve().parents[1] / "docs" / "transformers.md"
 README = DOC.parents[1] / "README.md"
 # the README's count of fused families, which --check holds to FAMILIES as well, and its

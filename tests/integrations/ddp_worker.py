@@ -4,10 +4,8 @@ import os
 import sys
 from pathlib import Path
 
+import train
 from safetensors.torch import save_file
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import train  # noqa: E402
 
 dump = Path(sys.argv[1])
 result = train.main(sys.argv[2:])

@@ -17,9 +17,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import fuseblock  # noqa: E402
-from models.gpt import GPT, GPTConfig  # noqa: E402
+import fuseblock
+from models.gpt import GPT, GPTConfig
 
 # units return Linear outputs (views), which the stack never changes in place (see train.build_model)
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")

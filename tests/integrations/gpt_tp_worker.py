@@ -16,12 +16,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import fuseblock.ops.dispatch  # noqa: E402
-import fuseblock.ops.dtensor  # noqa: E402
-from fuseblock.testing.interpreter_rounding import install  # noqa: E402
-from models.gpt import GPT, GPTConfig  # noqa: E402
-from models.tensor_parallel import fsdp_placement, parallelize  # noqa: E402
+import fuseblock.ops.dispatch
+import fuseblock.ops.dtensor
+from fuseblock.testing.interpreter_rounding import install
+from models.gpt import GPT, GPTConfig
+from models.tensor_parallel import fsdp_placement, parallelize
 
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 CONFIGS = {

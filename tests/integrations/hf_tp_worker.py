@@ -16,10 +16,9 @@ import transformers
 from torch.distributed.tensor import DTensor
 from transformers.distributed import DistributedConfig, initialize_distributed_mesh
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import fuseblock  # noqa: E402
-from fuseblock.integrations.transformers import fuse  # noqa: E402
-from fuseblock.testing.interpreter_rounding import install  # noqa: E402
+import fuseblock
+from fuseblock.integrations.transformers import fuse
+from fuseblock.testing.interpreter_rounding import install
 
 CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=8, vocab_size=64, tie_word_embeddings=False)

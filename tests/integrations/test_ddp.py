@@ -1,22 +1,19 @@
 """DDP on CPU (gloo): 2 processes hold identical weights after training steps, and match one
 process that accumulates the same 2 micro-batches."""
 import json
-import os
 import sys
 
 import pytest
 import timeouts
 import torch
 from safetensors.torch import load_file
-from trainutil import ROOT, TINY
+from trainutil import ROOT, TINY, env
 
 WORKER = str(ROOT / "tests" / "integrations" / "ddp_worker.py")
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
+    return {**env(), "OMP_NUM_THREADS": "1"}  # the CPU torch path, this checkout first on the path
 
 
 @pytest.mark.slow

@@ -5,14 +5,13 @@ shard, initialise with no garbage left, and their sharded gradients match one pr
 train.py --fsdp: its checkpoints are the single-process format, and resume either way."""
 import json
 import math
-import os
 import shutil
 import sys
 
 import pytest
 import timeouts
 import torch
-from trainutil import ROOT, TINY, call, compare_checkpoints, train
+from trainutil import ROOT, TINY, call, compare_checkpoints, env, train
 
 from models.gpt import GPT, GPTConfig
 
@@ -21,9 +20,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CPU torch path
-    env["OMP_NUM_THREADS"] = "1"
-    return env
+    return {**env(), "OMP_NUM_THREADS": "1"}  # the CPU torch path, this checkout first on the path
 
 
 def _torchrun(*args):

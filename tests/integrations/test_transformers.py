@@ -28,6 +28,7 @@ transformers = pytest.importorskip("transformers")
 
 from helpers import KERNEL_PATH  # noqa: E402
 from hf_models import HIDDEN, LAYERS, ROOT, batch, differences, make, max_diff, pair, run, stream_ops  # noqa: E402
+from trainutil import env  # noqa: E402
 
 from fuseblock import Norm  # noqa: E402
 from fuseblock.integrations.transformers import FAMILIES, fuse  # noqa: E402
@@ -434,10 +435,9 @@ def test_fsdp2_meta_init_on_two_cpu_ranks_equals_the_unfused_model(tmp_path):
     ranks, Llama and Gemma2 (weights with an offset); every parameter as the unfused
     sharded model's, no NaN left, the norms the identity's, the losses equal and finite."""
     out = tmp_path / "found.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CPU torch path
     p = timeouts.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                       os.path.join(ROOT, "tests", "integrations", "transformers_fsdp_worker.py"), str(out)],
-                     env={**env, "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True, seconds=240)
+                     env={**env(), "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True, seconds=240)
     assert p.returncode == 0, f"{p.stdout}\n{p.stderr}"
     found = json.loads(out.read_text())
     assert set(found) == {"llama", "gemma2"}

@@ -18,10 +18,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.parallel import SequenceParallel as TorchSequenceParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import fuseblock  # noqa: E402
-from fuseblock.parallel import FusedColwiseParallel, HiddenParallel, SequenceParallel  # noqa: E402
-from fuseblock.testing.interpreter_rounding import install  # noqa: E402
+import fuseblock
+from fuseblock.parallel import FusedColwiseParallel, HiddenParallel, SequenceParallel
+from fuseblock.testing.interpreter_rounding import install
 
 B, T, D = 2, 4, 6  # T and D even: both ranks hold the same number of rows / columns
 

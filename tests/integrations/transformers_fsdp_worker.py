@@ -15,9 +15,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from fuseblock import Norm  # noqa: E402
-from fuseblock.integrations.transformers import fuse  # noqa: E402
+from fuseblock import Norm
+from fuseblock.integrations.transformers import fuse
 
 CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
               head_dim=16, vocab_size=64, tie_word_embeddings=False)

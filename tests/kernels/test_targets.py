@@ -17,7 +17,6 @@ import os
 
 import pytest
 import torch
-from trainutil import ROOT
 
 from fuseblock.testing import targets as T
 from fuseblock.testing.targets import backend_problem
@@ -31,13 +30,7 @@ CASES = [("add_norm_layer", 1024), ("add_norm_layer", 4096), ("pre_gate", 4096),
 
 @pytest.fixture(scope="module")
 def bench():
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from benchmarks import targets
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    from benchmarks import targets
     return targets
 
 
