@@ -1,7 +1,7 @@
-"""Dropout's randomness off the kernels: the masks' key, `draw_seed`, shared by the kernels'
-dropout (fuseblock.ops.norm; the kernels draw their masks by Philox, `kernels.row_math.philox_keep`)
-and the DTensor calls' (fuseblock.ops.dtensor), whose masks are `hash_keep`: integer torch ops,
-a hash of the key and each element's global index."""
+"""Dropout's randomness: `draw_seed`, the masks' key, shared by the kernels' dropout
+(fuseblock.ops.norm; their masks are Philox draws, `fuseblock.kernels.row_math.philox_keep`)
+and the DTensor calls' (fuseblock.ops.dtensor), whose masks are `hash_keep`: integer torch
+ops hashing the key with each element's global index."""
 from __future__ import annotations
 
 import torch
