@@ -23,6 +23,9 @@ from fuseblock.ops.hyper import MAX_STREAMS
 
 from .sharded import fill
 
+# GPTConfig.fp8: the recipe each name stands for (norm_linear's quant), None for none
+FP8_RECIPES = {None: None, "row": "fp8_row"}
+
 
 @dataclass
 class GPTConfig:
@@ -38,6 +41,7 @@ class GPTConfig:
     fused: bool = True  # False: the naive pre-norm stack, same parameters
     residual_dtype: torch.dtype | None = None  # e.g. torch.float32 under bf16
     hc: int = 0  # residual streams: 0 the plain stack; n >= 1 hyper-connections (mHC, Sinkhorn) on n streams
+    fp8: str | None = None  # "row": the Linear after each block norm in fp8, rowwise (norm_linear quant="fp8_row")
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -60,6 +64,11 @@ class GPTConfig:
         if self.hc and self.norm != "rms":
             raise ValueError(f"hc={self.hc} needs norm='rms' (hyper-connections normalize with RMS norms), "
                              f"got {self.norm!r}")
+        if self.fp8 not in FP8_RECIPES:
+            raise ValueError(f"fp8 must be one of {sorted(FP8_RECIPES, key=str)}, got {self.fp8!r}")
+        if self.fp8 and (self.hc or not self.fused):
+            raise ValueError(f"fp8={self.fp8!r} runs through the fused norm + Linear of the plain stack: needs "
+                             f"fused=True and hc=0, got fused={self.fused}, hc={self.hc}")
         if self.hc and rd not in (None, torch.float32):
             raise ValueError(f"hc={self.hc} keeps the streams in the embeddings' dtype: residual_dtype must be None "
                              f"or torch.float32, got {rd}")
@@ -150,6 +159,10 @@ class GPT(nn.Module):
                 mixers, cfg.n_embd, kind=cfg.norm, eps=cfg.norm_eps, final_norm=True, fused=cfg.fused,
                 residual_dtype=cfg.residual_dtype, bias=cfg.bias,
             )
+        if cfg.fp8:  # the block norms' fused Linears (norm_linear) in fp8
+            for m in self.stack.modules():
+                if isinstance(m, fuseblock.Norm):
+                    m.linear_quant = FP8_RECIPES[cfg.fp8]
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
         # The weights are a function of the seed alone: the submodules' own default inits

@@ -22,7 +22,7 @@ import math
 from .gpt import GPTConfig
 
 # The model flags' values for a fresh run; on --resume they come from the checkpoint.
-MODEL_DEFAULTS = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "norm": "rms", "hc": 0}
+MODEL_DEFAULTS = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "norm": "rms", "hc": 0, "fp8": None}
 
 # Training settings: recorded in every checkpoint and restored by --resume. A flag given
 # on --resume replaces the recorded value and the run prints the change. BOOKKEEPING
@@ -43,7 +43,7 @@ MAX_SEQUENCES = 2**20
 
 # What each setting must be, for the command line and for a checkpoint's meta.json alike.
 KINDS = {"n_layer": "count", "n_head": "count", "n_embd": "count", "block_size": "count", "norm": "norm",
-         "hc": "streams",
+         "hc": "streams", "fp8": "fp8",
          "max_iters": "count", "batch_size": "size", "grad_accum": "size", "lr": "positive", "min_lr": "nonneg",
          "warmup_iters": "nonneg_int", "lr_decay_iters": "count", "weight_decay": "nonneg", "grad_clip": "nonneg",
          "dropout": "probability", "impl": "impl", "seed": "seed", "eval_interval": "count", "eval_iters": "count",
@@ -51,8 +51,8 @@ KINDS = {"n_layer": "count", "n_head": "count", "n_embd": "count", "block_size":
 KIND_TEXT = {"count": "an int >= 1", "size": f"an int in [1, {MAX_SEQUENCES}]", "nonneg_int": "an int >= 0",
              "seed": "an int in [-2**63, 2**64)", "positive": "a positive number", "nonneg": "a number >= 0",
              "probability": "a number in [0, 1)", "impl": "fused or naive", "norm": "rms or layer",
-             "streams": "an int in [0, 16] (0: one plain stream)"}
-_CHOICES = {"impl": ("fused", "naive"), "norm": ("rms", "layer")}
+             "streams": "an int in [0, 16] (0: one plain stream)", "fp8": "row"}
+_CHOICES = {"impl": ("fused", "naive"), "norm": ("rms", "layer"), "fp8": ("row",)}
 _INT_RANGES = {"count": (1, 2**64), "size": (1, MAX_SEQUENCES + 1), "nonneg_int": (0, 2**64),
                "streams": (0, 17),
                "seed": (-(2**63), 2**64)}  # [lo, hi)
@@ -104,6 +104,8 @@ HELP = {
     "n_layer": "transformer layers", "n_head": "attention heads", "n_embd": "width, divisible by --n-head",
     "block_size": "context length in bytes", "norm": "RMSNorm or LayerNorm",
     "hc": "residual streams: N >= 1 hyper-connections (mHC, Sinkhorn) on N streams, 0 the plain stream",
+    "fp8": "the Linear after each block norm in fp8, rowwise recipe (fuseblock.norm_linear quant='fp8_row'); "
+           "needs --impl fused, without --hc or --tp",
     "max_iters": "optimizer steps in all, counted from step 0", "batch_size": "sequences per micro-batch and rank",
     "grad_accum": "micro-batches per step and rank", "lr": "peak learning rate, after warmup",
     "min_lr": "the cosine's floor, at most --lr", "warmup_iters": "steps of linear warmup",
@@ -120,10 +122,22 @@ def add_flags(group, names) -> None:
     """A flag for each setting in `names`. Its default is None, so that --resume can tell
     the flags given from the unset ones; the help shows the fresh-run value."""
     for k in names:
-        default = "--max-iters of a fresh run" if k == "lr_decay_iters" else {**MODEL_DEFAULTS, **TRAIN_DEFAULTS}[k]
+        default = {"lr_decay_iters": "--max-iters of a fresh run", "fp8": "off"}.get(
+            k, {**MODEL_DEFAULTS, **TRAIN_DEFAULTS}.get(k))
         kind = KINDS[k]
         parse = {"choices": _CHOICES[kind]} if kind in _CHOICES else {"type": arg_type(kind)}
         group.add_argument(f"--{k.replace('_', '-')}", default=None, help=f"{HELP[k]} (default: {default})", **parse)
+
+
+def model_conflict(s, tp: int) -> str | None:
+    """A conflict of the model settings with the training ones (--impl, which --resume may
+    change) or with this invocation's --tp, or None; it starts with the flag to blame."""
+    if s.fp8 and (s.impl == "naive" or s.hc or tp > 1):
+        return (f"--fp8 {s.fp8} runs through the fused norm + Linear of the plain stack: not with --impl {s.impl}"
+                if s.impl == "naive" else
+                f"--fp8 {s.fp8} runs through the fused norm + Linear of the plain stack: not with --hc {s.hc}"
+                if s.hc else f"--fp8 {s.fp8} runs through the fused norm + Linear: not with --tp {tp}")
+    return None
 
 
 def conflict(s) -> str | None:
@@ -145,14 +159,19 @@ _CONFIG_TYPES = {"vocab_size": is_int, "block_size": is_int, "n_layer": is_int, 
                  "dropout": is_number, "bias": lambda v: isinstance(v, bool), "norm": lambda v: isinstance(v, str),
                  "norm_eps": lambda v: is_number(v) and math.isfinite(v), "fused": lambda v: isinstance(v, bool),
                  "residual_dtype": lambda v: v is None or v in ("float32", "float16", "bfloat16", "float64"),
-                 "hc": is_int}
+                 "hc": is_int, "fp8": lambda v: v is None or v in _CHOICES["fp8"]}
 # fields a checkpoint written before they existed may lack (GPTConfig's default then applies)
-_CONFIG_ADDED = {"hc"}
+_CONFIG_ADDED = {"hc", "fp8"}
 
 
 def _model_problem(model) -> str | None:
-    if not isinstance(model, dict) or not set(_CONFIG_TYPES) - _CONFIG_ADDED <= set(model) <= set(_CONFIG_TYPES):
-        return f"bad model config (fields {sorted(model) if isinstance(model, dict) else repr(model)})"
+    if not isinstance(model, dict):
+        return f"bad model config ({model!r}, not a dict of its fields)"
+    unknown, missing = set(model) - set(_CONFIG_TYPES), set(_CONFIG_TYPES) - _CONFIG_ADDED - set(model)
+    if unknown or missing:
+        return "bad model config (" + "; ".join(
+            f"{what} field{'s' if len(names) > 1 else ''} {', '.join(sorted(names))}"
+            for what, names in (("unknown", unknown), ("missing", missing)) if names) + ")"
     for k, ok in _CONFIG_TYPES.items():
         if k in model and not ok(model[k]):
             return f"bad model config ({k}={model[k]!r})"

@@ -22,9 +22,12 @@ LIMIT = 1.0
 
 
 def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all `tensors` together; for shards (DTensors) the whole tensors',
-    as clip_grad_norm_ takes it (every rank joins)."""
-    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors]))
+    """The 2-norm of all `tensors` together, in fp64; for shards (DTensors) the whole
+    tensors', as clip_grad_norm_ takes it (every rank joins). fp64, because an fp32 sum of
+    squares overflows to inf from norms of about 1.8e19, which a ruinous step reaches (a step
+    at --lr 1e30 moves weights by about 1e30): the ratio is then a finite number, as
+    meta.json must record it."""
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]))
     return total.full_tensor() if sharded.is_shard(total) else total
 
 

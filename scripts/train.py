@@ -106,9 +106,6 @@ def build_parser() -> argparse.ArgumentParser:
                           "activations sharded by sequence; without --fsdp N is the world size, with it the 2-D "
                           "mesh (world / N, N) (default: 1, off)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar (default: off, a tqdm bar)")
-    run.add_argument("--fp8", choices=["row"], default=None,
-                     help="the Linear after each block norm in fp8, rowwise recipe (fuseblock.norm_linear "
-                          "quant='fp8_row'); needs --impl fused, without --tp (default: off)")
 
     settings.add_flags(ap.add_argument_group("model (recorded; on --resume they must match the checkpoint)"),
                        MODEL_DEFAULTS)
@@ -137,8 +134,6 @@ def parse_args(argv=None):
         ap.error(f"argument --device: {args.device!r} is not supported (use cpu or cuda)")
     if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
         ap.error(f"argument --device: {args.device} is not available on this machine")
-    if args.fp8 and (args.impl == "naive" or args.tp > 1):
-        ap.error("argument --fp8: runs through the fused norm + Linear (--impl fused), without --tp")
     if args.fsdp and not launched_by_torchrun():
         ap.error("argument --fsdp: shards over torchrun's ranks; run it as "
                  "torchrun --standalone --nproc_per_node=N scripts/train.py --fsdp ...")
@@ -164,7 +159,7 @@ def parse_args(argv=None):
             if getattr(args, k) is None:
                 setattr(args, k, v)
         args.lr_decay_iters = args.lr_decay_iters or args.max_iters
-        problem = settings.conflict(args)
+        problem = settings.conflict(args) or settings.model_conflict(args, args.tp)
         if problem:
             ap.error(f"argument {problem.split()[0]}: {problem}")
     try:
@@ -440,17 +435,22 @@ def build_run(args, dist: Dist) -> tuple[Run, list[str]]:
         saved = checkpoint.read_config(ckpt, meta)
         notes = resume_notes(args, ckpt, meta)
         notes += settings.describe_changes(*settings.resume(args, meta, saved, dist.dp, ckpt))
+        problem = settings.model_conflict(args, dist.tp)
+        if problem:
+            raise SettingsError(f"{ckpt}: {problem} (the checkpoint's model settings)")
         recorded = saved.__dict__  # its norm_eps and bias too, which no flag sets
     # the stream stays fp32 under bf16 autocast (a no-op in fp32)
     cfg = GPTConfig(**{**recorded, **{k: getattr(args, k) for k in MODEL_DEFAULTS}, "dropout": args.dropout,
                        "fused": args.impl == "fused", "residual_dtype": torch.float32})
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = build_model(cfg, dist)
-    if args.fp8:  # the block norms' fused Linears (norm_linear) in fp8
-        from fuseblock import Norm
-        for m in model.modules():
-            if isinstance(m, Norm):
-                m.linear_quant = "fp8_row"
+    try:
+        model = build_model(cfg, dist)
+    except RuntimeError as e:  # torch.OutOfMemoryError too
+        if not any(m in str(e) for m in ("Storage size calculation overflowed", "can't allocate", "out of memory")):
+            raise
+        raise SettingsError(f"--n-layer {cfg.n_layer} --n-embd {cfg.n_embd}: a model of about "
+                            f"{12 * cfg.n_layer * cfg.n_embd ** 2:.3g} weights does not fit on {dist.device} "
+                            f"({str(e).splitlines()[0][:160]})") from None
     if dist.rank:
         torch.manual_seed(args.seed + dist.rank)  # dropout differs per rank; data does not
     batch_gen = torch.Generator().manual_seed(args.seed)

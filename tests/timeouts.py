@@ -9,10 +9,13 @@ core count, a shared CI runner, one core) raise the factor:
 
 When a limit is hit, the test fails with one line that names the limit, the factor and
 how to raise it, followed by the last lines the process printed (`run`, `wait`,
-`wait_for`), instead of subprocess's TimeoutExpired traceback.
+`wait_for`), instead of subprocess's TimeoutExpired traceback. The process is killed with
+every process below it (`kill_tree`): torchrun's ranks run in process groups of their own,
+so killing torchrun alone, as subprocess.run does, left them running.
 """
 import math
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -68,22 +71,74 @@ def _name(cmd) -> str:
     return " ".join(parts[:6]) + (" ..." if len(parts) > 6 else "")
 
 
-def run(cmd, *, seconds: float, **kwargs) -> subprocess.CompletedProcess:
-    """subprocess.run(cmd, **kwargs) under limit(seconds)."""
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid`, children first (Linux's /proc; elsewhere none are found)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()  # after "pid (comm)": state, ppid, ...
+        except OSError:  # gone meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(0), [])
+        found += below
+        todo += below
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL proc and every process below it. The tree is stopped first (SIGSTOP), read again
+    until no new process shows (a stopped process starts none), then killed: killed at once, an
+    orphan's parent becomes 1 and it is no longer found under proc."""
+    stopped: set[int] = set()
+    while True:
+        found = [pid for pid in (proc.pid, *descendants(proc.pid)) if pid not in stopped]
+        if not found:
+            break
+        for pid in found:
+            _signal(pid, signal.SIGSTOP)
+        stopped.update(found)
+    for pid in stopped:
+        _signal(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _signal(pid: int, signum: int) -> None:
     try:
-        return subprocess.run(cmd, timeout=limit(seconds), **kwargs)
-    except subprocess.TimeoutExpired as e:
-        timed_out(_name(cmd), seconds, e.stdout, e.stderr)
+        os.kill(pid, signum)
+    except (ProcessLookupError, PermissionError):  # gone already
+        pass
+
+
+def run(cmd, *, seconds: float, input=None, capture_output: bool = False, check: bool = False,
+        **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, ...) under limit(seconds), killing the whole tree on a timeout."""
+    if capture_output:
+        kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
+    if input is not None:
+        kwargs["stdin"] = subprocess.PIPE
+    with subprocess.Popen(cmd, **kwargs) as proc:
+        try:
+            out, err = proc.communicate(input, timeout=limit(seconds))
+        except subprocess.TimeoutExpired:
+            kill_tree(proc)
+            out, err = proc.communicate()
+            timed_out(_name(cmd), seconds, out, err)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done
 
 
 def wait(proc: subprocess.Popen, *, seconds: float, log=None) -> int:
-    """proc.wait() under limit(seconds); on a timeout the process is killed and `log` (a path
-    its output went to) gives the last lines."""
+    """proc.wait() under limit(seconds); on a timeout the process and every process below it
+    are killed and `log` (a path its output went to) gives the last lines."""
     try:
         return proc.wait(timeout=limit(seconds))
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        kill_tree(proc)
         timed_out(_name(proc.args), seconds, _read(log))
 
 

@@ -240,3 +240,19 @@ def test_save_writes_no_nan_state(tmp_path, where):
         checkpoint.save(tmp_path, 2, model, opt, {"model": model.config.to_json()}, rng)
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
     assert checkpoint.resolve(tmp_path).name == "ckpt-000001"
+
+
+@pytest.mark.parametrize("change,needle", [
+    (lambda m: m.update(n_experts=4), "unknown field n_experts"),
+    (lambda m: m.pop("n_head"), "missing field n_head"),
+    (lambda m: (m.update(colour=1, size=2), m.pop("norm")), "unknown fields colour, size; missing field norm"),
+])
+def test_a_model_config_with_a_wrong_field_names_that_field(trained, tmp_path, change, needle):
+    out = _copy(trained, tmp_path / "fields")
+    ckpt = checkpoint.resolve(out)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    change(meta["config"]["model"])
+    (ckpt / "meta.json").write_text(json.dumps(dict(meta, meta_sha256=checkpoint.meta_digest(meta))))
+    p = call("sample.py", "--ckpt", out, "--max-new-tokens", "5", check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert f"bad model config ({needle})" in p.stderr and "vocab_size" not in p.stderr, p.stderr

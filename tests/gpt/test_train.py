@@ -235,3 +235,11 @@ def test_a_real_full_disk_during_the_data_cache_build_leaves_no_partial_file(tmp
     assert p.returncode == 3 and "cannot write the data cache" in p.stdout and "File too large" in p.stdout, p
     _assert_no_partial_file(cache, new_xz)
     _assert_next_build_completes(src, cache)
+
+
+@pytest.mark.parametrize("n_embd", [4_000_000_000])  # torch: size overflow (no allocation tried)
+def test_a_model_too_large_to_build_is_one_line_naming_its_size_flags(tmp_path, n_embd):
+    p = call("train.py", "--out-dir", tmp_path / "x", "--n-embd", n_embd, "--n-head", 1, "--no-progress",
+             check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert f"--n-embd {n_embd}" in p.stderr and "does not fit" in p.stderr

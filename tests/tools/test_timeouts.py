@@ -75,3 +75,38 @@ def test_wait_for_names_what_it_waited_for(fast, tmp_path):
     first, tail = _first_line_and_tail(excinfo)
     assert first.startswith("waiting for the first checkpoint ran past its limit of 0.2 s (20 s x")
     assert tail == "Last lines it printed:\nstarting\nstep 3"
+
+
+# starts a child in a session of its own (as torchrun's ranks run), prints its pid, then hangs
+SPAWNS_AND_HANGS = ("import subprocess, sys, time\n"
+                    "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'],\n"
+                    "                     start_new_session=True)\n"
+                    "print('child', c.pid, flush=True)\ntime.sleep(120)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")  # a zombie has exited: only its entry waits for its parent
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process tree from /proc")
+def test_a_run_past_its_limit_kills_the_processes_below_it_too(fast):
+    with pytest.raises(pytest.fail.Exception) as excinfo:
+        timeouts.run([sys.executable, "-c", SPAWNS_AND_HANGS], seconds=500, capture_output=True, text=True)
+    child = int(str(excinfo.value).split("child ")[1].split()[0])
+    assert not _alive(child), f"process {child}, started by the one that timed out, is still running"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process tree from /proc")
+def test_a_wait_past_its_limit_kills_the_processes_below_it_too(fast, tmp_path):
+    log = tmp_path / "log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", SPAWNS_AND_HANGS], stdout=f, stderr=subprocess.STDOUT)
+    timeouts.wait_for(lambda: "child" in log.read_text(), seconds=6000, what="the child's pid")
+    child = int(log.read_text().split("child ")[1].split()[0])
+    with pytest.raises(pytest.fail.Exception):
+        timeouts.wait(proc, seconds=200, log=log)
+    assert not _alive(child), f"process {child}, started by the one that timed out, is still running"
