@@ -47,7 +47,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bootstrap: models/ (not in the wheel)
 
 # Importing torch takes seconds. A Ctrl-C meanwhile is held until the imports are done
 # (raised inside them, a library may print a traceback or swallow it), then gets the one
