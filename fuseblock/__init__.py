@@ -1,4 +1,5 @@
 """fuseblock: fused residual-add + normalization kernels and the fused pre-norm residual stream."""
+from .blocks import StreamPair, fuse_blocks, unfuse_blocks
 from .convert import norm_from
 from .family import (
     BatchNorm,
@@ -23,6 +24,7 @@ __all__ = ["norm", "add_norm", "Norm", "AddNorm", "PreNormBlock", "ResidualStack
 __all__ += ["norm_add", "norm_add_norm"]
 __all__ += ["norm_linear", "NormLinear"]
 __all__ += ["swap_norms", "SwapReport"]
+__all__ += ["fuse_blocks", "unfuse_blocks", "StreamPair"]
 __all__ += ["Quantized"]
 __all__ += ["hc_add_norm", "hc_norm", "hc_head"]
 __all__ += ["HyperConnectionStack"]
