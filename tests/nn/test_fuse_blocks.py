@@ -1,5 +1,5 @@
 """fuseblock.fuse_blocks on four host models written from their published structure
-(tests/host_models.py: nanoGPT, a timm ViT, litgpt with rotary inputs and a KV cache,
+(fuseblock/testing/host_models.py: nanoGPT, a timm ViT, litgpt with rotary inputs and a KV cache,
 torchtitan's Llama): the fused model against an untouched copy (logits, loss and every
 gradient: bit for bit in fp32 on the torch path, in bf16 within the original's own
 error against fp64), keys and Parameters unchanged, the hosts' own helpers still run,
@@ -10,7 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import KERNEL_PATH
-from host_models import (
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fuseblock import StreamPair, fuse_blocks, unfuse_blocks
+from fuseblock.testing.host_models import (
     GPT,
     GPTConfig,
     LitConfig,
@@ -19,10 +23,6 @@ from host_models import (
     Transformer,
     VisionTransformer,
 )
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-
-from fuseblock import StreamPair, fuse_blocks, unfuse_blocks
 
 V, T, B = 64, 8, 2
 

@@ -1,8 +1,8 @@
-"""Four host models written in the tests from their published structure (nothing is
-downloaded): nanoGPT's model.py, timm's VisionTransformer block, litgpt's GPT with its
-rotary inputs and KV cache, torchtitan's Llama. Tiny configurations; the code paths and
-names are theirs. tests/nn/test_fuse_blocks.py puts each on the fused stream with
-fuseblock.fuse_blocks and holds it to the original."""
+"""Four host models written here from their published structure (nothing is downloaded):
+nanoGPT's model.py, timm's VisionTransformer block, litgpt's GPT with its rotary inputs
+and KV cache, torchtitan's Llama. Tiny default configurations; the code paths and names
+are theirs. tests/nn/test_fuse_blocks.py and `bench.py fuse-blocks` put each on the
+fused stream with fuseblock.fuse_blocks and hold it to the original."""
 import math
 from dataclasses import dataclass
 
