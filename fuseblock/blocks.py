@@ -105,6 +105,8 @@ class Refused(Exception):
 
 
 def _norm_settings(module: nn.Module, what: str) -> tuple[str, float | None, float]:
+    if module._forward_hooks or module._forward_pre_hooks:
+        raise Refused(f"{what} has forward hooks, which the fused call (add_norm on its parameters) would skip")
     try:
         norm = norm_from(module)
     except TypeError as e:

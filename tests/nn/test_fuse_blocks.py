@@ -163,6 +163,7 @@ def test_nanogpt_crop_and_no_final_norm():
     torch.testing.assert_close(fused(idx)[0], original(idx)[0], rtol=0, atol=0 if not KERNEL_PATH else 1e-5)
 
 
+@pytest.mark.kernel
 def test_vit_grad_checkpointing_and_attn_mask():
     original, fused, fuse = pair("vit")
     fuse(fused)
@@ -188,6 +189,7 @@ def test_reentrant_checkpoint_is_refused():
         checkpoint(h[1], h[0](x), use_reentrant=True)
 
 
+@pytest.mark.kernel
 def test_litgpt_kv_cache_decoding():
     original, fused, fuse = pair("litgpt")
     fuse(fused)
@@ -321,7 +323,7 @@ def test_side_inputs_need_an_example():
 
 def test_stream_pair_refuses_other_uses():
     m = nanogpt()
-    fuse_blocks(m.transformer.h[:1])  # a list: block 0 of 2, with no final norm... is the list's last
+    fuse_blocks(m.transformer.h[:1])  # block 0 is this container's last, and there is no final norm
     out = m.transformer.h[0](torch.randn(1, 2, 32))
     assert isinstance(out, torch.Tensor)
     m = nanogpt()
@@ -352,6 +354,10 @@ def test_bad_arguments():
         fuse_blocks(m.transformer.h, sublayers=["ln_1"])
     with pytest.raises(ValueError, match="no child module 'ln_3'"):
         fuse_blocks(m.transformer.h, sublayers=[("ln_3", "attn")])
+    handle = m.transformer.h[1].ln_2.register_forward_hook(lambda *a: None)
+    with pytest.raises(ValueError, match=r"block 1 \(Block\): its 'ln_2' has forward hooks"):
+        fuse_blocks(m.transformer.h)
+    handle.remove()
     fuse_blocks(m.transformer.h, m.transformer.ln_f)
     with pytest.raises(ValueError, match="fused already"):
         fuse_blocks(m.transformer.h)
