@@ -129,8 +129,10 @@ class PreNormBlock(nn.Module):
     - `alpha` (a float) scales the branch and `dropout` (a probability, applied in training
       only) drops from it: x + alpha * drop(mixer(N(x))). The block applies them to the
       branch it adds, `hidden`, so in a chain they are the previous block's output's.
-    - `parallel=module`: one norm feeds two mixers whose outputs add (GPT-NeoX, Phi):
-      x + alpha * (drop(mixer(h)) + drop(parallel(h))), h = N(x). forward returns the pair
+    - `parallel=module`: one norm feeds two mixers whose outputs add (GPT-J, Phi):
+      x + alpha * (drop(mixer(h)) + drop(parallel(h))), h = N(x). With `parallel_norm`
+      (True: a Norm of the block's settings; or an existing norm module) the parallel
+      module reads its own norm of the same x, N_2(x) (GPT-NeoX's two input norms). forward returns the pair
       `(out, out1)` as the hidden state, which the next block (or the stack's final norm)
       adds with add_norm's x1; each module gets the keywords its forward accepts.
     - `sandwich=True` (Gemma2's Peri-LN): a branch norm `branch_norm` on the mixer's
@@ -165,6 +167,7 @@ class PreNormBlock(nn.Module):
         alpha: float = 1.0,
         dropout: float = 0.0,
         parallel: nn.Module | None = None,
+        parallel_norm: bool | nn.Module = False,
         sandwich: bool = False,
         post_norm: bool = False,
     ):
@@ -185,11 +188,32 @@ class PreNormBlock(nn.Module):
         if norm is not None:  # the existing norm's own Parameter objects, not copies
             self.norm.weight, self.norm.bias = existing.weight, existing.bias
         self.parallel = parallel
+        self.parallel_norm = self._second_norm(parallel_norm, parallel, dim, norm_kw)
         self.branch_norm = Norm(dim, **norm_kw) if sandwich or post_norm else None
         self.sandwich, self.post_norm = sandwich, post_norm
         self.alpha, self.dropout = alpha, dropout
         self._keywords_cache = [(None, None), (None, None)]  # (module, its keywords) of the mixer, the parallel
+        self._room_cache = [(None, None), (None, None)]  # (module, how many side inputs it takes) of the two
         self._keywords(None)
+
+    @staticmethod
+    def _second_norm(parallel_norm, parallel, dim: int, norm_kw: dict) -> Norm | None:
+        """The parallel module's own norm (GPT-NeoX's two input norms): None for False, a
+        Norm with the block's settings for True, an existing norm read by norm_from (its
+        own Parameters) for a module."""
+        if parallel_norm is False:
+            return None
+        if parallel is None:
+            raise ValueError("parallel_norm is the parallel module's norm: it needs parallel=")
+        if parallel_norm is True:
+            return Norm(dim, **norm_kw)
+        if not isinstance(parallel_norm, nn.Module):
+            raise TypeError(f"parallel_norm must be a bool or an nn.Module (an existing norm), got "
+                            f"{type(parallel_norm).__name__}")
+        second = norm_from(parallel_norm)
+        if second.dim != dim:
+            raise ValueError(f"parallel_norm normalizes {second.dim}, the block {dim}")
+        return second
 
     @staticmethod
     def _existing_norm(norm: nn.Module, dim, post_norm: bool, norm_kw: dict):
@@ -265,7 +289,9 @@ class PreNormBlock(nn.Module):
         out, rest = split_output(self.mixer(normed, *args, **self._kwargs_for(0, kwargs)))
         if self.parallel is None:
             return out, residual, rest
-        out1, rest1 = split_output(self.parallel(normed, *args, **self._kwargs_for(1, kwargs)))
+        if self.parallel_norm is not None:  # the second norm of the same sum: one more launch
+            normed = self.parallel_norm(residual).to(normed.dtype)
+        out1, rest1 = split_output(self.parallel(normed, *self._args_for(args), **self._kwargs_for(1, kwargs)))
         return (out, out1), residual, rest + rest1
 
     def _enter(self, hidden, residual, branch_norm):
@@ -308,7 +334,9 @@ class PreNormBlock(nn.Module):
         if self.branch_norm is not None:
             branch = self.branch_norm.naive(out)
         elif self.parallel is not None:
-            out1, rest1 = split_output(self.parallel(normed, *args, **self._kwargs_for(1, kwargs)))
+            if self.parallel_norm is not None:
+                normed = self.parallel_norm.naive(h).to(dtype)
+            out1, rest1 = split_output(self.parallel(normed, *self._args_for(args), **self._kwargs_for(1, kwargs)))
             if check is not None:
                 check(out1, "parallel")
             branch, rest = _dropped(out, p) + _dropped(out1, p), rest + rest1
@@ -322,6 +350,21 @@ class PreNormBlock(nn.Module):
         parts += [f"dropout={self.dropout}"] if self.dropout > 0.0 else []
         parts += [f"{name}=True" for name in ("sandwich", "post_norm") if getattr(self, name)]
         return ", ".join(parts)
+
+    def room(self, which: int = 0) -> float:
+        """How many positional side inputs the mixer (which=0) or the parallel module (1)
+        takes after its input, read from its forward's signature once per module."""
+        module = self.mixer if which == 0 else self.parallel
+        cached, room = self._room_cache[which]
+        if cached is not module:
+            room = _positional_room(module)
+            self._room_cache[which] = (module, room)
+        return room
+
+    def _args_for(self, args: tuple) -> tuple:
+        """The parallel module's positional side inputs: the block's, where its forward takes
+        them (an MLP's forward(x) beside an attention given cos, sin takes none)."""
+        return args if not args or self.room(1) >= len(args) else ()
 
     def _kwargs_for(self, which: int, kwargs: dict) -> dict:
         """A parallel block's two modules each get the keywords their forward accepts; a
@@ -392,6 +435,7 @@ class ResidualStack(nn.Module):
         alpha: float = 1.0,
         dropout: float = 0.0,
         parallel: Iterable[nn.Module] | None = None,
+        parallel_norm: bool = False,
         sandwich: bool = False,
         post_norm: bool = False,
         checkpoint: bool = False,
@@ -413,8 +457,8 @@ class ResidualStack(nn.Module):
         check_float_dtype("residual_dtype", residual_dtype)
         norm_kw = dict(kind=kind, eps=eps, bias=bias, residual_dtype=residual_dtype, weight_offset=weight_offset)
         self.blocks = nn.ModuleList(
-            PreNormBlock(m, dim, alpha=alpha, dropout=dropout, parallel=m1, sandwich=sandwich, post_norm=post_norm,
-                         **norm_kw)
+            PreNormBlock(m, dim, alpha=alpha, dropout=dropout, parallel=m1, parallel_norm=parallel_norm,
+                         sandwich=sandwich, post_norm=post_norm, **norm_kw)
             for m, m1 in zip(mixers, seconds, strict=True))
         self.norm_f = AddNorm(dim, **norm_kw) if final_norm else None
         self.fused, self.return_extras, self.checkpoint = fused, return_extras, checkpoint
@@ -482,13 +526,12 @@ class ResidualStack(nn.Module):
         return route_keywords(kwargs, self.blocks, lambda block: block._keywords(), "ResidualStack")
 
     def _route_positional(self, args: tuple) -> list[tuple]:
-        """Each block's positional side inputs: all of args for a mixer (and parallel module)
-        whose forward takes that many after its input, none for the others (an MLP's
-        forward(x)). Side inputs no mixer takes are a TypeError."""
+        """Each block's positional side inputs: all of args for a mixer whose forward takes
+        that many after its input, none for the others (an MLP's forward(x)); a parallel
+        module the same within its block. Side inputs no mixer takes are a TypeError."""
         if not args:
             return [args] * len(self.blocks)
-        routed = [args if all(_positional_room(m) >= len(args) for m in (b.mixer, b.parallel) if m is not None)
-                  else () for b in self.blocks]
+        routed = [args if b.room(0) >= len(args) else () for b in self.blocks]
         if not any(routed):
             raise TypeError(f"ResidualStack.forward got {len(args)} positional side input(s) that no mixer's forward "
                             f"takes")

@@ -160,3 +160,43 @@ def test_key_maps_for_any_prefix():
         layers_to_stack(mapped, layers="model.layers")
     with pytest.raises(ValueError, match="layers must be a module path"):
         stack_to_layers(sd, layers="transformer..h")
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("fused", [True, False])
+def test_parallel_with_two_norms_gpt_neox(fused):
+    """GPT-NeoX's block: x + attn(ln_1(x)) + mlp(ln_2(x)), two norms of the same x."""
+    torch.manual_seed(0)
+    attns, mlps = [Rotary(D), Rotary(D)], [mlp(), mlp()]
+    stack = ResidualStack(attns, D, kind="layer", parallel=mlps, parallel_norm=True, fused=fused)
+    for p in stack.parameters():
+        if p.dim() == 1:
+            nn.init.normal_(p, 0.5, 0.2, generator=generator(8))
+    x = torch.randn(2, 4, D, generator=generator(9)).requires_grad_()
+    cos, sin = torch.randn(4, D, generator=generator(10)), torch.randn(4, D, generator=generator(11))
+    h = x
+    for blk in stack.blocks:
+        n1, n2 = blk.norm, blk.parallel_norm
+        h = (h + blk.mixer(F.layer_norm(h, (D,), n1.weight, n1.bias), cos, sin)
+             + blk.parallel(F.layer_norm(h, (D,), n2.weight, n2.bias)))
+    want = F.layer_norm(h, (D,), stack.norm_f.weight, stack.norm_f.bias)
+    got = stack(x, cos, sin)
+    torch.testing.assert_close(got, want, **TOL)
+    params = [x, *stack.parameters()]
+    for g, w in zip(_grads(got, params), _grads(want, params), strict=True):
+        torch.testing.assert_close(g, w, **TOL)
+
+
+def test_parallel_norm_existing_modules_and_refusals():
+    ln1, ln2, attn, ff = nn.LayerNorm(D), nn.LayerNorm(D), mlp(), mlp()
+    block = PreNormBlock(attn, norm=ln1, parallel=ff, parallel_norm=ln2)
+    assert block.parallel_norm.weight is ln2.weight and block.norm.bias is ln1.bias
+    x = torch.randn(3, D, generator=generator(12))
+    (h, h1), r = block(x)
+    torch.testing.assert_close(r + h + h1, x + attn(ln1(x)) + ff(ln2(x)), **TOL)
+    with pytest.raises(ValueError, match="parallel_norm is the parallel module's norm: it needs parallel="):
+        PreNormBlock(attn, D, parallel_norm=True)
+    with pytest.raises(ValueError, match="parallel_norm normalizes 8, the block 16"):
+        PreNormBlock(attn, D, parallel=ff, parallel_norm=nn.LayerNorm(8))
+    with pytest.raises(TypeError, match="parallel_norm must be a bool or an nn.Module"):
+        PreNormBlock(attn, D, parallel=ff, parallel_norm="ln_2")
