@@ -448,8 +448,8 @@ def fuse_blocks(blocks, final_norm: nn.Module | None = None, sublayers=None, *, 
 def unfuse_blocks(blocks, final_norm: nn.Module | None = None) -> None:
     """Undo fuse_blocks: each block's and the final norm's own forward back."""
     for block in _blocks_of(blocks):
-        if isinstance(block.__dict__.get("forward"), functools.partial):
+        if getattr(block.__dict__.get("forward"), "func", None) is fused_forward:
             del block.forward
-    if final_norm is not None and isinstance(final_norm.__dict__.get("forward"), functools.partial):
+    if final_norm is not None and getattr(final_norm.__dict__.get("forward"), "func", None) is final_forward:
         del final_norm.forward
 
