@@ -1,4 +1,4 @@
-"""The stream modules take what users have (issue 46, item 2): an existing norm module as
+"""The stream modules take what users have: an existing norm module as
 PreNormBlock's norm (its own Parameters), positional side inputs through ResidualStack,
 the stack as the container it replaces, gradient checkpointing per block, and the key
 maps for any `prefix.{i}.` layout. Each against the unfused computation written in the
