@@ -1,4 +1,5 @@
 """fuseblock: fused residual-add + normalization kernels and the fused pre-norm residual stream."""
+from .blocks import StreamPair, fuse_blocks, unfuse_blocks
 from .convert import norm_from
 from .hyper_stream import HyperConnectionStack
 from .modules.channel_norm import BatchNorm, InstanceNorm
@@ -18,6 +19,7 @@ __all__ = ["norm", "add_norm", "Norm", "AddNorm", "PreNormBlock", "ResidualStack
 __all__ += ["norm_add", "norm_add_norm"]
 __all__ += ["norm_linear", "NormLinear"]
 __all__ += ["swap_norms", "SwapReport"]
+__all__ += ["fuse_blocks", "unfuse_blocks", "StreamPair"]
 __all__ += ["Quantized"]
 __all__ += ["hc_add_norm", "hc_norm", "hc_head"]
 __all__ += ["HyperConnectionStack"]

@@ -25,8 +25,10 @@ from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from .convert import norm_from
 from .modules.norm import AddNorm, Norm
 from .ops.checks import check_flag, check_float_dtype, check_int, check_number
 
@@ -69,6 +71,18 @@ def keywords_accepted(mixer: nn.Module, bound: int, reserved: tuple[str, ...] = 
     taken = {p.name for p in positional[:bound]} | set(reserved)
     return frozenset(p.name for p in params
                      if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in taken)
+
+
+def _positional_room(mixer: nn.Module) -> float:
+    """How many positional arguments `mixer.forward` takes after its input (inf for *args,
+    or a forward whose signature cannot be read)."""
+    try:
+        params = list(inspect.signature(mixer.forward).parameters.values())
+    except (TypeError, ValueError):
+        return float("inf")
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return float("inf")
+    return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) - 1
 
 
 def _check_variant(alpha, dropout, parallel, sandwich: bool, post_norm: bool) -> None:
@@ -115,8 +129,10 @@ class PreNormBlock(nn.Module):
     - `alpha` (a float) scales the branch and `dropout` (a probability, applied in training
       only) drops from it: x + alpha * drop(mixer(N(x))). The block applies them to the
       branch it adds, `hidden`, so in a chain they are the previous block's output's.
-    - `parallel=module`: one norm feeds two mixers whose outputs add (GPT-NeoX, Phi):
-      x + alpha * (drop(mixer(h)) + drop(parallel(h))), h = N(x). forward returns the pair
+    - `parallel=module`: one norm feeds two mixers whose outputs add (GPT-J, Phi):
+      x + alpha * (drop(mixer(h)) + drop(parallel(h))), h = N(x). With `parallel_norm`
+      (True: a Norm of the block's settings; or an existing norm module) the parallel
+      module reads its own norm of the same x, N_2(x) (GPT-NeoX's two input norms). forward returns the pair
       `(out, out1)` as the hidden state, which the next block (or the stack's final norm)
       adds with add_norm's x1; each module gets the keywords its forward accepts.
     - `sandwich=True` (Gemma2's Peri-LN): a branch norm `branch_norm` on the mixer's
@@ -140,8 +156,9 @@ class PreNormBlock(nn.Module):
     def __init__(
         self,
         mixer: nn.Module,
-        dim: int,
+        dim: int | None = None,
         *,
+        norm: nn.Module | None = None,
         kind: str = "rms",
         eps: float | None = None,
         residual_dtype: torch.dtype | None = None,
@@ -150,26 +167,72 @@ class PreNormBlock(nn.Module):
         alpha: float = 1.0,
         dropout: float = 0.0,
         parallel: nn.Module | None = None,
+        parallel_norm: bool | nn.Module = False,
         sandwich: bool = False,
         post_norm: bool = False,
     ):
         super().__init__()
         if not isinstance(mixer, nn.Module):
             raise TypeError(f"mixer must be an nn.Module, got {type(mixer).__name__}")
-        check_int("dim", dim)
         _check_variant(alpha, dropout, parallel, sandwich, post_norm)
         if post_norm and residual_dtype is not None:
             raise ValueError("post_norm with residual_dtype is not supported: each mixer reads the stream itself, "
                              "so the stream keeps the activations' dtype")
         self.mixer = mixer
         norm_kw = dict(kind=kind, eps=eps, bias=bias, weight_offset=weight_offset)
-        self.norm = None if post_norm else AddNorm(dim, residual_dtype=residual_dtype, **norm_kw)
+        if norm is not None:
+            existing, dim, norm_kw = self._existing_norm(norm, dim, post_norm, norm_kw)
+        check_int("dim", dim)
+        meta = {} if norm is None else dict(device="meta")  # its parameters are replaced next
+        self.norm = None if post_norm else AddNorm(dim, residual_dtype=residual_dtype, **norm_kw, **meta)
+        if norm is not None:  # the existing norm's own Parameter objects, not copies
+            self.norm.weight, self.norm.bias = existing.weight, existing.bias
         self.parallel = parallel
+        self.parallel_norm = self._second_norm(parallel_norm, parallel, dim, norm_kw)
         self.branch_norm = Norm(dim, **norm_kw) if sandwich or post_norm else None
         self.sandwich, self.post_norm = sandwich, post_norm
         self.alpha, self.dropout = alpha, dropout
         self._keywords_cache = [(None, None), (None, None)]  # (module, its keywords) of the mixer, the parallel
+        self._room_cache = [(None, None), (None, None)]  # (module, how many side inputs it takes) of the two
         self._keywords(None)
+
+    @staticmethod
+    def _second_norm(parallel_norm, parallel, dim: int, norm_kw: dict) -> Norm | None:
+        """The parallel module's own norm (GPT-NeoX's two input norms): None for False, a
+        Norm with the block's settings for True, an existing norm read by norm_from (its
+        own Parameters) for a module."""
+        if parallel_norm is False:
+            return None
+        if parallel is None:
+            raise ValueError("parallel_norm is the parallel module's norm: it needs parallel=")
+        if parallel_norm is True:
+            return Norm(dim, **norm_kw)
+        if not isinstance(parallel_norm, nn.Module):
+            raise TypeError(f"parallel_norm must be a bool or an nn.Module (an existing norm), got "
+                            f"{type(parallel_norm).__name__}")
+        second = norm_from(parallel_norm)
+        if second.dim != dim:
+            raise ValueError(f"parallel_norm normalizes {second.dim}, the block {dim}")
+        return second
+
+    @staticmethod
+    def _existing_norm(norm: nn.Module, dim, post_norm: bool, norm_kw: dict):
+        """(its Norm by norm_from, dim, the Norm keywords) for `norm=`: the module's kind,
+        eps, bias and weight offset, which the block's own keywords must then leave alone."""
+        if not isinstance(norm, nn.Module):
+            raise TypeError(f"norm must be an nn.Module (an existing norm) or None, got {type(norm).__name__}")
+        if post_norm:
+            raise ValueError("norm= with post_norm is not supported: a post-norm block has no pre-norm")
+        given = [k for k, v in norm_kw.items() if v != dict(kind="rms", eps=None, bias=None, weight_offset=0.0)[k]]
+        if given:
+            raise ValueError(f"norm= carries its own kind, eps, bias and weight_offset: pass {', '.join(given)} "
+                             f"or norm=, not both")
+        existing = norm_from(norm)  # a TypeError naming the module where it is no norm fuseblock computes
+        if dim is not None and dim != existing.dim:
+            raise ValueError(f"dim is {dim} but norm= normalizes {existing.dim}")
+        kw = dict(kind=existing.kind, eps=existing.eps, bias=existing.bias is not None,
+                  weight_offset=existing.weight_offset)
+        return existing, existing.dim, kw if existing.weight is not None else dict(kw, elementwise_affine=False)
 
     @property
     def residual_dtype(self) -> torch.dtype | None:
@@ -226,7 +289,9 @@ class PreNormBlock(nn.Module):
         out, rest = split_output(self.mixer(normed, *args, **self._kwargs_for(0, kwargs)))
         if self.parallel is None:
             return out, residual, rest
-        out1, rest1 = split_output(self.parallel(normed, *args, **self._kwargs_for(1, kwargs)))
+        if self.parallel_norm is not None:  # the second norm of the same sum: one more launch
+            normed = self.parallel_norm(residual).to(normed.dtype)
+        out1, rest1 = split_output(self.parallel(normed, *self._args_for(args), **self._kwargs_for(1, kwargs)))
         return (out, out1), residual, rest + rest1
 
     def _enter(self, hidden, residual, branch_norm):
@@ -269,7 +334,9 @@ class PreNormBlock(nn.Module):
         if self.branch_norm is not None:
             branch = self.branch_norm.naive(out)
         elif self.parallel is not None:
-            out1, rest1 = split_output(self.parallel(normed, *args, **self._kwargs_for(1, kwargs)))
+            if self.parallel_norm is not None:
+                normed = self.parallel_norm.naive(h).to(dtype)
+            out1, rest1 = split_output(self.parallel(normed, *self._args_for(args), **self._kwargs_for(1, kwargs)))
             if check is not None:
                 check(out1, "parallel")
             branch, rest = _dropped(out, p) + _dropped(out1, p), rest + rest1
@@ -283,6 +350,21 @@ class PreNormBlock(nn.Module):
         parts += [f"dropout={self.dropout}"] if self.dropout > 0.0 else []
         parts += [f"{name}=True" for name in ("sandwich", "post_norm") if getattr(self, name)]
         return ", ".join(parts)
+
+    def room(self, which: int = 0) -> float:
+        """How many positional side inputs the mixer (which=0) or the parallel module (1)
+        takes after its input, read from its forward's signature once per module."""
+        module = self.mixer if which == 0 else self.parallel
+        cached, room = self._room_cache[which]
+        if cached is not module:
+            room = _positional_room(module)
+            self._room_cache[which] = (module, room)
+        return room
+
+    def _args_for(self, args: tuple) -> tuple:
+        """The parallel module's positional side inputs: the block's, where its forward takes
+        them (an MLP's forward(x) beside an attention given cos, sin takes none)."""
+        return args if not args or self.room(1) >= len(args) else ()
 
     def _kwargs_for(self, which: int, kwargs: dict) -> dict:
         """A parallel block's two modules each get the keywords their forward accepts; a
@@ -353,8 +435,10 @@ class ResidualStack(nn.Module):
         alpha: float = 1.0,
         dropout: float = 0.0,
         parallel: Iterable[nn.Module] | None = None,
+        parallel_norm: bool = False,
         sandwich: bool = False,
         post_norm: bool = False,
+        checkpoint: bool = False,
     ):
         super().__init__()
         mixers = self.modules_of("mixers", mixers)
@@ -365,18 +449,19 @@ class ResidualStack(nn.Module):
             seconds = self.modules_of("parallel", parallel)
             if len(seconds) != len(mixers):
                 raise ValueError(f"parallel must hold one nn.Module per mixer ({len(mixers)}), got {len(seconds)}")
-        for name, flag in (("final_norm", final_norm), ("fused", fused), ("return_extras", return_extras)):
+        for name, flag in (("final_norm", final_norm), ("fused", fused), ("return_extras", return_extras),
+                           ("checkpoint", checkpoint)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         check_int("dim", dim)
         check_float_dtype("residual_dtype", residual_dtype)
         norm_kw = dict(kind=kind, eps=eps, bias=bias, residual_dtype=residual_dtype, weight_offset=weight_offset)
         self.blocks = nn.ModuleList(
-            PreNormBlock(m, dim, alpha=alpha, dropout=dropout, parallel=m1, sandwich=sandwich, post_norm=post_norm,
-                         **norm_kw)
+            PreNormBlock(m, dim, alpha=alpha, dropout=dropout, parallel=m1, parallel_norm=parallel_norm,
+                         sandwich=sandwich, post_norm=post_norm, **norm_kw)
             for m, m1 in zip(mixers, seconds, strict=True))
         self.norm_f = AddNorm(dim, **norm_kw) if final_norm else None
-        self.fused, self.return_extras = fused, return_extras
+        self.fused, self.return_extras, self.checkpoint = fused, return_extras, checkpoint
         self.residual_dtype = residual_dtype
         self.sandwich, self.post_norm = sandwich, post_norm
         self.alpha, self.dropout = alpha, dropout
@@ -421,21 +506,52 @@ class ResidualStack(nn.Module):
                 raise TypeError(f"{name}[{i}] must be an nn.Module, got {type(m).__name__}")
         return modules
 
-    def forward(self, x: Tensor, **kwargs):
+    # The stack is the container of its blocks, as the nn.ModuleList it replaces
+    def __iter__(self):
+        return iter(self.blocks)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, index):
+        return self.blocks[index]
+
+    def forward(self, x: Tensor, *args, **kwargs):
         routed = self._route(kwargs)
-        out, extras = self._fused(x, routed) if self.fused else self._naive(x, routed)
+        positional = self._route_positional(args)
+        out, extras = self._fused(x, routed, positional) if self.fused else self._naive(x, routed, positional)
         return (out, extras) if self.return_extras else out
 
     def _route(self, kwargs: dict) -> list[dict]:
         return route_keywords(kwargs, self.blocks, lambda block: block._keywords(), "ResidualStack")
 
-    def _fused(self, x: Tensor, routed: list[dict]) -> tuple[Tensor, tuple]:
+    def _route_positional(self, args: tuple) -> list[tuple]:
+        """Each block's positional side inputs: all of args for a mixer whose forward takes
+        that many after its input, none for the others (an MLP's forward(x)); a parallel
+        module the same within its block. Side inputs no mixer takes are a TypeError."""
+        if not args:
+            return [args] * len(self.blocks)
+        routed = [args if b.room(0) >= len(args) else () for b in self.blocks]
+        if not any(routed):
+            raise TypeError(f"ResidualStack.forward got {len(args)} positional side input(s) that no mixer's forward "
+                            f"takes")
+        return routed
+
+    def _call(self, fn, *args, **kwargs):
+        # checkpoint=True: each block recomputed in backward (non-reentrant: what the block
+        # returns may hold tensors in tuples, and keyword inputs pass as they are)
+        if self.checkpoint and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return fn(*args, **kwargs)
+
+    def _fused(self, x: Tensor, routed: list[dict], positional: list[tuple]) -> tuple[Tensor, tuple]:
         hidden, residual, branch_norm, extras = x, None, None, []
-        for i, (block, kwargs) in enumerate(zip(self.blocks, routed, strict=True)):
+        for i, (block, kwargs, args) in enumerate(zip(self.blocks, routed, positional, strict=True)):
             # through the block's __call__, so its hooks run (FSDP2's gathering among them);
             # after a sandwich block the next one takes its branch norm into its launch
-            out = (block(hidden, residual, **kwargs) if branch_norm is None
-                   else block(hidden, residual, branch_norm=branch_norm, **kwargs))  # (hidden, residual, *rest)
+            out = (self._call(block, hidden, residual, *args, **kwargs) if branch_norm is None
+                   else self._call(block, hidden, residual, *args, branch_norm=branch_norm,
+                                   **kwargs))  # (hidden, residual, *rest)
             hidden, residual = out[0], out[1]
             parts = hidden if isinstance(hidden, tuple) else (hidden,)  # a parallel block's pair
             for part, what in zip(parts, ("mixers", "parallel")[:len(parts)], strict=True):
@@ -459,14 +575,14 @@ class ResidualStack(nn.Module):
                 out = self.norm_f.add(h, residual, alpha=self.alpha, x1=h1, dropout_p=p)[0]
         return out.to(x.dtype), tuple(extras)
 
-    def _naive(self, x: Tensor, routed: list[dict]) -> tuple[Tensor, tuple]:
+    def _naive(self, x: Tensor, routed: list[dict], positional: list[tuple]) -> tuple[Tensor, tuple]:
         # The stream may be wider than the activations (residual_dtype): each mixer sees
         # x's dtype, as it does in the fused form.
         h, extras = (x if self.residual_dtype is None else x.to(self.residual_dtype)), []
-        for i, (block, kwargs) in enumerate(zip(self.blocks, routed, strict=True)):
+        for i, (block, kwargs, args) in enumerate(zip(self.blocks, routed, positional, strict=True)):
             def check(out, what, i=i):
                 self._check_mixer_output(i, out, x, what)
-            h, rest = block._naive_step(h, x.dtype, (), kwargs, check)
+            h, rest = self._call(block._naive_step, h, x.dtype, args, kwargs, check)
             extras.append(rest)
         if self.norm_f is not None:
             h = self.norm_f.naive(h)
@@ -485,7 +601,8 @@ class ResidualStack(nn.Module):
 
     def extra_repr(self) -> str:
         extra = "" if self.residual_dtype is None else f", residual_dtype={self.residual_dtype}"
-        return f"fused={self.fused}" + extra + (", return_extras=True" if self.return_extras else "")
+        return (f"fused={self.fused}" + extra + (", return_extras=True" if self.return_extras else "")
+                + (", checkpoint=True" if self.checkpoint else ""))
 
 
 # ----------------------------------------------------------------- state_dict key maps
@@ -498,32 +615,36 @@ class ResidualStack(nn.Module):
 _STACK_KEY = re.compile(r"blocks\.(0|[1-9][0-9]*)\.(norm|mixer)\.(.+)")
 
 
-def _layer_names(attn: str, mlp: str, input_norm: str, post_norm: str, final_norm: str) -> dict[str, str]:
+def _layer_names(attn: str, mlp: str, input_norm: str, post_norm: str, final_norm: str,
+                 layers: str = "layers") -> dict[str, str]:
     names = dict(attn=attn, mlp=mlp, input_norm=input_norm, post_norm=post_norm, final_norm=final_norm)
     for arg, name in names.items():
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise ValueError(f"{arg} must be a module name (letters, digits, _; no dot), got {name!r}")
-    if len(set(names.values())) != len(names) or final_norm == "layers":
-        raise ValueError(f"the names must differ from one another and final_norm from 'layers', got {names}")
+    if not isinstance(layers, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", layers):
+        raise ValueError(f"layers must be a module path (names joined by dots, e.g. 'transformer.h'), got {layers!r}")
+    if len(set(names.values())) != len(names) or final_norm == layers.split(".")[0]:
+        raise ValueError(f"the names must differ from one another and final_norm from {layers!r}, got {names}")
     return names
 
 
 def stack_to_layers(state_dict: Mapping[str, Tensor], *, attn: str = "attn", mlp: str = "mlp",
                     input_norm: str = "input_norm", post_norm: str = "post_norm",
-                    final_norm: str = "norm") -> dict[str, Tensor]:
+                    final_norm: str = "norm", layers: str = "layers") -> dict[str, Tensor]:
     """A ResidualStack's state_dict (attention at even blocks, MLPs at odd ones) with the keys
     of the common layout: blocks.{2i}.norm.* -> layers.{i}.input_norm.*, blocks.{2i}.mixer.* ->
     layers.{i}.attn.*, blocks.{2i+1}.norm.* -> layers.{i}.post_norm.*, blocks.{2i+1}.mixer.* ->
     layers.{i}.mlp.*, norm_f.* -> norm.*. The same tensors, in the same order; a key of neither
-    form is a ValueError. The inverse is `layers_to_stack`."""
-    names = _layer_names(attn, mlp, input_norm, post_norm, final_norm)
+    form is a ValueError. The inverse is `layers_to_stack`. `layers` is the blocks' path in
+    place of `layers` (any `prefix.{i}.` layout: "transformer.h", "model.layers")."""
+    names = _layer_names(attn, mlp, input_norm, post_norm, final_norm, layers)
     out = {}
     for key, value in state_dict.items():
         m = _STACK_KEY.fullmatch(key)
         if m:
             k, part, rest = int(m.group(1)), m.group(2), m.group(3)
             role = ("input_norm", "attn")[part == "mixer"] if k % 2 == 0 else ("post_norm", "mlp")[part == "mixer"]
-            out[f"layers.{k // 2}.{names[role]}.{rest}"] = value
+            out[f"{layers}.{k // 2}.{names[role]}.{rest}"] = value
         elif key.startswith("norm_f."):
             out[f"{final_norm}.{key[len('norm_f.'):]}"] = value
         else:
@@ -534,14 +655,15 @@ def stack_to_layers(state_dict: Mapping[str, Tensor], *, attn: str = "attn", mlp
 
 def layers_to_stack(state_dict: Mapping[str, Tensor], *, attn: str = "attn", mlp: str = "mlp",
                     input_norm: str = "input_norm", post_norm: str = "post_norm",
-                    final_norm: str = "norm") -> dict[str, Tensor]:
+                    final_norm: str = "norm", layers: str = "layers") -> dict[str, Tensor]:
     """The inverse of `stack_to_layers`: a state_dict in the layers.{i}.{attn,mlp,input_norm,
     post_norm}.* and norm.* layout with a ResidualStack's keys, for `stack.load_state_dict`.
-    The same tensors, in the same order; any other key is a ValueError."""
-    names = _layer_names(attn, mlp, input_norm, post_norm, final_norm)
+    The same tensors, in the same order; any other key is a ValueError. `layers` as in
+    `stack_to_layers`."""
+    names = _layer_names(attn, mlp, input_norm, post_norm, final_norm, layers)
     where = {names["input_norm"]: (0, "norm"), names["attn"]: (0, "mixer"),
              names["post_norm"]: (1, "norm"), names["mlp"]: (1, "mixer")}
-    layer_key = re.compile(rf"layers\.(0|[1-9][0-9]*)\.({'|'.join(map(re.escape, where))})\.(.+)")
+    layer_key = re.compile(rf"{re.escape(layers)}\.(0|[1-9][0-9]*)\.({'|'.join(map(re.escape, where))})\.(.+)")
     out = {}
     for key, value in state_dict.items():
         m = layer_key.fullmatch(key)
@@ -551,6 +673,6 @@ def layers_to_stack(state_dict: Mapping[str, Tensor], *, attn: str = "attn", mlp
         elif key.startswith(final_norm + "."):
             out[f"norm_f.{key[len(final_norm) + 1:]}"] = value
         else:
-            raise ValueError(f"state_dict key {key!r} is not in the layers layout (layers.{{i}}.{{"
+            raise ValueError(f"state_dict key {key!r} is not in the layers layout ({layers}.{{i}}.{{"
                              f"{','.join(where)}}}.*, {final_norm}.*)")
     return out

@@ -17,6 +17,8 @@
     python scripts/bench.py sm90    [--quick]   each kernel compiled for an H100 without one: registers, spills
     python scripts/bench.py targets [--quick] [--all]  every kernel compiled for sm_90, sm_100, gfx942 (--all: also
                                                 sm_120, gfx950) without a GPU: registers, spills, LDS, occupancy, waves
+    python scripts/bench.py fuse-blocks [--quick] [--repeats N]  training step of the four host models (nanoGPT,
+                                                timm ViT, litgpt, torchtitan) as written and after fuse_blocks (CPU)
     python scripts/bench.py overhead [--quick]  host-side (Python) time per call, kernels not run; --ops a,b: only
                                                 those ops' rows (fwd and fwd+bwd us and calls per call), --device
                                                 cuda: with the real launches

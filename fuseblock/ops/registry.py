@@ -3,7 +3,7 @@ fake implementations (so torch.compile(fullgraph=True) traces them whole, forwar
 backward), the autograd formula tying them together, and an eager autograd.Function
 over the same implementations, which skips the dispatcher's per-call cost (~0.15 ms,
 more than a kernel on small inputs). `norm`, `embed_norm` and the channel norms
-(`fuseblock.ops.batch_norm`) are registered here.
+(`fuseblock.ops.channel_norm`) are registered here.
 """
 from __future__ import annotations
 

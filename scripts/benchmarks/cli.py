@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-SUBCOMMANDS = ["traffic", "memory", "speed", "gpu", "gpt-step", "sm90", "targets", "overhead", "gpu-report", "stream"]
+SUBCOMMANDS = ["traffic", "memory", "speed", "gpu", "gpt-step", "sm90", "targets", "overhead", "gpu-report", "stream",
+               "fuse-blocks"]
 # Subcommands that count bytes through the Triton interpreter: on a machine with no GPU
 # it is the only way to run the kernels at all.
 INTERPRETED = {"traffic", "stream"}

@@ -469,3 +469,14 @@ def test_make_gpu_check_without_a_gpu_runs_what_it_can_and_exits_3(tmp_path):
     assert text.startswith("# make gpu-check\n\n**NO GPU**: no CUDA device is present")
     assert "## Peers found" in text and "| liger |" in text
     assert "NO GPU: make gpu-check ran as far as it can without one (exit status 3)" in p.stdout
+
+
+def test_fuse_blocks_quick_times_each_host_model(monkeypatch):
+    rows = _bench("fuse-blocks", "--repeats", "2")
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from benchmarks import fuse_blocks
+
+    assert [r["style"] for r in rows] == ["nanogpt", "vit", "litgpt", "torchtitan"]
+    for r in rows:
+        assert set(r) - {"style"} == set(fuse_blocks.COLUMNS)
+        assert r["original_ms"] > 0 and r["fused_ms"] > 0 and r["ratio_min"] <= r["ratio"] <= r["ratio_max"]
