@@ -35,7 +35,9 @@ def resolve(sources, partial, branch, query, weight, *, scale, key_eps, eps, nor
         raise ValueError("sources' last dim d must be >= 1")
     update = branch is not None
     s = nb + (1 if update else 0)
-    if nb < 1 or s > MAX_SOURCES:
+    if nb < 1:
+        raise ValueError(f"sources' count S = shape[-2] must be >= 1 (a bank of at least one state), got {nb}")
+    if s > MAX_SOURCES:
         extra = " (the partial' counted as one more)" if update else ""
         raise ValueError(f"sources' count S = shape[-2] must be in 1..{MAX_SOURCES}{extra}, got {s}")
     if not isinstance(kind, str) or kind != "rms":
