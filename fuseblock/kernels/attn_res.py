@@ -39,6 +39,9 @@ TILE_FWD = 8192  # elements of a [BT, SP, BD] block, forward
 TILE_BWD = 4096  # and backward, which holds more blocks live
 MAX_BT = 16  # tokens a program at most
 PROGRAMS_PER_SM = 4  # the backward's persistent programs
+# and at least this many tokens each: the dq and dw partial rows (fp32, written and summed)
+# cost 16 d bytes a program, next to (2S + 2) d a token of bf16 activations
+MIN_TOKENS_PER_PROGRAM = 8
 
 
 @triton.jit
@@ -274,7 +277,7 @@ def attn_res_bwd(dy, dmixed, dpn, sources, pn, query, weight, a, r, rho, spec: A
         dy = torch.zeros(*sources.shape[:-2], d, dtype=sources.dtype, device=dev)
     sp, bt, bd, warps = _blocks(spec, TILE_BWD)
     per = launch.DETERMINISTIC_PROGRAMS if launch.deterministic() else num_sms(dev) * PROGRAMS_PER_SM
-    n_prog = min(cdiv(M, bt), per)
+    n_prog = max(1, min(cdiv(M, bt), cdiv(M, MIN_TOKENS_PER_PROGRAM), per))
     dqp = torch.empty(n_prog, d, dtype=torch.float32, device=dev)
     dwp = torch.empty(n_prog, d, dtype=torch.float32, device=dev) if weight is not None else None
     _bwd[(n_prog,)](
