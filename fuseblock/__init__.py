@@ -1,4 +1,5 @@
 """fuseblock: fused residual-add + normalization kernels and the fused pre-norm residual stream."""
+from .attn_res_stream import AttnResStack
 from .convert import norm_from
 from .family import (
     BatchNorm,
@@ -27,6 +28,6 @@ __all__ += ["swap_norms", "SwapReport"]
 __all__ += ["Quantized"]
 __all__ += ["hc_add_norm", "hc_norm", "hc_head"]
 __all__ += ["HyperConnectionStack"]
-__all__ += ["attn_res_norm", "attn_res_add_norm"]
+__all__ += ["attn_res_norm", "attn_res_add_norm", "AttnResStack"]
 __all__ += ["embed_norm", "batch_norm", "group_norm", "instance_norm", "BatchNorm", "InstanceNorm"]
 __version__ = "0.3.0"
