@@ -32,6 +32,11 @@ from .ops.checks import check_eps, check_int, check_number
 from .stream import ResidualStack, keywords_accepted, route_keywords, split_output
 
 
+def head_states(sublayers: int, block_size: int) -> int:
+    """The states the head mixes: the embedding and one per block, ceil(sublayers / block_size)."""
+    return 1 + -(-sublayers // block_size)
+
+
 def naive_attn_res(states: list[Tensor], query: Tensor, weight: Tensor, *, key_eps: float, eps: float) -> Tensor:
     """N_w(sum_j a_j v_j) in plain torch ops (Kimi's form): the states stacked, keys by rms_norm."""
     v = torch.stack(states, dim=-2)
@@ -131,7 +136,7 @@ class AttnResStack(nn.Module):
             raise ValueError("mixers must hold at least one nn.Module (one per sublayer), got none")
         check_int("dim", dim)
         check_int("block_size", block_size)
-        states = 1 + -(-len(mixers) // block_size)
+        states = head_states(len(mixers), block_size)
         if states > MAX_SOURCES:
             raise ValueError(f"block_size {block_size} for {len(mixers)} sublayers makes {states} states for the "
                              f"head to mix, more than {MAX_SOURCES}: use block_size >= "

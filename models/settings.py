@@ -22,7 +22,7 @@ import math
 from .gpt import GPTConfig
 
 # The model flags' values for a fresh run; on --resume they come from the checkpoint.
-MODEL_DEFAULTS = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "norm": "rms", "hc": 0}
+MODEL_DEFAULTS = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "norm": "rms", "hc": 0, "attn_res": 0}
 
 # Training settings: recorded in every checkpoint and restored by --resume. A flag given
 # on --resume replaces the recorded value and the run prints the change. BOOKKEEPING
@@ -43,7 +43,7 @@ MAX_SEQUENCES = 2**20
 
 # What each setting must be, for the command line and for a checkpoint's meta.json alike.
 KINDS = {"n_layer": "count", "n_head": "count", "n_embd": "count", "block_size": "count", "norm": "norm",
-         "hc": "streams",
+         "hc": "streams", "attn_res": "nonneg_int",
          "max_iters": "count", "batch_size": "size", "grad_accum": "size", "lr": "positive", "min_lr": "nonneg",
          "warmup_iters": "nonneg_int", "lr_decay_iters": "count", "weight_decay": "nonneg", "grad_clip": "nonneg",
          "dropout": "probability", "impl": "impl", "seed": "seed", "eval_interval": "count", "eval_iters": "count",
@@ -104,6 +104,8 @@ HELP = {
     "n_layer": "transformer layers", "n_head": "attention heads", "n_embd": "width, divisible by --n-head",
     "block_size": "context length in bytes", "norm": "RMSNorm or LayerNorm",
     "hc": "residual streams: N >= 1 hyper-connections (mHC, Sinkhorn) on N streams, 0 the plain stream",
+    "attn_res": "B >= 1: each sublayer's input an attention residual over blocks of B sublayers (Kimi's Block "
+                "AttnRes), 0 the plain stream",
     "max_iters": "optimizer steps in all, counted from step 0", "batch_size": "sequences per micro-batch and rank",
     "grad_accum": "micro-batches per step and rank", "lr": "peak learning rate, after warmup",
     "min_lr": "the cosine's floor, at most --lr", "warmup_iters": "steps of linear warmup",
@@ -145,9 +147,9 @@ _CONFIG_TYPES = {"vocab_size": is_int, "block_size": is_int, "n_layer": is_int, 
                  "dropout": is_number, "bias": lambda v: isinstance(v, bool), "norm": lambda v: isinstance(v, str),
                  "norm_eps": lambda v: is_number(v) and math.isfinite(v), "fused": lambda v: isinstance(v, bool),
                  "residual_dtype": lambda v: v is None or v in ("float32", "float16", "bfloat16", "float64"),
-                 "hc": is_int}
+                 "hc": is_int, "attn_res": is_int}
 # fields a checkpoint written before they existed may lack (GPTConfig's default then applies)
-_CONFIG_ADDED = {"hc"}
+_CONFIG_ADDED = {"hc", "attn_res"}
 
 
 def _model_problem(model) -> str | None:
