@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import KERNEL_PATH, assert_close
+from helpers import KERNEL_PATH, assert_close, interpreted_only
 
 import fuseblock
 
@@ -242,3 +242,19 @@ def test_one_launch_forward_two_backward_and_what_is_saved(launches):
     known = {id(x) for x in (*leaves.values(), out[2])}
     extra = [x for x in saved if id(x) not in known]
     assert sorted(tuple(x.shape) for x in extra) == [(6,), (6, 9), (6, 9)], [tuple(x.shape) for x in extra]
+
+
+@pytest.mark.kernel
+@interpreted_only
+def test_traffic_sources_read_once_and_fused_against_unfused():
+    """bench.py traffic's rows at a tiny size: forward reads each state once and moves the
+    minimum's activations; fused moves >= 3x less than Kimi's torch form with one-kernel
+    norms; 1 launch forward, 2 backward."""
+    from fuseblock.testing.attn_res_traffic import measure_attn_res_traffic
+
+    rows = {r["pas"]: r for r in measure_attn_res_traffic(8, 4, 64, BF16)}
+    fwd, bwd, both = rows["fwd"], rows["bwd"], rows["fwd+bwd"]
+    assert fwd["sources_read_over_size"] == 1.0 and fwd["act_over_min"] == 1.0 and bwd["act_over_min"] == 1.0
+    assert (fwd["launches"], bwd["launches"]) == (1, 2)
+    assert both["unfused1_over_kernel"] >= 3.0 and both["unfused_over_kernel"] > both["unfused1_over_kernel"]
+    assert fwd["kept_MB"] * 1e6 == 8 * (8 * 4 + 4)  # a, r (S fp32 each) and rho per token
