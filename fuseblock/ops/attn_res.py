@@ -16,6 +16,7 @@ from .. import attn_res_reference
 from ..attn_res_spec import MAX_SOURCES, AttnResSpec
 from .checks import check_eps, check_number, check_tensor
 from .dispatch import func_transforms_active, kernels, uses_triton
+from .dtensor import has_dtensor
 from .registry import FusedOp, placeholders
 
 
@@ -52,6 +53,8 @@ def resolve(sources, partial, branch, query, weight, *, scale, key_eps, eps, nor
     _check_vector("query", query, sources, d)
     if weight is not None:
         _check_vector("weight", weight, sources, d)
+    if has_dtensor(sources, partial, branch, query, weight):
+        raise TypeError("attn_res_norm takes no DTensors yet: pass each rank's local tensors (to_local())")
     lead = tuple(sources.shape[:-2]) + (d,)
     if update:
         for name, t in (("branch", branch), ("partial", partial)):

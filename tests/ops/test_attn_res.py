@@ -218,6 +218,22 @@ def test_bad_update_arguments():
         fuseblock.attn_res_norm(src, q, None, normed_values=1)
 
 
+def test_dtensors_refused_by_name():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        src = distribute_tensor(torch.randn(2, 3, 8), init_device_mesh("cpu", (1,)), [Replicate()])
+        with pytest.raises(TypeError, match="takes no DTensors"):
+            fuseblock.attn_res_norm(src, torch.randn(8), None)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.kernel
 @pytest.mark.kernel_only("counts the Triton launches")
 def test_one_launch_forward_two_backward_and_what_is_saved(launches):
