@@ -65,7 +65,7 @@ def fused(t) -> list[torch.Tensor]:
     return [y, new, mixed]
 
 
-def minimum_bytes(t, outs) -> tuple[int, int]:
+def minimum_bytes(t) -> tuple[int, int]:
     """Compulsory (forward, backward) bytes, in the module docstring's model."""
     bank, row = t["bank"].nbytes, t["partial"].nbytes
     return bank + 2 * row + 3 * row, (bank + 3 * row) + (bank + row)
@@ -98,7 +98,7 @@ def measure_attn_res_traffic(rows: int, s: int, d: int, dtype) -> list[dict]:
             torch.autograd.grad(uouts[:2], unfused_leaves, grads)
         counted.append((uf, ub, ukept))
     (uf, ub, ukept), (u1f, u1b, _) = counted
-    min_f, min_b = minimum_bytes(t, outs)
+    min_f, min_b = minimum_bytes(t)
     parts = {"fwd": ([kf], [uf], [u1f], min_f), "bwd": ([kb], [ub], [u1b], min_b),
              "fwd+bwd": ([kf, kb], [uf, ub], [u1f, u1b], min_f + min_b)}
     out = []
