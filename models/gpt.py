@@ -7,6 +7,8 @@ With norm="layer", bias=True and norm_eps=1e-5 it computes the same function as
 nanoGPT's GPT for the same weights; fused=False runs the naive stack, same state_dict.
 hc=n puts the sublayers on n residual streams instead (`fuseblock.HyperConnectionStack`,
 mHC with Sinkhorn, docs/gpt.md): there the mixers get the collapsed, normed input.
+attn_res=B makes each sublayer's input an attention residual over blocks of B sublayers
+(`fuseblock.AttnResStack`, Kimi's Block AttnRes, docs/gpt.md).
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fuseblock
+from fuseblock.attn_res_spec import MAX_SOURCES
+from fuseblock.attn_res_stream import AttnResStack, head_states
 from fuseblock.hyper_stream import HyperBlock, HyperConnectionStack, HyperHead
 from fuseblock.ops.hyper import MAX_STREAMS
 
@@ -42,6 +46,7 @@ class GPTConfig:
     residual_dtype: torch.dtype | None = None  # e.g. torch.float32 under bf16
     hc: int = 0  # residual streams: 0 the plain stack; n >= 1 hyper-connections (mHC, Sinkhorn) on n streams
     fp8: str | None = None  # "row": the Linear after each block norm in fp8, rowwise (norm_linear quant="fp8_row")
+    attn_res: int = 0  # 0 the plain stack; B >= 1 attention residuals over blocks of B sublayers (AttnResStack)
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -66,12 +71,24 @@ class GPTConfig:
                              f"got {self.norm!r}")
         if self.fp8 not in FP8_RECIPES:
             raise ValueError(f"fp8 must be one of {sorted(FP8_RECIPES, key=str)}, got {self.fp8!r}")
-        if self.fp8 and (self.hc or not self.fused):
+        if self.fp8 and (self.hc or self.attn_res or not self.fused):
             raise ValueError(f"fp8={self.fp8!r} runs through the fused norm + Linear of the plain stack: needs "
-                             f"fused=True and hc=0, got fused={self.fused}, hc={self.hc}")
+                             f"fused=True, hc=0 and attn_res=0, got fused={self.fused}, hc={self.hc}, "
+                             f"attn_res={self.attn_res}")
         if self.hc and rd not in (None, torch.float32):
             raise ValueError(f"hc={self.hc} keeps the streams in the embeddings' dtype: residual_dtype must be None "
                              f"or torch.float32, got {rd}")
+
+        if isinstance(self.attn_res, bool) or not isinstance(self.attn_res, int) or self.attn_res < 0:
+            raise ValueError(f"attn_res must be an int >= 0 (0: the plain stack), got {self.attn_res!r}")
+        if self.attn_res and (self.hc or self.norm != "rms" or rd not in (None, torch.float32)):
+            raise ValueError(f"attn_res={self.attn_res} needs hc=0, norm='rms' and residual_dtype None or "
+                             f"torch.float32 (the states stay in the embeddings' dtype), got hc={self.hc}, "
+                             f"norm={self.norm!r}, residual_dtype={rd}")
+        if self.attn_res and head_states(2 * self.n_layer, self.attn_res) > MAX_SOURCES:
+            raise ValueError(f"attn_res={self.attn_res} with n_layer={self.n_layer} makes "
+                             f"{head_states(2 * self.n_layer, self.attn_res)} block states for the head to mix, more "
+                             f"than {MAX_SOURCES}: use attn_res >= {-(-2 * self.n_layer // (MAX_SOURCES - 1))}")
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -154,6 +171,8 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         if cfg.hc:  # n streams: each block's boundary (and the head) one hc_add_norm (hc_head) launch
             self.stack = HyperConnectionStack(mixers, cfg.n_embd, streams=cfg.hc, eps=cfg.norm_eps, fused=cfg.fused)
+        elif cfg.attn_res:  # each sublayer's add, mix and norm (and the head's) one attn_res_add_norm launch
+            self.stack = AttnResStack(mixers, cfg.n_embd, block_size=cfg.attn_res, eps=cfg.norm_eps, fused=cfg.fused)
         else:
             self.stack = fuseblock.ResidualStack(
                 mixers, cfg.n_embd, kind=cfg.norm, eps=cfg.norm_eps, final_norm=True, fused=cfg.fused,

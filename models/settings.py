@@ -22,7 +22,8 @@ import math
 from .gpt import GPTConfig
 
 # The model flags' values for a fresh run; on --resume they come from the checkpoint.
-MODEL_DEFAULTS = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "norm": "rms", "hc": 0, "fp8": None}
+MODEL_DEFAULTS = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "norm": "rms", "hc": 0, "attn_res": 0,
+                  "fp8": None}
 
 # Training settings: recorded in every checkpoint and restored by --resume. A flag given
 # on --resume replaces the recorded value and the run prints the change. BOOKKEEPING
@@ -43,7 +44,7 @@ MAX_SEQUENCES = 2**20
 
 # What each setting must be, for the command line and for a checkpoint's meta.json alike.
 KINDS = {"n_layer": "count", "n_head": "count", "n_embd": "count", "block_size": "count", "norm": "norm",
-         "hc": "streams", "fp8": "fp8",
+         "hc": "streams", "attn_res": "nonneg_int", "fp8": "fp8",
          "max_iters": "count", "batch_size": "size", "grad_accum": "size", "lr": "positive", "min_lr": "nonneg",
          "warmup_iters": "nonneg_int", "lr_decay_iters": "count", "weight_decay": "nonneg", "grad_clip": "nonneg",
          "dropout": "probability", "impl": "impl", "seed": "seed", "eval_interval": "count", "eval_iters": "count",
@@ -104,8 +105,10 @@ HELP = {
     "n_layer": "transformer layers", "n_head": "attention heads", "n_embd": "width, divisible by --n-head",
     "block_size": "context length in bytes", "norm": "RMSNorm or LayerNorm",
     "hc": "residual streams: N >= 1 hyper-connections (mHC, Sinkhorn) on N streams, 0 the plain stream",
+    "attn_res": "B >= 1: each sublayer's input an attention residual over blocks of B sublayers (Kimi's Block "
+                "AttnRes), 0 the plain stream",
     "fp8": "the Linear after each block norm in fp8, rowwise recipe (fuseblock.norm_linear quant='fp8_row'); "
-           "needs --impl fused, without --hc or --tp",
+           "needs --impl fused, without --hc, --attn-res or --tp",
     "max_iters": "optimizer steps in all, counted from step 0", "batch_size": "sequences per micro-batch and rank",
     "grad_accum": "micro-batches per step and rank", "lr": "peak learning rate, after warmup",
     "min_lr": "the cosine's floor, at most --lr", "warmup_iters": "steps of linear warmup",
@@ -132,11 +135,12 @@ def add_flags(group, names) -> None:
 def model_conflict(s, tp: int) -> str | None:
     """A conflict of the model settings with the training ones (--impl, which --resume may
     change) or with this invocation's --tp, or None; it starts with the flag to blame."""
-    if s.fp8 and (s.impl == "naive" or s.hc or tp > 1):
-        return (f"--fp8 {s.fp8} runs through the fused norm + Linear of the plain stack: not with --impl {s.impl}"
-                if s.impl == "naive" else
-                f"--fp8 {s.fp8} runs through the fused norm + Linear of the plain stack: not with --hc {s.hc}"
-                if s.hc else f"--fp8 {s.fp8} runs through the fused norm + Linear: not with --tp {tp}")
+    if s.fp8:  # only the plain fused stack has block norms fused with the Linear after them
+        without = [f"--impl {s.impl}"] * (s.impl == "naive") + [f"--hc {s.hc}"] * bool(s.hc) + \
+            [f"--attn-res {s.attn_res}"] * bool(s.attn_res) + [f"--tp {tp}"] * (tp > 1)
+        if without:
+            return (f"--fp8 {s.fp8} runs through the fused norm + Linear of the plain stack: not with "
+                    f"{', '.join(without)}")
     return None
 
 
@@ -159,9 +163,9 @@ _CONFIG_TYPES = {"vocab_size": is_int, "block_size": is_int, "n_layer": is_int, 
                  "dropout": is_number, "bias": lambda v: isinstance(v, bool), "norm": lambda v: isinstance(v, str),
                  "norm_eps": lambda v: is_number(v) and math.isfinite(v), "fused": lambda v: isinstance(v, bool),
                  "residual_dtype": lambda v: v is None or v in ("float32", "float16", "bfloat16", "float64"),
-                 "hc": is_int, "fp8": lambda v: v is None or v in _CHOICES["fp8"]}
+                 "hc": is_int, "attn_res": is_int, "fp8": lambda v: v is None or v in _CHOICES["fp8"]}
 # fields a checkpoint written before they existed may lack (GPTConfig's default then applies)
-_CONFIG_ADDED = {"hc", "fp8"}
+_CONFIG_ADDED = {"hc", "attn_res", "fp8"}
 
 
 def _model_problem(model) -> str | None:

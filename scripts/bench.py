@@ -5,7 +5,8 @@
                                                 on a 2-core CPU; --quick (256 and 2048 rows, d = 256) takes 44 s
                                                 of CPU time (5.5 minutes wall at load average 8); --ops, --rows
                                                 and --d pick a part; --ops hc_add_norm: the mHC boundary (n = 4
-                                                streams, bf16, 256 tokens at d = 1024 and 4096; not in the default)
+                                                streams, bf16, 256 tokens at d = 1024 and 4096; not in the default);
+                                                --ops attn_res_add_norm: the attention residual (S = 4 and 9, the same)
     python scripts/bench.py stream  [--quick]   hidden-stream bytes of one decoder layer per stream shape (pre-norm,
                                                 scaled, parallel, dropout, post-norm, sandwich), untouched torch ops
                                                 vs fused, fwd and bwd; --rows, --d, --dtype pick the size

@@ -154,6 +154,9 @@ def parse_args(argv=None):
         ap.error(f"argument --hc: {args.hc} streams normalize with RMS norms; --norm {args.norm} is not supported")
     if args.hc and args.tp > 1:
         ap.error(f"argument --hc: tensor parallelism (--tp {args.tp}) splits the plain stack only")
+    if args.attn_res and (args.norm != "rms" or args.hc or args.tp > 1):
+        ap.error(f"argument --attn-res: needs --norm rms, no --hc and no --tp (got --norm {args.norm}, --hc {args.hc}, "
+                 f"--tp {args.tp})")
     if not args.resume:
         for k, v in TRAIN_DEFAULTS.items():
             if getattr(args, k) is None:

@@ -4,6 +4,7 @@ of the final losses and the step times, fused and naive (docs/gpt.md).
 
     python tools/hc_curves.py                          # 1000 steps each, as make train
     python tools/hc_curves.py --max-iters 50 --naive-iters 10 --out /tmp/hc.png   # a quick check
+    python tools/hc_curves.py --attn-res 2             # and attention residuals over blocks of 2 sublayers
 
 The curves come from fused runs of --max-iters steps (the plain GPT, then --hc 4); the
 naive step times from --naive-iters steps of each with --impl naive (the same model and
@@ -54,7 +55,7 @@ def plot(results: dict, path: Path) -> None:
                 label=f"{name}: val {r['history'][-1]['val']:.4f}")
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss (nats/byte)")
-    ax.set_title("small GPT, plain stream vs 4 streams (mHC), same seed and steps")
+    ax.set_title(f"small GPT, {' vs '.join(results)}, same seed and steps")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -70,13 +71,18 @@ def main(argv=None) -> None:
     ap.add_argument("--eval-interval", type=int, default=50, help="steps between validation losses")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "gpt_hc.png", help="the PNG")
     ap.add_argument("--work", type=Path, default=ROOT / "out" / "hc_curves", help="where the runs write")
+    ap.add_argument("--attn-res", type=int, default=0, metavar="B",
+                    help="also train.py --attn-res B (attention residuals over blocks of B sublayers)")
     args = ap.parse_args(argv)
+    if args.attn_res < 0:
+        ap.error("argument --attn-res: must be >= 0")
     for name in ("max_iters", "naive_iters", "eval_interval"):
         if getattr(args, name) < 1:
             ap.error(f"argument --{name.replace('_', '-')}: must be >= 1")
     main_ = _train_main()
     results, rows = {}, []
-    for name, extra in RUNS:
+    runs = RUNS + (((f"attn_res {args.attn_res}", ("--attn-res", str(args.attn_res))),) if args.attn_res else ())
+    for name, extra in runs:
         slug = name.replace(" ", "")
         fused = train(main_, args.work / slug, args.max_iters, "fused", args.eval_interval, extra)
         naive = train(main_, args.work / f"{slug}-naive", args.naive_iters, "naive", args.naive_iters, extra)

@@ -33,7 +33,8 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
                     help="speed, gpt-step: independent runs of all the steps (median, min, max; default 3)")
     ap.add_argument("--ops", type=lambda v: v.split(","), default=None,
                     help="traffic: a comma list of ops (fuseblock.testing.cases.OPS, RESIDUAL_OPS, and hc_add_norm, "
-                         "hc_add_norm_nocomb: the mHC boundary at n = 4; default all but these two); overhead: "
+                         "hc_add_norm_nocomb: the mHC boundary at n = 4, attn_res_add_norm: the attention residual "
+                         "at S = 4 and 9; default all but these three); overhead: "
                          "only the per-op rows of these (add_norm, add_norm_layer, norm, norm_add); targets: "
                          "only these of its ops (e.g. hc_n4,hc_n8,hc_n16)")
     ap.add_argument("--rows", type=_ints, default=None,

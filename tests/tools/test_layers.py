@@ -9,9 +9,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "fuseblock"
 # rank of each module, by its dotted name under fuseblock (the longest prefix listed wins)
-RANKS = {"spec": 0, "hyper_spec": 0, "triton_support": 0, "kernels": 1, "reference": 1,
-         "ops": 2, "modules": 3, "convert": 3, "serve": 3, "stream": 4,
-         "hyper_stream": 4, "blocks": 4, "parallel": 5, "integrations": 5, "compat": 5, "hub": 5, "testing": 6, "": 7}
+RANKS = {"spec": 0, "hyper_spec": 0, "attn_res_spec": 0, "triton_support": 0, "kernels": 1, "reference": 1,
+         "ops": 2, "modules": 3, "convert": 3, "serve": 3, "stream": 4, "hyper_stream": 4, "attn_res_stream": 4,
+         "blocks": 4, "parallel": 5, "integrations": 5, "compat": 5, "hub": 5, "testing": 6, "": 7}
 
 
 def _name(path) -> str:
