@@ -36,6 +36,7 @@ from ...ops.checks import check_float_dtype
 from .check import refusals
 from .families import FAMILIES, SUPPORTED, WRAPPED, WRAPPERS, Family
 from .refused import REFUSED
+from .versions import check_version
 
 # The roles of the modules fuse re-classes: a decoder layer (its shape's forward), the
 # inner model (its family's model forward and the Norms' init) and the PreTrainedModels
@@ -197,7 +198,11 @@ def fuse(model: PreTrainedModel, *, residual_dtype: torch.dtype | None = None) -
     parameters the stream is fp32 already); torch.float32 keeps an fp32 stream in a bf16
     model. Calling fuse again on a fused model only changes residual_dtype. The n-stream
     families (deepseek_v4, hy_v4, glm5_next) keep their streams in the model's dtype: None only.
+
+    A transformers version outside the tested range (versions.TESTED: 5.17 to 5.24) is a
+    RuntimeError naming the range.
     """
+    check_version()
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     check_float_dtype("residual_dtype", residual_dtype)

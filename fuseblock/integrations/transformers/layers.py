@@ -268,7 +268,7 @@ class Hyper(NamedTuple):
         indexer hands the next layer, or None).
     feed: (layer, normed, kwargs) -> the MLP's output.
     inputs: (inner model, input_ids, inputs_embeds, attention_mask, position_ids,
-        past_key_values, use_cache) -> each layer's keywords, as the unfused model forward
+        cache, use_cache) -> each layer's keywords, as the unfused model forward
         builds them (masks, rotary embeddings, cache).
     topk: whether a layer takes the previous layer's top-k (prev_topk_indices).
     weighted_head: the head collapses with its own pre (hc_fn, hc_base, hc_scale), else the
