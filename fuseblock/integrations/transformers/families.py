@@ -94,6 +94,8 @@ class Family:
         the layout (GPT-NeoX's and StableLM's use_parallel_residual pick their shape), or None.
     requires: config key -> the value this entry's forward computes with (each variant's
         use_parallel_residual): the check refuses any other value.
+    mlp_output: the MLP module's output -> the branch output (GPT-OSS's MLP returns it with
+        its router scores, which its layer drops); the pre-norm shape's.
     hyper: for the n-stream shape (layers.HYPER), what its forwards need beyond its
         modules (layers.Hyper); None for the others. fuse then converts the stream's norms
         only, leaving every module inside the layers as it is.
@@ -114,6 +116,7 @@ class Family:
     requires: Mapping[str, object] = field(default_factory=dict)
     positions: Callable = positions
     window_mask: bool = False
+    mlp_output: Callable = lambda out: out
     hyper: Hyper | None = None
     norms: tuple = field(init=False)
 
@@ -254,6 +257,49 @@ FAMILIES: Mapping[str, Family] = {
     "olmo2": Family(POST_NORM, _OLMO2_PARTS),
 }
 
+def first(out: tuple) -> Tensor:
+    """The MLP's output of a (output, router scores) pair (GPT-OSS's MLP)."""
+    return out[0]
+
+
+# The Llama-shaped families (issue 43): Llama's decoder layer, each with its own attention, MLP or
+# MoE (routers, shared experts, MLA attention, sinks, q/k norms: modules fuse leaves as they are),
+# or OLMo2's post-norm layer, or Cohere's parallel one. Their MoE models return router logits in
+# MoeModelOutputWithPast; by_layer_type: one rotary embedding per config.layer_types entry.
+_MOE = dict(output=MoeModelOutputWithPast)
+
+
+def _cwm_output(**fields):
+    """CwmModel's output class (BaseModelOutputWithPast's subclass), imported where a CWM model runs."""
+    from transformers.models.cwm.modeling_cwm import CwmModelOutputWithPast
+
+    return CwmModelOutputWithPast(**fields)
+
+
+_COHERE_PARTS = {"norm_1": "input_layernorm", "attn": "self_attn", "mlp": "mlp"}
+FAMILIES.update({
+    "cwm": Family(PRE_NORM, output=_cwm_output),
+    **dict.fromkeys(("arcee", "bitnet", "diffllama", "ernie4_5", "glm", "seed_oss", "hunyuan_v1_dense",
+                     "jais2", "nemotron"), Family(PRE_NORM)),
+    **dict.fromkeys(("ernie4_5_moe", "exaone_moe", "glm4_moe", "minimax_m2", "olmoe", "hunyuan_v1_moe", "dots1",
+                     "flint", "hy_v3", "solar_open", "aria_text", "deepseek_v3", "deepseek_v2", "glm4_moe_lite",
+                     "axk1"), Family(PRE_NORM, **_MOE)),
+    "youtu": Family(PRE_NORM),
+    # Ministral3's one mask for all layers is sliding where config.sliding_window is set
+    "ministral3": Family(PRE_NORM, window_mask=True),
+    "phimoe": Family(PRE_NORM, **_MOE, window_mask=True),
+    "laguna": Family(PRE_NORM, **_MOE, rotary="by_layer_type"),
+    "mimo_v2_flash": Family(PRE_NORM, **_MOE, rotary="by_layer_type"),
+    "gpt_oss": Family(PRE_NORM, **_MOE, mlp_output=first),
+    # Apertus and VaultGemma name their two pre-norms otherwise
+    "apertus": Family(PRE_NORM, {**LLAMA_PARTS, "norm_1": "attention_layernorm", "norm_2": "feedforward_layernorm"}),
+    "vaultgemma": Family(PRE_NORM, {**LLAMA_PARTS, "norm_2": "pre_feedforward_layernorm"}),
+    # OLMo3, EXAONE-4, FlexOlmo: OLMo2's post-norm layer
+    "olmo3": Family(POST_NORM, _OLMO2_PARTS, rotary="by_layer_type"),
+    "exaone4": Family(POST_NORM, _OLMO2_PARTS),
+    "flex_olmo": Family(POST_NORM, _OLMO2_PARTS, **_MOE),
+})
+
 # olmo, stablelm, starcoder2, gpt_neox, cohere, phi: LayerNorms (with bias, weight only,
 # none), parallel branches, dropout modules and model-level embedding dropout
 
@@ -315,7 +361,10 @@ FAMILIES.update({
     "starcoder2": Family(PRE_NORM, reads=frozenset({"residual_dropout", "embedding_dropout"}),
                          prepare=_embedding_dropout, window_mask=True),
     "gpt_neox": _GPT_NEOX[True],
-    "cohere": Family(PARALLEL_RESIDUAL_FIRST, {"norm_1": "input_layernorm", "attn": "self_attn", "mlp": "mlp"}),
+    "cohere": Family(PARALLEL_RESIDUAL_FIRST, _COHERE_PARTS),
+    # Cohere2's parallel layer is Cohere's (r + attn) + mlp, with sliding layers (config.layer_types)
+    "cohere2": Family(PARALLEL_RESIDUAL_FIRST, _COHERE_PARTS),
+    "cohere2_moe": Family(PARALLEL_RESIDUAL_FIRST, _COHERE_PARTS, **_MOE),
     "phi": Family(PARALLEL, {"norm_1": "input_layernorm", "attn": "self_attn", "mlp": "mlp", "drop": "resid_dropout"},
                   {**LLAMA_MODEL, "norm": "final_layernorm", "embed_dropout": "embed_dropout"},
                   reads=frozenset({"resid_pdrop", "embd_pdrop"}),

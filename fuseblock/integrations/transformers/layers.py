@@ -91,7 +91,7 @@ def _pre_norm(self, hidden_states: Tensor, residual: Tensor | None = None, **kwa
     normed, residual = _enter(self, hidden_states, residual, module(self, "norm_1"), rdtype)
     attn = module(self, "attn")(hidden_states=normed, **kwargs)[0]
     normed, residual = module(self, "norm_2").add(attn, residual, residual_dtype=rdtype, **branch(self, "attn"))
-    hidden = module(self, "mlp")(normed)
+    hidden = self.fuseblock_family.mlp_output(module(self, "mlp")(normed))
     return (_total(self, hidden, residual) if want_sum else None), hidden, residual
 
 
