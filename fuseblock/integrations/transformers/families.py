@@ -519,6 +519,19 @@ WRAPPERS: Mapping[str, str] = {"llava": "language_model", "gemma3": "language_mo
                                "glm5_next": "language_model"}
 
 
+def family_of_class(name: str) -> str | None:
+    """The fused family (a FAMILIES key) whose inner model is transformers' class `name`
+    (LlamaModel -> "llama"), or None: how fuse finds the entry of a config-only family (one
+    with a config of its own and another family's modeling classes: internlm3 and
+    iquestcoder build a LlamaModel, 5.24's exaone too, sarvam_moe a Glm4MoeModel,
+    sarvam_mla a DeepseekV3Model) and of a model_type it does not know on such a class. The
+    structural check (check.py) then holds the model to that entry, as for the family's own
+    models."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    return next((m for m in FAMILIES if MODEL_MAPPING_NAMES.get(m) == name), None)
+
+
 def registered() -> dict[tuple, Family]:
     """Every entry fuse fuses with, by (model_type, variant key or None): FAMILIES, WRAPPED
     and their variants' entries (GPT-NeoX's and StableLM's by use_parallel_residual)."""

@@ -26,6 +26,7 @@ gives a fused model (`_reduce_fused` names each class by the class it extends).
 from __future__ import annotations
 
 import torch
+import transformers
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as hf_init
@@ -34,7 +35,7 @@ from ...convert import norm_from
 from ...modules import Norm
 from ...ops.checks import check_float_dtype
 from .check import refusals
-from .families import FAMILIES, SUPPORTED, WRAPPED, WRAPPERS, Family
+from .families import FAMILIES, SUPPORTED, WRAPPED, WRAPPERS, Family, family_of_class
 from .refused import REFUSED
 from .versions import check_version
 
@@ -164,12 +165,19 @@ def language_model(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def family_of(model: PreTrainedModel) -> tuple[str, Family]:
-    """model's family (config.model_type of its language model, `language_model`) and its
-    entry, or a ValueError naming the family and why fuse refuses it: unknown, known and
-    refused, or not what its entry says."""
+    """model's family (config.model_type of its language model, `language_model`; else the
+    fused family whose class its inner model is, `family_of_class`) and its entry, or a
+    ValueError naming the family and why fuse refuses it: unknown, known and refused, or
+    not what its entry says."""
     base = language_model(model)
     model_type = getattr(base.config, "model_type", None)
     family = FAMILIES.get(model_type) or WRAPPED.get(model_type)
+    cls = type(base)
+    if family is None and getattr(transformers, cls.__name__, None) is cls and family_of_class(cls.__name__):
+        # a config-only family, or a model_type fuse does not know, on a fused family's class:
+        # that family's entry, held to the model's structure as its own models are
+        model_type = family_of_class(cls.__name__)
+        family = FAMILIES[model_type]
     if family is None:
         raise ValueError(f"fuse: {type(model).__name__} (model_type {model_type!r}) is refused: {refusal(model_type)}. "
                          f"fuse takes {', '.join(SUPPORTED)}; docs/transformers.md lists every family")
@@ -177,8 +185,8 @@ def family_of(model: PreTrainedModel) -> tuple[str, Family]:
         family = family.variant(base.config)
     found = refusals(base, family)
     if found:
-        raise ValueError(f"fuse: {type(base).__name__} (model_type {model_type!r}) is not the layout fuse fuses as "
-                         f"{model_type} ({family.shape.name}): {'; '.join(found)}")
+        raise ValueError(f"fuse: {type(base).__name__} (model_type {base.config.model_type!r}) is not the layout fuse "
+                         f"fuses as {model_type} ({family.shape.name}): {'; '.join(found)}")
     return model_type, family
 
 
