@@ -75,7 +75,6 @@ REFUSED.update({
     "gptj": "one ln_1 feeding attention and MLP in parallel with GPT-2 names (ln_f, wte): not yet compared",
     "codegen": "GPT-J-shaped parallel blocks: not yet compared",
     "gpt_bigcode": "GPT-2-shaped blocks with multi-query attention: not yet compared",
-    "gpt-sw3": "GPT-2's model class under another model_type: not yet compared",
     "openai-gpt": "post-norm blocks (ln_1 after the attention's add) and no final norm",
     "ctrl": "pre-norm blocks with their own names and dropouts (layernorm1, dropout1, ...): not yet compared",
     "mpt": "pre-norm blocks with ALiBi and a residual dropout on the attention branch only: not yet compared",
