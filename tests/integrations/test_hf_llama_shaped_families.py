@@ -4,7 +4,7 @@ Cohere's parallel one (Cohere2), each with its own attention and MoE left as it 
 is held to what the families of test_transformers.py are, in one test to keep the suite's
 CPU time: fp32 logits, loss, every gradient and every hidden state bitwise the unfused
 model's (the torch path), no residual add outside the fused ops, the output class, greedy
-generation with the cache and padding, save_pretrained's keys both ways, gradient
+generation with the cache and padding, save_pretrained's keys and tensors, gradient
 checkpointing; the kernel path within test_transformers.py's bounds on a few.
 """
 import copy
@@ -26,8 +26,10 @@ from fuseblock.integrations.transformers.tiny import LLAMA_SHAPED, SIZES  # noqa
 ROWS = sorted(LLAMA_SHAPED)
 # CohereLayerNorm's fp32 ops against torch.layer_norm: ulps apart (test_transformers.py's NOT_BITWISE)
 NOT_BITWISE = {"cohere2": dict(rtol=1e-5, atol=1e-5), "cohere2_moe": dict(rtol=1e-5, atol=1e-5)}
-# the kernel path on one row of each shape and kind: MLA + MoE, sinks + MoE, post-norm, parallel
-KERNEL_ROWS = ["deepseek_v3", "gpt_oss", "olmo3", "cohere2"]
+# the kernel path on two rows: GPT-OSS (pre-norm; the MLP's (out, scores)), Cohere2 (parallel); the
+# post-norm and pre-norm kernels' other callers are test_transformers.py's (olmo2, qwen3, ...): about
+# 11 s under the interpreter, where deepseek_v3 and olmo3 would add 35 s
+KERNEL_ROWS = ["gpt_oss", "cohere2"]
 
 
 def same(x, y, arch):
@@ -58,16 +60,13 @@ def test_family_row(arch, tmp_path, monkeypatch):
     g_ids, g_mask, _ = batch(t=5)
     kw = dict(attention_mask=g_mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(unfused.generate(g_ids, **kw), fused.generate(g_ids, **kw))
-    # save_pretrained: the unfused model's keys, loading into the unfused class
+    # save_pretrained: the unfused model's keys and tensors
     from safetensors.torch import load_file
 
     unfused.save_pretrained(tmp_path / "unfused")
     fused.save_pretrained(tmp_path / "fused")
-    assert load_file(tmp_path / "fused" / "model.safetensors").keys() == \
-        load_file(tmp_path / "unfused" / "model.safetensors").keys()
-    back = type(unfused).from_pretrained(tmp_path / "fused").eval()
-    with torch.no_grad():
-        same(back(ids).logits, unfused(ids).logits, arch)
+    written, expected = (load_file(tmp_path / m / "model.safetensors") for m in ("fused", "unfused"))
+    assert written.keys() == expected.keys() and all(torch.equal(written[k], expected[k]) for k in expected)
     # gradient checkpointing in training mode: the forward recomputed, the same loss and gradients
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # 5.23 renames it activation_checkpointing_enable
