@@ -84,7 +84,8 @@ class Family:
     window_mask: for a model without config.layer_types, whether its one mask for all
         layers is sliding-window where config.sliding_window is set (Mistral); else it is
         causal whatever the config holds (Llama, Gemma, GLM4, OLMo2 ignore a stray window).
-    output: the inner model's output class (MoE families return router logits in theirs).
+    output: the inner model's output class (MoE families return router logits in theirs), or a
+        function of its fields making it (CWM's class, imported where a CWM model runs).
     model_forward: the inner model's fused forward, its class's by fuse: model.py's, or a
         family's own where its model's signature differs (GPT-2's), mapping onto model.py's.
     cache_keyword: the keyword under which the decoder layers (and their attention) take
@@ -109,7 +110,7 @@ class Family:
     embed: Callable = embed_tokens
     prepare: Callable = no_change
     rotary: str | None = "shared"
-    output: type = BaseModelOutputWithPast
+    output: Callable = BaseModelOutputWithPast
     model_forward: Callable = FUSED_MODEL_FORWARD
     cache_keyword: str | None = None
     variant: Callable | None = None
