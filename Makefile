@@ -5,8 +5,10 @@ PY          := .venv/bin/python
 STAMP       := .venv/.installed
 FLOOR_PY    := .venv-floor/bin/python
 FLOOR_STAMP := .venv-floor/.installed
+HF524_PY    := .venv-hf524/bin/python
+HF524_STAMP := .venv-hf524/.installed
 
-.PHONY: train sample test lint test-torch test-kernels test-floor wheel bench gpu-check hub-repo peer-wheels clean
+.PHONY: train sample test lint test-torch test-kernels test-floor test-hf524 wheel bench gpu-check hub-repo peer-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -14,7 +16,8 @@ $(STAMP): pyproject.toml
 	# (a bare torch requirement on a machine with no torch pulls a multi-GB CUDA build).
 	$(PY) -m pip install --quiet "torch==2.13.0"
 	# triton: the kernel tests run them through its interpreter (the CPU torch brings none)
-	$(PY) -m pip install --quiet -e ".[triton,train,test,lint,hf,hub]"
+	# transformers 5.23 here, 5.24 in .venv-hf524 (test-hf524): the two ends of what fuse takes
+	$(PY) -m pip install --quiet -e ".[triton,train,test,lint,hf,hub]" "transformers==5.23.0"
 	touch $(STAMP)
 
 # THREADS=N: the CPU threads torch uses (--threads; default: torch's choice, one per core)
@@ -29,12 +32,13 @@ sample: $(STAMP)
 # The torch path runs every test; the kernel path reruns the `kernel`-marked tests
 # through the Triton interpreter in a second process (the env var must be set
 # before triton is imported); the floor check reruns the smoke subset on both paths
-# with the oldest torch, triton and numpy that pyproject.toml declares. The parts run
+# with the oldest torch, triton and numpy that pyproject.toml declares; test-hf524 reruns
+# the transformers tests that differ between versions on transformers 5.24. The parts run
 # two at a time (each is one mostly single-threaded pytest process; the two paths
 # share no files), each part's output printed whole when it ends; the first failure
 # fails `make test`.
 test: $(STAMP)
-	$(MAKE) --no-print-directory -j2 --output-sync=target lint test-torch test-kernels test-floor
+	$(MAKE) --no-print-directory -j2 --output-sync=target lint test-torch test-kernels test-floor test-hf524
 
 # ruff, configured in pyproject.toml: a finding fails the run
 lint: $(STAMP)
@@ -60,6 +64,26 @@ $(FLOOR_STAMP): pyproject.toml tools/floor_env.py
 test-floor: $(FLOOR_STAMP)
 	$(TEST_THREADS) $(FLOOR_PY) -m pytest -q -p no:cacheprovider tests/tools/test_floor.py
 	$(TEST_THREADS) TRITON_INTERPRET=1 $(FLOOR_PY) -m pytest -q -p no:cacheprovider tests/tools/test_floor.py
+
+# .venv-hf524: .venv's packages with transformers 5.24 (which renamed the KV cache's keyword,
+# past_key_values, to cache). test-hf524 runs the version tests, each family's fp32
+# comparison, greedy generation with the cache and checkpoint round trip, five of the
+# Llama-shaped rows and the config-only families (5.24's exaone, sarvam_moe, sarvam_mla) on
+# it, torch path only (the kernels do not see the version).
+$(HF524_STAMP): pyproject.toml
+	test -x $(HF524_PY) || python3 -m venv .venv-hf524
+	$(HF524_PY) -m pip install --quiet "torch==2.13.0"
+	$(HF524_PY) -m pip install --quiet -e ".[triton,test,hf]" "transformers==5.24.0"
+	touch $(HF524_STAMP)
+
+HF524_TESTS := tests/integrations/test_hf_versions.py tests/integrations/test_transformers.py \
+               tests/integrations/test_hf_hyper_families.py tests/integrations/test_hf_sandwich_families.py \
+               tests/integrations/test_hf_llama_shaped_families.py
+HF524_SELECT := test_hf_versions or greedy or generat or fp32_logits or checkpoints_load or config_only or refusal \
+                or (family_row and (deepseek_v3 or gpt_oss or olmo3 or cohere2 or ministral3))
+
+test-hf524: $(HF524_STAMP)
+	$(TEST_THREADS) $(HF524_PY) -m pytest -q -p no:cacheprovider $(HF524_TESTS) -k "$(HF524_SELECT)" --durations=5
 
 # dist/fuseblock-<version>-py3-none-any.whl; build/ is cleared first so no stale file rides along
 wheel: $(STAMP)
@@ -120,4 +144,4 @@ peer-wheels: $(STAMP)
 	ls $(PEER_WHEELS)
 
 clean:
-	rm -rf .venv .venv-floor out build dist *.egg-info
+	rm -rf .venv .venv-floor .venv-hf524 out build dist *.egg-info

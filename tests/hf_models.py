@@ -53,11 +53,14 @@ def batch(seed=1, b=2, t=T):
 
 
 def run(model, ids, mask, labels, hidden=True):
-    """(logits, loss, {name: grad}, hidden states or None) of one forward and backward."""
+    """(logits, loss, {name: grad}, hidden states or None) of one forward and backward; the
+    grads of the parameters that get one (a MoE's experts no token of the batch reaches,
+    DeepSeek-V3's routing bias, get none: the key sets of two runs are compared)."""
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, attention_mask=mask, labels=labels, output_hidden_states=hidden)
     out.loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in getattr(model, "_orig_mod", model).named_parameters()}
+    grads = {n: p.grad.detach().clone() for n, p in getattr(model, "_orig_mod", model).named_parameters()
+             if p.grad is not None}
     return out.logits.detach(), out.loss.detach(), grads, hidden and [h.detach() for h in out.hidden_states]
 
 

@@ -1,6 +1,6 @@
 """docs/transformers.md's family table, made from the code: every causal-LM family of the
-installed transformers, fused (with its stream shape) or refused (with the reason fuse
-gives).
+installed transformers, fused (with its stream shape; a config-only family with the fused
+family whose classes it builds) or refused (with the reason fuse gives).
 
     python tools/transformers_table.py           # print the table
     python tools/transformers_table.py --write   # rewrite it in docs/transformers.md
@@ -31,15 +31,20 @@ _VERSION = re.compile(r"transformers (\S+), ")
 def families() -> list[tuple[str, str, str]]:
     """(model_type, "fused" or "refused", the stream shape or the reason), for every causal
     LM of the installed transformers and every family fuse names, sorted by model_type."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
     from fuseblock.integrations.transformers import FAMILIES, WRAPPERS
+    from fuseblock.integrations.transformers.families import family_of_class
     from fuseblock.integrations.transformers.fusion import refusal
 
     rows = []
     for model_type in sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(FAMILIES) | set(WRAPPERS)):
+        owner = family_of_class(MODEL_MAPPING_NAMES.get(model_type))
         if model_type in FAMILIES:
             rows.append((model_type, "fused", shapes(FAMILIES[model_type])))
+        elif owner is not None:  # a config-only family on a fused family's classes
+            rows.append((model_type, "fused", f"{shapes(FAMILIES[owner])}: `{owner}`'s classes "
+                                              f"({MODEL_MAPPING_NAMES[model_type]})"))
         elif model_type in WRAPPERS:
             rows.append((model_type, "fused", f"a multimodal wrapper: its `{WRAPPERS[model_type]}` is fused, the "
                                               f"vision tower and projector left as they are"))

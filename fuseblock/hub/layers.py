@@ -8,11 +8,14 @@ those by the names the replaced class uses:
 
 - `RMSNorm` for `@use_kernel_forward_from_hub("RMSNorm")` classes (LlamaRMSNorm,
   Qwen3RMSNorm, ...): `weight`, `variance_epsilon`; out = x / rms(x) * weight.
+- `RMSNormZeroCentered` for `"RMSNormZeroCentered"` (Qwen3_5RMSNorm, Qwen3_5MoeRMSNorm:
+  transformers 5.24 names the hub layer and maps no kernel to it): `weight`, `eps`;
+  out = x / rms(x) * (1 + weight) in fp32, in x's dtype (weight_offset = 1).
 - `RMSNormGated` for `"RMSNormGated"` (Qwen3NextRMSNormGated and its copies): `weight`,
   `variance_epsilon`, `activation`; out = (x / rms(x) * weight) * act(gate), the gate
   after the norm, as those classes compute it.
 
-Both run `fuseblock.norm`: its Triton kernels on CUDA (and CPU under TRITON_INTERPRET=1),
+All run `fuseblock.norm`: its Triton kernels on CUDA (and CPU under TRITON_INTERPRET=1),
 its torch path elsewhere, with their backward and torch.compile support. The add before
 the norm stays the model's own here: `fuseblock.integrations.transformers.fuse` fuses it
 too (docs/transformers.md says when to use which).
@@ -24,11 +27,15 @@ from torch import Tensor, nn
 
 from ..ops.norm import norm
 
-__all__ = ["RMSNorm", "RMSNormGated"]
+__all__ = ["RMSNorm", "RMSNormGated", "RMSNormZeroCentered"]
 
 
 def rms_norm_forward(module: nn.Module, hidden_states: Tensor) -> Tensor:
     return norm(hidden_states, module.weight, eps=module.variance_epsilon)
+
+
+def zero_centered_rms_norm_forward(module: nn.Module, hidden_states: Tensor) -> Tensor:
+    return norm(hidden_states, module.weight, eps=module.eps, weight_offset=1.0).to(hidden_states.dtype)
 
 
 def gated_rms_norm_forward(module: nn.Module, hidden_states: Tensor, gate: Tensor | None) -> Tensor:
@@ -47,6 +54,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return rms_norm_forward(self, hidden_states)
+
+
+class RMSNormZeroCentered(nn.Module):
+    """Qwen3_5RMSNorm's forward(x) on fuseblock.norm: the weight stored as w, applied as 1 + w."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return zero_centered_rms_norm_forward(self, x)
 
 
 class RMSNormGated(nn.Module):

@@ -18,7 +18,8 @@ from pathlib import Path
 NAME = "fuseblock-norms"
 BACKENDS = ("cpu", "cuda")  # noarch variants: pure Python, Triton compiled at run time
 
-_INIT = '''"""fuseblock's norms as kernel-hub layers: RMSNorm, RMSNormGated (fuseblock.hub.layers)."""
+_INIT = '''"""fuseblock's norms as kernel-hub layers: RMSNorm, RMSNormZeroCentered, RMSNormGated
+(fuseblock.hub.layers)."""
 from fuseblock.hub import layers
 
 __all__ = ["layers"]

@@ -22,6 +22,7 @@ from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping  #
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm  # noqa: E402
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated  # noqa: E402
 
 from fuseblock.hub import layers  # noqa: E402
@@ -53,7 +54,8 @@ def _mapping(repo, name):
 def test_repository_layers_pass_kernels_validation(repo):
     from kernels.layer.layer import _validate_layer
 
-    for name, check in (("RMSNorm", LlamaRMSNorm), ("RMSNorm", Qwen3RMSNorm), ("RMSNormGated", Qwen3NextRMSNormGated)):
+    for name, check in (("RMSNorm", LlamaRMSNorm), ("RMSNorm", Qwen3RMSNorm), ("RMSNormGated", Qwen3NextRMSNormGated),
+                        ("RMSNormZeroCentered", Qwen3_5RMSNorm)):
         local = LocalLayerRepository(repo_path=Path(repo), layer_name=name)
         cls = local.load()
         assert cls is getattr(layers, name)
@@ -125,3 +127,32 @@ def test_kernelize_gated_norm(monkeypatch, repo):
     g2 = torch.autograd.grad(want, (x, gate, untouched[0].weight), dy)
     for a, b in zip(g1, g2, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernelize_zero_centered_norm(monkeypatch, repo, dtype):
+    """Qwen3.5's RMSNorm (x / rms(x) * (1 + w), in fp32, out in x's dtype), which transformers
+    5.24 marks "RMSNormZeroCentered": the layer gives its output, dtype and gradients (fp32
+    within 1e-5; bf16 within one bf16 rounding of the unfused output)."""
+    _mark(monkeypatch, Qwen3_5RMSNorm, "RMSNormZeroCentered")
+    model = torch.nn.Sequential(Qwen3_5RMSNorm(24, eps=1e-6))
+    with torch.no_grad():
+        model[0].weight.normal_(0.0, 0.2)  # stored as w, applied as 1 + w: zeros are the identity
+    model.to(dtype)
+    untouched = copy.deepcopy(model)
+    with use_kernel_mapping(_mapping(repo, "RMSNormZeroCentered"), inherit_mapping=False):
+        kernelize(model, mode=Mode.TRAINING, device=DEVICE)
+    assert model[0].forward.__func__ is layers.RMSNormZeroCentered.forward
+    x = torch.randn(5, 24, dtype=dtype, requires_grad=True)
+    got, want = model[0](x), untouched[0](x)
+    assert got.dtype == want.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-7)
+    torch.testing.assert_close(got, want, **tol)
+    assert not torch.allclose(got.float(), torch.nn.functional.rms_norm(x.float(), (24,), eps=1e-6) *
+                              model[0].weight.float(), atol=1e-2)  # the offset matters: 1 + w, not w
+    if dtype == torch.float32:
+        dy = torch.randn_like(got)
+        g1 = torch.autograd.grad(got, (x, model[0].weight), dy)
+        g2 = torch.autograd.grad(want, (x, untouched[0].weight), dy)
+        for a, b in zip(g1, g2, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

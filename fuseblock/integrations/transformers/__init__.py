@@ -23,15 +23,17 @@ The package, one concept a file:
 - `check`: the structural check that stands between a family's name and its fusion;
 - `layers`: the fused decoder-layer forwards, one per stream shape;
 - `model`: the fused forward of the inner model (LlamaModel and its kin);
-- `fusion`: `fuse` itself: norms converted, layers and models re-classed (forwards, init).
+- `fusion`: `fuse` itself: norms converted, layers and models re-classed (forwards, init);
+- `versions`: the transformers versions fuse is tested with (5.17 to 5.24; fuse refuses
+  others) and what differs between them (the KV cache's keyword).
 """
 from __future__ import annotations
 
 try:
     import transformers
 except ImportError as e:
-    raise ImportError("fuseblock.integrations.transformers needs transformers 5.17 to 5.23 "
-                      f"(pip install 'transformers>=5.17,<5.24'): {e}") from e
+    raise ImportError("fuseblock.integrations.transformers needs transformers 5.17 to 5.24 "
+                      f"(pip install 'transformers>=5.17,<5.25'): {e}") from e
 if tuple(int(v) for v in transformers.__version__.split(".")[:2]) < (5, 17):  # layers returned tuples before 5
     raise ImportError(f"fuseblock.integrations.transformers needs transformers >= 5.17, found "
                       f"{transformers.__version__}")

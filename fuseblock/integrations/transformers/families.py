@@ -28,6 +28,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .layers import HYPER, PARALLEL, PARALLEL_RESIDUAL_FIRST, POST_NORM, PRE_NORM, SANDWICH, Hyper, Shape
 from .model import FUSED_MODEL_FORWARD, HYPER_MODEL_FORWARD, PREPARE, stream_forward
+from .versions import CACHE, LINEAR_CACHE, one_cache
 
 
 def embed_tokens(base, input_ids: Tensor) -> Tensor:
@@ -41,11 +42,11 @@ def no_change(base, inputs_embeds: Tensor, position_ids: Tensor) -> Tensor:
     return inputs_embeds
 
 
-def positions(base, position_ids: Tensor | None, inputs_embeds: Tensor, past_key_values) -> tuple[Tensor, Tensor]:
+def positions(base, position_ids: Tensor | None, inputs_embeds: Tensor, cache) -> tuple[Tensor, Tensor]:
     """(the rotary embedding's position ids, the masks' and layers'): both the given ones,
     or 0 .. T-1 after the cached tokens, (1, T)."""
     if position_ids is None:
-        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        past_seen = cache.get_seq_length() if cache is not None else 0
         position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
     return position_ids, position_ids
 
@@ -83,15 +84,19 @@ class Family:
     window_mask: for a model without config.layer_types, whether its one mask for all
         layers is sliding-window where config.sliding_window is set (Mistral); else it is
         causal whatever the config holds (Llama, Gemma, GLM4, OLMo2 ignore a stray window).
-    output: the inner model's output class (MoE families return router logits in theirs).
+    output: the inner model's output class (MoE families return router logits in theirs), or a
+        function of its fields making it (CWM's class, imported where a CWM model runs).
     model_forward: the inner model's fused forward, its class's by fuse: model.py's, or a
         family's own where its model's signature differs (GPT-2's), mapping onto model.py's.
     cache_keyword: the keyword under which the decoder layers (and their attention) take
-        the KV cache: "past_key_values", GPT-NeoX's "layer_past".
+        the KV cache: None for the installed transformers' own (versions.CACHE:
+        past_key_values, 5.24's cache), GPT-NeoX's "layer_past".
     variant: config -> the entry a model of that config takes, where a config flag changes
         the layout (GPT-NeoX's and StableLM's use_parallel_residual pick their shape), or None.
     requires: config key -> the value this entry's forward computes with (each variant's
         use_parallel_residual): the check refuses any other value.
+    mlp_output: the MLP module's output -> the branch output (GPT-OSS's MLP returns it with
+        its router scores, which its layer drops); the pre-norm shape's.
     hyper: for the n-stream shape (layers.HYPER), what its forwards need beyond its
         modules (layers.Hyper); None for the others. fuse then converts the stream's norms
         only, leaving every module inside the layers as it is.
@@ -105,13 +110,14 @@ class Family:
     embed: Callable = embed_tokens
     prepare: Callable = no_change
     rotary: str | None = "shared"
-    output: type = BaseModelOutputWithPast
+    output: Callable = BaseModelOutputWithPast
     model_forward: Callable = FUSED_MODEL_FORWARD
-    cache_keyword: str = "past_key_values"
+    cache_keyword: str | None = None
     variant: Callable | None = None
     requires: Mapping[str, object] = field(default_factory=dict)
     positions: Callable = positions
     window_mask: bool = False
+    mlp_output: Callable = lambda out: out
     hyper: Hyper | None = None
     norms: tuple = field(init=False)
 
@@ -156,11 +162,12 @@ def _gpt2_prepare(base, inputs_embeds: Tensor, position_ids: Tensor, token_type_
     return base.drop(hidden)
 
 
-def _gpt2_model_forward(self, input_ids=None, past_key_values=None, attention_mask=None, token_type_ids=None,
+def _gpt2_model_forward(self, input_ids=None, cache=None, attention_mask=None, token_type_ids=None,
                         position_ids=None, inputs_embeds=None, encoder_hidden_states=None,
                         encoder_attention_mask=None, use_cache=None, **kwargs):
-    """GPT2Model.forward's signature (past_key_values second, positionally) on model.py's
-    forward. Token types go to the embedding step (`_gpt2_prepare`); cross-attention inputs
+    """GPT2Model.forward's signature (the cache second, positionally: cache in 5.24,
+    past_key_values before, by keyword either) on model.py's forward. Token types go to
+    the embedding step (`_gpt2_prepare`); cross-attention inputs
     are refused: they need the cross-attention blocks fuse refuses. Like GPT2Model, ids of
     more than two dims (GPT2DoubleHeadsModel's choices) run as one batch and come back in
     their shape, and so do token types."""
@@ -181,8 +188,8 @@ def _gpt2_model_forward(self, input_ids=None, past_key_values=None, attention_ma
         kwargs[PREPARE] = {"token_type_ids": token_type_ids.view(-1, shape[-1])}
     if attention_mask is not None and attention_mask.ndim < 4:
         attention_mask = attention_mask.view((input_ids if inputs_embeds is None else inputs_embeds).shape[0], -1)
-    out = stream_forward(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
-                         **kwargs)
+    out = stream_forward(self, input_ids, attention_mask, position_ids, one_cache(cache, kwargs), inputs_embeds,
+                         use_cache, **kwargs)
     out.last_hidden_state = out.last_hidden_state.view(-1, *shape[1:], out.last_hidden_state.shape[-1])
     return out
 
@@ -251,6 +258,49 @@ FAMILIES: Mapping[str, Family] = {
     "olmo2": Family(POST_NORM, _OLMO2_PARTS),
 }
 
+def first(out: tuple) -> Tensor:
+    """The MLP's output of a (output, router scores) pair (GPT-OSS's MLP)."""
+    return out[0]
+
+
+# The Llama-shaped families (issue 43): Llama's decoder layer, each with its own attention, MLP or
+# MoE (routers, shared experts, MLA attention, sinks, q/k norms: modules fuse leaves as they are),
+# or OLMo2's post-norm layer, or Cohere's parallel one. Their MoE models return router logits in
+# MoeModelOutputWithPast; by_layer_type: one rotary embedding per config.layer_types entry.
+_MOE = dict(output=MoeModelOutputWithPast)
+
+
+def _cwm_output(**fields):
+    """CwmModel's output class (BaseModelOutputWithPast's subclass), imported where a CWM model runs."""
+    from transformers.models.cwm.modeling_cwm import CwmModelOutputWithPast
+
+    return CwmModelOutputWithPast(**fields)
+
+
+_COHERE_PARTS = {"norm_1": "input_layernorm", "attn": "self_attn", "mlp": "mlp"}
+FAMILIES.update({
+    "cwm": Family(PRE_NORM, output=_cwm_output),
+    **dict.fromkeys(("arcee", "bitnet", "diffllama", "ernie4_5", "glm", "seed_oss", "hunyuan_v1_dense",
+                     "jais2", "nemotron"), Family(PRE_NORM)),
+    **dict.fromkeys(("ernie4_5_moe", "exaone_moe", "glm4_moe", "minimax_m2", "olmoe", "hunyuan_v1_moe", "dots1",
+                     "flint", "hy_v3", "solar_open", "aria_text", "deepseek_v3", "deepseek_v2", "glm4_moe_lite",
+                     "axk1"), Family(PRE_NORM, **_MOE)),
+    "youtu": Family(PRE_NORM),
+    # Ministral3's one mask for all layers is sliding where config.sliding_window is set
+    "ministral3": Family(PRE_NORM, window_mask=True),
+    "phimoe": Family(PRE_NORM, **_MOE, window_mask=True),
+    "laguna": Family(PRE_NORM, **_MOE, rotary="by_layer_type"),
+    "mimo_v2_flash": Family(PRE_NORM, **_MOE, rotary="by_layer_type"),
+    "gpt_oss": Family(PRE_NORM, **_MOE, mlp_output=first),
+    # Apertus and VaultGemma name their two pre-norms otherwise
+    "apertus": Family(PRE_NORM, {**LLAMA_PARTS, "norm_1": "attention_layernorm", "norm_2": "feedforward_layernorm"}),
+    "vaultgemma": Family(PRE_NORM, {**LLAMA_PARTS, "norm_2": "pre_feedforward_layernorm"}),
+    # OLMo3, EXAONE-4, FlexOlmo: OLMo2's post-norm layer
+    "olmo3": Family(POST_NORM, _OLMO2_PARTS, rotary="by_layer_type"),
+    "exaone4": Family(POST_NORM, _OLMO2_PARTS),
+    "flex_olmo": Family(POST_NORM, _OLMO2_PARTS, **_MOE),
+})
+
 # olmo, stablelm, starcoder2, gpt_neox, cohere, phi: LayerNorms (with bias, weight only,
 # none), parallel branches, dropout modules and model-level embedding dropout
 
@@ -312,7 +362,10 @@ FAMILIES.update({
     "starcoder2": Family(PRE_NORM, reads=frozenset({"residual_dropout", "embedding_dropout"}),
                          prepare=_embedding_dropout, window_mask=True),
     "gpt_neox": _GPT_NEOX[True],
-    "cohere": Family(PARALLEL_RESIDUAL_FIRST, {"norm_1": "input_layernorm", "attn": "self_attn", "mlp": "mlp"}),
+    "cohere": Family(PARALLEL_RESIDUAL_FIRST, _COHERE_PARTS),
+    # Cohere2's parallel layer is Cohere's (r + attn) + mlp, with sliding layers (config.layer_types)
+    "cohere2": Family(PARALLEL_RESIDUAL_FIRST, _COHERE_PARTS),
+    "cohere2_moe": Family(PARALLEL_RESIDUAL_FIRST, _COHERE_PARTS, **_MOE),
     "phi": Family(PARALLEL, {"norm_1": "input_layernorm", "attn": "self_attn", "mlp": "mlp", "drop": "resid_dropout"},
                   {**LLAMA_MODEL, "norm": "final_layernorm", "embed_dropout": "embed_dropout"},
                   reads=frozenset({"resid_pdrop", "embd_pdrop"}),
@@ -347,17 +400,17 @@ def _deepseek_v4_feed(layer, normed: Tensor, kwargs: dict) -> Tensor:
     return layer.mlp(normed, input_ids=kwargs.get("input_ids"))
 
 
-def _indexed_attend(layer, normed: Tensor, attention_mask=None, position_ids=None, past_key_values=None,
-                    use_cache=False, position_embeddings=None, prev_topk_indices=None, **kwargs):
+def _indexed_attend(layer, normed: Tensor, attention_mask=None, position_ids=None, use_cache=False,
+                    position_embeddings=None, prev_topk_indices=None, **kwargs):
     """HYV4DecoderLayer's and Glm5NextTextDecoderLayer's attention call (the latter's linear
-    attention layers take the cache as cache_params and return no top-k)."""
+    attention layers take the cache as cache_params, 5.24's cache, and return no top-k)."""
+    cache = kwargs.pop(CACHE, None)
     if getattr(layer, "block_type", None) == "linear_attention":
-        return layer.self_attn(hidden_states=normed, cache_params=past_key_values, attention_mask=attention_mask,
+        return layer.self_attn(hidden_states=normed, attention_mask=attention_mask, **{LINEAR_CACHE: cache},
                                **kwargs), None
     out, _, topk = layer.self_attn(hidden_states=normed, attention_mask=attention_mask, position_ids=position_ids,
-                                   past_key_values=past_key_values, use_cache=use_cache,
-                                   position_embeddings=position_embeddings, prev_topk_indices=prev_topk_indices,
-                                   **kwargs)
+                                   use_cache=use_cache, position_embeddings=position_embeddings,
+                                   prev_topk_indices=prev_topk_indices, **{CACHE: cache}, **kwargs)
     return out, topk
 
 
@@ -365,33 +418,33 @@ def _plain_feed(layer, normed: Tensor, kwargs: dict) -> Tensor:
     return layer.mlp(normed)
 
 
-def _deepseek_v4_inputs(base, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, use_cache):
+def _deepseek_v4_inputs(base, input_ids, inputs_embeds, attention_mask, position_ids, cache, use_cache):
     """DeepseekV4Model.forward's layer keywords: one sliding-window mask (generate's dict holds
     it under each layer type), the main and the compressors' rotary embeddings."""
     if isinstance(attention_mask, dict):
         mask = next(iter(attention_mask.values()))
     else:
         mask = create_sliding_window_causal_mask(config=base.config, inputs_embeds=inputs_embeds,
-                                                 attention_mask=attention_mask, past_key_values=past_key_values,
-                                                 position_ids=position_ids)
+                                                 attention_mask=attention_mask, position_ids=position_ids,
+                                                 **{CACHE: cache})
     rotary = {k: base.rotary_emb(inputs_embeds, position_ids=position_ids, layer_type=k) for k in ("main", "compress")}
-    return [dict(position_embeddings=rotary, position_ids=position_ids, attention_mask=mask, input_ids=input_ids,
-                 past_key_values=past_key_values)] * base.config.num_hidden_layers
+    return [{"position_embeddings": rotary, "position_ids": position_ids, "attention_mask": mask,
+             "input_ids": input_ids, CACHE: cache}] * base.config.num_hidden_layers
 
 
-def _hy_v4_inputs(base, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, use_cache):
+def _hy_v4_inputs(base, input_ids, inputs_embeds, attention_mask, position_ids, cache, use_cache):
     """HYV4Model.forward's: one causal mask, always built (its indexer reads it), one rotary embedding."""
     masks = attention_mask
     if not isinstance(masks, dict):
         masks = {"indexed_attention": create_causal_mask(
-            config=base.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-            past_key_values=past_key_values, position_ids=position_ids, allow_is_causal_skip=False)}
+            config=base.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+            allow_is_causal_skip=False, **{CACHE: cache})}
     rotary = base.rotary_emb(inputs_embeds, position_ids=position_ids)
-    return [dict(attention_mask=masks["indexed_attention"], position_embeddings=rotary, position_ids=position_ids,
-                 past_key_values=past_key_values, use_cache=use_cache)] * base.config.num_hidden_layers
+    return [{"attention_mask": masks["indexed_attention"], "position_embeddings": rotary,
+             "position_ids": position_ids, CACHE: cache, "use_cache": use_cache}] * base.config.num_hidden_layers
 
 
-def _glm5_next_inputs(base, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, use_cache):
+def _glm5_next_inputs(base, input_ids, inputs_embeds, attention_mask, position_ids, cache, use_cache):
     """Glm5NextTextModel.forward's: the 2-d padding mask (boolean, all ones where none is
     given) for both layer types, no rotary embedding (NoPE)."""
     from transformers.masking_utils import create_recurrent_attention_mask
@@ -400,13 +453,13 @@ def _glm5_next_inputs(base, input_ids, inputs_embeds, attention_mask, position_i
     masks = attention_mask
     if not isinstance(masks, dict):
         mask = create_recurrent_attention_mask(config=base.config, inputs_embeds=inputs_embeds,
-                                               attention_mask=attention_mask, past_key_values=past_key_values)
+                                               attention_mask=attention_mask, **{CACHE: cache})
         if mask is None:
             mask = torch.ones(inputs_embeds.shape[:2], dtype=torch.bool, device=inputs_embeds.device)
         # keyed by the config's names: 5.17 calls the sparse layers deepseek_sparse_attention, 5.23 indexed_attention
         masks = dict.fromkeys(kinds, mask.bool())
-    return [dict(attention_mask=masks[k], position_ids=position_ids, position_embeddings=None, input_ids=input_ids,
-                 past_key_values=past_key_values) for k in kinds]
+    return [{"attention_mask": masks[k], "position_ids": position_ids, "position_embeddings": None,
+             "input_ids": input_ids, CACHE: cache} for k in kinds]
 
 
 _HYPER_PARTS = {"hc_1": "attn_hc", "norm_1": "input_layernorm", "attn": "self_attn", "hc_2": "ffn_hc",
@@ -424,14 +477,14 @@ FAMILIES.update({
 
 SUPPORTED = tuple(FAMILIES)
 
-def mrope_positions(base, position_ids: Tensor | None, inputs_embeds: Tensor, past_key_values):
+def mrope_positions(base, position_ids: Tensor | None, inputs_embeds: Tensor, cache):
     """Qwen2-VL's and Qwen2.5-VL's language model (Qwen2VLTextModel.forward): its rotary
     embedding (M-RoPE) takes (3, B, T) position ids, temporal, height and width, equal for
     text tokens (the wrapper computes them for images); 2-D ones are taken for all three.
     (4, B, T) ids carry the text positions first (packed sequences), which the masks and
     the layers take; otherwise they take none."""
     if position_ids is None:
-        position_ids = positions(base, None, inputs_embeds, past_key_values)[0]
+        position_ids = positions(base, None, inputs_embeds, cache)[0]
         position_ids = position_ids.view(1, 1, -1).expand(3, inputs_embeds.shape[0], -1)
     elif position_ids.ndim == 2:
         position_ids = position_ids[None, ...].expand(3, position_ids.shape[0], -1)
@@ -465,6 +518,19 @@ WRAPPED: Mapping[str, Family] = {
 WRAPPERS: Mapping[str, str] = {"llava": "language_model", "gemma3": "language_model", "mistral3": "language_model",
                                "qwen2_vl": "language_model", "qwen2_5_vl": "language_model",
                                "glm5_next": "language_model"}
+
+
+def family_of_class(name: str) -> str | None:
+    """The fused family (a FAMILIES key) whose inner model is transformers' class `name`
+    (LlamaModel -> "llama"), or None: how fuse finds the entry of a config-only family (one
+    with a config of its own and another family's modeling classes: internlm3 and
+    iquestcoder build a LlamaModel, 5.24's exaone too, sarvam_moe a Glm4MoeModel,
+    sarvam_mla a DeepseekV3Model) and of a model_type it does not know on such a class. The
+    structural check (check.py) then holds the model to that entry, as for the family's own
+    models."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    return next((m for m in FAMILIES if MODEL_MAPPING_NAMES.get(m) == name), None)
 
 
 def registered() -> dict[tuple, Family]:

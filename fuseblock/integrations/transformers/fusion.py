@@ -26,6 +26,7 @@ gives a fused model (`_reduce_fused` names each class by the class it extends).
 from __future__ import annotations
 
 import torch
+import transformers
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as hf_init
@@ -34,8 +35,9 @@ from ...convert import norm_from
 from ...modules.norm import Norm
 from ...ops.checks import check_float_dtype
 from .check import refusals
-from .families import FAMILIES, SUPPORTED, WRAPPED, WRAPPERS, Family
+from .families import FAMILIES, SUPPORTED, WRAPPED, WRAPPERS, Family, family_of_class
 from .refused import REFUSED
+from .versions import check_version
 
 # The roles of the modules fuse re-classes: a decoder layer (its shape's forward), the
 # inner model (its family's model forward and the Norms' init) and the PreTrainedModels
@@ -163,12 +165,19 @@ def language_model(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def family_of(model: PreTrainedModel) -> tuple[str, Family]:
-    """model's family (config.model_type of its language model, `language_model`) and its
-    entry, or a ValueError naming the family and why fuse refuses it: unknown, known and
-    refused, or not what its entry says."""
+    """model's family (config.model_type of its language model, `language_model`; else the
+    fused family whose class its inner model is, `family_of_class`) and its entry, or a
+    ValueError naming the family and why fuse refuses it: unknown, known and refused, or
+    not what its entry says."""
     base = language_model(model)
     model_type = getattr(base.config, "model_type", None)
     family = FAMILIES.get(model_type) or WRAPPED.get(model_type)
+    cls = type(base)
+    if family is None and getattr(transformers, cls.__name__, None) is cls and family_of_class(cls.__name__):
+        # a config-only family, or a model_type fuse does not know, on a fused family's class:
+        # that family's entry, held to the model's structure as its own models are
+        model_type = family_of_class(cls.__name__)
+        family = FAMILIES[model_type]
     if family is None:
         raise ValueError(f"fuse: {type(model).__name__} (model_type {model_type!r}) is refused: {refusal(model_type)}. "
                          f"fuse takes {', '.join(SUPPORTED)}; docs/transformers.md lists every family")
@@ -176,8 +185,8 @@ def family_of(model: PreTrainedModel) -> tuple[str, Family]:
         family = family.variant(base.config)
     found = refusals(base, family)
     if found:
-        raise ValueError(f"fuse: {type(base).__name__} (model_type {model_type!r}) is not the layout fuse fuses as "
-                         f"{model_type} ({family.shape.name}): {'; '.join(found)}")
+        raise ValueError(f"fuse: {type(base).__name__} (model_type {base.config.model_type!r}) is not the layout fuse "
+                         f"fuses as {model_type} ({family.shape.name}): {'; '.join(found)}")
     return model_type, family
 
 
@@ -197,7 +206,11 @@ def fuse(model: PreTrainedModel, *, residual_dtype: torch.dtype | None = None) -
     parameters the stream is fp32 already); torch.float32 keeps an fp32 stream in a bf16
     model. Calling fuse again on a fused model only changes residual_dtype. The n-stream
     families (deepseek_v4, hy_v4, glm5_next) keep their streams in the model's dtype: None only.
+
+    A transformers version outside the tested range (versions.TESTED: 5.17 to 5.24) is a
+    RuntimeError naming the range.
     """
+    check_version()
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     check_float_dtype("residual_dtype", residual_dtype)

@@ -91,7 +91,7 @@ def _pre_norm(self, hidden_states: Tensor, residual: Tensor | None = None, **kwa
     normed, residual = _enter(self, hidden_states, residual, module(self, "norm_1"), rdtype)
     attn = module(self, "attn")(hidden_states=normed, **kwargs)[0]
     normed, residual = module(self, "norm_2").add(attn, residual, residual_dtype=rdtype, **branch(self, "attn"))
-    hidden = module(self, "mlp")(normed)
+    hidden = self.fuseblock_family.mlp_output(module(self, "mlp")(normed))
     return (_total(self, hidden, residual) if want_sum else None), hidden, residual
 
 
@@ -268,7 +268,7 @@ class Hyper(NamedTuple):
         indexer hands the next layer, or None).
     feed: (layer, normed, kwargs) -> the MLP's output.
     inputs: (inner model, input_ids, inputs_embeds, attention_mask, position_ids,
-        past_key_values, use_cache) -> each layer's keywords, as the unfused model forward
+        cache, use_cache) -> each layer's keywords, as the unfused model forward
         builds them (masks, rotary embeddings, cache).
     topk: whether a layer takes the previous layer's top-k (prev_topk_indices).
     weighted_head: the head collapses with its own pre (hc_fn, hc_base, hc_scale), else the

@@ -19,6 +19,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from ...ops.hyper import hc_head
 from .layers import SUM, branch
+from .versions import CACHE, one_cache
 
 # The private keyword under which a family's model forward hands its prepare step inputs
 # of its own (GPT-2's token_type_ids), which the layers do not take
@@ -28,7 +29,7 @@ PREPARE = "fuseblock_prepare"
 _MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
 
-def _layer_masks(config, family, attention_mask, inputs_embeds, past_key_values, position_ids) -> list:
+def _layer_masks(config, family, attention_mask, inputs_embeds, cache, position_ids) -> list:
     """One attention mask per decoder layer. Models with config.layer_types (Qwen2, Qwen3,
     Gemma2) use one mask per layer type, which generate() may have prepared as a dict;
     the others one mask for all layers, sliding-window where the family's model reads the
@@ -36,8 +37,8 @@ def _layer_masks(config, family, attention_mask, inputs_embeds, past_key_values,
     n, kinds = config.num_hidden_layers, getattr(config, "layer_types", None)
     if kinds is not None and isinstance(attention_mask, dict):
         return [attention_mask[k] for k in kinds[:n]]
-    kw = dict(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-              past_key_values=past_key_values, position_ids=position_ids)
+    kw = {"config": config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask, CACHE: cache,
+          "position_ids": position_ids}
     if kinds is None:
         sliding = family.window_mask and getattr(config, "sliding_window", None) is not None
         return [(create_sliding_window_causal_mask if sliding else create_causal_mask)(**kw)] * n
@@ -75,16 +76,16 @@ def _final_norm(base, family, last, hidden: Tensor, residual: Tensor | None, *re
     return family.shape.enter(last, hidden, residual, norm, rdtype, *rest)[0]
 
 
-def _embeddings_and_cache(base, family, input_ids, inputs_embeds, past_key_values, use_cache):
+def _embeddings_and_cache(base, family, input_ids, inputs_embeds, cache, use_cache):
     """(the input embeddings, the cache), as the unfused model forwards begin: exactly one
     of input_ids and inputs_embeds, and a DynamicCache when one is wanted and none given."""
     if (input_ids is None) ^ (inputs_embeds is not None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
     if inputs_embeds is None:
         inputs_embeds = family.embed(base, input_ids)
-    if use_cache and past_key_values is None:
-        past_key_values = DynamicCache(config=base.config)
-    return inputs_embeds, past_key_values
+    if use_cache and cache is None:
+        cache = DynamicCache(config=base.config)
+    return inputs_embeds, cache
 
 
 def _record_sums(base, kwargs: dict) -> None:
@@ -99,30 +100,33 @@ def stream_forward(
     input_ids: torch.LongTensor | None = None,
     attention_mask: Tensor | dict | None = None,
     position_ids: torch.LongTensor | None = None,
-    past_key_values=None,
+    cache=None,
     inputs_embeds: Tensor | None = None,
     use_cache: bool | None = None,
     **kwargs,
 ):
-    """The inner model's forward on the fused stream (see the module docstring)."""
+    """The inner model's forward on the fused stream (see the module docstring). The KV
+    cache comes as `cache` (transformers 5.24's name, fourth as in its models' forwards)
+    or `past_key_values` (5.23's), and goes to the layers under the installed version's
+    name (the family's cache_keyword)."""
     family = self.fuseblock_family
-    inputs_embeds, past_key_values = _embeddings_and_cache(self, family, input_ids, inputs_embeds, past_key_values,
-                                                           use_cache)
-    rotary_ids, position_ids = family.positions(self, position_ids, inputs_embeds, past_key_values)
+    cache = one_cache(cache, kwargs)
+    inputs_embeds, cache = _embeddings_and_cache(self, family, input_ids, inputs_embeds, cache, use_cache)
+    rotary_ids, position_ids = family.positions(self, position_ids, inputs_embeds, cache)
     n = self.config.num_hidden_layers
-    masks = _layer_masks(self.config, family, attention_mask, inputs_embeds, past_key_values, position_ids)
+    masks = _layer_masks(self.config, family, attention_mask, inputs_embeds, cache, position_ids)
     hidden = family.prepare(self, inputs_embeds, position_ids, **kwargs.pop(PREPARE, {}))
     rotary = _rotary(self, family, hidden, rotary_ids, n)
     _record_sums(self, kwargs)
     stream, layers = (hidden, None), getattr(self, family.model_parts["layers"])[:n]
-    cache = {family.cache_keyword: past_key_values}
+    to_layers = {family.cache_keyword or CACHE: cache}
     for i, layer in enumerate(layers):
         # the stream (p, r, and any more a shape carries) positional: reentrant gradient
         # checkpointing passes gradients to positional tensors only
         stream = layer(*stream, attention_mask=masks[i], position_embeddings=rotary[i], position_ids=position_ids,
-                       use_cache=use_cache, **cache, **kwargs)[1:]
+                       use_cache=use_cache, **to_layers, **kwargs)[1:]
     hidden = _final_norm(self, family, layers[-1], *stream)
-    return family.output(last_hidden_state=hidden, past_key_values=past_key_values if use_cache else None)
+    return family.output(last_hidden_state=hidden, **{CACHE: cache if use_cache else None})
 
 
 # The decorators of the models' own forward: use_cache from the config, and the
@@ -147,7 +151,7 @@ def hyper_forward(
     input_ids: torch.LongTensor | None = None,
     attention_mask: Tensor | dict | None = None,
     position_ids: torch.LongTensor | None = None,
-    past_key_values=None,
+    cache=None,
     inputs_embeds: Tensor | None = None,
     use_cache: bool | None = None,
     **kwargs,
@@ -156,14 +160,15 @@ def hyper_forward(
     the fused boundaries: the embeddings copied to config.hc_mult streams, the layers
     passing (H, f, post, comb) on (layers.HYPER) and the top-k indices where they share
     them, the head taking the last update in. Masks, rotary embeddings and the cache are
-    the family's (its Hyper.inputs), as its unfused forward builds them."""
+    the family's (its Hyper.inputs), as its unfused forward builds them; the cache comes
+    under either name, as stream_forward's."""
     family = self.fuseblock_family
     hyper = family.hyper
-    inputs_embeds, past_key_values = _embeddings_and_cache(self, family, input_ids, inputs_embeds, past_key_values,
-                                                           use_cache)
-    position_ids = family.positions(self, position_ids, inputs_embeds, past_key_values)[1]
+    cache = one_cache(cache, kwargs)
+    inputs_embeds, cache = _embeddings_and_cache(self, family, input_ids, inputs_embeds, cache, use_cache)
+    position_ids = family.positions(self, position_ids, inputs_embeds, cache)[1]
     layers = getattr(self, family.model_parts["layers"])[:self.config.num_hidden_layers]
-    inputs = hyper.inputs(self, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, use_cache)
+    inputs = hyper.inputs(self, input_ids, inputs_embeds, attention_mask, position_ids, cache, use_cache)
     _record_sums(self, kwargs)
     streams = inputs_embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
     stream, topk = (streams, None, None, None), None
@@ -173,7 +178,7 @@ def hyper_forward(
         out = layer(*stream, **keywords, **shared, **kwargs)
         stream, topk = out[1:5], out[5]
     hidden = _hyper_head(self, family, *stream)
-    return family.output(last_hidden_state=hidden, past_key_values=past_key_values)
+    return family.output(last_hidden_state=hidden, **{CACHE: cache})
 
 
 HYPER_MODEL_FORWARD = merge_with_config_defaults(capture_outputs(hyper_forward))

@@ -73,9 +73,43 @@ TINY: dict[str, dict] = {
                   index_head_dim=16, index_n_heads=2, hc_magnitude=1.5, indexer_types=["full", "shared"]),
 }
 
+# The Llama-shaped families (issue 43): what their MoE blocks (routers, shared experts, a dense
+# first layer), MLA attention and sliding layers need at hidden 64. Each family takes the keys
+# its config has (`_own`): the families name the same sizes differently. Their tests are one
+# row each of tests/integrations/test_hf_llama_shaped_families.py's table, not every generic test
+# of test_transformers.py (the suite's CPU time)
+_MOE = dict(head_dim=16, moe_intermediate_size=32, num_experts=4, n_routed_experts=4, num_local_experts=4,
+            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, shared_expert_intermediate_size=64,
+            sliding_window=5)
+# MLA: as many key/value heads as query heads, its own head sizes (no head_dim)
+_MLA = dict({k: v for k, v in _MOE.items() if k != "head_dim"}, num_key_value_heads=4, kv_lora_rank=16,
+            q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_group=2, topk_group=1)
+LLAMA_SHAPED = {
+    **dict.fromkeys(("arcee", "bitnet", "cwm", "diffllama", "ernie4_5", "glm", "seed_oss", "hunyuan_v1_dense", "jais2",
+                     "nemotron", "apertus", "vaultgemma", "olmo3", "exaone4", "cohere2"), dict(head_dim=16,
+                                                                                               sliding_window=5)),
+    **dict.fromkeys(("ernie4_5_moe", "exaone_moe", "glm4_moe", "minimax_m2", "olmoe", "hunyuan_v1_moe", "dots1",
+                     "flint", "hy_v3", "solar_open", "aria_text", "phimoe", "laguna", "mimo_v2_flash", "gpt_oss",
+                     "flex_olmo", "cohere2_moe"), _MOE),
+    **dict.fromkeys(("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "axk1", "youtu"), _MLA),
+    "ministral3": dict(head_dim=16, sliding_window=5),
+}
+
+
+TINY.update(LLAMA_SHAPED)
+
+
+def _own(model_type: str, sizes: dict) -> dict:
+    """The entries of `sizes` that model_type's config has (the Llama-shaped families take
+    the shared sizes they name); the others' TINY entries are their own already."""
+    if model_type not in LLAMA_SHAPED:
+        return sizes
+    defaults = transformers.AutoConfig.for_model(model_type, **SIZES).to_dict()
+    return {k: v for k, v in sizes.items() if k in defaults}
+
 
 def tiny_config(model_type: str, **overrides) -> transformers.PretrainedConfig:
     """A small config of a fused family: SIZES, the family's TINY entry, then overrides."""
     if model_type not in FAMILIES:
         raise ValueError(f"tiny_config: {model_type!r} is not a family fuse fuses ({', '.join(FAMILIES)})")
-    return transformers.AutoConfig.for_model(model_type, **{**SIZES, **TINY[model_type], **overrides})
+    return transformers.AutoConfig.for_model(model_type, **{**SIZES, **_own(model_type, TINY[model_type]), **overrides})
