@@ -356,3 +356,54 @@ def test_compiled_code_draws_the_dropout_key_on_xs_device():
     torch.compile(draw_seed, backend=capture, fullgraph=True)(torch.empty(2, device="meta"))
     (draw,) = [n for n in graphs[0].nodes if n.target is torch.randint]
     assert torch.device(draw.kwargs["device"]) == torch.device("meta")
+
+
+@pytest.mark.kernel
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_cuda_graph_replays_draw_new_dropout_masks():
+    """Dropout in a captured CUDA graph (the eager launchers) and under reduce-overhead:
+    each replay draws new masks, as each eager step does, and its backward regenerates
+    that replay's masks: dx = keep / (1 - p) is zero exactly where new_residual is the
+    residual alone. No cudagraph skip (a CPU op, a host read would cause one)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(64, 256, device="cuda", generator=g).requires_grad_()
+    r, w = torch.randn(64, 256, device="cuda", generator=g), torch.randn(256, device="cuda", generator=g)
+
+    def step(x, r, w):
+        _, res = fuseblock.add_norm(x, r, w, dropout_p=0.5)
+        (dx,) = torch.autograd.grad(res.sum(), [x])
+        return res, dx
+
+    def check(replays):
+        for res, dx in replays:
+            torch.testing.assert_close(dx, torch.where(res == r, 0.0, 2.0))
+        assert not torch.equal(replays[0][1], replays[1][1]), "a replay reused the last one's masks"
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step(x, r, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(x, r, w)
+    replays = []
+    for _ in range(2):
+        graph.replay()
+        replays.append([t.clone() for t in captured])
+    check(replays)
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(lambda x, r, w: fuseblock.add_norm(x, r, w, dropout_p=0.5)[1], fullgraph=True,
+                             mode="reduce-overhead")
+    replays = []
+    for _ in range(4):  # recorded on the second call, replayed after (forward and backward)
+        torch.compiler.cudagraph_mark_step_begin()
+        res = compiled(x, r, w)
+        (dx,) = torch.autograd.grad(res.sum(), [x])
+        replays.append([res.clone(), dx.clone()])
+    check(replays[2:])
+    skips = torch._dynamo.utils.counters["inductor"]
+    assert not any(k.startswith("cudagraph_skips") and v for k, v in skips.items()), dict(skips)
