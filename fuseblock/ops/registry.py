@@ -45,9 +45,9 @@ def _traced_body(impl: Callable) -> Callable:
     return body
 
 
-def register(name: str, impl: Callable, fake: Callable, traced: bool):
-    """`fuseblock::name` as a triton_op (traced and TRITON_OPS) or a custom op with `fake`."""
-    if traced and TRITON_OPS:
+def register(name: str, impl: Callable, fake: Callable):
+    """`fuseblock::name` as a triton_op (`TRITON_OPS`) or a custom op with `fake`."""
+    if TRITON_OPS:
         return torch.library.triton_op(f"fuseblock::{name}", _traced_body(impl), mutates_args=())
     op = torch.library.custom_op(f"fuseblock::{name}", impl, mutates_args=())
     op.register_fake(fake)
@@ -86,11 +86,9 @@ class FusedOp:
       return None): the eager Function calls these, and allocates no placeholders, a
       tensor each on every call. `setup` and `grads` take either.
 
-    - `traced` (default True): register triton_ops where torch has them (`TRITON_OPS`);
-      False keeps the custom ops, for an op whose body torch.compile cannot trace.
 
-    `fwd_op` and `bwd_op` are the registered ops (`torch.ops.fuseblock.<name>_fwd`
-    and `_bwd`, the overloads a traced graph holds): code that calls the launchers under
+    `fwd_op` and `bwd_op` are the registered ops, triton_ops or custom ops (`register`):
+    `torch.ops.fuseblock.<name>_fwd` and `_bwd`, the overloads Dynamo's graph holds: code that calls the launchers under
     torch.compile, and tests that look for the ops in a graph, take them from here
     rather than naming them by string. `setup`, `grads`, `bwd` and `graph_grads` are the
     pieces given here, for a node that shares this op's backward.
@@ -99,10 +97,10 @@ class FusedOp:
     def __init__(self, name: str, fwd: Callable, fwd_fake: Callable, bwd: Callable, bwd_fake: Callable,
                  setup: Callable, grads: Callable, stats: tuple[int, ...] = (),
                  graph_grads: Callable | None = None, eager_fwd: Callable | None = None,
-                 launch_fwd: Callable | None = None, launch_bwd: Callable | None = None, traced: bool = True):
+                 launch_fwd: Callable | None = None, launch_bwd: Callable | None = None):
         n_inputs = len(inspect.signature(fwd).parameters)
-        register(f"{name}_fwd", fwd, fwd_fake, traced)
-        register(f"{name}_bwd", bwd, bwd_fake, traced)
+        register(f"{name}_fwd", fwd, fwd_fake)
+        register(f"{name}_bwd", bwd, bwd_fake)
         # the overloads the CustomOpDefs call, and which a traced graph holds
         fwd_op = getattr(torch.ops.fuseblock, f"{name}_fwd").default
         bwd_op = getattr(torch.ops.fuseblock, f"{name}_bwd").default
