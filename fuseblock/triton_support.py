@@ -11,9 +11,20 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import threading
 from types import ModuleType
 
 import torch
+
+
+class _Tracing(threading.local):
+    on = False  # while torch.compile traces a triton_op's launcher (`fuseblock.ops.registry`)
+
+
+# Set by a triton_op's body (`fuseblock.ops.registry`), read at each launch call site as
+# `(traced(k) if TRACING.on else k)[grid](...)` (`fuseblock.kernels.launch.traced`): an
+# attribute read, no call, so an eager launch pays nothing for it.
+TRACING = _Tracing()
 
 _loaded: dict[str, ModuleType] = {}  # kernel modules imported and checked: kernel_module runs on every call
 

@@ -258,7 +258,8 @@ def channel_norm_fwd(x, weight, bias, batch: bool, groups: int, eps: float,
         count = rows * length
         mom_var = momentum * count / (count - 1) if has_run else 0.0
         br, bl, warps = _blocks(rows, length, FWD_BLOCK)
-        _channel_fwd[(n_sets,)](x3, weight, bias, y3, mean, rstd, running_mean, running_var,
+        _channel_fwd_ = launch.traced(_channel_fwd) if launch.TRACING.on else _channel_fwd
+        _channel_fwd_[(n_sets,)](x3, weight, bias, y3, mean, rstd, running_mean, running_var,
                         *x3.stride(), y3.stride(0), y3.stride(1), stride(weight), stride(bias),
                         stride(running_mean), stride(running_var),
                         rows, length, max(groups, 1), k, float(count), eps, momentum, mom_var,
@@ -287,7 +288,8 @@ def channel_norm_bwd(dy, x, weight, bias, mean, rstd, batch: bool, groups: int):
     dw_part = torch.empty((n, n_ch), dtype=torch.float32, device=dev) if need_dw and sum_parts else dw
     db_part = torch.empty((n, n_ch), dtype=torch.float32, device=dev) if need_db and sum_parts else db
     br, bl, warps = _blocks(rows, length, BWD_BLOCK)
-    _channel_bwd[(n_sets,)](x3, weight, mean, rstd, dy3, dx3, dw_part, db_part,
+    _channel_bwd_ = launch.traced(_channel_bwd) if launch.TRACING.on else _channel_bwd
+    _channel_bwd_[(n_sets,)](x3, weight, mean, rstd, dy3, dx3, dw_part, db_part,
                     *x3.stride(), *dy3.stride(), dx3.stride(0), dx3.stride(1), stride(weight),
                     rows, length, max(groups, 1), k, float(rows * length), n_ch,
                     BR=br, BL=bl, SETS=0 if batch else 1, HAS_W=need_dw, HAS_B=need_db,

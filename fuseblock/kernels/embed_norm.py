@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ..spec import Ord
+from . import launch
 from .launch import LAUNCHES, bwd_layout, cdiv, fwd_layout, rows
 
 ORD_L1 = tl.constexpr(int(Ord.L1))
@@ -177,9 +178,11 @@ def embed_norm_fwd(x: torch.Tensor, ord: int, eps: float):
         y2 = y.view(M, d)
         args = (x2, y2, n.view(M), x2.stride(0), y2.stride(0))
         if lay.tile:
-            _fwd_tile[(cdiv(M, lay.br),)](*args, M, d, eps, BR=lay.br, BD=lay.bd, ORD=int(ord), num_warps=lay.warps)
+            _fwd_tile_ = launch.traced(_fwd_tile) if launch.TRACING.on else _fwd_tile
+            _fwd_tile_[(cdiv(M, lay.br),)](*args, M, d, eps, BR=lay.br, BD=lay.bd, ORD=int(ord), num_warps=lay.warps)
         else:
-            _fwd_loop[(M,)](*args, d, eps, BD=lay.bd, ORD=int(ord), num_warps=lay.warps)
+            _fwd_loop_ = launch.traced(_fwd_loop) if launch.TRACING.on else _fwd_loop
+            _fwd_loop_[(M,)](*args, d, eps, BD=lay.bd, ORD=int(ord), num_warps=lay.warps)
         LAUNCHES["embed_fwd"] += 1
     return y, n
 
@@ -195,8 +198,10 @@ def embed_norm_bwd(dy: torch.Tensor, x: torch.Tensor, n: torch.Tensor, ord: int,
         dx2 = dx.view(M, d)
         args = (x2, n.reshape(M), do2, dx2, x2.stride(0), do2.stride(0), dx2.stride(0))
         if lay.tile:
-            _bwd_tile[(cdiv(M, lay.br),)](*args, M, d, eps, BR=lay.br, BD=lay.bd, ORD=int(ord), num_warps=lay.warps)
+            _bwd_tile_ = launch.traced(_bwd_tile) if launch.TRACING.on else _bwd_tile
+            _bwd_tile_[(cdiv(M, lay.br),)](*args, M, d, eps, BR=lay.br, BD=lay.bd, ORD=int(ord), num_warps=lay.warps)
         else:
-            _bwd_loop[(M,)](*args, d, eps, BD=lay.bd, ORD=int(ord), num_warps=lay.warps)
+            _bwd_loop_ = launch.traced(_bwd_loop) if launch.TRACING.on else _bwd_loop
+            _bwd_loop_[(M,)](*args, d, eps, BD=lay.bd, ORD=int(ord), num_warps=lay.warps)
         LAUNCHES["embed_bwd"] += 1
     return dx

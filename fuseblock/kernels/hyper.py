@@ -508,7 +508,8 @@ def hyper_fwd(streams, branch, post, comb, fn, base, scale, weight, spec: HyperS
     rho = torch.empty(M, dtype=torch.float32, device=dev)
     if M > 0:
         blk = _Blocks(spec, FN_TILE_FWD, ROW_TILE_FWD)
-        _fwd[(cdiv(M, BT),)](
+        _fwd_ = launch.traced(_fwd) if launch.TRACING.on else _fwd
+        _fwd_[(cdiv(M, BT),)](
             H, _flat(branch, d), _flat(post, n), _flat(comb, n, n), _c(fn), _c(base), _c(scale), _c(weight), y, hn,
             post_n, comb_n, mix, rho, M, n, d, m, spec.iters, spec.hc_eps, spec.eps, spec.post_mult, spec.post_eps,
             **blk.flags(spec, weight), num_warps=blk.warps, **launch.NO_SPILL)
@@ -552,7 +553,8 @@ def hyper_bwd(dy, dhn, dpost_n, dcomb_n, streams, branch, post, comb, hn, fn, ba
     # each program's Sinkhorn denominators (2 iters - 1 passes of [BT, NP]), rewritten per token block
     dens = torch.empty(n_prog, 2 * spec.iters - 1, BT, blk.np, dtype=torch.float32, device=dev) \
         if flags["COMB_OUT"] and dcomb_n is not None else None
-    _bwd[(n_prog,)](
+    _bwd_ = launch.traced(_bwd) if launch.TRACING.on else _bwd
+    _bwd_[(n_prog,)](
         H, _flat(branch, d), _flat(post, n), _flat(comb, n, n), src, _c(fn), _c(base), _c(scale), _c(weight), mix, rho,
         _flat(dy, d), _flat(dhn, n, d), _flat(dpost_n, n), _flat(dcomb_n, n, n),
         dH, df, dpost, dcomb, da, dwp, dens,
@@ -563,7 +565,8 @@ def hyper_bwd(dy, dhn, dpost_n, dcomb_n, streams, branch, post, comb, hn, fn, ba
     n_fn = cdiv(n * d, bk) if has_fn else 0
     bw = max(32, min(pow2(d), 1024))
     n_w = cdiv(d, bw) if weight is not None else 0
-    _bwd_params[(n_fn + n_w + (1 if has_fn else 0),)](
+    _bwd_params_ = launch.traced(_bwd_params) if launch.TRACING.on else _bwd_params
+    _bwd_params_[(n_fn + n_w + (1 if has_fn else 0),)](
         src, da, mix, rho, _c(scale), dfn, dbase, dscale, dwp, dw, M, n, d, m, n_prog, n_fn, n_w,
         MP=blk.mp, BT=BT, BK=bk, BW=bw, BR=max(1, 2048 // bw), HAS_FN=has_fn, POST_OUT=flags["POST_OUT"],
         COMB_OUT=flags["COMB_OUT"], HAS_W=weight is not None, num_warps=8 if blk.mp >= 512 else 4)

@@ -30,9 +30,59 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton_support import TRACING
 from .occupancy import programs_per_sm
 
 LAUNCHES: collections.Counter = collections.Counter()
+
+
+class _Traced:
+    """A kernel's launches as torch.compile records them (`traced`)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._by_options: dict[tuple, object] = {}
+
+    def __getitem__(self, grid):
+        def launch_traced(*args, **kwargs):
+            # Every parameter given: the graph's kernel node is analysed for what it writes
+            # (so inputs it only reads are not cloned) by compiling it with exactly these
+            # arguments, and Triton's defaults (the fp8 ones of _fwd_tile) are not filled there.
+            for param in self.kernel.params[len(args):]:
+                if param.has_default and param.name not in kwargs:
+                    kwargs[param.name] = param.default
+            return self._wrapped(kwargs)[grid](*args, **kwargs)
+
+        return launch_traced
+
+    def _wrapped(self, kwargs: dict):
+        """wrap_triton of the kernel; with maxnreg (`NO_SPILL`), which torch.compile takes
+        only in a triton.Config, of a one-config autotuner holding it and num_warps (no
+        tuning: the one config runs)."""
+        if "maxnreg" not in kwargs:
+            return torch.library.wrap_triton(self.kernel)
+        options = {"maxnreg": kwargs.pop("maxnreg"), "num_warps": kwargs.pop("num_warps", 4)}
+        key = tuple(sorted(options.items()))
+        tuner = self._by_options.get(key)
+        if tuner is None:
+            tuner = self._by_options[key] = triton.autotune([triton.Config({}, **options)], key=[])(self.kernel)
+        return torch.library.wrap_triton(tuner)
+
+
+_TRACED: dict[object, _Traced] = {}
+
+
+def traced(kernel) -> _Traced:
+    """The kernel as torch.compile records it: each launch a Triton kernel node of the graph
+    (`torch.library.wrap_triton`), which Inductor compiles and launches itself; a plain
+    launch where torch runs the op's body on real tensors. Launch sites take it only
+    while `TRACING.on` (set by the op's body, `fuseblock.ops.registry`):
+    `(traced(k) if TRACING.on else k)[grid](...)`."""
+    found = _TRACED.get(kernel)
+    if found is None:
+        found = _TRACED[kernel] = _Traced(kernel)
+    return found
+
 
 MAX_TILE_FWD = 32768  # widest row (elements) the forward tile kernel holds in registers
 # ... except for the variants that hold more per element: dropout (its mask), the pre-gate
@@ -290,5 +340,6 @@ def sum_partial_rows(dw_part, db_part, dw, db, n_rows: int, d: int) -> None:
     """Launch `_bwd_sum`: dw and db (either may be None), in their own dtypes, become the
     column sums of the (n_rows, d) fp32 partial rows dw_part and db_part."""
     bd = sum_cols(d, (dw_part if dw is not None else db_part).device)
-    _bwd_sum[(cdiv(d, bd),)](dw_part, db_part, dw, db, n_rows, d, BR=max(1, SUM_TILE // bd), BD=bd,
+    _bwd_sum_ = traced(_bwd_sum) if TRACING.on else _bwd_sum
+    _bwd_sum_[(cdiv(d, bd),)](dw_part, db_part, dw, db, n_rows, d, BR=max(1, SUM_TILE // bd), BD=bd,
                              HAS_W=dw is not None, HAS_B=db is not None, num_warps=4)

@@ -631,12 +631,14 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
         )
         if lay.tile:
             br = max(lay.br, 32) if spec.mx_columnwise else lay.br
-            _fwd_tile[(cdiv(M, br),)](*args, M, G, d // G, spec.eps, spec.scale, spec.weight_offset,
+            _fwd_tile_ = launch.traced(_fwd_tile) if launch.TRACING.on else _fwd_tile
+            _fwd_tile_[(cdiv(M, br),)](*args, M, G, d // G, spec.eps, spec.scale, spec.weight_offset,
                                       *_branch(spec), BR=br, BG=lay.bg, BD=lay.bd, **flags, **(_quant or {}))
         else:
             variant = lay.variant("_fwd_loop", (x2, x12, r2, z2, weight, bias, o2, ro2), flags)
             n_prog = min(M * G, num_sms(dev) * programs_per_sm(dev, variant, lay.per_sm))
-            compiled = _fwd_loop[(n_prog,)](*args, M * G, G, d // G, spec.eps, spec.scale, spec.weight_offset,
+            _fwd_loop_ = launch.traced(_fwd_loop) if launch.TRACING.on else _fwd_loop
+            compiled = _fwd_loop_[(n_prog,)](*args, M * G, G, d // G, spec.eps, spec.scale, spec.weight_offset,
                                             *_branch(spec), BD=lay.bd, **flags)
             learn(dev, variant, compiled, lay.warps)
         LAUNCHES["fwd"] += 1
@@ -716,7 +718,8 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     strides = (s_p, s_z, s_do, s_dro, d, 0 if dr is None else d, 0 if dz is None else d)
     outs = (do2, dro2, dx, dr, dz, dw_part, db_part, dx1, seed)
     if lay.tile:
-        compiled = _bwd_tile[(n_prog,)](p2, z2, weight, bias, rstd, mean, *outs, *strides, M, G, dg, spec.scale,
+        _bwd_tile_ = launch.traced(_bwd_tile) if launch.TRACING.on else _bwd_tile
+        compiled = _bwd_tile_[(n_prog,)](p2, z2, weight, bias, rstd, mean, *outs, *strides, M, G, dg, spec.scale,
                                         spec.weight_offset, *_branch(spec), BR=lay.br, BG=lay.bg, BD=lay.bd,
                                         num_warps=lay.warps, **flags)
         LAUNCHES["bwd"] += 1
@@ -731,11 +734,13 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
                           ACT=int(spec.act), ZERO_CNT=sum_parts)
         dots_variant = dots_lay.variant("_bwd_dots", (p2, z2, weight, do2), dots_flags)
         n_dots = min(M * G, num_sms(dev) * programs_per_sm(dev, dots_variant, dots_lay.per_sm))
-        dots_compiled = _bwd_dots[(n_dots,)](p2, z2, weight, rstd, mean, do2, dots, cnt, s_p, s_z,
+        _bwd_dots_ = launch.traced(_bwd_dots) if launch.TRACING.on else _bwd_dots
+        dots_compiled = _bwd_dots_[(n_dots,)](p2, z2, weight, rstd, mean, do2, dots, cnt, s_p, s_z,
                                              s_do, M * G, G, dg, spec.scale, spec.weight_offset, n_cols,
                                              num_warps=dots_lay.warps, **dots_flags)
         learn(dev, dots_variant, dots_compiled, dots_lay.warps)
-        compiled = _bwd_cols[(n_prog,)](p2, z2, weight, bias, rstd, mean, dots, *outs, dw, db, cnt, *strides,
+        _bwd_cols_ = launch.traced(_bwd_cols) if launch.TRACING.on else _bwd_cols
+        compiled = _bwd_cols_[(n_prog,)](p2, z2, weight, bias, rstd, mean, dots, *outs, dw, db, cnt, *strides,
                                         M, G, dg, spec.scale, spec.weight_offset, *_branch(spec),
                                         BR=lay.br, BD=lay.bd, SUM_PARTS=sum_parts, num_warps=lay.warps, **flags,
                                         **(launch.NO_SPILL if spec.dropout_p > 0 else {}))

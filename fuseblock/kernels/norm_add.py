@@ -537,11 +537,13 @@ def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_s
                      HAS_B=bias is not None, SECOND=second, CENTER=spec.center, STORE_STATS=need_stats,
                      EXACT_B=_flag_eps(branch_spec), EXACT=_flag_eps(spec), num_warps=lay.warps)
         if lay.tile:
-            _fwd_tile[(cdiv(M, lay.br),)](*args, BR=lay.br, BD=lay.bd, **flags, **quant)
+            _fwd_tile_ = launch.traced(_fwd_tile) if launch.TRACING.on else _fwd_tile
+            _fwd_tile_[(cdiv(M, lay.br),)](*args, BR=lay.br, BD=lay.bd, **flags, **quant)
         else:
             variant = lay.variant("norm_add._fwd_loop", (x2, r2, branch_weight, weight, ro2, o2), flags)
             n_prog = min(M, num_sms(dev) * programs_per_sm(dev, variant, lay.per_sm))
-            compiled = _fwd_loop[(n_prog,)](*args, BD=lay.bd, **flags)
+            _fwd_loop_ = launch.traced(_fwd_loop) if launch.TRACING.on else _fwd_loop
+            compiled = _fwd_loop_[(n_prog,)](*args, BD=lay.bd, **flags)
             learn(dev, variant, compiled, lay.warps)
         LAUNCHES["fwd"] += 1
     return new_res, (out if codes is None else quantized(codes, qs, spec)), rstd_b, mean_b, rstd, mean
@@ -585,7 +587,8 @@ def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rst
     parts = [None if g is None else (torch.empty((n_prog, d), dtype=torch.float32, device=dev) if sum_parts else g)
              for g in grads]
     p_arg = p2 if second else None  # the second norm's input
-    compiled = kernel[(n_prog,)](
+    kernel_ = launch.traced(kernel) if launch.TRACING.on else kernel
+    compiled = kernel_[(n_prog,)](
         x2, p_arg, branch_weight, weight, rstd_b, mean_b, rstd, mean, do2, dro2, dx, dr, *parts,
         s_x, s_p if second else 0, s_do, s_dro,
         d, d if store_dr else 0,  # dx and dr: contiguous, written by rows of d
@@ -596,7 +599,8 @@ def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rst
     LAUNCHES["bwd"] += 1
     if sum_parts:
         bd = sum_cols(d, dev)
-        _bwd_sum4[(cdiv(d, bd),)](*parts, *grads, n_prog, d, BR=max(1, launch.SUM_TILE // bd), BD=bd,
+        _bwd_sum4_ = launch.traced(_bwd_sum4) if launch.TRACING.on else _bwd_sum4
+        _bwd_sum4_[(cdiv(d, bd),)](*parts, *grads, n_prog, d, BR=max(1, launch.SUM_TILE // bd), BD=bd,
                                   HAS_BW=grads[0] is not None, HAS_BB=grads[1] is not None,
                                   HAS_W=grads[2] is not None, HAS_B=grads[3] is not None, num_warps=4)
         LAUNCHES["bwd"] += 1

@@ -28,6 +28,7 @@ from ..spec import (
     residual_grad_dtype,
     stored_dtype,
 )
+from ..triton_support import TRACING
 from . import dtensor
 from .checks import (
     QUANT_DEFAULTS,
@@ -64,9 +65,10 @@ def _fwd(
 
 def _seed_arg(seed: Optional[Tensor]):
     """The dropout key as the launchers take it: a host seed (in CPU memory) as an int,
-    read here at no cost; a device one (drawn while a CUDA graph was captured) as the
-    tensor, which the kernel reads."""
-    return int(seed) if seed is not None and seed.is_cpu else seed
+    read here at no cost; a device one (drawn while a CUDA graph was captured, or by
+    compiled code) as the tensor, which the kernel reads, and so any seed while a
+    triton_op is traced (its fake tensors have no value: `fuseblock.ops.seed`)."""
+    return int(seed) if seed is not None and seed.is_cpu and not TRACING.on else seed
 
 
 def _fwd_fake(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1=None, seed=None):

@@ -1,16 +1,57 @@
-"""One registration for a fused op's forward and backward: `torch.library` custom ops with
-fake implementations (so torch.compile(fullgraph=True) traces them whole, forward and
-backward), the autograd formula tying them together, and an eager autograd.Function
-over the same implementations, which skips the dispatcher's per-call cost (~0.15 ms,
-more than a kernel on small inputs). `norm`, `embed_norm` and the channel norms
-(`fuseblock.ops.channel_norm`) are registered here.
+"""One registration for a fused op's forward and backward: `torch.library` ops that
+torch.compile(fullgraph=True) traces, forward and backward, the autograd formula tying
+them together, and an eager autograd.Function over the same implementations, which skips
+the dispatcher's per-call cost (~0.15 ms, more than a kernel on small inputs). `norm`,
+`embed_norm` and the channel norms (`fuseblock.ops.channel_norm`) are registered here.
+
+Where torch has `torch.library.triton_op` (2.6 and later) the ops are triton_ops: while
+torch.compile traces one, its launcher runs once on fake tensors and each kernel launch
+in it is recorded as a Triton kernel node (`fuseblock.kernels.launch.traced`), which
+Inductor compiles and launches itself; the launcher's Python (specs, layouts, grids) is
+then gone from the compiled step. Else (torch 2.5, and under TRITON_INTERPRET=1, whose
+kernels `wrap_triton` cannot record) they are opaque custom ops with fake
+implementations, which the compiled code calls, launcher and all.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 
 import torch
+
+from ..triton_support import TRACING
+from .dispatch import INTERPRET
+
+# Whether FusedOp registers triton_ops (else custom ops): fixed per process
+TRITON_OPS = hasattr(torch.library, "triton_op") and not INTERPRET
+
+
+def _traced_body(impl: Callable) -> Callable:
+    """impl as a triton_op's body: the launcher with `TRACING` on, so that each launch
+    goes through `wrap_triton` (a kernel node while tracing; a plain launch when torch
+    runs the body on real tensors). Its signature is impl's, annotations evaluated
+    (the schema is inferred from it)."""
+
+    @functools.wraps(impl)
+    def body(*args, **kwargs):
+        before, TRACING.on = TRACING.on, True
+        try:
+            return impl(*args, **kwargs)
+        finally:
+            TRACING.on = before
+
+    body.__signature__ = inspect.signature(impl, eval_str=True)
+    return body
+
+
+def register(name: str, impl: Callable, fake: Callable):
+    """`fuseblock::name` as a triton_op (`TRITON_OPS`) or a custom op with `fake`."""
+    if TRITON_OPS:
+        return torch.library.triton_op(f"fuseblock::{name}", _traced_body(impl), mutates_args=())
+    op = torch.library.custom_op(f"fuseblock::{name}", impl, mutates_args=())
+    op.register_fake(fake)
+    return op
 
 
 def placeholder(x: torch.Tensor) -> torch.Tensor:
@@ -45,8 +86,9 @@ class FusedOp:
       return None): the eager Function calls these, and allocates no placeholders, a
       tensor each on every call. `setup` and `grads` take either.
 
-    `fwd_op` and `bwd_op` are the registered custom ops (`torch.ops.fuseblock.<name>_fwd`
-    and `_bwd`, the overloads a traced graph holds): code that calls the launchers under
+
+    `fwd_op` and `bwd_op` are the registered ops, triton_ops or custom ops (`register`):
+    `torch.ops.fuseblock.<name>_fwd` and `_bwd`, the overloads Dynamo's graph holds: code that calls the launchers under
     torch.compile, and tests that look for the ops in a graph, take them from here
     rather than naming them by string. `setup`, `grads`, `bwd` and `graph_grads` are the
     pieces given here, for a node that shares this op's backward.
@@ -57,10 +99,8 @@ class FusedOp:
                  graph_grads: Callable | None = None, eager_fwd: Callable | None = None,
                  launch_fwd: Callable | None = None, launch_bwd: Callable | None = None):
         n_inputs = len(inspect.signature(fwd).parameters)
-        fwd_def = torch.library.custom_op(f"fuseblock::{name}_fwd", fwd, mutates_args=())
-        fwd_def.register_fake(fwd_fake)
-        bwd_def = torch.library.custom_op(f"fuseblock::{name}_bwd", bwd, mutates_args=())
-        bwd_def.register_fake(bwd_fake)
+        register(f"{name}_fwd", fwd, fwd_fake)
+        register(f"{name}_bwd", bwd, bwd_fake)
         # the overloads the CustomOpDefs call, and which a traced graph holds
         fwd_op = getattr(torch.ops.fuseblock, f"{name}_fwd").default
         bwd_op = getattr(torch.ops.fuseblock, f"{name}_bwd").default

@@ -1,6 +1,8 @@
 """`bench.py gpt-step`: one training step (forward, backward, AdamW) of a GPT-2-small-shaped
 model under bf16 autocast on a GPU: the fused stream against the naive one, each eager and
-under torch.compile, four contenders side by side in one process, and a fifth where
+under torch.compile, four contenders side by side in one process; on a GPU each also
+under torch.compile(mode="reduce-overhead") (the compiled step replayed as CUDA graphs),
+and one more where
 Liger-Kernel is importable on a GPU: the naive model with Liger's norms patched in
 ("naive+liger", `peers.liger_patch`), so the fused stream is measured against the peer too. The table gives each
 contender's median step over --repeats runs with its min and max, tokens/s at the median,
@@ -27,6 +29,8 @@ GPT2_BATCH = 8
 TOY = dict(vocab_size=256, block_size=32, n_layer=1, n_head=2, n_embd=32)
 TOY_BATCH = 2
 CONTENDERS = ("naive", "naive+compile", "fused", "fused+compile")
+# CUDA graphs need a GPU: on a CPU this mode is plain compilation, the "+compile" contenders again
+REDUCE_OVERHEAD = ("naive+reduce-overhead", "fused+reduce-overhead")
 
 
 def _autocast(dev: torch.device):
@@ -51,7 +55,11 @@ def _contender(name: str, shape: dict, dev: torch.device):
         peers.liger_patch(model)
     opt = torch.optim.AdamW(model.optimizer_groups(0.1), lr=6e-4, betas=(0.9, 0.95))
     # static shapes: every step has the same one, so no recompile and no shape-generic kernels
-    return (torch.compile(model, dynamic=False) if name.endswith("+compile") else model), opt
+    if name.endswith("+compile"):
+        model = torch.compile(model, dynamic=False)
+    elif name.endswith("+reduce-overhead"):
+        model = torch.compile(model, dynamic=False, mode="reduce-overhead")
+    return model, opt
 
 
 def run(args) -> list[dict]:
@@ -61,7 +69,7 @@ def run(args) -> list[dict]:
         return []
     shape, B = (TOY, TOY_BATCH) if args.quick else (GPT2_SMALL, GPT2_BATCH)
     steps, warmup = (5, 2) if args.quick else (10, 3)
-    names = CONTENDERS
+    names = CONTENDERS + (REDUCE_OVERHEAD if dev.type == "cuda" else ())
     if dev.type == "cuda" and peers.find()["liger"]["found"]:  # Liger's kernels need a GPU
         names += ("naive+liger",)
     contenders = {name: _contender(name, shape, dev) for name in names}
@@ -70,6 +78,9 @@ def run(args) -> list[dict]:
                     for _ in range(2))
 
     def step(model, opt):
+        # A new step for CUDA graph trees (reduce-overhead): the last replay's outputs (loss,
+        # gradients), all consumed by now, may be overwritten by this one's. Else a no-op.
+        torch.compiler.cudagraph_mark_step_begin()
         with _autocast(dev):
             loss = model(idx, targets)[1]
         loss.backward()
