@@ -140,7 +140,7 @@ def _bwd(dy: Optional[Tensor], dhn: Optional[Tensor], dpost_n: Optional[Tensor],
 
 
 def _bwd_fake(dy, dhn, dpost_n, dcomb_n, streams, branch, post, comb, hn, fn, base, scale, weight, mix, rho, spec):
-    return tuple(torch.empty_like(t) if t is not None else placeholder(streams)
+    return tuple(t.new_empty(t.shape) if t is not None else placeholder(streams)  # contiguous, as the kernels'
                  for t in (streams, branch, post, comb, fn, base, scale, weight))
 
 
