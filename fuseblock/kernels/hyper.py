@@ -190,7 +190,7 @@ def _fwd(H, F, POST, COMB, FN, BASE, SCALE, W, Y, HN, POSTN, COMBN, MIX, RHO,
          M, N, D, m, iters, hc_eps, eps, post_mult, post_eps,
          NP: tl.constexpr, MP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
          BD2: tl.constexpr, UPDATE: tl.constexpr, COMB_IN: tl.constexpr, HAS_FN: tl.constexpr,
-         POST_OUT: tl.constexpr, COMB_OUT: tl.constexpr, HAS_W: tl.constexpr):
+         POST_OUT: tl.constexpr, COMB_OUT: tl.constexpr, HAS_W: tl.constexpr, WEIGHT_LAST: tl.constexpr):
     i_b = tl.program_id(0)
     o_t = (i_b * BT + tl.arange(0, BT)).to(tl.int64)  # int64: M * n * d may pass 2**31
     m_t = o_t < M
@@ -253,7 +253,7 @@ def _fwd(H, F, POST, COMB, FN, BASE, SCALE, W, Y, HN, POSTN, COMBN, MIX, RHO,
         m_d = o_d < D
         o_x = o_t[:, None, None] * K + o_s[None, :, None] * D + o_d[None, None, :]
         b_x = tl.load(SRC + o_x, mask=m_ts[:, :, None] & m_d[None, None, :], other=0.0).to(tl.float32)
-        b_z = tl.sum(b_pre[:, :, None] * b_x, 1).to(Y.dtype.element_ty)
+        b_z = tl.sum(b_pre[:, :, None] * b_x, 1).to(H.dtype.element_ty)
         tl.store(Y + o_t[:, None] * D + o_d[None, :], b_z, mask=m_t[:, None] & m_d[None, :])
         b_z = b_z.to(tl.float32)
         b_zz += b_z * b_z
@@ -266,6 +266,8 @@ def _fwd(H, F, POST, COMB, FN, BASE, SCALE, W, Y, HN, POSTN, COMBN, MIX, RHO,
         o_y = o_t[:, None] * D + o_d[None, :]
         m_y = m_t[:, None] & m_d[None, :]
         b_y = tl.load(Y + o_y, mask=m_y, other=0.0).to(tl.float32) * b_r[:, None]
+        if WEIGHT_LAST:  # rounded to the streams' dtype, then the weight (y in the promoted dtype)
+            b_y = b_y.to(H.dtype.element_ty).to(tl.float32)
         if HAS_W:
             b_y *= tl.load(W + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
         tl.store(Y + o_y, b_y.to(Y.dtype.element_ty), mask=m_y)
@@ -309,7 +311,7 @@ def _bwd(H, F, POST, COMB, HN, FN, BASE, SCALE, W, MIX, RHO, DY, DHN, DPOSTN, DC
             m_td = m_t[:, None] & m_d[None, :]
             o_x = o_t[:, None, None] * K + o_s[None, :, None] * D + o_d[None, None, :]
             b_x = tl.load(SRC + o_x, mask=m_ts[:, :, None] & m_d[None, None, :], other=0.0).to(tl.float32)
-            b_z = tl.sum(b_pre[:, :, None] * b_x, 1).to(DY.dtype.element_ty).to(tl.float32)
+            b_z = tl.sum(b_pre[:, :, None] * b_x, 1).to(H.dtype.element_ty).to(tl.float32)
             b_g = tl.load(DY + o_t[:, None] * D + o_d[None, :], mask=m_td, other=0.0).to(tl.float32)
             if HAS_W:
                 b_g *= tl.load(W + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
@@ -368,7 +370,7 @@ def _bwd(H, F, POST, COMB, HN, FN, BASE, SCALE, W, MIX, RHO, DY, DHN, DPOSTN, DC
             o_x = o_t[:, None, None] * K + o_s[None, :, None] * D + o_d[None, None, :]
             m_x = m_ts[:, :, None] & m_d[None, None, :]
             b_x = tl.load(SRC + o_x, mask=m_x, other=0.0).to(tl.float32)
-            b_z = tl.sum(b_pre[:, :, None] * b_x, 1).to(DY.dtype.element_ty).to(tl.float32)
+            b_z = tl.sum(b_pre[:, :, None] * b_x, 1).to(H.dtype.element_ty).to(tl.float32)
             b_dy = tl.load(DY + o_t[:, None] * D + o_d[None, :], mask=m_td, other=0.0).to(tl.float32)
             if HAS_W:
                 b_g = b_dy * tl.load(W + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
@@ -553,7 +555,7 @@ def hyper_fwd(streams, branch, post, comb, fn, base, scale, weight, spec: HyperS
     H = _flat(streams, n, d)
     M = H.shape[0]
     dev, acc = streams.device, _acc(streams)
-    y = torch.empty(*lead, d, dtype=streams.dtype, device=dev)
+    y = torch.empty(*lead, d, dtype=spec.y_dtype(streams, weight), device=dev)
     hn = torch.empty(streams.shape, dtype=streams.dtype, device=dev) if spec.update else None
     post_out = spec.mode in (Mode.PRE_POST_COMB, Mode.PRE_POST)
     post_n = torch.empty(*lead, n, dtype=acc, device=dev) if post_out else None
@@ -565,7 +567,8 @@ def hyper_fwd(streams, branch, post, comb, fn, base, scale, weight, spec: HyperS
         _fwd[(cdiv(M, BT),)](
             H, _flat(branch, d), _flat(post, n), _flat(comb, n, n), _c(fn), _c(base), _c(scale), _c(weight), y, hn,
             post_n, comb_n, mix, rho, M, n, d, m, spec.iters, spec.hc_eps, spec.eps, spec.post_mult, spec.post_eps,
-            **blk.flags(spec, weight), num_warps=blk.warps, **launch.NO_SPILL)
+            **blk.flags(spec, weight), WEIGHT_LAST=spec.weight_last and y.dtype != streams.dtype,
+            num_warps=blk.warps, **launch.NO_SPILL)
         LAUNCHES["hc_fwd"] += 1
     return y, hn, post_n, comb_n, mix, rho
 

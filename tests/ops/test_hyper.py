@@ -235,6 +235,25 @@ def test_parameter_sums_split_over_tokens(monkeypatch):
     assert grids == [3 * 3 + 1 + 3, 1 * 3 + 1 + 3]
 
 
+@pytest.mark.kernel
+@pytest.mark.parametrize("form", ["fused", "deepseek_v4", "hy_v4", "glm5_next"])
+def test_y_dtype_follows_the_form_on_both_paths(form):
+    """bf16 streams, an fp32 weight: y is bf16 where the form's norm rounds w h once (fuseblock's,
+    DeepSeek-V4's), fp32 where it multiplies the weight after rounding h (HY-V4's and
+    GLM-5-next's w * h.to(dtype), Llama's), as their modeling code returns; the kernel path
+    gave bf16 for every form. Values and gradients against fp64 (hc_norm: no update, whose
+    order also follows the form)."""
+    comb = form != "hy_v4"
+    t = _inputs(4, 16, lead=(3,), dtype=BF16, update=False, comb_out=comb)
+    kw = dict(post_mult=1.5, post_eps=HC_EPS) if form == "hy_v4" else {}
+    leaves = _leaves(t)
+    got = fuseblock.hc_norm(t["H"], t["fn"], t["base"], t["scale"], t["weight"], iters=4, form=form, **kw)
+    assert got[0].dtype == (BF16 if form in ("fused", "deepseek_v4") else F32)
+    y, _, nxt = boundary64(t["H"], None, None, None, t["fn"], t["base"], t["scale"], t["weight"], iters=4,
+                           stored=BF16, **kw)
+    _check(got, (y, *nxt), leaves, BF16, cond=4.0)
+
+
 def test_gradcheck_fp64_torch_path():
     t = {k: (v.double() if v is not None else None) for k, v in _inputs(2, 3, lead=(2,)).items()}
     leaves = _leaves(t)
