@@ -507,14 +507,14 @@ def _bwd_params(SRC, DA, MIX, RHO, SCALE, DFN, DBASE, DSCALE, DWP, DW, PART, CNT
                 tl.debug_barrier()
                 if tl.atomic_add(CNT + n_fn, 1, sem="acq_rel", scope="gpu") == n_split - 1:
                     o_r = tl.arange(0, BT)
-                    b_db = tl.zeros([BT, MP], dtype=tl.float32)
-                    b_ds = tl.zeros([BT, MP], dtype=tl.float32)
+                    b_pb = tl.zeros([BT, MP], dtype=tl.float32)  # the splits' rows, BT at a time
+                    b_ps = tl.zeros([BT, MP], dtype=tl.float32)
                     for i_r in range(0, n_split, BT):
                         o_rm = (i_r + o_r)[:, None] * 2 * MP + o_m[None, :]
                         m_r = (i_r + o_r < n_split)[:, None]
-                        b_db += tl.load(PART_B + o_rm, mask=m_r, other=0.0, cache_modifier=".cg")
-                        b_ds += tl.load(PART_B + MP + o_rm, mask=m_r, other=0.0, cache_modifier=".cg")
-                    _scale_sums(DBASE, DSCALE, tl.sum(b_db, 0), tl.sum(b_ds, 0), o_m, m_m, N, POST_OUT, COMB_OUT)
+                        b_pb += tl.load(PART_B + o_rm, mask=m_r, other=0.0, cache_modifier=".cg")
+                        b_ps += tl.load(PART_B + MP + o_rm, mask=m_r, other=0.0, cache_modifier=".cg")
+                    _scale_sums(DBASE, DSCALE, tl.sum(b_pb, 0), tl.sum(b_ps, 0), o_m, m_m, N, POST_OUT, COMB_OUT)
             else:
                 _scale_sums(DBASE, DSCALE, b_db, b_ds, o_m, m_m, N, POST_OUT, COMB_OUT)
 
