@@ -40,7 +40,8 @@ import triton.language as tl
 
 from ..hyper_spec import HyperSpec, Mode
 from . import launch
-from .launch import LAUNCHES, cdiv, num_sms, pow2, sum_rows
+from .launch import LAUNCHES, cdiv, fit_per_sm, num_sms, pow2, sum_rows
+from .occupancy import learn, programs_per_sm
 
 BT = 16  # tokens per block: the dots' row count (a tl.dot needs >= 16)
 # Sized from compiler builds (`scripts/bench.py targets`, no GPU needed): registers, spills and
@@ -608,18 +609,25 @@ def hyper_bwd(dy, dhn, dpost_n, dcomb_n, streams, branch, post, comb, hn, fn, ba
     if dy is None:
         dy = torch.zeros(*streams.shape[:-2], d, dtype=streams.dtype, device=dev)
     # one wave: the programs the GPU holds at once, or in deterministic mode a count fixed
-    # whatever the GPU (the partial rows of dw and the token splits below set the sums' order)
+    # whatever the GPU (dw's partial rows follow it, and so the order of dw's sum)
     wave = DETERMINISTIC_WAVE if launch.deterministic() else num_sms(dev) * PROGRAMS_PER_SM
     n_blocks = cdiv(M, BT)
     n_prog = min(n_blocks, wave)
+    flags = blk.flags(spec, weight)
     bk = max(16, PARAMS_TILE // blk.mp)
     n_fn = cdiv(n * d, bk) if has_fn else 0
     bw = max(32, min(pow2(d), 1024))
     n_w = cdiv(d, bw) if weight is not None else 0
-    # _bwd_params' token sums split so that dfn's column chunks fill the wave, each split at
-    # least MIN_SPLIT_BLOCKS token blocks (its partial sums cost 8 m / (split tokens) bytes
-    # per byte of H' read, fp32 written and read back)
-    n_split = max(1, min(cdiv(wave, max(n_fn, 1)), n_blocks // MIN_SPLIT_BLOCKS)) if has_fn else 1
+    # _bwd_params' token sums split so that dfn's column chunks fill a wave of its own (the
+    # programs an SM holds, learned from its first compiled launch; in deterministic mode
+    # DETERMINISTIC_WAVE), each split at least MIN_SPLIT_BLOCKS token blocks (its partial sums
+    # cost 8 m / (split tokens) bytes per element of H' read, fp32 written and read back)
+    p_warps = 8 if blk.mp >= 512 else 4
+    p_variant = ("hc_bwd_params", blk.mp, bk, streams.dtype, has_fn, flags["POST_OUT"], flags["COMB_OUT"],
+                 weight is not None)
+    p_wave = DETERMINISTIC_WAVE if launch.deterministic() else \
+        num_sms(dev) * programs_per_sm(dev, p_variant, fit_per_sm(p_warps))
+    n_split = max(1, min(cdiv(p_wave, max(n_fn, 1)), n_blocks // MIN_SPLIT_BLOCKS)) if has_fn else 1
     split_blocks = cdiv(n_blocks, n_split)
     n_split = cdiv(n_blocks, split_blocks)  # none empty
     part = torch.empty(n_split * (m * n * d + 2 * blk.mp), dtype=torch.float32, device=dev) if n_split > 1 else None
@@ -627,7 +635,6 @@ def hyper_bwd(dy, dhn, dpost_n, dcomb_n, streams, branch, post, comb, hn, fn, ba
     da = torch.empty(M, m, dtype=torch.float32, device=dev)
     dwp = torch.empty(n_prog, d, dtype=torch.float32, device=dev) if weight is not None else None
     src = _flat(hn if spec.update else streams, n, d)
-    flags = blk.flags(spec, weight)
     # each program's Sinkhorn denominators (2 iters - 1 passes of [BT, NP]), rewritten per token block
     dens = torch.empty(n_prog, 2 * spec.iters - 1, BT, blk.np, dtype=torch.float32, device=dev) \
         if flags["COMB_OUT"] and dcomb_n is not None else None
@@ -638,10 +645,12 @@ def hyper_bwd(dy, dhn, dpost_n, dcomb_n, streams, branch, post, comb, hn, fn, ba
         M, n, d, m, spec.iters, spec.hc_eps, spec.eps, spec.post_mult, spec.post_eps, n_prog, n_fn + 1,
         **flags, KC=KC_BWD, HAS_DHN=dhn is not None, HAS_DPOST=dpost_n is not None, HAS_DCOMB=dcomb_n is not None,
         ZERO_CNT=n_split > 1, num_warps=blk.warps, **launch.NO_SPILL)
-    _bwd_params[(n_fn * n_split + n_w + (n_split if has_fn else 0),)](
+    compiled = _bwd_params[(n_fn * n_split + n_w + (n_split if has_fn else 0),)](
         src, da, mix, rho, _c(scale), dfn, dbase, dscale, dwp, dw, part, cnt, M, n, d, m, n_prog, n_fn, n_w,
         n_split, split_blocks, MP=blk.mp, BT=BT, BK=bk, BW=bw, BR=max(1, 2048 // bw), HAS_FN=has_fn,
         POST_OUT=flags["POST_OUT"], COMB_OUT=flags["COMB_OUT"], HAS_W=weight is not None, SPLIT=n_split > 1,
-        num_warps=8 if blk.mp >= 512 else 4)
+        num_warps=p_warps)
+    if n_split > 1:  # where the split matters
+        learn(dev, p_variant, compiled, p_warps)
     LAUNCHES["hc_bwd"] += 2
     return dH, df, dpost, dcomb, dfn, dbase, dscale, dw
