@@ -20,6 +20,8 @@ import functools
 from dataclasses import dataclass, fields
 from enum import IntEnum
 
+import torch
+
 
 class Form(IntEnum):
     """Whose order of operations the torch path follows (the kernels: FUSED's)."""
@@ -76,6 +78,20 @@ class HyperSpec:
     @classmethod
     def unpack(cls, values: list[float]) -> HyperSpec:
         return _unpack(tuple(values))
+
+    @property
+    def weight_last(self) -> bool:
+        """N_w rounds the normalized row to the streams' dtype, then multiplies the weight
+        (Llama's `w * h.to(dtype)`: HY-V4, GLM-5-next); else one rounding of w h."""
+        return self.form in (Form.HY_V4, Form.GLM5_NEXT)
+
+    def y_dtype(self, streams: torch.Tensor, weight: torch.Tensor | None) -> torch.dtype:
+        """y's dtype, the same on both paths: the streams', or with `weight_last` the promotion
+        of the streams' and the weight's, as the families' modeling code returns (an fp32
+        weight on bf16 streams: fp32)."""
+        if self.weight_last and weight is not None:
+            return torch.promote_types(streams.dtype, weight.dtype)
+        return streams.dtype
 
 
 _NAMES = tuple(f.name for f in fields(HyperSpec))

@@ -249,7 +249,8 @@ def attn_res_fwd(sources, partial, branch, query, weight, spec: AttnResSpec):
     rho = torch.empty(M, dtype=torch.float32, device=dev)
     if M > 0:
         sp, bt, bd, warps = _blocks(spec, TILE_FWD)
-        _fwd[(cdiv(M, bt),)](
+        _fwd_ = launch.traced(_fwd) if launch.TRACING.on else _fwd
+        _fwd_[(cdiv(M, bt),)](
             bank, _rows(partial, d), _rows(branch, d), launch.vec(query), launch.vec(weight), y, mixed, pn, a, r, rho,
             M, s, nb, d, s_t, s_s, spec.scale, spec.key_eps, spec.eps, SP=sp, BT=bt, BD=bd, UPDATE=spec.update,
             HAS_P=partial is not None, NORMED=spec.normed_values, HAS_W=weight is not None, num_warps=warps,
@@ -280,7 +281,8 @@ def attn_res_bwd(dy, dmixed, dpn, sources, pn, query, weight, a, r, rho, spec: A
     n_prog = max(1, min(cdiv(M, bt), cdiv(M, MIN_TOKENS_PER_PROGRAM), per))
     dqp = torch.empty(n_prog, d, dtype=torch.float32, device=dev)
     dwp = torch.empty(n_prog, d, dtype=torch.float32, device=dev) if weight is not None else None
-    _bwd[(n_prog,)](
+    _bwd_ = launch.traced(_bwd) if launch.TRACING.on else _bwd
+    _bwd_[(n_prog,)](
         bank, pn, launch.vec(query), launch.vec(weight), a, r, rho, _rows(dy, d), _rows(dmixed, d), _rows(dpn, d),
         dsrc, dp, dqp, dwp, M, s, nb, d, s_t, s_s, spec.scale, n_prog, SP=sp, BT=bt, BD=bd, UPDATE=spec.update,
         NORMED=spec.normed_values, HAS_W=weight is not None, HAS_DMIX=dmixed is not None, HAS_DPN=dpn is not None,

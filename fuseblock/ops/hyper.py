@@ -119,7 +119,7 @@ def _fwd_fake(streams, branch, post, comb, fn, base, scale, weight, spec):
     lead, acc = streams.shape[:-2], torch.float64 if streams.dtype == torch.float64 else torch.float32
     rows = streams.numel() // (s.n * s.d)
     return (
-        streams.new_empty((*lead, s.d)),
+        streams.new_empty((*lead, s.d), dtype=s.y_dtype(streams, weight)),
         streams.new_empty(streams.shape) if s.update else placeholder(streams),
         streams.new_empty((*lead, s.n), dtype=acc) if s.mode in (Mode.PRE_POST_COMB, Mode.PRE_POST)
         else placeholder(streams),
@@ -140,7 +140,7 @@ def _bwd(dy: Optional[Tensor], dhn: Optional[Tensor], dpost_n: Optional[Tensor],
 
 
 def _bwd_fake(dy, dhn, dpost_n, dcomb_n, streams, branch, post, comb, hn, fn, base, scale, weight, mix, rho, spec):
-    return tuple(torch.empty_like(t) if t is not None else placeholder(streams)
+    return tuple(t.new_empty(t.shape) if t is not None else placeholder(streams)  # contiguous, as the kernels'
                  for t in (streams, branch, post, comb, fn, base, scale, weight))
 
 
@@ -186,8 +186,11 @@ def hc_add_norm(streams: Tensor, branch: Tensor, post: Tensor, comb: Tensor | No
         comb_next = Sinkhorn(softmax_rows(mix_comb * scale[2] + base_comb) + hc_eps, iters)  (m = 2n + n^2)
         y = rms_norm(sum_i pre_i H'_i, weight, eps)    (the collapse rounded to streams' dtype first)
 
-    Returns (y, new_streams, post_next, comb_next): y and new_streams in streams' dtype,
-    post_next and comb_next in fp32 (fp64 for fp64 streams); comb_next None where m = 2n.
+    Returns (y, new_streams, post_next, comb_next): y and new_streams in streams' dtype
+    (y with form "hy_v4" or "glm5_next": in the promotion of the streams' and the weight's,
+    as their modeling code's RMSNorm returns it: fp32 for bf16 streams with an fp32 weight,
+    on both paths), post_next and comb_next in fp32 (fp64 for fp64 streams); comb_next None
+    where m = 2n.
     base (m,), scale (3,) or (2,): as DeepSeek-V4's and HY-V4's HyperConnection hold them.
     DeepSeek-V4 and GLM-5-next: post_mult=2, post_eps=0; HY-V4: post_mult=hc_magnitude,
     post_eps=hc_eps, no comb. `form` ("fused", "deepseek_v4", "hy_v4", "glm5_next") picks

@@ -4,7 +4,8 @@ The backward sums dweight and dbias in fp32 partial rows, one per program, then 
 those up. By default the program count follows the GPU (SM count x programs per SM),
 so an H100 and a B200 give different bits. In deterministic mode it is fixed by the
 shape alone (`fuseblock.kernels.launch.row_programs`, `sum_cols`). Here the SM count is
-simulated (launch.H100_SMS, what the interpreter assumes) and the bits compared.
+simulated (launch.H100_SMS, what the interpreter assumes) and the bits compared; the
+n-stream boundary's (`fuseblock.kernels.hyper`) programs and token splits too.
 """
 import pytest
 import torch
@@ -25,7 +26,24 @@ def deterministic():
     torch.use_deterministic_algorithms(before)
 
 
+def _hyper_grads(rows, n, d, dtype):
+    """hc_add_norm's gradients (comb in and out): dw from _bwd's partial rows, dfn, dbase and
+    dscale from _bwd_params' token splits."""
+    g = generator(7)
+    m = 2 * n + n * n
+    H, f = torch.randn(rows, n, d, generator=g).to(dtype), torch.randn(rows, d, generator=g).to(dtype)
+    post, comb = torch.rand(rows, n, generator=g), torch.softmax(torch.randn(rows, n, n, generator=g), -1)
+    fn, base = torch.randn(m, n * d, generator=g) / (n * d) ** 0.5, torch.randn(m, generator=g)
+    scale, w = torch.rand(3, generator=g) + 0.5, torch.randn(d, generator=g) + 1
+    leaves = [t.requires_grad_(True) for t in (H, f, post, comb, fn, base, scale, w)]
+    out = fuseblock.hc_add_norm(*leaves, iters=2)
+    loss = sum((o.float() * torch.randn(o.shape, generator=g)).sum() for o in out)
+    return [t.clone() for t in torch.autograd.grad(loss, leaves)]
+
+
 def _grads(op, rows, d, dtype):
+    if op == "hc_add_norm":
+        return _hyper_grads(rows, 2, d, dtype)
     g = generator(7)
     x, r, dout = (torch.randn(rows, d, generator=g).to(dtype) for _ in range(3))
     w, b, w2, b2 = (torch.randn(d, generator=g).to(dtype).requires_grad_(True) for _ in range(4))
@@ -44,16 +62,19 @@ def _grads(op, rows, d, dtype):
 
 
 def _by_sms(monkeypatch, op, rows, d, dtype):
+    import fuseblock.kernels.hyper as HC
     import fuseblock.kernels.launch as L
     import fuseblock.kernels.norm as K
     import fuseblock.kernels.norm_add as NA
 
+    monkeypatch.setattr(HC, "MIN_SPLIT_BLOCKS", 1)  # _bwd_params splits its token sums at 100 rows
+    monkeypatch.setattr(HC, "fit_per_sm", lambda num_warps: 1)  # into as many as the SMs (7 at most)
     found = {}
     for sms in SMS:
         # num_sms where the launchers read it: H100_SMS stands in only where there is no
         # GPU (a GPU run asks its own, which the first H200 run showed left the check blind)
         monkeypatch.setattr(L, "H100_SMS", sms)
-        for module in (L, K, NA):
+        for module in (L, K, NA, HC):
             monkeypatch.setattr(module, "num_sms", lambda device, n=sms: n)
         found[sms] = _grads(op, rows, d, dtype)
     return found
@@ -68,19 +89,25 @@ CASES = [
     pytest.param("layer", 600, 48, torch.float32, id="norm-tile-fp32"),
     pytest.param("add_norm_gate", 600, 48, torch.bfloat16, id="add_norm-gated-tile-bf16"),
     pytest.param("norm_add_norm", 600, 48, torch.float32, id="norm_add_norm-tile-fp32"),
+    # the n-stream boundary: 7 token blocks, 2, 4 and 7 programs and token splits by default
+    pytest.param("hc_add_norm", 100, 16, torch.bfloat16, id="hc_add_norm-bf16"),
 ]
 
 
 @pytest.mark.parametrize("op,rows,d,dtype", CASES)
 def test_weight_gradients_do_not_depend_on_the_sm_count(monkeypatch, deterministic, op, rows, d, dtype):
     assert all(_same(_by_sms(monkeypatch, op, rows, d, dtype)).values())
-    if op == "layer":
+    if op in ("layer", "hc_add_norm"):
         # the simulation reaches the split: without deterministic mode the partial rows
         # follow the SM count and the bits change (what was checked above rules out)
         torch.use_deterministic_algorithms(False)
         found = _by_sms(monkeypatch, op, rows, d, dtype)
         assert not all(_same(found).values()), "every SM count gave the same bits: the check above would be blind"
         assert all(torch.equal(found[SMS[0]][0], g[0]) for g in found.values())  # dx is per row: never changes
+        if op == "hc_add_norm":  # each of dw (_bwd's partial rows) and dbase (the token splits) did change;
+            # dfn's dots add block after block in either order under the interpreter (a GPU's need not)
+            assert not torch.equal(found[SMS[0]][-1], found[SMS[-1]][-1])
+            assert not torch.equal(found[SMS[0]][5], found[SMS[-1]][5])
 
 
 @pytest.mark.parametrize("op,rows,d", [("layer", 48, 40), ("norm_add_norm", 48, 40)], ids=["norm", "norm_add_norm"])

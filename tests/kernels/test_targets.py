@@ -80,3 +80,29 @@ def test_rows_of_32768_leave_the_tile_where_its_spills_cost_more_than_the_loop(v
         gated = "gate_position" in kw
         launches = T.norm_launches(x, r, w, b if kw.get("kind") == "layer" else None, gate if gated else None, **kw)
         assert launches[0].name == ("_fwd_loop" if loop else "_fwd_tile"), (d, launches[0].name)
+
+
+@pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942"])
+def test_n_stream_parameter_gradients_take_every_sm(target):
+    """_bwd_params at n = 4, d = 4096, 8192 tokens (what `bench.py targets` launches) splits
+    its token sums so that dfn's 64 column chunks take every SM: it launched 69 programs
+    (64 chunks, 4 of dw, one for dbase and dscale over every token), half an H100's SMs.
+    Nothing runs: the launches are captured."""
+    with T.for_target(target) as t:
+        launches = {ln.name: ln for ln in T.hyper_launches(8192, 4, 4096, torch.bfloat16)}
+    assert launches["_bwd_params"].grid[0] >= 2 * t.sms, launches["_bwd_params"].grid
+
+
+def test_n_stream_parameter_gradients_fit_sm_120_shared_memory():
+    """_bwd_params at n = 16 in fp32, the most shared memory of the n-stream kernels (its
+    dot's [512, 16] fp32 dv operand; m = 288 rows of fn padded to 512), fits one program's
+    limit on sm_120 (an RTX 5090: 99 KB a block, 100 KB an SM): Triton's compiler does not
+    check it, a launch past it fails on the GPU alone."""
+    problem = backend_problem("sm_120")
+    if problem:
+        pytest.skip(f"cannot compile for sm_120 here: {problem}")
+    with T.for_target("sm_120") as t:
+        launches = {ln.name: ln for ln in T.hyper_launches(2048, 16, 1024, torch.float32)}
+    shared = T.resource_usage(T.compile_for(launches["_bwd_params"], "sm_120"))["shared"]
+    limit = t.sm["shared"] - t.sm["shared_per_block_reserved"]  # 101,376 B
+    assert shared <= limit, (shared, limit)

@@ -93,12 +93,14 @@ def _check(got, ref, leaves, dtype, *, cond=1.0):
         assert_close(g, rg, dtype, f"d{name}", cond=cond)
 
 
-def _boundary_against_fp64(t, iters):
-    """hc_add_norm on inputs t (fp32), values and every gradient against boundary64."""
+def _boundary_against_fp64(t, iters, **kw):
+    """hc_add_norm on inputs t (fp32), values and every gradient against boundary64; kw:
+    hc_eps, eps, to both."""
     leaves = _leaves(t)
     got = fuseblock.hc_add_norm(t["H"], t["f"], t["post"], t["comb"], t["fn"], t["base"], t["scale"], t["weight"],
-                                iters=iters)
-    ref = boundary64(t["H"], t["f"], t["post"], t["comb"], t["fn"], t["base"], t["scale"], t["weight"], iters=iters)
+                                iters=iters, **kw)
+    ref = boundary64(t["H"], t["f"], t["post"], t["comb"], t["fn"], t["base"], t["scale"], t["weight"], iters=iters,
+                     **kw)
     _check(got, (ref[0], ref[1], *ref[2]), leaves, torch.float32)
 
 
@@ -170,6 +172,86 @@ def test_programs_walking_several_token_blocks(monkeypatch):
 
     monkeypatch.setattr(K, "num_sms", lambda device: 1)
     _boundary_against_fp64(_inputs(8, 24, lead=(40,)), iters=4)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("update,n,hc_eps", [(True, 3, HC_EPS), (True, 5, 0.0), (False, 6, HC_EPS), (False, 3, 0.0)])
+def test_stream_counts_not_a_power_of_two(update, n, hc_eps):
+    """n = 3, 5, 6 pad the kernels' [NP, NP] comb blocks to 4 or 8: 20 Sinkhorn passes, values
+    and gradients against fp64 (the padded lanes divided by 0 + hc_eps in every backward pass
+    overflowed: every gradient NaN; at hc_eps = 0 the forward's comb was 0 / 0 = NaN)."""
+    t = _inputs(n, 8, lead=(3,), update=update)
+    if update:
+        _boundary_against_fp64(t, 20, hc_eps=hc_eps)
+        return
+    leaves = _leaves(t)
+    got = fuseblock.hc_norm(t["H"], t["fn"], t["base"], t["scale"], t["weight"], iters=20, hc_eps=hc_eps)
+    y, _, nxt = boundary64(t["H"], None, None, None, t["fn"], t["base"], t["scale"], t["weight"], iters=20,
+                           hc_eps=hc_eps)
+    _check(got, (y, *nxt), leaves, torch.float32)
+
+
+@pytest.mark.kernel
+def test_eps_zero_with_a_partial_token_block():
+    """eps = 0 and 5 tokens: the kernels' token block of 16 has 11 masked tokens, whose
+    rsqrt(0 + 0) = inf made the weight gradient 0 * inf = NaN."""
+    _boundary_against_fp64(_inputs(4, 8, lead=(5,)), 3, eps=0.0)
+
+
+@pytest.mark.kernel
+def test_permuted_inputs():
+    """A sequence-first branch, post and comb ((T, B, ...) views of (B, T, ...) tensors) and
+    fn = W.t(): their gradients come back right (the kernels write them contiguous; an
+    empty_like of a permuted input kept its strides: df off by 100%, dfn by 0.68)."""
+    t = _inputs(4, 8, lead=(3, 2))
+    for k in ("f", "post", "comb"):
+        t[k] = t[k].transpose(0, 1).contiguous().transpose(0, 1)
+        assert not t[k].is_contiguous()
+    t["fn"] = t["fn"].t().contiguous().t()
+    _boundary_against_fp64(t, 3)
+
+
+@pytest.mark.kernel
+@pytest.mark.kernel_only("the kernels' token splits of the parameter sums")
+def test_parameter_sums_split_over_tokens(monkeypatch):
+    """_bwd_params splits its token sums (dfn, dbase, dscale) so that they fill the GPU, the
+    last split to arrive adding the partial sums up: here 3 splits of 40 tokens (16, 16, 8),
+    with comb (n = 8, m = 80) and without (n = 2, m = 4)."""
+    import fuseblock.kernels.hyper as K
+
+    grids = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid[0])
+            return original[grid]
+
+    original = K._bwd_params
+    monkeypatch.setattr(K, "MIN_SPLIT_BLOCKS", 1)
+    monkeypatch.setattr(K, "_bwd_params", Spy())
+    _boundary_against_fp64(_inputs(8, 24, lead=(40,)), 2)
+    _boundary_against_fp64(_inputs(2, 8, lead=(40,), comb=False, comb_out=False), 2)
+    # dfn's 3 and 1 column chunks, each over 3 splits; dw's one program; dbase's 3
+    assert grids == [3 * 3 + 1 + 3, 1 * 3 + 1 + 3]
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("form", ["fused", "deepseek_v4", "hy_v4", "glm5_next"])
+def test_y_dtype_follows_the_form_on_both_paths(form):
+    """bf16 streams, an fp32 weight: y is bf16 where the form's norm rounds w h once (fuseblock's,
+    DeepSeek-V4's), fp32 where it multiplies the weight after rounding h (HY-V4's and
+    GLM-5-next's w * h.to(dtype), Llama's), as their modeling code returns; the kernel path
+    gave bf16 for every form. Values and gradients against fp64 (hc_norm: no update, whose
+    order also follows the form)."""
+    comb = form != "hy_v4"
+    t = _inputs(4, 16, lead=(3,), dtype=BF16, update=False, comb_out=comb)
+    kw = dict(post_mult=1.5, post_eps=HC_EPS) if form == "hy_v4" else {}
+    leaves = _leaves(t)
+    got = fuseblock.hc_norm(t["H"], t["fn"], t["base"], t["scale"], t["weight"], iters=4, form=form, **kw)
+    assert got[0].dtype == (BF16 if form in ("fused", "deepseek_v4") else F32)
+    y, _, nxt = boundary64(t["H"], None, None, None, t["fn"], t["base"], t["scale"], t["weight"], iters=4,
+                           stored=BF16, **kw)
+    _check(got, (y, *nxt), leaves, BF16, cond=4.0)
 
 
 def test_gradcheck_fp64_torch_path():
