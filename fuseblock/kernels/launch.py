@@ -286,9 +286,11 @@ def _bwd_sum(DWP, DBP, DW, DB, n_rows, D, BR: tl.constexpr, BD: tl.constexpr,
         sum_rows(DBP, DB, n_rows, D, o_col, m_col, BR, BD)
 
 
-def sum_partial_rows(dw_part, db_part, dw, db, n_rows: int, d: int) -> None:
+def sum_partial_rows(dw_part, db_part, dw, db, n_rows: int, d: int, bd: int | None = None) -> None:
     """Launch `_bwd_sum`: dw and db (either may be None), in their own dtypes, become the
-    column sums of the (n_rows, d) fp32 partial rows dw_part and db_part."""
-    bd = sum_cols(d, (dw_part if dw is not None else db_part).device)
+    column sums of the (n_rows, d) fp32 partial rows dw_part and db_part. bd: `sum_cols`'s
+    columns per program, where the caller has it."""
+    if bd is None:
+        bd = sum_cols(d, (dw_part if dw is not None else db_part).device)
     _bwd_sum[(cdiv(d, bd),)](dw_part, db_part, dw, db, n_rows, d, BR=max(1, SUM_TILE // bd), BD=bd,
                              HAS_W=dw is not None, HAS_B=db is not None, num_warps=4)
