@@ -877,7 +877,8 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
                None if bias is None else bias.dtype, x_dtype, residual_grad_dtype, seed.__class__, has_x1,
                _deterministic(), occupancy.GENERATION, launch.MAX_TILE_BWD, launch.BWD_WIDE_TILE,
                launch.BWD_PER_THREAD, launch.MAX_ROWS, launch.WARP, launch.SM_THREADS, launch.H100_SMS,
-               MIN_ROWS_PER_PROGRAM, launch.SUM_TILE, launch.SUM_MIN_COLS)
+               MIN_ROWS_PER_PROGRAM, launch.SUM_TILE, launch.SUM_MIN_COLS, launch.DETERMINISTIC_PROGRAMS,
+               launch.DETERMINISTIC_SUM_COLS, launch.BWD_MAX_THREADS)
         try:
             plan = _BWD_PLANS[key]
         except KeyError:
