@@ -6,14 +6,16 @@ import this module, and it imports none of them. The math is in docs/math.md.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass, fields, replace
 from enum import IntEnum
-from typing import get_type_hints
+from typing import ClassVar, get_type_hints
 
 import torch
 
 KINDS = ("rms", "layer", "l2")
+_SERIALS = itertools.count()  # NormSpec.serial
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -131,6 +133,17 @@ class NormSpec:
     quant_from: torch.dtype | None = None
     scale_ub: float = 0.0
     mx_columnwise: bool = False  # mxfp8 also down the columns (blocks of 32 rows), the weight gradient's operand
+
+    # This instance's number, unique in the process (a copy keeps it: equal fields): the
+    # launchers key the launches they lay out by it, an attribute read where hashing the
+    # fields would be a Python call on every launch. Not a field: equality, hashing and
+    # pack() ignore it. None for a spec made while torch.compile traces (no global counter
+    # moves there): the launchers lay such a call out anew.
+    serial: ClassVar[int | None] = None
+
+    def __post_init__(self):
+        if not torch.compiler.is_compiling():
+            object.__setattr__(self, "serial", next(_SERIALS))
 
     def pack(self) -> list[float]:
         if torch.compiler.is_compiling():  # traced into the graph: nothing kept on the instance

@@ -102,6 +102,12 @@ MAX_TILE_FWD_HEAVY = 16384
 MAX_TILE_BWD = 4096
 BWD_WIDE_TILE = 4096  # elements per program of the backward's tile for rows of 4096
 BWD_PER_THREAD = 8  # and per thread
+# Threads a narrow-row backward program takes at most. At 512 (16 warps) the tile backward at
+# d = 1024 to 4096 compiles to 78 to 100 registers a thread (sm_90, bf16): one program an SM,
+# 16 warps of 64. At 256 (fewer rows a program), 70 to 80 registers and 3 programs, 24 warps,
+# for rms at d = 1024 and 2048 and layer at 2048 (docs/performance.md, the narrow-row
+# backward): not yet timed on a GPU, so 512 stays (tools/bwd_threads.py compiles both).
+BWD_MAX_THREADS = 512
 # norm_add's kernels hold two norms' blocks: its forward tile stops at rows of 16384, its
 # backward's at 4096 (norm_add.bwd_tile_layout spilled 104 to 584 bytes a thread past it, sm_90)
 MAX_TILE_PAIR_FWD = 16384
@@ -228,30 +234,32 @@ def loop_layout(dg: int) -> Layout:
 _LAYOUTS: dict[tuple, Layout] = {}
 
 
-def layout(d: int, groups: int, max_tile: int, wide_tile: int = 16384, per_thread: int = 32) -> Layout:
+def layout(d: int, groups: int, max_tile: int, wide_tile: int = 16384, per_thread: int = 32,
+           max_threads: int = 512) -> Layout:
     """The layout for rows of d in `groups`, whole rows in registers up to max_tile elements;
     rows of 4096 and more in tiles of wide_tile elements, per_thread a thread (at most 512
-    threads). Narrow rows: 4096-element tiles, at most MAX_ROWS rows.
+    threads; max_threads: fewer rows a narrow tile, down to one). Narrow rows: 4096-element
+    tiles, at most MAX_ROWS rows.
 
     Measured on an H100 in bf16 (docs/performance.md): narrow rows want small tiles; rows
     of 4K and more want 16K-element tiles in the forward. The persistent backward starts
     from as many programs per SM as the threads allow, then what fits (`fit_per_sm`).
     """
-    key = (d, groups, max_tile, wide_tile, per_thread, MAX_ROWS, LOOP_BLOCK, WARP, SM_THREADS)
+    key = (d, groups, max_tile, wide_tile, per_thread, max_threads, MAX_ROWS, LOOP_BLOCK, WARP, SM_THREADS)
     found = _LAYOUTS.get(key)
     if found is None:
-        found = _layout(d, groups, max_tile, wide_tile, per_thread)
+        found = _layout(d, groups, max_tile, wide_tile, per_thread, max_threads)
         if len(_LAYOUTS) < 4096:
             _LAYOUTS[key] = found
     return found
 
 
-def _layout(d: int, groups: int, max_tile: int, wide_tile: int, per_thread: int) -> Layout:
+def _layout(d: int, groups: int, max_tile: int, wide_tile: int, per_thread: int, max_threads: int) -> Layout:
     dg = d // groups
     bg, bd = pow2(groups), pow2(dg)
     if bg * bd <= max_tile:
         wide = bg * bd >= 4096
-        br = max(1, min(MAX_ROWS, (wide_tile if wide else 4096) // (bg * bd)))
+        br = max(1, min(MAX_ROWS, (wide_tile if wide else 4096) // (bg * bd), max_threads * per_thread // (bg * bd)))
         w = warps(min(512, max(128, br * bg * bd // per_thread)))
         return Layout(True, bg, bd, br, w, fit_per_sm(w))
     return loop_layout(dg)
@@ -265,7 +273,7 @@ def fwd_layout(d: int, groups: int = 1, heavy: bool = False) -> Layout:
 
 def bwd_layout(d: int, groups: int = 1) -> Layout:
     """The backward's layout (MAX_TILE_BWD, read at call time)."""
-    return layout(d, groups, MAX_TILE_BWD, BWD_WIDE_TILE, BWD_PER_THREAD)
+    return layout(d, groups, MAX_TILE_BWD, BWD_WIDE_TILE, BWD_PER_THREAD, BWD_MAX_THREADS)
 
 
 def rows(t: torch.Tensor | None, d: int) -> torch.Tensor | None:
@@ -336,10 +344,12 @@ def _bwd_sum(DWP, DBP, DW, DB, n_rows, D, BR: tl.constexpr, BD: tl.constexpr,
         sum_rows(DBP, DB, n_rows, D, o_col, m_col, BR, BD)
 
 
-def sum_partial_rows(dw_part, db_part, dw, db, n_rows: int, d: int) -> None:
+def sum_partial_rows(dw_part, db_part, dw, db, n_rows: int, d: int, bd: int | None = None) -> None:
     """Launch `_bwd_sum`: dw and db (either may be None), in their own dtypes, become the
-    column sums of the (n_rows, d) fp32 partial rows dw_part and db_part."""
-    bd = sum_cols(d, (dw_part if dw is not None else db_part).device)
+    column sums of the (n_rows, d) fp32 partial rows dw_part and db_part. bd: `sum_cols`'s
+    columns per program, where the caller has it."""
+    if bd is None:
+        bd = sum_cols(d, (dw_part if dw is not None else db_part).device)
     _bwd_sum_ = traced(_bwd_sum) if TRACING.on else _bwd_sum
     _bwd_sum_[(cdiv(d, bd),)](dw_part, db_part, dw, db, n_rows, d, BR=max(1, SUM_TILE // bd), BD=bd,
                              HAS_W=dw is not None, HAS_B=db is not None, num_warps=4)

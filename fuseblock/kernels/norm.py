@@ -40,7 +40,7 @@ import triton.language as tl
 
 from ..reference import fp8
 from ..spec import Gate, NormSpec, Quant
-from . import launch
+from . import launch, occupancy
 from .fp8 import quant_buffers, quantized, store_quantized
 from .launch import (
     LAUNCHES,
@@ -74,6 +74,10 @@ from .row_math import (
     row_weight,
     sq_prod,
 )
+
+# whether torch.use_deterministic_algorithms(True) is on: launch.deterministic()'s answer, torch's
+# own C call, once a backward (a plan's key)
+_deterministic = torch._C._get_deterministic_algorithms
 
 # The wide-row backward's column pass (read at call time, as launch.py's constants)
 COLS_BLOCK = 2048  # columns per program of the column-chunk kernel
@@ -132,15 +136,23 @@ def _fwd_tile(
     s_x, s_x1, s_r, s_z, s_o, s_ro,
     M, G, DG, eps, scale, woff, alpha, drop_p, drop_scale,
     BR: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
-    HAS_X1: tl.constexpr, DROPOUT: tl.constexpr,
-    HAS_R: tl.constexpr, STORE_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, STORE_STATS: tl.constexpr,
-    EXACT_SQ: tl.constexpr,
+    FLAGS: tl.constexpr,  # `fwd_flags`: HAS_X1 ... EXACT_SQ, GATE and ACT in one constexpr
     # the scaled fp8 output (`fuseblock.kernels.fp8.store_quantized`): O holds its codes
     QS=None, q_max=0.0, q_ub=0.0, q_tiny=0.0, q_tiny_scale=0.0,
     QUANT: tl.constexpr = 0, Q_MBITS: tl.constexpr = 3, Q_BIAS: tl.constexpr = 7, Q_MAXPOW2: tl.constexpr = 8,
     Q_RCEIL: tl.constexpr = False, Q_ROUND: tl.constexpr = 0, OT=None, QST=None, M_T=0, COLS: tl.constexpr = False,
 ):
+    HAS_X1: tl.constexpr = FLAGS & 1  # each a constexpr, as FLAGS is: branches resolved at compile time
+    DROPOUT: tl.constexpr = (FLAGS >> 1) & 1
+    HAS_R: tl.constexpr = (FLAGS >> 2) & 1
+    STORE_R: tl.constexpr = (FLAGS >> 3) & 1
+    HAS_W: tl.constexpr = (FLAGS >> 4) & 1
+    HAS_B: tl.constexpr = (FLAGS >> 5) & 1
+    CENTER: tl.constexpr = (FLAGS >> 6) & 1
+    STORE_STATS: tl.constexpr = (FLAGS >> 7) & 1
+    EXACT_SQ: tl.constexpr = (FLAGS >> 8) & 1
+    GATE: tl.constexpr = (FLAGS >> 9) & 3
+    ACT: tl.constexpr = (FLAGS >> 11) & 3
     check_modes(GATE, ACT)
     i_m = tl.program_id(0)
     o_m = (i_m * BR + tl.arange(0, BR)).to(tl.int64)  # int64: M * stride may pass 2**31
@@ -352,10 +364,17 @@ def _bwd_tile(
     s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz,
     M, G, DG, scale, woff, alpha, drop_p, drop_scale,
     BR: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
-    HAS_X1: tl.constexpr, DROPOUT: tl.constexpr,
-    HAS_DRO: tl.constexpr, STORE_DR: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr,
+    FLAGS: tl.constexpr,  # `bwd_flags`: HAS_X1 ... HAS_B, CENTER, GATE and ACT in one constexpr
 ):
+    HAS_X1: tl.constexpr = FLAGS & 1  # constexprs, as in _fwd_tile
+    DROPOUT: tl.constexpr = (FLAGS >> 1) & 1
+    HAS_DRO: tl.constexpr = (FLAGS >> 2) & 1
+    STORE_DR: tl.constexpr = (FLAGS >> 3) & 1
+    HAS_W: tl.constexpr = (FLAGS >> 4) & 1
+    HAS_B: tl.constexpr = (FLAGS >> 5) & 1
+    CENTER: tl.constexpr = (FLAGS >> 6) & 1
+    GATE: tl.constexpr = (FLAGS >> 9) & 3
+    ACT: tl.constexpr = (FLAGS >> 11) & 3
     check_modes(GATE, ACT)
     # A persistent grid: program i_p handles row blocks i_p, i_p + n_p, ... and keeps
     # its dw/db sums in registers, so it writes one partial row (fp32) at the very end:
@@ -582,6 +601,51 @@ def _quantized_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_s
     return quantized(codes, qs, spec, quant), new_res, rstd, mean
 
 
+# Forward launches of contiguous tensors, laid out once per static signature (the spec's serial, x's
+# shape and dtype, which tensors come in which dtypes, and the layout constants, read at call
+# time as `launch.layout` reads them): (spec, grid, out's dtype, the statistics' shape, the
+# row strides and scalars, the constexprs), or (spec, None) where the tile does not take
+# the call (the loop kernel, which learns its occupancy from its first launch; no rows).
+_FWD_PLANS: dict = {}
+
+
+def _fwd_plan(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, need_stats, x1, seed) -> tuple:
+    d = x.shape[-1]
+    M, G = x.numel() // d, spec.groups
+    lay = _fwd_layout(d, spec) if M > 0 else None
+    if lay is None or not lay.tile:
+        return spec, None
+    # contiguous rows: every row stride is d; 0 for an absent tensor (never read)
+    strides = (d, 0 if x1 is None else d, 0 if residual is None else d, 0 if gate is None else d, d,
+               0 if residual_dtype is None else d)  # s_x, s_x1, s_r, s_z, s_o, s_ro
+    scalars = (*strides, M, G, d // G, spec.eps, spec.scale, spec.weight_offset, *_branch(spec))
+    flags = _fwd_flags(x1, residual, weight, bias, spec, residual_dtype is not None, need_stats)
+    consts = dict(BR=lay.br, BG=lay.bg, BD=lay.bd, num_warps=lay.warps, FLAGS=fold_flags(flags))
+    return spec, (cdiv(M, lay.br),), spec.out_dtype_for(x.dtype), (M, G), scalars, consts
+
+
+# Where each flag sits in the tile kernels' one FLAGS constexpr (GATE and ACT two bits each):
+# one argument for Triton's launcher to bind and key, on every launch, instead of eleven
+_FLAG_BITS = dict(HAS_X1=0, DROPOUT=1, HAS_R=2, HAS_DRO=2, STORE_R=3, STORE_DR=3, HAS_W=4, HAS_B=5, CENTER=6,
+                  STORE_STATS=7, EXACT_SQ=8, GATE=9, ACT=11)
+
+
+def fold_flags(flags: dict) -> int:
+    """`_fwd_flags` or `_bwd_flags` as the tile kernels' FLAGS (their first lines unfold it)."""
+    folded = 0
+    for name, value in flags.items():
+        folded |= int(value) << _FLAG_BITS[name]
+    return folded
+
+
+def _fwd_flags(x1, residual, weight, bias, spec: NormSpec, store_r: bool, need_stats: bool) -> dict:
+    """The forward kernels' constexpr flags (num_warps apart), by name: the loop kernel takes
+    them so, the tile kernel folded (`fold_flags`)."""
+    return dict(HAS_X1=x1 is not None, DROPOUT=spec.dropout_p > 0, HAS_R=residual is not None, STORE_R=store_r,
+                HAS_W=weight is not None, HAS_B=bias is not None, CENTER=spec.center, GATE=int(spec.gate),
+                ACT=int(spec.act), STORE_STATS=need_stats, EXACT_SQ=spec.eps == 0)
+
+
 def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, need_stats, x1=None, seed=None,
              out=None, new_res=None, qscale=None, _codes=None, _quant=None):
     """Triton forward, same contract as `fuseblock.reference.norm.norm_fwd`. x1 and seed (the
@@ -596,6 +660,34 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
     fp32 by the loop kernel and cast by `fuseblock.reference.fp8.quantize` (two passes more)."""
     if spec.quant != Quant.NONE and _codes is None:
         return _quantized_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1, seed, qscale)
+    if (out is None and _codes is None and spec.serial is not None and not launch.TRACING.on and x.is_contiguous()
+            and (residual is None or residual.is_contiguous())
+            and (weight is None or weight.is_contiguous()) and (bias is None or bias.is_contiguous())
+            and (gate is None or gate.is_contiguous()) and (x1 is None or x1.is_contiguous())):
+        key = (spec.serial, x.shape, x.dtype, x.device, residual_dtype, need_stats,
+               None if residual is None else residual.dtype, None if gate is None else gate.dtype,
+               None if weight is None else weight.dtype, None if bias is None else bias.dtype,
+               None if x1 is None else x1.dtype, seed.__class__, launch.MAX_TILE_FWD, launch.MAX_TILE_FWD_HEAVY,
+               launch.MAX_ROWS, launch.WARP, launch.SM_THREADS)
+        try:
+            plan = _FWD_PLANS[key]
+        except KeyError:
+            plan = None
+        if plan is None:
+            plan = _fwd_plan(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1, seed)
+            if len(_FWD_PLANS) >= 4096:
+                _FWD_PLANS.clear()
+            _FWD_PLANS[key] = plan
+        if plan[1] is not None:
+            _, grid, out_dtype, stat_shape, scalars, consts = plan
+            dev = x.device
+            out = torch.empty(x.shape, dtype=out_dtype, device=dev)
+            new_res = torch.empty(x.shape, dtype=residual_dtype, device=dev) if residual_dtype is not None else None
+            rstd = torch.empty(stat_shape, dtype=torch.float32, device=dev) if need_stats else None
+            mean = torch.empty(stat_shape, dtype=torch.float32, device=dev) if need_stats and spec.center else None
+            _fwd_tile[grid](x, x1, residual, gate, weight, bias, out, new_res, rstd, mean, seed, *scalars, **consts)
+            LAUNCHES["fwd"] += 1
+            return out, new_res, rstd, mean
     # The launchers' stride contract: activations may have any strides (rows are passed
     # by stride, columns must be unit-stride or are copied: `rows`); weight and bias are
     # made unit-stride (`vec`). Outputs and statistics are allocated here, contiguous.
@@ -623,26 +715,62 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
             # registers and 24 bytes of stack a thread (fp32, sm_90), in 512 66 to 72 and none
             lay = lay._replace(warps=warps(512), per_sm=fit_per_sm(warps(512)))
         args = (x2, x12, r2, z2, weight, bias, o2, ro2, rstd, mean, seed, s_x, s_x1, s_r, s_z, s_o, s_ro)
-        flags = dict(
-            HAS_X1=x12 is not None, DROPOUT=spec.dropout_p > 0,
-            HAS_R=r2 is not None, STORE_R=new_res is not None, HAS_W=weight is not None,
-            HAS_B=bias is not None, CENTER=spec.center, GATE=int(spec.gate), ACT=int(spec.act),
-            STORE_STATS=need_stats, EXACT_SQ=spec.eps == 0, num_warps=lay.warps,
-        )
+        flags = _fwd_flags(x12, r2, weight, bias, spec, new_res is not None, need_stats)
         if lay.tile:
             br = max(lay.br, 32) if spec.mx_columnwise else lay.br
             _fwd_tile_ = launch.traced(_fwd_tile) if launch.TRACING.on else _fwd_tile
             _fwd_tile_[(cdiv(M, br),)](*args, M, G, d // G, spec.eps, spec.scale, spec.weight_offset,
-                                      *_branch(spec), BR=br, BG=lay.bg, BD=lay.bd, **flags, **(_quant or {}))
+                                      *_branch(spec), BR=br, BG=lay.bg, BD=lay.bd, num_warps=lay.warps,
+                                      FLAGS=fold_flags(flags), **(_quant or {}))
         else:
             variant = lay.variant("_fwd_loop", (x2, x12, r2, z2, weight, bias, o2, ro2), flags)
             n_prog = min(M * G, num_sms(dev) * programs_per_sm(dev, variant, lay.per_sm))
             _fwd_loop_ = launch.traced(_fwd_loop) if launch.TRACING.on else _fwd_loop
             compiled = _fwd_loop_[(n_prog,)](*args, M * G, G, d // G, spec.eps, spec.scale, spec.weight_offset,
-                                            *_branch(spec), BD=lay.bd, **flags)
+                                            *_branch(spec), BD=lay.bd, num_warps=lay.warps, **flags)
             learn(dev, variant, compiled, lay.warps)
         LAUNCHES["fwd"] += 1
     return out, new_res, rstd, mean
+
+
+# Backward launches of contiguous tensors (the tile kernel's), laid out once per static
+# signature as _FWD_PLANS, deterministic mode and the occupancy learned so far included:
+# (spec, the tile's layout, its programs, whether they leave partial rows to sum, its
+# variant, whether that was learned, the row strides and scalars, the constexprs, the
+# partial-row sum's columns per program), or (spec, None) for the column kernels.
+_BWD_PLANS: dict = {}
+
+
+def _bwd_plan(p, gate, weight, bias, dout, dres, spec: NormSpec, x_dtype, residual_grad_dtype, has_x1) -> tuple:
+    d = p.shape[-1]
+    M, G = p.numel() // d, spec.groups
+    lay = bwd_layout(d, G)
+    if M == 0 or not lay.tile:
+        return spec, None
+    flags = _bwd_flags(has_x1 and spec.dropout_p > 0, dres is not None, residual_grad_dtype is not None,
+                       weight is not None, bias is not None, spec)
+    # the compiled variant, as norm_bwd names it: the dtypes of (p, gate, weight, bias, dout, dres, dx,
+    # dresidual, dgate), all in the plan's key
+    dx, dr, dz = (p.new_empty(0, dtype=t) if t is not None else None
+                  for t in (x_dtype, residual_grad_dtype, None if gate is None else gate.dtype))
+    variant = lay.variant("_bwd_tile", (p, gate, weight, bias, dout, dres, dx, dr, dz), flags)
+    n_blocks = cdiv(M, lay.br)
+    limit = min(n_blocks, cdiv(M, MIN_ROWS_PER_PROGRAM))
+    strides = (d if gate is not None else 0, d, d if dres is not None else 0, d,
+               0 if residual_grad_dtype is None else d, 0 if gate is None else d)
+    scalars = (d, *strides, M, G, d // G, spec.scale, spec.weight_offset, *_branch(spec))
+    consts = dict(BR=lay.br, BG=lay.bg, BD=lay.bd, num_warps=lay.warps, FLAGS=fold_flags(flags))
+    # one wave of programs at most, as norm_bwd (deterministic mode and what was learned are in the key)
+    n_prog = min(limit, row_programs(p.device, variant, lay.per_sm))
+    sum_parts = (weight is not None or bias is not None) and n_blocks > 1 and n_prog != 1
+    return (spec, lay, n_prog, sum_parts, variant, occupancy.learned(p.device, variant), scalars, consts,
+            launch.sum_cols(d, p.device))
+
+
+def _bwd_flags(has_dx1: bool, has_dro: bool, store_dr: bool, has_w: bool, has_b: bool, spec: NormSpec) -> dict:
+    """The backward kernels' constexpr flags."""
+    return dict(HAS_X1=has_dx1, DROPOUT=spec.dropout_p > 0, HAS_DRO=has_dro, STORE_DR=store_dr, HAS_W=has_w,
+                HAS_B=has_b, CENTER=spec.center, GATE=int(spec.gate), ACT=int(spec.act))
 
 
 def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dtype, residual_grad_dtype,
@@ -660,6 +788,47 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     dw/db partial rows (none when one program ran, or with no weight and no bias); wide
     rows `_bwd_dots` + `_bwd_cols`, which sums its own partial rows.
     """
+    if (spec.serial is not None and not launch.TRACING.on and p.is_contiguous() and dout.is_contiguous()
+            and (dres is None or dres.is_contiguous())
+            and (gate is None or gate.is_contiguous()) and (weight is None or weight.is_contiguous())
+            and (bias is None or bias.is_contiguous())):
+        key = (spec.serial, p.shape, p.dtype, p.device, dout.dtype, None if dres is None else dres.dtype,
+               None if gate is None else gate.dtype, None if weight is None else weight.dtype,
+               None if bias is None else bias.dtype, x_dtype, residual_grad_dtype, seed.__class__, has_x1,
+               _deterministic(), occupancy.GENERATION, launch.MAX_TILE_BWD, launch.BWD_WIDE_TILE,
+               launch.BWD_PER_THREAD, launch.MAX_ROWS, launch.WARP, launch.SM_THREADS, launch.H100_SMS,
+               MIN_ROWS_PER_PROGRAM, launch.SUM_TILE, launch.SUM_MIN_COLS, launch.DETERMINISTIC_PROGRAMS,
+               launch.DETERMINISTIC_SUM_COLS, launch.BWD_MAX_THREADS)
+        try:
+            plan = _BWD_PLANS[key]
+        except KeyError:
+            plan = None
+        if plan is None:
+            plan = _bwd_plan(p, gate, weight, bias, dout, dres, spec, x_dtype, residual_grad_dtype, has_x1)
+            if len(_BWD_PLANS) >= 4096:
+                _BWD_PLANS.clear()
+            _BWD_PLANS[key] = plan
+        if plan[1] is not None:  # the tile kernel (and its partial rows' sum), as laid out
+            _, lay, n_prog, sum_parts, variant, learned, scalars, consts, sum_bd = plan
+            dev = p.device
+            dx = torch.empty(p.shape, dtype=x_dtype, device=dev)
+            dr = None if residual_grad_dtype is None else torch.empty(p.shape, dtype=residual_grad_dtype, device=dev)
+            dz = torch.empty(p.shape, dtype=gate.dtype, device=dev) if gate is not None else None
+            dx1 = torch.empty(p.shape, dtype=x_dtype, device=dev) if consts["FLAGS"] & 1 else None  # HAS_X1
+            d = p.shape[-1]
+            dw = torch.empty((d,), dtype=weight.dtype, device=dev) if weight is not None else None
+            db = torch.empty((d,), dtype=bias.dtype, device=dev) if bias is not None else None
+            dw_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if sum_parts and dw is not None else dw
+            db_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if sum_parts and db is not None else db
+            compiled = _bwd_tile[(n_prog,)](p, gate, weight, bias, rstd, mean, dout, dres, dx, dr, dz, dw_part, db_part,
+                                            dx1, seed, *scalars, **consts)
+            LAUNCHES["bwd"] += 1
+            if sum_parts:
+                sum_partial_rows(dw_part, db_part, dw, db, n_prog, d, sum_bd)
+                LAUNCHES["bwd"] += 1
+            if not learned and compiled is not None:  # a GPU's first launch of the variant (the plan is rebuilt)
+                learn(dev, variant, compiled, lay.warps)
+            return dx, dr, dz, dw, db, dx1
     d, dev = p.shape[-1], p.device
     # As in norm_fwd. A dout whose columns are not unit-stride (an expanded gradient) is
     # copied by `rows`, a torch op: the caller's layout, not this op's work.
@@ -681,11 +850,7 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
                 dx1)
     dw = torch.empty((d,), dtype=weight.dtype, device=dev) if need_dw else None
     db = torch.empty((d,), dtype=bias.dtype, device=dev) if need_db else None
-    flags = dict(
-        HAS_X1=dx1 is not None, DROPOUT=spec.dropout_p > 0,
-        HAS_DRO=dro2 is not None, STORE_DR=dr is not None, HAS_W=need_dw, HAS_B=need_db,
-        CENTER=spec.center, GATE=int(spec.gate), ACT=int(spec.act),
-    )
+    flags = _bwd_flags(dx1 is not None, dro2 is not None, dr is not None, need_dw, need_db, spec)
     lay = bwd_layout(d, G)
     if lay.tile:
         n_cols = 1
@@ -721,7 +886,7 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
         _bwd_tile_ = launch.traced(_bwd_tile) if launch.TRACING.on else _bwd_tile
         compiled = _bwd_tile_[(n_prog,)](p2, z2, weight, bias, rstd, mean, *outs, *strides, M, G, dg, spec.scale,
                                         spec.weight_offset, *_branch(spec), BR=lay.br, BG=lay.bg, BD=lay.bd,
-                                        num_warps=lay.warps, **flags)
+                                        num_warps=lay.warps, FLAGS=fold_flags(flags))
         LAUNCHES["bwd"] += 1
         if sum_parts:
             sum_partial_rows(dw_part, db_part, dw, db, n_prog, d)

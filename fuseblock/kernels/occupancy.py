@@ -32,6 +32,9 @@ MI355X_CU = dict(MI300X_CU, lds=163840)
 MACHINE = H100_SM  # what `learn` assumes of a device it cannot ask (offline compiles set their target's)
 
 _RESIDENT: dict[tuple, int] = {}  # (torch.device, kernel variant) -> programs per SM
+# Bumped whenever what programs_per_sm answers may change (learn, forget): launchers that
+# keep a launch's grid (`fuseblock.kernels.norm`'s plans) key it by this
+GENERATION = 0
 
 
 def resident_programs(usage: dict[str, int], num_warps: int, sm: dict = H100_SM) -> int:
@@ -53,7 +56,9 @@ def resident_programs(usage: dict[str, int], num_warps: int, sm: dict = H100_SM)
 def forget() -> None:
     """Drop every learned programs-per-SM figure: the next launch of each variant starts
     from its default again (benchmarks that measure the first launch)."""
+    global GENERATION
     _RESIDENT.clear()
+    GENERATION += 1
 
 
 def _sm(device: torch.device) -> dict:
@@ -72,6 +77,11 @@ def programs_per_sm(device: torch.device, variant: tuple, default: int) -> int:
     return min(default, _RESIDENT.get((device, variant), default))
 
 
+def learned(device: torch.device, variant: tuple) -> bool:
+    """Whether a compiled launch of this variant has been learned from."""
+    return (device, variant) in _RESIDENT
+
+
 def learn(device: torch.device, variant: tuple, compiled, num_warps: int) -> None:
     """Record what fits from the compiled kernel a launch returns (on a GPU; under the
     interpreter it returns nothing, and nothing is learned)."""
@@ -80,4 +90,6 @@ def learn(device: torch.device, variant: tuple, compiled, num_warps: int) -> Non
     if n_regs is None or key in _RESIDENT:
         return
     usage = {"registers": n_regs, "shared": compiled.metadata.shared}
+    global GENERATION
     _RESIDENT[key] = max(1, resident_programs(usage, num_warps, _sm(device)))
+    GENERATION += 1

@@ -22,6 +22,9 @@ from ..triton_support import kernel_module
 # The Triton interpreter is chosen when triton is imported, so this is fixed per process.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _cpu_kernels = False  # set by `kernels_on_cpu`
+# INTERPRET or inside `kernels_on_cpu`: kernels_take_cpu() as a flag, for the hot path to read
+# as `dispatch.CPU_KERNELS` (no call)
+CPU_KERNELS = INTERPRET
 
 
 def kernels_take_cpu() -> bool:
@@ -34,10 +37,19 @@ def uses_triton(x: Tensor) -> bool:
     return x.dtype != torch.float64 and (x.is_cuda or (kernels_take_cpu() and x.device.type == "cpu"))
 
 
+# The kernel modules loaded so far, by op: `kernels` fills it, and the hot path reads it
+# (`LOADED["norm"]`, no call) where kernels() would be a call on every launch.
+LOADED: dict[str, ModuleType] = {}
+
+
 def kernels(op: str, x: Tensor) -> ModuleType:
     """The Triton launchers of `op` (`fuseblock.kernels.<op>`: "norm", "norm_add", "embed_norm",
-    "channel_norm", "hyper") for a call on `x`."""
-    return kernel_module(op, x.device)
+    "channel_norm", "hyper", "attn_res") for a call on `x`, loaded once."""
+    try:
+        return LOADED[op]
+    except KeyError:
+        module = LOADED[op] = kernel_module(op, x.device)
+        return module
 
 
 @contextlib.contextmanager
@@ -45,14 +57,14 @@ def kernels_on_cpu() -> Iterator[None]:
     """Send CPU tensors to the Triton launchers without the interpreter, for tools that
     intercept the launches rather than run them (`bench.py sm90` compiles what the
     launchers pick for an H100 on a machine with no GPU)."""
-    global _cpu_kernels
-    before, _cpu_kernels = _cpu_kernels, True
+    global _cpu_kernels, CPU_KERNELS
+    before, _cpu_kernels, CPU_KERNELS = _cpu_kernels, True, True
     try:
         yield
     finally:
-        _cpu_kernels = before
+        _cpu_kernels, CPU_KERNELS = before, INTERPRET or before
 
 
-def func_transforms_active() -> bool:
-    """Whether a torch.func transform (vmap, grad, jvp, ...) is tracing this call."""
-    return torch._C._are_functorch_transforms_active()
+# func_transforms_active(): whether a torch.func transform (vmap, grad, jvp, ...) is tracing
+# this call. torch's own check, called directly (what torch's Function.apply asks): on every call.
+func_transforms_active = torch._C._are_functorch_transforms_active

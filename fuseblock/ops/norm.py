@@ -29,7 +29,7 @@ from ..spec import (
     stored_dtype,
 )
 from ..triton_support import TRACING
-from . import dtensor
+from . import dispatch, dtensor
 from .checks import (
     QUANT_DEFAULTS,
     QuantArgs,
@@ -41,14 +41,21 @@ from .checks import (
     resolve,
 )
 from .dispatch import func_transforms_active, kernels, kernels_take_cpu, uses_triton
-from .registry import FusedOp, placeholder, placeholders
+from .registry import FusedOp, live, placeholder, placeholders
 from .seed import draw_seed
 
 
 def _launch_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1=None, seed=None):
-    """`_fwd` with None for each absent output: what the eager Function runs."""
-    return kernels("norm", x).norm_fwd(x, residual, gate, weight, bias, NormSpec.unpack(spec), residual_dtype,
-                                       need_stats, x1, _seed_arg(seed))
+    """`_fwd` with None for each absent output: what the eager Function runs. spec: a
+    NormSpec (the eager calls), or packed (the custom op's)."""
+    if spec.__class__ is not NormSpec:
+        spec = NormSpec.unpack(spec)
+    try:
+        launchers = dispatch.LOADED["norm"]
+    except KeyError:
+        launchers = kernels("norm", x)
+    return launchers.norm_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1,
+                              seed if seed is None else _seed_arg(seed))
 
 
 # The spec crosses the custom-op boundary packed (NormSpec.pack: a list of floats). typing.List,
@@ -95,9 +102,16 @@ def _bwd(
 
 def _launch_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec, x_dtype, residual_grad_dtype, seed=None,
                 has_x1=False):
-    """`_bwd` with None for each absent gradient: what the eager Function runs."""
-    return kernels("norm", p).norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, NormSpec.unpack(spec), x_dtype,
-                                       residual_grad_dtype, _seed_arg(seed), has_x1)
+    """`_bwd` with None for each absent gradient: what the eager Function runs (spec as
+    `_launch_fwd` takes it)."""
+    if spec.__class__ is not NormSpec:
+        spec = NormSpec.unpack(spec)
+    try:
+        launchers = dispatch.LOADED["norm"]
+    except KeyError:
+        launchers = kernels("norm", p)
+    return launchers.norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec, x_dtype,
+                                       residual_grad_dtype, seed if seed is None else _seed_arg(seed), has_x1)
 
 
 def _bwd_fake(dout, dres, p, gate, weight, bias, rstd, mean, spec, x_dtype, residual_grad_dtype, seed=None,
@@ -118,7 +132,7 @@ def _bwd_fake(dout, dres, p, gate, weight, bias, rstd, mean, spec, x_dtype, resi
 def _setup(ctx, inputs, output):
     x, residual, gate, weight, bias, spec, residual_dtype, _, x1, seed = inputs
     _, new_res, rstd, mean = output
-    ctx.spec = NormSpec.unpack(spec)
+    ctx.spec = spec if spec.__class__ is NormSpec else NormSpec.unpack(spec)
     # Backward re-derives everything from p and the row statistics, so the normalized
     # output is never kept: p is the stored new_residual, or x itself when none is stored.
     # Of the branch only the seed is kept (one int64): the dropout masks are regenerated.
@@ -130,17 +144,15 @@ def _setup(ctx, inputs, output):
     ctx.has_x1 = x1 is not None
     # dx = alpha * keep_x / (1 - dropout_p) * dp is not dresidual = dp (x1 alone changes nothing there)
     ctx.scaled = ctx.spec.alpha != 1.0 or ctx.spec.dropout_p > 0
-    if ctx.stored and not any(t is not None and t.requires_grad for t in (x, residual, x1)):
+    # the dtype of a dresidual written apart from dx: with alpha != 1 or dropout, whenever there
+    # is a residual (dx = alpha * keep / (1 - p) * dp is another tensor than dp); else where
+    # the residual's dtype differs from x's
+    ctx.rgrad_dtype = (ctx.residual_dtype if ctx.scaled else None if ctx.residual_dtype is ctx.x_dtype
+                       else residual_grad_dtype(ctx.x_dtype, ctx.residual_dtype))  # (x's dtype: none, no call)
+    if ctx.stored and not (x.requires_grad or (residual is not None and residual.requires_grad)
+                           or (x1 is not None and x1.requires_grad)):  # written out: on every call
         return (1,)  # new_residual = x + residual needs no gradient when neither does, as in torch
     return ()
-
-
-def _residual_grad_dtype(ctx) -> Optional[torch.dtype]:
-    """The dtype of a dresidual written apart from dx: with alpha != 1 or dropout, whenever
-    there is a residual (dx = alpha * keep / (1 - p) * dp is another tensor than dp)."""
-    if ctx.scaled:
-        return ctx.residual_dtype
-    return residual_grad_dtype(ctx.x_dtype, ctx.residual_dtype)
 
 
 def _grads(ctx, grad_outputs, norm_bwd):
@@ -148,15 +160,21 @@ def _grads(ctx, grad_outputs, norm_bwd):
     gradients of the op's inputs, the options' None between them."""
     dout, dnew_res = grad_outputs[:2]
     p, gate, weight, bias, rstd, mean, seed = ctx.saved_tensors
-    if (rstd is None or rstd.numel() == 0) and p.numel() > 0:  # None: the eager forward's absent statistics
+    # absent statistics: None (the eager forward's) or a 1-d placeholder (the custom op's; they are (rows, groups))
+    if (rstd is None or rstd.ndim == 1) and p.numel() > 0:
         raise RuntimeError("fuseblock: backward through a norm whose forward ran without grad enabled")
     if dout is None:
         dout = torch.zeros(p.shape, dtype=ctx.spec.out_dtype_for(ctx.x_dtype), device=p.device)
     dres = dnew_res if ctx.stored else None  # else new_residual is x: autograd routes it
-    rgrad_dtype = _residual_grad_dtype(ctx)
-    dx, dres_sep, dgate, dw, db, dx1 = norm_bwd(
-        dout, dres, p, gate, weight, bias, rstd, mean, ctx.spec.pack(), ctx.x_dtype, rgrad_dtype, seed, ctx.has_x1,
-    )
+    rgrad_dtype = ctx.rgrad_dtype
+    if norm_bwd is _launch_bwd and seed is None and "norm" in dispatch.LOADED:  # eager: the launcher itself
+        dx, dres_sep, dgate, dw, db, dx1 = dispatch.LOADED["norm"].norm_bwd(
+            dout, dres, p, gate, weight, bias, rstd, mean, ctx.spec, ctx.x_dtype, rgrad_dtype, None, ctx.has_x1)
+    else:
+        dx, dres_sep, dgate, dw, db, dx1 = norm_bwd(  # the eager launcher takes the spec as it is
+            dout, dres, p, gate, weight, bias, rstd, mean, ctx.spec if norm_bwd is _launch_bwd else ctx.spec.pack(),
+            ctx.x_dtype, rgrad_dtype, seed, ctx.has_x1,
+        )
     return (
         dx,
         None if ctx.residual_dtype is None else (dx if rgrad_dtype is None else dres_sep),
@@ -248,6 +266,25 @@ _INF = math.inf
 NO_SCALE = 1.0
 NO_DROPOUT = 0.0
 _E4M3, _FLOOR = QUANT_DEFAULTS.fp8_dtype, QUANT_DEFAULTS.mx_rounding  # the fp8 keywords' defaults
+# The classes a fast lane takes (`x.__class__ in _PLAIN`: no call): plain tensors and
+# parameters; a DTensor or another subclass takes the checked path.
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+# add_norm's specs with a branch, by the spec's serial and the branch: one instance each, so
+# that a training step's dropout calls reuse the launches laid out for it. Bounded.
+_BRANCH_SPECS: dict = {}
+
+
+def _with_branch(spec: NormSpec, alpha, dropout_p) -> NormSpec:
+    """spec.with_branch(alpha, dropout_p) (validated), the same instance for the same three."""
+    key = (spec.serial, alpha.__class__, alpha, dropout_p.__class__, dropout_p)
+    found = _BRANCH_SPECS.get(key) if spec.serial is not None else None
+    if found is None:
+        found = spec.with_branch(alpha, dropout_p)
+        if spec.serial is not None and len(_BRANCH_SPECS) < 4096:
+            _BRANCH_SPECS[key] = found
+    return found
 
 
 def _plain_call(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor], kind: str,
@@ -289,6 +326,54 @@ def _plain_call(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor],
     if kind == "layer":
         return torch.layer_norm(p, (d,), weight, bias, eps), p
     return reference.RMS_NORM_BODY(p, (d,), weight, eps)[0], p
+
+
+# Plain kernel-path calls already validated: their spec, new_residual dtype and launcher,
+# by what resolve checked of them (dtypes, devices, shapes against x's, layouts) and the
+# options. Bounded, as checks' option specs.
+_KERNEL_CALLS: dict = {}
+
+
+def _kernel_call(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor], kind: str,
+                 eps) -> Optional[tuple[Tensor, Tensor]]:
+    """add_norm's (out, new_residual) for a plain call on the kernel path (no gate, branch,
+    quant or other option; plain tensors), or None for the checked path: under a torch.func
+    transform, and for what is not hashable. A call is validated once per signature (resolve:
+    its errors name the argument), then launched with what that resolved: the forward
+    launcher directly where no gradient is needed, else the eager Function."""
+    if func_transforms_active() or not x.ndim or (eps is not None and eps.__class__ is not float):
+        return None
+    key = (kind, eps, x.dtype, x.device, x.shape[-1], x.layout, x.is_nested,
+           None if residual is None else (residual.dtype, residual.device, residual.shape == x.shape,
+                                          residual.layout, residual.is_nested),
+           None if weight is None else (weight.dtype, weight.device, weight.shape, weight.layout, weight.is_nested),
+           None if bias is None else (bias.dtype, bias.device, bias.shape, bias.layout, bias.is_nested))
+    try:
+        found = _KERNEL_CALLS[key]
+    except KeyError:
+        spec = resolve(x, residual, weight, bias, None, kind=kind, c=None, eps=eps, gate_act=DEFAULT_GATE_ACT,
+                       gate_position=DEFAULT_GATE_POSITION, num_groups=1, residual_dtype=None)
+        found = None if not uses_triton(x) else (  # None: float64, the torch path
+            spec, new_residual_dtype(x.dtype, None if residual is None else residual.dtype, None),
+            kernels("norm", x).norm_fwd)
+        if len(_KERNEL_CALLS) < 4096:
+            _KERNEL_CALLS[key] = found
+    except TypeError:  # unhashable: kind (a list, say), which resolve names
+        return None
+    if found is None:
+        return None
+    spec, rdtype, launch = found
+    residual = None if residual is None else live(residual)
+    weight = None if weight is None else live(weight)
+    bias = None if bias is None else live(bias)
+    x = live(x)
+    if torch.is_grad_enabled() and (x.requires_grad or (residual is not None and residual.requires_grad)
+                                    or (weight is not None and weight.requires_grad)
+                                    or (bias is not None and bias.requires_grad)):
+        out, new_res, _, _ = norm_op.eager(None, x, residual, None, weight, bias, spec, rdtype, True, None, None)
+    else:
+        out, new_res, _, _ = launch(x, residual, None, weight, bias, spec, rdtype, False)
+    return out, (x if rdtype is None else new_res)
 
 
 def add_norm(
@@ -362,6 +447,31 @@ def add_norm(
     """
     if positional:
         refuse_positional("add_norm", "x, residual, weight, bias", 4 + len(positional))
+    if (quant is None and scale is None and scale_ub is None and quant_from is None and mx_columnwise is False
+            and fp8_dtype is _E4M3 and mx_rounding is _FLOOR  # else resolve names them
+            and x1 is None and gate is None and c is None and residual_dtype is None and out_dtype is None
+            and alpha is NO_SCALE and dropout_p is NO_DROPOUT and num_groups is _ONE_GROUP
+            and type(weight_offset) is float and weight_offset == 0.0
+            and gate_act is DEFAULT_GATE_ACT and gate_position is DEFAULT_GATE_POSITION
+            and x.__class__ in _PLAIN and (residual is None or residual.__class__ in _PLAIN)
+            and (weight is None or weight.__class__ in _PLAIN) and (bias is None or bias.__class__ in _PLAIN)
+            and not is_compiling()):  # a plain call, of plain tensors (no DTensor): the fast lanes
+        if x.is_cuda or dispatch.CPU_KERNELS:
+            fast = _kernel_call(x, residual, weight, bias, kind, eps)
+            if fast is not None:
+                return fast
+        else:
+            try:
+                plain = _plain_call(x, residual, weight, bias, kind, eps)
+            except (RuntimeError, AttributeError) as e:  # a mistake torch refused: the checked path below names it
+                # Only torch's refusals (a RuntimeError; an AttributeError for a non-tensor):
+                # torch's own control flow passes through, such as activation checkpointing's
+                # early stop (an Exception) and its CheckpointError (a RuntimeError).
+                if isinstance(e, CheckpointError):
+                    raise
+                plain = None
+            if plain is not None:
+                return plain
     if dtensor.has_dtensor(x, residual, weight, bias, gate, x1):  # per-rank shards: docs/parallel.md
         if quant is not None:
             raise ValueError("quant= does not take DTensor inputs yet: quantize each rank's local tensor")
@@ -371,23 +481,6 @@ def add_norm(
                                 num_groups=num_groups, weight_offset=weight_offset, alpha=alpha,
                                 dropout_p=dropout_p, out_dtype=out_dtype)
     no_branch = x1 is None and alpha is NO_SCALE and dropout_p is NO_DROPOUT  # else checked below
-    if (no_branch and gate is None and quant is None and scale is None and scale_ub is None and quant_from is None
-            and mx_columnwise is False and fp8_dtype is _E4M3 and mx_rounding is _FLOOR  # else resolve names them
-            and c is None and residual_dtype is None and out_dtype is None
-            and num_groups is _ONE_GROUP
-            and type(weight_offset) is float and weight_offset == 0.0 and gate_act is DEFAULT_GATE_ACT
-            and gate_position is DEFAULT_GATE_POSITION and not is_compiling()):
-        try:
-            plain = _plain_call(x, residual, weight, bias, kind, eps)
-        except (RuntimeError, AttributeError) as e:  # a mistake torch refused: the checked path below names it
-            # Only torch's refusals (a RuntimeError; an AttributeError for a non-tensor):
-            # torch's own control flow passes through, such as activation checkpointing's
-            # early stop (an Exception) and its CheckpointError (a RuntimeError).
-            if isinstance(e, CheckpointError):
-                raise
-            plain = None
-        if plain is not None:
-            return plain
     spec = resolve(
         x, residual, weight, bias, gate, kind=kind, c=c, eps=eps, gate_act=gate_act,
         gate_position=gate_position, num_groups=num_groups, residual_dtype=residual_dtype,
@@ -398,7 +491,7 @@ def add_norm(
     if not no_branch:
         check_branch(x, x1, alpha, dropout_p)
         if x1 is not None or alpha != 1.0 or dropout_p != 0.0:  # new_residual is not x: always stored
-            spec = spec.with_branch(alpha, dropout_p)
+            spec = _with_branch(spec, alpha, dropout_p)
             rdtype = stored_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
     if spec.quant != Quant.NONE:
         # here, not at the top: ops/fp8.py's torch.compiler.disable imports torch._dynamo

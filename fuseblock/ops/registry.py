@@ -53,6 +53,14 @@ def register(name: str, impl: Callable, fake: Callable):
     op.register_fake(fake)
     return op
 
+# torch's C `Function.apply` and its unwrapping of a dead functorch wrapper: what
+# `torch.autograd.Function.apply` runs outside a torch.func transform, after a setup_context
+# check (the Functions here define none) and a generator over every argument (~20 Python
+# calls an op). `FusedOp.eager` runs these two directly; torch's own apply stays the way
+# where either is missing.
+_C_APPLY = vars(torch._C._FunctionBase).get("apply")
+_unwrap_if_dead = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
+
 
 def placeholder(x: torch.Tensor) -> torch.Tensor:
     """An empty fp32 tensor on x's device: what a custom op returns for an absent output
@@ -120,18 +128,30 @@ class FusedOp:
             @staticmethod
             def forward(ctx, extra, *inputs):
                 outputs = eager_fwd(*inputs, **extra) if extra else plain_fwd(*inputs)
-                constant = setup(ctx, inputs, outputs) or ()
-                ctx.mark_non_differentiable(*[outputs[i] for i in (*stats, *constant) if outputs[i] is not None])
-                ctx.set_materialize_grads(False)  # no zero-filled gradients (a memset launch each)
+                constant = setup(ctx, inputs, outputs)
+                marked = ()  # a loop, not a list comprehension (a call of its own, on every forward)
+                for i in (*stats, *constant) if constant else stats:
+                    if outputs[i] is not None:
+                        marked += (outputs[i],)
+                ctx.mark_non_differentiable(*marked)
+                # no zero-filled gradients (a memset launch each): set_materialize_grads(False)'s
+                # one assignment, without its call on every forward
+                ctx.materialize_grads = False
                 return outputs
 
             @staticmethod
             def backward(ctx, *grad_outputs):
                 if graph_grads is not None and torch.is_grad_enabled():  # create_graph=True
                     return (None, *pad(graph_grads(ctx, grad_outputs)))
-                return (None, *pad(grads(ctx, grad_outputs, eager_bwd)))  # None: for `extra`
+                found = grads(ctx, grad_outputs, eager_bwd)
+                return (None, *found, *_NONES[n_inputs - len(found)])  # None: for `extra`; pad's, written out
 
         Eager.__name__ = Eager.__qualname__ = f"Eager_{name}"
+        # eager(None, *inputs): `__call__` with no `extra`, for a caller that has checked it
+        # is neither compiling nor under a torch.func transform (where torch's Python apply
+        # takes the transform's way), and has passed each tensor through `live`: torch's C
+        # apply, one call. (None: the Function's `extra`.)
+        self.eager = Eager.apply if _C_APPLY is None else _C_APPLY.__get__(None, Eager)
         self.fwd_op, self.bwd_op = fwd_op, bwd_op
         # the eager pieces, for an autograd node over the same backward with another
         # forward (a quantized output: `fuseblock.ops.fp8`)
@@ -148,3 +168,17 @@ class FusedOp:
         if extra and self._eager_fwd is None:
             raise TypeError(f"{self.fwd_op} takes no eager-only arguments, got {sorted(extra)}")
         return self._eager.apply(extra, *inputs)
+
+
+_NONES = tuple((None,) * n for n in range(64))  # the Nones that pad a gradient tuple, by count
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+# t, or the tensor inside it if t is a dead functorch wrapper (one that outlived its
+# transform): what torch's Function.apply does to each tensor argument, and `FusedOp.eager`
+# leaves to its caller, who knows which arguments are tensors. torch's own function, called
+# directly: one builtin call a tensor.
+live = _same if _unwrap_if_dead is None else _unwrap_if_dead
