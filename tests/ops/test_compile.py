@@ -276,11 +276,14 @@ def test_compiled_stack_holds_the_stream_kernels_with_fresh_dropout_keys():
         for name in written:
             arg = n.kwargs["kwargs"][name]
             assert arg not in inputs and arg.target is torch.ops.aten.empty.memory_format, (n.name, name, arg)
+    from fuseblock.kernels.norm import fold_flags
+
     seeds = {}
     for n in nodes:
         kernel, constants = _kernel_of(n)
         assert constants.get("SEED") is None, "a constant key: every replay would draw the same masks"
-        if (constants | n.kwargs["kwargs"])["DROPOUT"]:
+        args = constants | n.kwargs["kwargs"]  # the tile kernels take DROPOUT folded into FLAGS
+        if args["FLAGS"] & fold_flags({"DROPOUT": True}):
             seeds[kernel.fn.__name__] = n.kwargs["kwargs"]["SEED"]
     assert seeds.keys() == {"_fwd_tile", "_bwd_tile"}
     assert seeds["_fwd_tile"] is seeds["_bwd_tile"]
