@@ -241,6 +241,7 @@ def _geometry(x: torch.Tensor, batch: bool, groups: int):
     return x3, n * groups, k, k
 
 
+@launch.on_device(0)
 def channel_norm_fwd(x, weight, bias, batch: bool, groups: int, eps: float,
                      running_mean=None, running_var=None, momentum: float = 0.0):
     """(y shaped like x, contiguous; mean and rstd (n_sets,) fp32). Sets: one per channel
@@ -268,6 +269,7 @@ def channel_norm_fwd(x, weight, bias, batch: bool, groups: int, eps: float,
     return y, mean, rstd
 
 
+@launch.on_device(1)
 def channel_norm_bwd(dy, x, weight, bias, mean, rstd, batch: bool, groups: int):
     """(dx in x's dtype, dw in weight's dtype or None, db in bias's dtype or None). One
     launch for batch norm and for N = 1; two otherwise (`_bwd_sum` over the N samples)."""

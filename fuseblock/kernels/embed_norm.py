@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ..spec import Ord
+from . import launch
 from .launch import LAUNCHES, bwd_layout, cdiv, fwd_layout, rows
 
 ORD_L1 = tl.constexpr(int(Ord.L1))
@@ -164,6 +165,7 @@ def _bwd_loop(X, N, DO, DX, s_x, s_do, s_dx, D, eps, BD: tl.constexpr, ORD: tl.c
 
 
 # --------------------------------------------------------------------------- launchers
+@launch.on_device(0)
 def embed_norm_fwd(x: torch.Tensor, ord: int, eps: float):
     """Returns (y shaped like x, n shaped x.shape[:-1] in fp32)."""
     d = x.shape[-1]
@@ -184,6 +186,7 @@ def embed_norm_fwd(x: torch.Tensor, ord: int, eps: float):
     return y, n
 
 
+@launch.on_device(1)
 def embed_norm_bwd(dy: torch.Tensor, x: torch.Tensor, n: torch.Tensor, ord: int, eps: float) -> torch.Tensor:
     """dx in x's dtype, from the saved x and row norms n."""
     d = x.shape[-1]

@@ -10,6 +10,8 @@ how activations and parameters are handed to a kernel, and the partial-row sums.
 - `sum_partial_rows` (`_bwd_sum`): the parameters' gradients, in their own dtypes, from
   fp32 partial rows that programs wrote (the norm's tile backward, group norm's per-sample
   shares); `sum_rows` is also the last step of the norm's wide-row backward;
+- `on_device`: the launcher entries' device guard (Triton launches on the current CUDA
+  device and its current stream, not on the tensors' device);
 - `row_programs`, `sum_cols`: how many partial rows a backward splits its rows into, and
   how the sum of them is laid out. By default both follow the GPU (its SM count and the
   programs per SM learned from the compiled kernel), so the weight gradients' bits may
@@ -24,6 +26,7 @@ small inputs (tests/conftest.py, `small_wide_rows`).
 # "tl.constexpr" as no annotation and passes BR, BD, ... as arrays (tests/tools/test_floor.py).
 
 import collections
+import functools
 from typing import NamedTuple
 
 import torch
@@ -80,6 +83,33 @@ SUM_MIN_COLS = 32  # and at least 32 columns per program: 128 bytes of each fp32
 # still of at least MIN_ROWS_PER_PROGRAM rows.
 DETERMINISTIC_PROGRAMS = 1024
 DETERMINISTIC_SUM_COLS = 64  # and the sum's columns per program (its reduction order)
+
+
+def on_device(arg: int):
+    """Decorator of a launcher entry (a function the ops call): run it with the CUDA device of
+    its positional argument `arg` (a tensor every call passes) current, so that Triton
+    launches on that GPU and on its current stream. Triton launches on whichever device is
+    current (triton/runtime/jit.py): tensors on cuda:1 with cuda:0 current would crash,
+    or with peer access run on GPU 0's stream, unordered with GPU 1's work.
+
+    The common case, the tensor on the current device (or on the CPU), costs no device
+    switch: one device query on CUDA, none on the CPU; nothing is allocated, so a CUDA
+    graph may capture it. `entry.device_arg` says which argument is read (tests enumerate
+    the entries)."""
+
+    def guard(launcher):
+        @functools.wraps(launcher)
+        def entry(*args, **kwargs):
+            t = args[arg]
+            if t.is_cuda and t.get_device() != torch._C._cuda_getDevice():
+                with torch.cuda.device(t.get_device()):
+                    return launcher(*args, **kwargs)
+            return launcher(*args, **kwargs)
+
+        entry.device_arg = arg
+        return entry
+
+    return guard
 
 
 # Plain-integer helpers: triton.cdiv and triton.next_power_of_2 are constexpr functions

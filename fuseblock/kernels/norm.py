@@ -664,6 +664,7 @@ def _quantized_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_s
     return quantized(codes, qs, spec, quant), new_res, rstd, mean
 
 
+@launch.on_device(0)
 def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, need_stats, x1=None, seed=None,
              out=None, new_res=None, qscale=None, _codes=None, _quant=None):
     """Triton forward, same contract as `fuseblock.reference.norm_fwd`. x1 and seed (the
@@ -725,6 +726,7 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
     return out, new_res, rstd, mean
 
 
+@launch.on_device(2)
 def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dtype, residual_grad_dtype,
              seed=None, has_x1=False):
     """Triton backward. Returns (dx, dresidual or None, dgate, dw, db, dx1 or None).
