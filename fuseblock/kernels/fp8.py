@@ -131,10 +131,11 @@ def store_quantized(O, QS, b_o, o_m, m_m, o_gd, row, mask, s_o, G, DG, fmax, ub,
             b_cb = tl.reshape(b_o, [NR, MX_BLOCK, BG, BD])
             b_ce, b_cmult = mx_exponent(tl.max(tl.abs(b_cb), 1), fmax, MAXPOW2, RCEIL)  # [NR, BG, BD]
             b_cc = fp8_codes(tl.reshape(b_cb * b_cmult[:, None, :, :], [BR, BG, BD]), fmax, MBITS, BIAS)
-            tl.store(OT + o_gd[None, :, :] * M + row, b_cc, mask=mask)  # data_t[column, row]
-            o_rb = (tl.program_id(0) * BR) // MX_BLOCK + tl.arange(0, NR)
+            o_col = o_gd[None, :, :].to(tl.int64)  # int64: column * M passes 2**31 from 2**31 / d rows
+            tl.store(OT + o_col * M + row, b_cc, mask=mask)  # data_t[column, row]
+            o_rb = ((tl.program_id(0) * BR) // MX_BLOCK + tl.arange(0, NR)).to(tl.int64)
             m_gd = (tl.arange(0, BG)[:, None] < G) & (tl.arange(0, BD)[None, :] < DG)
-            tl.store(QST + o_gd[None, :, :] * (M // MX_BLOCK) + o_rb[:, None, None], b_ce.to(tl.uint8),
+            tl.store(QST + o_col * (M // MX_BLOCK) + o_rb[:, None, None], b_ce.to(tl.uint8),
                      mask=m_gd[None, :, :] & (o_rb[:, None, None] * MX_BLOCK < M))
     tl.store(O + row * s_o + col, b_c, mask=mask)
 
