@@ -65,9 +65,27 @@ MAX_ROWS = 32
 SM_THREADS = 2048  # threads an SM runs at once (H100, B200; an MI300X or MI355X CU: 32 wavefronts of 64)
 LOOP_BLOCK = 4096  # column chunk of the row-looping kernels
 H100_SMS = 132  # SM count assumed when there is no GPU (the interpreter; offline compiles set their target's)
-# Threads per warp: AMD's wavefronts are 64 wide. Fixed per process, as the vendor of the torch
-# build is (offline compiles for the other vendor set it: fuseblock.testing.targets.for_target).
-WARP = 64 if torch.version.hip else 32
+
+
+def hip_warp(arch: str) -> int:
+    """Threads per wavefront Triton runs on an AMD GPU of `arch` (gcnArchName, as
+    "gfx942:sramecc+:xnack-"): 64 on CDNA and GCN (gfx9 and older: MI300X gfx942, MI355X
+    gfx950), 32 on RDNA (gfx10, gfx11, gfx12: Triton takes the device's warpSize)."""
+    return 32 if int(arch.split(":")[0][3:-2]) >= 10 else 64
+
+
+def gpu_warp() -> int:
+    """Threads per warp on this process's GPUs: 32 on NVIDIA; on AMD, by GPU 0's arch."""
+    if not torch.version.hip:
+        return 32
+    if not torch.cuda.is_available():  # a ROCm build on a machine without its GPU: CDNA's
+        return 64
+    return hip_warp(torch.cuda.get_device_properties(0).gcnArchName)
+
+
+# Threads per warp. Fixed per process, as the vendor of the torch build is, from GPU 0 (offline
+# compiles for the other vendor set it: fuseblock.testing.targets.for_target).
+WARP = gpu_warp()
 # Compile options of the launches that would otherwise spill for occupancy's sake. Left to
 # itself, ptxas caps a kernel's registers at the count that keeps one more program resident
 # (48 a thread for 256 threads: 5 per SM; 64 for 512: 2) and spills what does not fit:
