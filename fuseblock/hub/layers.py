@@ -7,7 +7,9 @@ module it replaces, which keeps its own parameters and attributes, so forward re
 those by the names the replaced class uses:
 
 - `RMSNorm` for `@use_kernel_forward_from_hub("RMSNorm")` classes (LlamaRMSNorm,
-  Qwen3RMSNorm, ...): `weight`, `variance_epsilon`; out = x / rms(x) * weight.
+  Qwen3RMSNorm, ...): `weight`, `variance_epsilon`; out = x / rms(x) * weight, in the
+  dtype those classes return: the promotion of the input's and the weight's (fp32 for a
+  bf16 input and an fp32 weight), from the fp32 product rounded once.
 - `RMSNormGated` for `"RMSNormGated"` (Qwen3NextRMSNormGated and its copies): `weight`,
   `variance_epsilon`, `activation`; out = (x / rms(x) * weight) * act(gate), the gate
   after the norm, as those classes compute it.
@@ -28,7 +30,9 @@ __all__ = ["RMSNorm", "RMSNormGated"]
 
 
 def rms_norm_forward(module: nn.Module, hidden_states: Tensor) -> Tensor:
-    return norm(hidden_states, module.weight, eps=module.variance_epsilon)
+    w = module.weight
+    out = None if w is None or w.dtype == hidden_states.dtype else torch.promote_types(hidden_states.dtype, w.dtype)
+    return norm(hidden_states, w, eps=module.variance_epsilon, out_dtype=out)
 
 
 def gated_rms_norm_forward(module: nn.Module, hidden_states: Tensor, gate: Tensor | None) -> Tensor:
