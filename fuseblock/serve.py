@@ -21,7 +21,8 @@ change between calls of one shape (devices, dtypes, shapes, strides, storage ove
 Memory: rows are passed by stride (any row stride, unit column stride); `out` may be
 `input` itself (an in-place norm). Any other overlap is refused (ValueError): `input`
 and `residual` must not share memory, nor `out` and `input` in part, since a kernel
-program would read what another already wrote. No argument may require grad while grad
+program would read what another already wrote; nor may a written tensor overlap itself
+(an expanded residual, input or out: every token would add into one row). No argument may require grad while grad
 mode is on (these entries bypass autograd: use `fuseblock.add_norm` to train).
 
 On the torch path (other CPU calls) the same contract is met by the training op followed
@@ -54,6 +55,18 @@ def _overlap(a: Tensor, b: Tensor) -> bool:
         return False
     (a0, a1), (b0, b1) = _span(a), _span(b)
     return a0 < b1 and b0 < a1
+
+
+def _self_overlap(t: Tensor) -> bool:
+    """Whether two of t's elements share memory (an expanded, stride-0 tensor; rows whose
+    stride is shorter than a row): each dim's stride must pass the extent of the dims with
+    smaller strides. Sizes and strides only: no tensor op (a call dispatches none)."""
+    extent = 1
+    for s, n in sorted((s, n) for n, s in zip(t.shape, t.stride(), strict=True) if n > 1):
+        if s < extent:
+            return True
+        extent += (n - 1) * s
+    return False
 
 
 def _same(a: Tensor, b: Tensor) -> bool:
@@ -109,6 +122,11 @@ def _check(kind, out, x, residual, weight, bias, eps, weight_offset) -> NormSpec
             raise ValueError(f"{name} must be on input's device {x.device}, got {t.device}")
         if t is not None and t.stride(0) != 1 and t.numel() > 1:
             raise ValueError(f"{name} must be contiguous (got stride {t.stride(0)})")
+    for name, t in (("out", out), ("residual", residual), ("input", x if out is None else None)):  # those written
+        if t is not None and _self_overlap(t):
+            raise ValueError(f"{name} overlaps itself (shape {tuple(t.shape)}, strides {t.stride()}): it is written, "
+                             "and tokens would write the same memory; pass a tensor of distinct elements "
+                             "(an expanded tensor's .contiguous())")
     if residual is not None and _overlap(x, residual):
         raise ValueError("input and residual must not share memory: fused_add_*_norm writes both")
     if out is not None and not _same(out, x) and _overlap(out, x):
