@@ -7,6 +7,7 @@ how activations and parameters are handed to a kernel, and the partial-row sums.
   in registers, else the wide-row kernels' column chunks (`fwd_layout`, `bwd_layout`);
 - `rows`, `vec`, `stride`: the stride contract (activations by row stride with unit
   column stride, parameters unit-stride);
+- `nan_max`: a max that keeps NaN, for the reductions that feed a scale or a reciprocal;
 - `sum_partial_rows` (`_bwd_sum`): the parameters' gradients, in their own dtypes, from
   fp32 partial rows that programs wrote (the norm's tile backward, group norm's per-sample
   shares); `sum_rows` is also the last step of the norm's wide-row backward;
@@ -304,6 +305,13 @@ def vec(t: torch.Tensor | None) -> torch.Tensor | None:
 def stride(t: torch.Tensor | None) -> int:
     """The row stride of an optional tensor (0 when absent: the kernel never reads it)."""
     return t.stride(0) if t is not None else 0
+
+
+@triton.jit
+def nan_max(b, axis: tl.constexpr):
+    """max of b along axis, NaN where any element is NaN, as torch's amax (tl.max drops NaN
+    on a GPU, and in triton 3.9's interpreter): the sum of the NaN elements is NaN."""
+    return tl.max(b, axis) + tl.sum(tl.where(b != b, b, 0.0), axis)
 
 
 @triton.jit
