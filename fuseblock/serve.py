@@ -27,6 +27,10 @@ mode is on (these entries bypass autograd: use `fuseblock.add_norm` to train).
 
 On the torch path (other CPU calls) the same contract is met by the training op followed
 by copies: the same bits, but allocating, as any eager torch op does.
+
+Under torch.compile (fullgraph too, as vLLM compiles the whole model) each call is one op
+of the graph, `torch.ops.fuseblock.serve_add_norm` (mutating input and residual) or
+`serve_norm` (mutating out), which runs the eager call, checks included, on the real tensors.
 """
 from __future__ import annotations
 
@@ -158,29 +162,66 @@ def _run(kind, out, x, residual, weight, bias, eps, weight_offset) -> None:
                                 out=_rows("out" if out is not None else "input", dst), new_res=r2)
 
 
+# What a compiled graph holds (torch.compile, vLLM's whole-graph capture): one op per call,
+# declaring the tensors it writes, run as the eager entries run (with their checks, on the
+# real tensors). Eager calls skip the op's dispatch: they call `_run` directly.
+@torch.library.custom_op("fuseblock::serve_add_norm", mutates_args=("input", "residual"))
+def _add_norm_op(input: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str,
+                 eps: float, weight_offset: float) -> None:
+    _run(kind, None, input, residual, weight, bias, eps, weight_offset)
+
+
+@_add_norm_op.register_fake
+def _(input, residual, weight, bias, kind, eps, weight_offset) -> None:
+    return None
+
+
+@torch.library.custom_op("fuseblock::serve_norm", mutates_args=("out",))
+def _norm_op(out: Tensor, input: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str, eps: float,
+             weight_offset: float) -> None:
+    _run(kind, out, input, None, weight, bias, eps, weight_offset)
+
+
+@_norm_op.register_fake
+def _(out, input, weight, bias, kind, eps, weight_offset) -> None:
+    return None
+
+
+def _add_norm(kind, x, residual, weight, bias, eps, weight_offset) -> None:
+    check_tensor("residual", residual)
+    if torch.compiler.is_compiling():
+        _add_norm_op(x, residual, weight, bias, kind, eps, weight_offset)
+    else:
+        _run(kind, None, x, residual, weight, bias, eps, weight_offset)
+
+
+def _norm(kind, out, x, weight, bias, eps, weight_offset) -> None:
+    check_tensor("out", out)
+    if torch.compiler.is_compiling():
+        _norm_op(out, x, weight, bias, kind, eps, weight_offset)
+    else:
+        _run(kind, out, x, None, weight, bias, eps, weight_offset)
+
+
 def fused_add_rms_norm(input: Tensor, residual: Tensor, weight: Tensor | None, eps: float, *,
                        weight_offset: float = 0.0) -> None:
     """vLLM's fused_add_rms_norm: residual <- input + residual (in residual's dtype), then
     input <- rms_norm(residual) * (weight_offset + weight). In place; returns None."""
-    check_tensor("residual", residual)
-    _run("rms", None, input, residual, weight, None, eps, weight_offset)
+    _add_norm("rms", input, residual, weight, None, eps, weight_offset)
 
 
 def rms_norm(out: Tensor, input: Tensor, weight: Tensor | None, eps: float, *, weight_offset: float = 0.0) -> None:
     """vLLM's rms_norm: out <- rms_norm(input) * (weight_offset + weight). out may be input."""
-    check_tensor("out", out)
-    _run("rms", out, input, None, weight, None, eps, weight_offset)
+    _norm("rms", out, input, weight, None, eps, weight_offset)
 
 
 def fused_add_layer_norm(input: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, *,
                          weight_offset: float = 0.0) -> None:
     """fused_add_rms_norm's layer norm: residual <- input + residual, input <- layer_norm(residual)."""
-    check_tensor("residual", residual)
-    _run("layer", None, input, residual, weight, bias, eps, weight_offset)
+    _add_norm("layer", input, residual, weight, bias, eps, weight_offset)
 
 
 def layer_norm(out: Tensor, input: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, *,
                weight_offset: float = 0.0) -> None:
     """rms_norm's layer norm: out <- layer_norm(input) * (weight_offset + weight) + bias."""
-    check_tensor("out", out)
-    _run("layer", out, input, None, weight, bias, eps, weight_offset)
+    _norm("layer", out, input, weight, bias, eps, weight_offset)

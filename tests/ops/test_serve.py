@@ -206,3 +206,24 @@ def test_written_tensors_that_overlap_themselves_are_refused():
         out = torch.zeros(6, 96)[:, :48]
         serve.rms_norm(out, row.expand(6, 48), w, EPS)
         assert torch.equal(out, fuseblock.norm(row.expand(6, 48).contiguous(), w, eps=EPS))
+
+
+def test_a_compiled_graph_holds_the_serving_entries():
+    # vLLM compiles the whole graph (fullgraph): each entry is one op declaring what it writes
+    def step(x, r, w, b, out):
+        serve.fused_add_rms_norm(x, r, w, EPS)
+        serve.rms_norm(out, x, w, EPS)
+        serve.fused_add_layer_norm(out, r, w, b, EPS, weight_offset=1.0)
+        serve.layer_norm(x, x, w, b, EPS)  # in place
+        return x * 2
+
+    x, r, w, b = _data(6, 48, torch.float32)
+    args = (x, r, w, b, torch.empty_like(x))
+    eager, compiled = [t.clone() for t in args], [t.clone() for t in args]
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = step(*eager)
+        got = torch.compile(step, fullgraph=True, backend="aot_eager")(*compiled)
+    assert torch.equal(got, want)
+    for a, b_ in zip(compiled, eager, strict=True):
+        assert torch.equal(a, b_)
