@@ -21,11 +21,16 @@ change between calls of one shape (devices, dtypes, shapes, strides, storage ove
 Memory: rows are passed by stride (any row stride, unit column stride); `out` may be
 `input` itself (an in-place norm). Any other overlap is refused (ValueError): `input`
 and `residual` must not share memory, nor `out` and `input` in part, since a kernel
-program would read what another already wrote. No argument may require grad while grad
+program would read what another already wrote; nor may a written tensor overlap itself
+(an expanded residual, input or out: every token would add into one row). No argument may require grad while grad
 mode is on (these entries bypass autograd: use `fuseblock.add_norm` to train).
 
 On the torch path (other CPU calls) the same contract is met by the training op followed
 by copies: the same bits, but allocating, as any eager torch op does.
+
+Under torch.compile (fullgraph too, as vLLM compiles the whole model) each call is one op
+of the graph, `torch.ops.fuseblock.serve_add_norm` (mutating input and residual) or
+`serve_norm` (mutating out), which runs the eager call, checks included, on the real tensors.
 """
 from __future__ import annotations
 
@@ -54,6 +59,18 @@ def _overlap(a: Tensor, b: Tensor) -> bool:
         return False
     (a0, a1), (b0, b1) = _span(a), _span(b)
     return a0 < b1 and b0 < a1
+
+
+def _self_overlap(t: Tensor) -> bool:
+    """Whether two of t's elements share memory (an expanded, stride-0 tensor; rows whose
+    stride is shorter than a row): each dim's stride must pass the extent of the dims with
+    smaller strides. Sizes and strides only: no tensor op (a call dispatches none)."""
+    extent = 1
+    for s, n in sorted((s, n) for n, s in zip(t.shape, t.stride(), strict=True) if n > 1):
+        if s < extent:
+            return True
+        extent += (n - 1) * s
+    return False
 
 
 def _same(a: Tensor, b: Tensor) -> bool:
@@ -109,6 +126,11 @@ def _check(kind, out, x, residual, weight, bias, eps, weight_offset) -> NormSpec
             raise ValueError(f"{name} must be on input's device {x.device}, got {t.device}")
         if t is not None and t.stride(0) != 1 and t.numel() > 1:
             raise ValueError(f"{name} must be contiguous (got stride {t.stride(0)})")
+    for name, t in (("out", out), ("residual", residual), ("input", x if out is None else None)):  # those written
+        if t is not None and _self_overlap(t):
+            raise ValueError(f"{name} overlaps itself (shape {tuple(t.shape)}, strides {t.stride()}): it is written, "
+                             "and tokens would write the same memory; pass a tensor of distinct elements "
+                             "(an expanded tensor's .contiguous())")
     if residual is not None and _overlap(x, residual):
         raise ValueError("input and residual must not share memory: fused_add_*_norm writes both")
     if out is not None and not _same(out, x) and _overlap(out, x):
@@ -140,29 +162,66 @@ def _run(kind, out, x, residual, weight, bias, eps, weight_offset) -> None:
                                 out=_rows("out" if out is not None else "input", dst), new_res=r2)
 
 
+# What a compiled graph holds (torch.compile, vLLM's whole-graph capture): one op per call,
+# declaring the tensors it writes, run as the eager entries run (with their checks, on the
+# real tensors). Eager calls skip the op's dispatch: they call `_run` directly.
+@torch.library.custom_op("fuseblock::serve_add_norm", mutates_args=("input", "residual"))
+def _add_norm_op(input: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str,
+                 eps: float, weight_offset: float) -> None:
+    _run(kind, None, input, residual, weight, bias, eps, weight_offset)
+
+
+@_add_norm_op.register_fake
+def _(input, residual, weight, bias, kind, eps, weight_offset) -> None:
+    return None
+
+
+@torch.library.custom_op("fuseblock::serve_norm", mutates_args=("out",))
+def _norm_op(out: Tensor, input: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str, eps: float,
+             weight_offset: float) -> None:
+    _run(kind, out, input, None, weight, bias, eps, weight_offset)
+
+
+@_norm_op.register_fake
+def _(out, input, weight, bias, kind, eps, weight_offset) -> None:
+    return None
+
+
+def _add_norm(kind, x, residual, weight, bias, eps, weight_offset) -> None:
+    check_tensor("residual", residual)
+    if torch.compiler.is_compiling():
+        _add_norm_op(x, residual, weight, bias, kind, eps, weight_offset)
+    else:
+        _run(kind, None, x, residual, weight, bias, eps, weight_offset)
+
+
+def _norm(kind, out, x, weight, bias, eps, weight_offset) -> None:
+    check_tensor("out", out)
+    if torch.compiler.is_compiling():
+        _norm_op(out, x, weight, bias, kind, eps, weight_offset)
+    else:
+        _run(kind, out, x, None, weight, bias, eps, weight_offset)
+
+
 def fused_add_rms_norm(input: Tensor, residual: Tensor, weight: Tensor | None, eps: float, *,
                        weight_offset: float = 0.0) -> None:
     """vLLM's fused_add_rms_norm: residual <- input + residual (in residual's dtype), then
     input <- rms_norm(residual) * (weight_offset + weight). In place; returns None."""
-    check_tensor("residual", residual)
-    _run("rms", None, input, residual, weight, None, eps, weight_offset)
+    _add_norm("rms", input, residual, weight, None, eps, weight_offset)
 
 
 def rms_norm(out: Tensor, input: Tensor, weight: Tensor | None, eps: float, *, weight_offset: float = 0.0) -> None:
     """vLLM's rms_norm: out <- rms_norm(input) * (weight_offset + weight). out may be input."""
-    check_tensor("out", out)
-    _run("rms", out, input, None, weight, None, eps, weight_offset)
+    _norm("rms", out, input, weight, None, eps, weight_offset)
 
 
 def fused_add_layer_norm(input: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, *,
                          weight_offset: float = 0.0) -> None:
     """fused_add_rms_norm's layer norm: residual <- input + residual, input <- layer_norm(residual)."""
-    check_tensor("residual", residual)
-    _run("layer", None, input, residual, weight, bias, eps, weight_offset)
+    _add_norm("layer", input, residual, weight, bias, eps, weight_offset)
 
 
 def layer_norm(out: Tensor, input: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, *,
                weight_offset: float = 0.0) -> None:
     """rms_norm's layer norm: out <- layer_norm(input) * (weight_offset + weight) + bias."""
-    check_tensor("out", out)
-    _run("layer", out, input, None, weight, bias, eps, weight_offset)
+    _norm("layer", out, input, weight, bias, eps, weight_offset)

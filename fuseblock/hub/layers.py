@@ -7,7 +7,9 @@ module it replaces, which keeps its own parameters and attributes, so forward re
 those by the names the replaced class uses:
 
 - `RMSNorm` for `@use_kernel_forward_from_hub("RMSNorm")` classes (LlamaRMSNorm,
-  Qwen3RMSNorm, ...): `weight`, `variance_epsilon`; out = x / rms(x) * weight.
+  Qwen3RMSNorm, ...): `weight`, `variance_epsilon`; out = x / rms(x) * weight, in the
+  dtype those classes return: the promotion of the input's and the weight's (fp32 for a
+  bf16 input and an fp32 weight), from the fp32 product rounded once.
 - `RMSNormZeroCentered` for `"RMSNormZeroCentered"` (Qwen3_5RMSNorm, Qwen3_5MoeRMSNorm:
   transformers 5.24 names the hub layer and maps no kernel to it): `weight`, `eps`;
   out = x / rms(x) * (1 + weight) in fp32, in x's dtype (weight_offset = 1).
@@ -31,7 +33,9 @@ __all__ = ["RMSNorm", "RMSNormGated", "RMSNormZeroCentered"]
 
 
 def rms_norm_forward(module: nn.Module, hidden_states: Tensor) -> Tensor:
-    return norm(hidden_states, module.weight, eps=module.variance_epsilon)
+    w = module.weight
+    out = None if w is None or w.dtype == hidden_states.dtype else torch.promote_types(hidden_states.dtype, w.dtype)
+    return norm(hidden_states, w, eps=module.variance_epsilon, out_dtype=out)
 
 
 def zero_centered_rms_norm_forward(module: nn.Module, hidden_states: Tensor) -> Tensor:

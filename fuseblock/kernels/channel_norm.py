@@ -84,7 +84,7 @@ def _channel_fwd(
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RUN: tl.constexpr,
 ):
     _check_sets(SETS)
-    i_set = tl.program_id(0).to(tl.int64)  # int64: offsets may pass 2**31
+    i_set = tl.program_id(0).to(tl.int64)  # int64: offsets may pass 2**31 (o_l * s_l too: channels_last)
     o_x, ch0, s_row = _set(i_set, G, K, s_n, s_c, SETS)
     o_y, _, t_row = _set(i_set, G, K, t_n, t_c, SETS)  # Y: contiguous (N, C, L), unit column stride
     o_br = tl.arange(0, BR)
@@ -98,7 +98,7 @@ def _channel_fwd(
     for i_r in range(0, R, BR):
         o_r = (i_r + o_br).to(tl.int64)
         for i_l in range(0, L, BL):
-            o_l = i_l + o_bl
+            o_l = (i_l + o_bl).to(tl.int64)
             mask = (o_r < R)[:, None] & (o_l < L)[None, :]
             b_x = tl.load(X + o_x + o_r[:, None] * s_row + o_l[None, :] * s_l, mask=mask, other=0.0).to(tl.float32)
             b_n += tl.where(mask, 1.0, 0.0)
@@ -129,7 +129,7 @@ def _channel_fwd(
             b_a = (b_rstd * _rows_vec(W, s_w, ch0, o_r, m_r) if HAS_W else b_rstd + tl.zeros([BR], tl.float32))[:, None]
             b_s = (_rows_vec(B, s_b, ch0, o_r, m_r) if HAS_B else tl.zeros([BR], tl.float32))[:, None]
         for i_l in range(0, L, BL):
-            o_l = i_l + o_bl
+            o_l = (i_l + o_bl).to(tl.int64)
             mask = m_r[:, None] & (o_l < L)[None, :]
             b_x = tl.load(X + o_x + o_r[:, None] * s_row + o_l[None, :] * s_l, mask=mask, other=0.0).to(tl.float32)
             b_y = (b_x - b_mean) * b_a + b_s  # x = mean (a constant set): exactly b
@@ -170,7 +170,7 @@ def _channel_bwd(
             b_sdy = tl.zeros([BR, BL], dtype=tl.float32)
             b_sdx = tl.zeros([BR, BL], dtype=tl.float32)
         for i_l in range(0, L, BL):
-            o_l = i_l + o_bl
+            o_l = (i_l + o_bl).to(tl.int64)
             mask = m_r[:, None] & (o_l < L)[None, :]
             b_x = tl.load(X + o_x + o_r[:, None] * s_row + o_l[None, :] * s_l, mask=mask, other=0.0).to(tl.float32)
             b_dy = tl.load(DY + o_dy + o_r[:, None] * u_row + o_l[None, :] * u_l, mask=mask, other=0.0).to(tl.float32)
@@ -213,7 +213,7 @@ def _channel_bwd(
         if SETS == SETS_GROUP and HAS_W:
             b_w = _rows_vec(W, s_w, ch0, o_r, m_r)[:, None]
         for i_l in range(0, L, BL):
-            o_l = i_l + o_bl
+            o_l = (i_l + o_bl).to(tl.int64)
             mask = m_r[:, None] & (o_l < L)[None, :]
             b_x = tl.load(X + o_x + o_r[:, None] * s_row + o_l[None, :] * s_l, mask=mask, other=0.0).to(tl.float32)
             b_dy = tl.load(DY + o_dy + o_r[:, None] * u_row + o_l[None, :] * u_l, mask=mask, other=0.0).to(tl.float32)
@@ -241,6 +241,7 @@ def _geometry(x: torch.Tensor, batch: bool, groups: int):
     return x3, n * groups, k, k
 
 
+@launch.on_device(0)
 def channel_norm_fwd(x, weight, bias, batch: bool, groups: int, eps: float,
                      running_mean=None, running_var=None, momentum: float = 0.0):
     """(y shaped like x, contiguous; mean and rstd (n_sets,) fp32). Sets: one per channel
@@ -269,6 +270,7 @@ def channel_norm_fwd(x, weight, bias, batch: bool, groups: int, eps: float,
     return y, mean, rstd
 
 
+@launch.on_device(1)
 def channel_norm_bwd(dy, x, weight, bias, mean, rstd, batch: bool, groups: int):
     """(dx in x's dtype, dw in weight's dtype or None, db in bias's dtype or None). One
     launch for batch norm and for N = 1; two otherwise (`_bwd_sum` over the N samples)."""

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..spec import Ord
 from . import launch
-from .launch import LAUNCHES, bwd_layout, cdiv, fwd_layout, rows
+from .launch import LAUNCHES, bwd_layout, cdiv, fwd_layout, nan_max, rows
 
 ORD_L1 = tl.constexpr(int(Ord.L1))
 ORD_L2 = tl.constexpr(int(Ord.L2))
@@ -45,14 +45,15 @@ def _row_norm(b_x, ORD: tl.constexpr):
     elif ORD == ORD_L2:
         b_n = tl.sqrt_rn(tl.sum(b_x * b_x, 1))
     else:
-        b_n = tl.max(tl.abs(b_x), 1)
+        b_n = nan_max(tl.abs(b_x), 1)
     return b_n
 
 
 @triton.jit
 def _recip(b_n, eps):
     # 1 / max(n, eps) with IEEE division: the default GPU division is approximate (2 ulp)
-    return tl.div_rn(tl.zeros_like(b_n) + 1.0, tl.maximum(b_n, eps))
+    # NaN propagates (torch's clamp_min keeps it): the default maximum drops it on a GPU
+    return tl.div_rn(tl.zeros_like(b_n) + 1.0, tl.maximum(b_n, eps, propagate_nan=tl.PropagateNan.ALL))
 
 
 @triton.jit
@@ -91,8 +92,8 @@ def _fwd_loop(X, O, N, s_x, s_o, D, eps, BD: tl.constexpr, ORD: tl.constexpr):
         elif ORD == ORD_L2:
             b_acc += b_x * b_x
         else:
-            b_acc = tl.maximum(b_acc, tl.abs(b_x))
-    b_n = tl.max(b_acc, 0) if ORD == ORD_MAX else tl.sum(b_acc, 0)
+            b_acc = tl.maximum(b_acc, tl.abs(b_x), propagate_nan=tl.PropagateNan.ALL)
+    b_n = nan_max(b_acc, 0) if ORD == ORD_MAX else tl.sum(b_acc, 0)
     if ORD == ORD_L2:
         b_n = tl.sqrt_rn(b_n)
     b_r = _recip(b_n, eps)
@@ -165,6 +166,7 @@ def _bwd_loop(X, N, DO, DX, s_x, s_do, s_dx, D, eps, BD: tl.constexpr, ORD: tl.c
 
 
 # --------------------------------------------------------------------------- launchers
+@launch.on_device(0)
 def embed_norm_fwd(x: torch.Tensor, ord: int, eps: float):
     """Returns (y shaped like x, n shaped x.shape[:-1] in fp32)."""
     d = x.shape[-1]
@@ -187,6 +189,7 @@ def embed_norm_fwd(x: torch.Tensor, ord: int, eps: float):
     return y, n
 
 
+@launch.on_device(1)
 def embed_norm_bwd(dy: torch.Tensor, x: torch.Tensor, n: torch.Tensor, ord: int, eps: float) -> torch.Tensor:
     """dx in x's dtype, from the saved x and row norms n."""
     d = x.shape[-1]

@@ -18,6 +18,7 @@ import triton.language as tl
 from ..reference import fp8
 from ..spec import MX_BLOCK as MX_COLS
 from ..spec import Quant
+from .launch import nan_max
 
 Q_TENSOR = tl.constexpr(int(Quant.TENSOR))
 Q_ROW = tl.constexpr(int(Quant.ROW))
@@ -110,14 +111,19 @@ def store_quantized(O, QS, b_o, o_m, m_m, o_gd, row, mask, s_o, G, DG, fmax, ub,
     if QUANT == Q_TENSOR:
         b_c = fp8_codes(b_o * tl.div_rn(1.0, tl.load(QS)), fmax, MBITS, BIAS)
     elif QUANT == Q_ROW:
-        b_amax = tl.minimum(tl.max(tl.max(tl.abs(b_o), 2), 1), ub)  # [BR]
-        b_s = tl.where(b_amax < tiny, tiny_scale, tl.div_rn(b_amax * 0.0 + fmax, tl.maximum(b_amax, tiny)))
+        # NaN propagates into the amax and the scale (torchao's, the torch path's), where
+        # tl.minimum and tl.maximum drop it on a GPU by default; the constants are broadcast
+        # by zeros_like, not amax * 0 (NaN for an infinite amax)
+        b_amax = nan_max(nan_max(tl.abs(b_o), 2), 1)  # [BR]
+        b_amax = tl.minimum(b_amax, ub, propagate_nan=tl.PropagateNan.ALL)
+        b_den = tl.maximum(b_amax, tiny, propagate_nan=tl.PropagateNan.ALL)
+        b_s = tl.where(b_amax < tiny, tiny_scale, tl.div_rn(tl.zeros_like(b_amax) + fmax, b_den))
         b_c = fp8_codes(b_o * b_s[:, None, None], fmax, MBITS, BIAS)
-        tl.store(QS + o_m, tl.div_rn(b_s * 0.0 + 1.0, b_s), mask=m_m)
+        tl.store(QS + o_m, tl.div_rn(tl.zeros_like(b_s) + 1.0, b_s), mask=m_m)
     else:
         NB: tl.constexpr = BD // MX_BLOCK
         b_blk = tl.reshape(b_o, [BR, BG, NB, MX_BLOCK])
-        b_amax = tl.max(tl.abs(b_blk), 3)  # [BR, BG, NB]
+        b_amax = nan_max(tl.abs(b_blk), 3)  # [BR, BG, NB]
         b_e, b_mult = mx_exponent(b_amax, fmax, MAXPOW2, RCEIL)
         b_v = b_blk * b_mult[:, :, :, None]
         b_c = fp8_codes(tl.reshape(b_v, [BR, BG, BD]), fmax, MBITS, BIAS)
@@ -129,12 +135,13 @@ def store_quantized(O, QS, b_o, o_m, m_m, o_gd, row, mask, s_o, G, DG, fmax, ub,
         if COLS:  # the columnwise copy: blocks of 32 rows of this program (BR a multiple of 32)
             NR: tl.constexpr = BR // MX_BLOCK
             b_cb = tl.reshape(b_o, [NR, MX_BLOCK, BG, BD])
-            b_ce, b_cmult = mx_exponent(tl.max(tl.abs(b_cb), 1), fmax, MAXPOW2, RCEIL)  # [NR, BG, BD]
+            b_ce, b_cmult = mx_exponent(nan_max(tl.abs(b_cb), 1), fmax, MAXPOW2, RCEIL)  # [NR, BG, BD]
             b_cc = fp8_codes(tl.reshape(b_cb * b_cmult[:, None, :, :], [BR, BG, BD]), fmax, MBITS, BIAS)
-            tl.store(OT + o_gd[None, :, :] * M + row, b_cc, mask=mask)  # data_t[column, row]
-            o_rb = (tl.program_id(0) * BR) // MX_BLOCK + tl.arange(0, NR)
+            o_col = o_gd[None, :, :].to(tl.int64)  # int64: column * M passes 2**31 from 2**31 / d rows
+            tl.store(OT + o_col * M + row, b_cc, mask=mask)  # data_t[column, row]
+            o_rb = ((tl.program_id(0) * BR) // MX_BLOCK + tl.arange(0, NR)).to(tl.int64)
             m_gd = (tl.arange(0, BG)[:, None] < G) & (tl.arange(0, BD)[None, :] < DG)
-            tl.store(QST + o_gd[None, :, :] * (M // MX_BLOCK) + o_rb[:, None, None], b_ce.to(tl.uint8),
+            tl.store(QST + o_col * (M // MX_BLOCK) + o_rb[:, None, None], b_ce.to(tl.uint8),
                      mask=m_gd[None, :, :] & (o_rb[:, None, None] * MX_BLOCK < M))
     tl.store(O + row * s_o + col, b_c, mask=mask)
 

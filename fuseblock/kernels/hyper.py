@@ -549,6 +549,7 @@ def _acc(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+@launch.on_device(0)
 def hyper_fwd(streams, branch, post, comb, fn, base, scale, weight, spec: HyperSpec):
     """Returns (y, new_streams or None, post_next or None, comb_next or None, mix (M, m), rho (M,))."""
     n, d, m = spec.n, spec.d, spec.m
@@ -585,6 +586,7 @@ def _new(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
+@launch.on_device(4)
 def hyper_bwd(dy, dhn, dpost_n, dcomb_n, streams, branch, post, comb, hn, fn, base, scale, weight, mix, rho,
               spec: HyperSpec):
     """(dstreams, dbranch, dpost, dcomb, dfn, dbase, dscale, dweight), None where the input is None.

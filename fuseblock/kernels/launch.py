@@ -7,9 +7,12 @@ how activations and parameters are handed to a kernel, and the partial-row sums.
   in registers, else the wide-row kernels' column chunks (`fwd_layout`, `bwd_layout`);
 - `rows`, `vec`, `stride`: the stride contract (activations by row stride with unit
   column stride, parameters unit-stride);
+- `nan_max`: a max that keeps NaN, for the reductions that feed a scale or a reciprocal;
 - `sum_partial_rows` (`_bwd_sum`): the parameters' gradients, in their own dtypes, from
   fp32 partial rows that programs wrote (the norm's tile backward, group norm's per-sample
   shares); `sum_rows` is also the last step of the norm's wide-row backward;
+- `on_device`: the launcher entries' device guard (Triton launches on the current CUDA
+  device and its current stream, not on the tensors' device);
 - `row_programs`, `sum_cols`: how many partial rows a backward splits its rows into, and
   how the sum of them is laid out. By default both follow the GPU (its SM count and the
   programs per SM learned from the compiled kernel), so the weight gradients' bits may
@@ -24,6 +27,7 @@ small inputs (tests/conftest.py, `small_wide_rows`).
 # "tl.constexpr" as no annotation and passes BR, BD, ... as arrays (tests/tools/test_floor.py).
 
 import collections
+import functools
 from typing import NamedTuple
 
 import torch
@@ -118,9 +122,27 @@ MAX_ROWS = 32
 SM_THREADS = 2048  # threads an SM runs at once (H100, B200; an MI300X or MI355X CU: 32 wavefronts of 64)
 LOOP_BLOCK = 4096  # column chunk of the row-looping kernels
 H100_SMS = 132  # SM count assumed when there is no GPU (the interpreter; offline compiles set their target's)
-# Threads per warp: AMD's wavefronts are 64 wide. Fixed per process, as the vendor of the torch
-# build is (offline compiles for the other vendor set it: fuseblock.testing.targets.for_target).
-WARP = 64 if torch.version.hip else 32
+
+
+def hip_warp(arch: str) -> int:
+    """Threads per wavefront Triton runs on an AMD GPU of `arch` (gcnArchName, as
+    "gfx942:sramecc+:xnack-"): 64 on CDNA and GCN (gfx9 and older: MI300X gfx942, MI355X
+    gfx950), 32 on RDNA (gfx10, gfx11, gfx12: Triton takes the device's warpSize)."""
+    return 32 if int(arch.split(":")[0][3:-2]) >= 10 else 64
+
+
+def gpu_warp() -> int:
+    """Threads per warp on this process's GPUs: 32 on NVIDIA; on AMD, by GPU 0's arch."""
+    if not torch.version.hip:
+        return 32
+    if not torch.cuda.is_available():  # a ROCm build on a machine without its GPU: CDNA's
+        return 64
+    return hip_warp(torch.cuda.get_device_properties(0).gcnArchName)
+
+
+# Threads per warp. Fixed per process, as the vendor of the torch build is, from GPU 0 (offline
+# compiles for the other vendor set it: fuseblock.testing.targets.for_target).
+WARP = gpu_warp()
 # Compile options of the launches that would otherwise spill for occupancy's sake. Left to
 # itself, ptxas caps a kernel's registers at the count that keeps one more program resident
 # (48 a thread for 256 threads: 5 per SM; 64 for 512: 2) and spills what does not fit:
@@ -136,6 +158,33 @@ SUM_MIN_COLS = 32  # and at least 32 columns per program: 128 bytes of each fp32
 # still of at least MIN_ROWS_PER_PROGRAM rows.
 DETERMINISTIC_PROGRAMS = 1024
 DETERMINISTIC_SUM_COLS = 64  # and the sum's columns per program (its reduction order)
+
+
+def on_device(arg: int):
+    """Decorator of a launcher entry (a function the ops call): run it with the CUDA device of
+    its positional argument `arg` (a tensor every call passes) current, so that Triton
+    launches on that GPU and on its current stream. Triton launches on whichever device is
+    current (triton/runtime/jit.py): tensors on cuda:1 with cuda:0 current would crash,
+    or with peer access run on GPU 0's stream, unordered with GPU 1's work.
+
+    The common case, the tensor on the current device (or on the CPU), costs no device
+    switch: one device query on CUDA, none on the CPU; nothing is allocated, so a CUDA
+    graph may capture it. `entry.device_arg` says which argument is read (tests enumerate
+    the entries)."""
+
+    def guard(launcher):
+        @functools.wraps(launcher)
+        def entry(*args, **kwargs):
+            t = args[arg]
+            if t.is_cuda and t.get_device() != torch._C._cuda_getDevice():
+                with torch.cuda.device(t.get_device()):
+                    return launcher(*args, **kwargs)
+            return launcher(*args, **kwargs)
+
+        entry.device_arg = arg
+        return entry
+
+    return guard
 
 
 # Plain-integer helpers: triton.cdiv and triton.next_power_of_2 are constexpr functions
@@ -314,6 +363,13 @@ def vec(t: torch.Tensor | None) -> torch.Tensor | None:
 def stride(t: torch.Tensor | None) -> int:
     """The row stride of an optional tensor (0 when absent: the kernel never reads it)."""
     return t.stride(0) if t is not None else 0
+
+
+@triton.jit
+def nan_max(b, axis: tl.constexpr):
+    """max of b along axis, NaN where any element is NaN, as torch's amax (tl.max drops NaN
+    on a GPU, and in triton 3.9's interpreter): the sum of the NaN elements is NaN."""
+    return tl.max(b, axis) + tl.sum(tl.where(b != b, b, 0.0), axis)
 
 
 @triton.jit

@@ -646,6 +646,7 @@ def _fwd_flags(x1, residual, weight, bias, spec: NormSpec, store_r: bool, need_s
                 ACT=int(spec.act), STORE_STATS=need_stats, EXACT_SQ=spec.eps == 0)
 
 
+@launch.on_device(0)
 def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, need_stats, x1=None, seed=None,
              out=None, new_res=None, qscale=None, _codes=None, _quant=None):
     """Triton forward, same contract as `fuseblock.reference.norm.norm_fwd`. x1 and seed (the
@@ -773,6 +774,7 @@ def _bwd_flags(has_dx1: bool, has_dro: bool, store_dr: bool, has_w: bool, has_b:
                 HAS_B=has_b, CENTER=spec.center, GATE=int(spec.gate), ACT=int(spec.act))
 
 
+@launch.on_device(2)
 def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dtype, residual_grad_dtype,
              seed=None, has_x1=False):
     """Triton backward. Returns (dx, dresidual or None, dgate, dw, db, dx1 or None).

@@ -497,6 +497,7 @@ def _flag_eps(spec: NormSpec) -> bool:
     return spec.eps == 0  # EXACT_SQ: see fuseblock.kernels.norm._rstd
 
 
+@launch.on_device(0)
 def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_spec: NormSpec, spec: NormSpec,
                  alpha: float, residual_dtype, second: bool, need_stats: bool, qscale=None):
     """(new_residual, out or None, rstd_b, mean_b, rstd, mean), the statistics (M,) fp32 or
@@ -549,6 +550,7 @@ def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_s
     return new_res, (out if codes is None else quantized(codes, qs, spec)), rstd_b, mean_b, rstd, mean
 
 
+@launch.on_device(2)
 def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b, mean_b, rstd, mean,
                  branch_spec: NormSpec, spec: NormSpec, alpha: float, residual_grad_dtype, second: bool,
                  store_dr: bool = True):

@@ -69,6 +69,10 @@ def _fp8_forward(x, residual, norm_weight, norm_bias, weight, bias, spec: NormSp
     scales where the device takes them, else dequantize-and-matmul in fp32).
     Returns (y, new_residual, rstd, mean, native)."""
     native = False
+    if spec.quant != Quant.MX:
+        problem = fp8.rowwise_mm_problem(x.device, x.dtype, fp8.fp8_dtype(spec))
+        if problem is not None:
+            raise ValueError(f"norm_linear(quant='fp8_row'): {problem}")
     if uses_triton(x):
         # here, not at the top: ops/fp8.py's torch.compiler.disable imports torch._dynamo
         from .fp8 import quantized_norm_fwd

@@ -192,6 +192,39 @@ def blocked_scales(scale: Tensor) -> Tensor:
     return runs.view(torch.float8_e8m0fnu)
 
 
+_MM_PROBLEMS: dict[tuple, str | None] = {}  # rowwise_mm_problem's answers, asked once per device and dtypes
+
+
+def rowwise_mm_problem(device: torch.device, out_dtype: torch.dtype, fp8_dtype: torch.dtype) -> str | None:
+    """Why torch._scaled_mm cannot form fp8_row's product (codes of fp8_dtype, y in
+    out_dtype) on device, as one line naming the GPU and the dtype; None where it can.
+    NVIDIA: rowwise scaling outputs bf16 only before sm_100, bf16 or fp16 from it (fp32
+    raises). AMD gfx940 to gfx942 (MI300): their fp8 is float8_e4m3fnuz / e5m2fnuz, and
+    fuseblock writes the OCP formats (gfx950 takes those). The CPU takes any."""
+    if device.type != "cuda":
+        return None
+    key = (device, out_dtype, fp8_dtype)
+    if key not in _MM_PROBLEMS:
+        _MM_PROBLEMS[key] = _rowwise_mm_problem(device, out_dtype, fp8_dtype)
+    return _MM_PROBLEMS[key]
+
+
+def _rowwise_mm_problem(device, out_dtype, fp8_dtype) -> str | None:
+    name = torch.cuda.get_device_name(device)
+    if torch.version.hip:
+        arch = torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
+        if arch in ("gfx940", "gfx941", "gfx942"):
+            return (f"{name} ({arch}) multiplies fp8 as float8_e4m3fnuz/float8_e5m2fnuz, and fuseblock writes the "
+                    f"OCP {fp8_dtype}: quant='fp8_row' Linear is not supported there (use quant='mxfp8', or none)")
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    allowed = (torch.bfloat16,) if major < 10 else (torch.bfloat16, torch.float16)
+    if out_dtype not in allowed:
+        return (f"torch._scaled_mm's rowwise scaling on {name} (sm_{major}{minor}) outputs "
+                f"{' or '.join(str(t) for t in allowed)} only, and y would be {out_dtype}: pass x in bfloat16")
+    return None
+
+
 def mx_block_mm_native(device: torch.device) -> bool:
     """Whether torch._scaled_mm takes mxfp8 block scales on device: CUDA compute
     capability 10.0 and later (B200)."""

@@ -156,3 +156,25 @@ def test_kernelize_zero_centered_norm(monkeypatch, repo, dtype):
         g2 = torch.autograd.grad(want, (x, untouched[0].weight), dy)
         for a, b in zip(g1, g2, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                                    (torch.bfloat16, torch.bfloat16)], ids=["bf16_x_fp32_w", "fp32_x_bf16_w", "bf16"])
+def test_rms_norm_returns_the_dtype_llama_returns(dtypes):
+    # LlamaRMSNorm: weight * normed.to(input dtype), so an fp32 weight on bf16 input gives fp32
+    x_dtype, w_dtype = dtypes
+    module = LlamaRMSNorm(64, eps=1e-6).to(device=DEVICE, dtype=w_dtype)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(64) * 0.5 + 1)
+    x = torch.randn(3, 5, 64, device=DEVICE).to(x_dtype).requires_grad_()
+    want = module(x)
+    got = layers.rms_norm_forward(module, x)
+    assert got.dtype == want.dtype
+    # fuseblock rounds the fp32 product once, Llama the normed x to the input's dtype first
+    tol = 1e-2 if torch.bfloat16 in dtypes else 1e-5
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    g = torch.randn_like(want)
+    (dx,) = torch.autograd.grad(got, x, g)
+    (dx_want,) = torch.autograd.grad(want, x, g)
+    assert dx.dtype == x.dtype
+    torch.testing.assert_close(dx.float(), dx_want.float(), rtol=2e-2, atol=2e-2)

@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from fuseblock.fp8 import mx_block_mm_native
 from helpers import generator
 
 import fuseblock
@@ -103,7 +104,8 @@ def test_mxfp8_norm_linear_equals_unfused_norm_to_mx_and_the_fallback(rounding):
     """y = the unfused norm's fp32 output and the weight, each cast by torchao's to_mx
     (blocks of 32 along the features), dequantized by torchao and multiplied in fp32, then
     cast to x's dtype and the bias added (`fuseblock.reference.fp8.mx_linear`'s fallback, which the
-    CPU takes). The gradients are norm_linear's without quant, bit for bit, and close to
+    CPU takes; bit for bit there, within 1e-5 of the largest |y| where torch._scaled_mm
+    takes the block scales, sm_100 and later). The gradients are norm_linear's without quant, bit for bit, and close to
     the unfused norm + F.linear's."""
     g = generator(0)
     x, res = (torch.randn(6, 64, generator=g).requires_grad_() for _ in range(2))
@@ -116,7 +118,10 @@ def test_mxfp8_norm_linear_equals_unfused_norm_to_mx_and_the_fallback(rounding):
     with torch.no_grad():
         o = fuseblock.add_norm(x, res, nw, out_dtype=torch.float32)[0]
         want = _deq(*to_mx(o, E4, 32, MODES[rounding])) @ _deq(*to_mx(w, E4, 32, MODES[rounding])).t() + b
-    assert torch.equal(y8, want)
+    if mx_block_mm_native(y8.device):  # cuBLAS's block-scaled product sums in its own order: not the fp32 matmul's bits
+        torch.testing.assert_close(y8, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    else:
+        assert torch.equal(y8, want)
     if rounding == "floor":  # the module's (norm_linear's default rounding) runs the same op
         module = fuseblock.NormLinear(64, 48, quant="mxfp8")
         with torch.no_grad():
@@ -208,3 +213,42 @@ def test_norm_linear_quant_attribute_routes_add_linear_to_fp8():
     got = n.add_linear(x, None, lin)[0]
     want = fuseblock.norm_linear(x, None, n.weight, None, lin.weight, lin.bias, quant="fp8_row")[0]
     assert torch.equal(got, want) and not torch.equal(got, plain)
+
+
+@pytest.mark.parametrize("gpu,out_dtype,problem", [
+    (dict(cap=(9, 0), name="NVIDIA H100"), torch.bfloat16, None),
+    (dict(cap=(9, 0), name="NVIDIA H100"), torch.float16, "NVIDIA H100 (sm_90) outputs torch.bfloat16 only"),
+    (dict(cap=(9, 0), name="NVIDIA H100"), torch.float32, "y would be torch.float32"),
+    (dict(cap=(10, 0), name="NVIDIA B200"), torch.float16, None),
+    (dict(cap=(10, 0), name="NVIDIA B200"), torch.float32, "B200 (sm_100) outputs torch.bfloat16 or torch.float16"),
+    (dict(hip="6.4", arch="gfx942:sramecc+:xnack-", name="AMD Instinct MI300X"), torch.bfloat16,
+     "MI300X (gfx942) multiplies fp8 as float8_e4m3fnuz"),
+    (dict(hip="6.4", arch="gfx950", name="AMD Instinct MI355X"), torch.bfloat16, None),
+], ids=["h100-bf16", "h100-fp16", "h100-fp32", "b200-fp16", "b200-fp32", "mi300x", "mi355x"])
+def test_fp8_row_linear_names_the_gpu_and_dtype_scaled_mm_refuses(monkeypatch, gpu, out_dtype, problem):
+    import types
+
+    from fuseblock import fp8
+
+    monkeypatch.setattr(torch.version, "hip", gpu.get("hip"), raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: gpu["name"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: gpu.get("cap", (9, 4)))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: types.SimpleNamespace(
+        gcnArchName=gpu.get("arch", "")))
+    monkeypatch.setattr(fp8, "_MM_PROBLEMS", {})
+    got = fp8.rowwise_mm_problem(torch.device("cuda", 0), out_dtype, E4)
+    if problem is None:
+        assert got is None
+    else:
+        assert got is not None and problem in got, got
+    assert fp8.rowwise_mm_problem(torch.device("cpu"), torch.float32, E4) is None
+
+
+def test_fp8_row_linear_refuses_what_scaled_mm_refuses_before_it_runs(monkeypatch):
+    from fuseblock import fp8
+
+    monkeypatch.setattr(fp8, "rowwise_mm_problem", lambda device, out_dtype, fp8_dtype: f"no {out_dtype} here")
+    x, w = torch.randn(4, 64), torch.randn(32, 64)
+    with pytest.raises(ValueError, match=r"norm_linear\(quant='fp8_row'\): no torch.float32 here"):
+        fuseblock.norm_linear(x, None, None, None, w, quant="fp8_row")
+    fuseblock.norm_linear(x, None, None, None, w, quant="mxfp8")  # the block-scaled product is not rowwise

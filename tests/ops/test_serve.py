@@ -185,3 +185,45 @@ def test_torch_path_matches_too_and_says_which_path_ran():
     with torch.no_grad():
         serve.fused_add_rms_norm(x, r, w, EPS)
     assert torch.equal(x, out) and torch.equal(r, new_res)
+
+
+def test_written_tensors_that_overlap_themselves_are_refused():
+    # an expanded (stride-0) residual, input or out: every token would write one row
+    x, r, w, _ = _data(6, 48, torch.float32)
+    row = torch.randn(1, 48)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="residual overlaps itself"):
+            serve.fused_add_rms_norm(x, row.expand(6, 48), w, EPS)
+        with pytest.raises(ValueError, match="input overlaps itself"):
+            serve.fused_add_rms_norm(row.expand(6, 48), r, w, EPS)
+        with pytest.raises(ValueError, match="out overlaps itself"):
+            serve.rms_norm(row.expand(6, 48), x, w, EPS)
+        with pytest.raises(ValueError, match="out overlaps itself"):  # rows of 48 every 24 elements
+            serve.rms_norm(torch.randn(200).as_strided((6, 48), (24, 1)), x, w, EPS)
+        with pytest.raises(ValueError, match="residual overlaps itself"):  # (2, 3, 48), the batch dim expanded
+            serve.fused_add_layer_norm(x.view(2, 3, 48), r[:3].expand(2, 3, 48), w, None, EPS)
+        # an expanded input that is only read is fine, and so is a row-strided out
+        out = torch.zeros(6, 96)[:, :48]
+        serve.rms_norm(out, row.expand(6, 48), w, EPS)
+        assert torch.equal(out, fuseblock.norm(row.expand(6, 48).contiguous(), w, eps=EPS))
+
+
+def test_a_compiled_graph_holds_the_serving_entries():
+    # vLLM compiles the whole graph (fullgraph): each entry is one op declaring what it writes
+    def step(x, r, w, b, out):
+        serve.fused_add_rms_norm(x, r, w, EPS)
+        serve.rms_norm(out, x, w, EPS)
+        serve.fused_add_layer_norm(out, r, w, b, EPS, weight_offset=1.0)
+        serve.layer_norm(x, x, w, b, EPS)  # in place
+        return x * 2
+
+    x, r, w, b = _data(6, 48, torch.float32)
+    args = (x, r, w, b, torch.empty_like(x))
+    eager, compiled = [t.clone() for t in args], [t.clone() for t in args]
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = step(*eager)
+        got = torch.compile(step, fullgraph=True, backend="aot_eager")(*compiled)
+    assert torch.equal(got, want)
+    for a, b_ in zip(compiled, eager, strict=True):
+        assert torch.equal(a, b_)
