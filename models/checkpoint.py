@@ -586,3 +586,63 @@ def load_training_state(ckpt: Path, meta: dict, optimizer: torch.optim.Optimizer
             state.setdefault(int(i), {})[k] = v if k == "step" else sharded.shard_like(v, params[int(i)])
     optimizer.load_state_dict({"state": state, "param_groups": opt_meta["param_groups"]})
     return {k[len("rng."):]: v for k, v in tensors.items() if k.startswith("rng.")}
+
+
+# ----------------------------------------------------------------------------- which checkpoint --resume takes
+
+
+def latest_step(out_dir: Path) -> int:
+    """The step of the checkpoint `latest` names, 0 for none."""
+    name = pointer_target(out_dir)
+    try:
+        return int(name[5:].removesuffix(".old")) if name and name.startswith("ckpt-") else 0
+    except ValueError:
+        return 0
+
+
+def resume_point(out: Path, resume: str, resume_step: int | None) -> Path:
+    """The checkpoint to resume: the one `latest` names (plain --resume), or a kept one
+    named by --resume (a name in --out-dir, or a path to it) or --resume-step. A name that
+    is no kept checkpoint is a one-line error that lists the kept ones."""
+    named = None if resume == "latest" else Path(resume)
+    if named is not None and len(named.parts) > 1 and named.resolve() == out.resolve():
+        named = None  # the output directory itself: its latest
+    if named is None and resume_step is None:
+        return resolve(out)
+    flag = f"--resume {resume}" if named is not None else f"--resume-step {resume_step}"
+    listed = kept(out)
+
+    def refuse(problem: str):
+        marks = {False: " (suspect)", None: " (unreadable)", True: ""}
+        listing = ", ".join(name + marks[ok] for name, ok in listed) or "none"
+        raise CheckpointError(f"argument {flag}: {problem}; the checkpoints kept in {out}: {listing}")
+
+    names = {name for name, _ in listed}
+    name = None
+    if named is not None:
+        if len(named.parts) > 1 and named.parent.resolve() != out.resolve():
+            refuse(f"{named} is not in --out-dir {out} (a run resumes in its own directory)")
+        name = named.name
+        if name not in names:
+            refuse(f"no checkpoint {name} in {out}")
+    if resume_step is not None:
+        by_step = f"ckpt-{resume_step:06d}"
+        if name is not None and name != by_step:
+            refuse(f"--resume-step {resume_step} names {by_step}, another checkpoint")
+        if by_step not in names:
+            refuse(f"no checkpoint of step {resume_step} in {out}")
+        name = by_step
+    return out / name
+
+
+def resume_notes(out: Path, ckpt: Path, meta: dict) -> list[str]:
+    """What a resumed run says of its checkpoint when it is not the one `latest` names."""
+    latest = pointer_target(out)
+    if ckpt.name == latest:
+        return []
+    notes = [f"resume: from {ckpt.name}; latest names {latest or 'none'}"]
+    update = meta.get("update")
+    if update and not update["passed"]:
+        notes.append(f"note: {ckpt.name} did not pass the update check (step {update['step']} moved the weights by "
+                     f"{update['largest']:.3g} times their size, limit {update['limit']:g}); resuming from it as asked")
+    return notes

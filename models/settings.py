@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 
 from .gpt import GPTConfig
 
@@ -289,3 +290,41 @@ def describe_changes(bookkeeping: list, training: list) -> list[str]:
     if training:
         lines.append(f"resume: flags change the training itself (no longer the run as started): {fmt(training)}")
     return lines
+
+
+# ----------------------------------------------------------------------------- the way back
+
+
+def continue_flags(args, recorded: dict | None, good: str | None, default_device: str) -> list[str]:
+    """train.py's flags that continue a diverged run: from `good`, the checkpoint that passed
+    the update check (whose training settings are `recorded`), with the flags this run
+    changed of them; or, with none, a fresh run's every setting that is not the default,
+    with --overwrite. The learning rate: the checkpoint's own where the run had raised it,
+    else a tenth of the run's (at most the default)."""
+    if recorded is not None:  # what this run changed of the checkpoint's settings
+        flags = {k: getattr(args, k) for k in TRAIN_DEFAULTS if getattr(args, k) != recorded[k]}
+        base = recorded
+    else:  # a fresh run's every setting that is not the default
+        flags = {k: getattr(args, k) for k in MODEL_DEFAULTS if getattr(args, k) != MODEL_DEFAULTS[k]}
+        flags.update({k: getattr(args, k) for k in TRAIN_DEFAULTS if getattr(args, k) != TRAIN_DEFAULTS[k]})
+        if args.lr_decay_iters == args.max_iters:
+            flags.pop("lr_decay_iters", None)  # what a fresh run sets it to
+        base = TRAIN_DEFAULTS
+    lr = base["lr"] if recorded is not None and args.lr > base["lr"] else min(args.lr / 10, TRAIN_DEFAULTS["lr"])
+    flags.pop("lr", None)
+    if lr != base["lr"]:
+        flags["lr"] = lr
+    if flags.get("min_lr", base["min_lr"]) > lr:
+        flags.pop("min_lr", None)
+        if base["min_lr"] > lr:
+            flags["min_lr"] = lr / 10
+    # by name, unless `latest` holds the second name of an interrupted replacement, which --resume cannot name
+    point = ["--resume", good] if good and re.fullmatch(r"ckpt-\d+", good) else ["--resume"]
+    head = ["--out-dir", str(args.out_dir), *(point if good else ["--overwrite"])]
+    for k, v in flags.items():
+        head += [f"--{k.replace('_', '-')}", str(v)]
+    head += ["--fsdp"] * args.fsdp + (["--tp", str(args.tp)] if args.tp > 1 else []) + ["--compile"] * args.compile
+    head += (["--threads", str(args.threads)] if args.threads else []) + ["--no-progress"] * args.no_progress
+    if args.device != default_device:
+        head += ["--device", args.device]
+    return head

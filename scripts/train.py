@@ -35,14 +35,12 @@ import argparse
 import gc
 import math
 import os
-import re
 import shlex
 import signal
 import sys
 import threading
 import time
 import traceback
-import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,8 +57,8 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from models import checkpoint, data, plot, settings, sharded, update_check  # noqa: E402
-from models.gpt import GPT, GPTConfig  # noqa: E402
+from models import build, checkpoint, data, plot, settings, sharded, update_check  # noqa: E402
+from models.gpt import GPTConfig  # noqa: E402
 from models.lock import OutDirError, OutDirLock, claim  # noqa: E402
 from models.settings import MODEL_DEFAULTS, TRAIN_DEFAULTS, SettingsError, arg_type  # noqa: E402
 
@@ -323,120 +321,14 @@ class Run:
             print(msg, file=stream, flush=True)
 
 
-def build_model(cfg: GPTConfig, dist: Dist) -> GPT:
-    """The GPT on dist.device, its weights drawn from torch's RNG. Under --fsdp or --tp it
-    is built on the meta device (no memory), split over the tensor-parallel ranks
-    (models/tensor_parallel.py) and sharded by FSDP2's fully_shard over the data-parallel
-    ones, moved to the device empty and initialised there: each rank holds its parts of
-    the very model GPT(cfg) draws."""
-    if not dist.sharded:
-        return GPT(cfg).to(dist.device)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = (init_device_mesh(dist.device.type, (dist.dp, dist.tp), mesh_dim_names=("dp", "tp")) if dist.tp > 1
-            else {"dp": init_device_mesh(dist.device.type, (dist.world,))})
-    with torch.device("meta"):
-        model = GPT(cfg)
-    if dist.tp > 1:
-        from models import tensor_parallel
-
-        try:
-            tensor_parallel.parallelize(model, mesh["tp"])
-        except ValueError as e:
-            raise SettingsError(f"--tp {dist.tp}: {e}") from None
-    if dist.fsdp:
-        try:
-            from torch.distributed.fsdp import fully_shard
-        except ImportError:  # torch < 2.6 has it here only
-            from torch.distributed._composable.fsdp import fully_shard
-
-        # FSDP2 warns when a unit returns a view, which an in-place op would cut off from its
-        # backward hook: a mixer returns a Linear's output, a view, and the stack never
-        # modifies a mixer's output in place
-        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-        placement = {}
-        if dist.tp > 1:  # c_attn's weight, split by heads on tp, is sharded on its input dim
-            if cfg.n_embd % dist.dp:
-                raise SettingsError(f"--fsdp --tp {dist.tp}: n_embd ({cfg.n_embd}) must be divisible by the "
-                                    f"{dist.dp} data-parallel ranks, over which c_attn's columns are sharded")
-            placement = {"shard_placement_fn": tensor_parallel.fsdp_placement}
-        # Each mixer is a unit: nearly all of a sublayer's weights, gathered whole only while it
-        # runs. Not its PreNormBlock: the naive stack (--impl naive) runs a block's step without
-        # calling the block, past the hooks by which a block unit would gather its norm.
-        for block in model.stack.blocks:
-            fully_shard(block.mixer, mesh=mesh["dp"], **placement)
-        fully_shard(model, mesh=mesh["dp"], **placement)  # the rest: the embeddings (and the tied head), the norms
-    model.to_empty(device=dist.device)
-    model.init_weights()
-    return model
-
-
-def latest_step(out_dir: Path) -> int:
-    """The step of the checkpoint `latest` names, 0 for none."""
-    name = checkpoint.pointer_target(out_dir)
-    try:
-        return int(name[5:].removesuffix(".old")) if name and name.startswith("ckpt-") else 0
-    except ValueError:
-        return 0
-
-
-def resume_point(args) -> Path:
-    """The checkpoint to resume: the one `latest` names (plain --resume), or a kept one
-    named by --resume (a name in --out-dir, or a path to it) or --resume-step. A name that
-    is no kept checkpoint is a one-line error that lists the kept ones."""
-    out = args.out_dir
-    named = None if args.resume == "latest" else Path(args.resume)
-    if named is not None and len(named.parts) > 1 and named.resolve() == out.resolve():
-        named = None  # the output directory itself: its latest
-    if named is None and args.resume_step is None:
-        return checkpoint.resolve(out)
-    flag = f"--resume {args.resume}" if named is not None else f"--resume-step {args.resume_step}"
-    kept = checkpoint.kept(out)
-
-    def refuse(problem: str):
-        marks = {False: " (suspect)", None: " (unreadable)", True: ""}
-        listing = ", ".join(name + marks[ok] for name, ok in kept) or "none"
-        raise checkpoint.CheckpointError(f"argument {flag}: {problem}; the checkpoints kept in {out}: {listing}")
-
-    names = {name for name, _ in kept}
-    name = None
-    if named is not None:
-        if len(named.parts) > 1 and named.parent.resolve() != out.resolve():
-            refuse(f"{named} is not in --out-dir {out} (a run resumes in its own directory)")
-        name = named.name
-        if name not in names:
-            refuse(f"no checkpoint {name} in {out}")
-    if args.resume_step is not None:
-        by_step = f"ckpt-{args.resume_step:06d}"
-        if name is not None and name != by_step:
-            refuse(f"--resume-step {args.resume_step} names {by_step}, another checkpoint")
-        if by_step not in names:
-            refuse(f"no checkpoint of step {args.resume_step} in {out}")
-        name = by_step
-    return out / name
-
-
-def resume_notes(args, ckpt: Path, meta: dict) -> list[str]:
-    """What a resumed run says of its checkpoint when it is not the one `latest` names."""
-    latest = checkpoint.pointer_target(args.out_dir)
-    if ckpt.name == latest:
-        return []
-    notes = [f"resume: from {ckpt.name}; latest names {latest or 'none'}"]
-    update = meta.get("update")
-    if update and not update["passed"]:
-        notes.append(f"note: {ckpt.name} did not pass the update check (step {update['step']} moved the weights by "
-                     f"{update['largest']:.3g} times their size, limit {update['limit']:g}); resuming from it as asked")
-    return notes
-
-
 def build_run(args, dist: Dist) -> tuple[Run, list[str]]:
     """Model, optimizer and RNGs: fresh from the seed, or restored from the checkpoint."""
     notes, ckpt, meta, recorded = [], None, None, {}
     if args.resume:
-        ckpt = resume_point(args)
+        ckpt = checkpoint.resume_point(args.out_dir, args.resume, args.resume_step)
         meta = checkpoint.read_meta(ckpt)
         saved = checkpoint.read_config(ckpt, meta)
-        notes = resume_notes(args, ckpt, meta)
+        notes = checkpoint.resume_notes(args.out_dir, ckpt, meta)
         notes += settings.describe_changes(*settings.resume(args, meta, saved, dist.dp, ckpt))
         problem = settings.model_conflict(args, dist.tp)
         if problem:
@@ -447,7 +339,7 @@ def build_run(args, dist: Dist) -> tuple[Run, list[str]]:
                        "fused": args.impl == "fused", "residual_dtype": torch.float32})
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     try:
-        model = build_model(cfg, dist)
+        model = build.gpt(cfg, dist)
     except RuntimeError as e:  # torch.OutOfMemoryError too
         if not any(m in str(e) for m in ("Storage size calculation overflowed", "can't allocate", "out of memory")):
             raise
@@ -486,7 +378,7 @@ def build_run(args, dist: Dist) -> tuple[Run, list[str]]:
         train_model = torch.compile(train_model)
     splits = {"train": data.load("train"), "val": data.load("val")}
     run = Run(args, dist, cfg, model, train_model, optimizer, batch_gen, splits, start, history, curve,
-              supersedes, last_saved=latest_step(args.out_dir) if ckpt is not None else 0,
+              supersedes, last_saved=checkpoint.latest_step(args.out_dir) if ckpt is not None else 0,
               check=update_check.UpdateCheck(model))
     return run, notes
 
@@ -745,8 +637,7 @@ def _train(args, dist: Dist, stop: StopSignals, t_start: float) -> dict:
 def way_back(run: Run) -> str:
     """After a divergence: the last checkpoint that passed the update check (the one
     `latest` names) and the command that continues from it, or, when this run has none,
-    the command that starts it again. The learning rate: the checkpoint's own where the
-    run had raised it, else a tenth of the run's (at most the default)."""
+    the command that starts it again (settings.continue_flags)."""
     args, dist = run.args, run.dist
     good = checkpoint.pointer_target(args.out_dir) if run.last_saved else None
     recorded = None
@@ -755,36 +646,12 @@ def way_back(run: Run) -> str:
             recorded = checkpoint.read_meta(args.out_dir / good)["config"]["train"]
         except (checkpoint.CheckpointError, KeyError):
             good = None
-    if recorded is not None:  # what this run changed of the checkpoint's settings
-        flags = {k: getattr(args, k) for k in TRAIN_DEFAULTS if getattr(args, k) != recorded[k]}
-        base = recorded
-    else:  # a fresh run's every setting that is not the default
-        flags = {k: getattr(args, k) for k in MODEL_DEFAULTS if getattr(args, k) != MODEL_DEFAULTS[k]}
-        flags.update({k: getattr(args, k) for k in TRAIN_DEFAULTS if getattr(args, k) != TRAIN_DEFAULTS[k]})
-        if args.lr_decay_iters == args.max_iters:
-            flags.pop("lr_decay_iters", None)  # what a fresh run sets it to
-        base = TRAIN_DEFAULTS
-    lr = base["lr"] if recorded is not None and args.lr > base["lr"] else min(args.lr / 10, TRAIN_DEFAULTS["lr"])
-    flags.pop("lr", None)
-    if lr != base["lr"]:
-        flags["lr"] = lr
-    if flags.get("min_lr", base["min_lr"]) > lr:
-        flags.pop("min_lr", None)
-        if base["min_lr"] > lr:
-            flags["min_lr"] = lr / 10
-    # by name, unless `latest` holds the second name of an interrupted replacement, which --resume cannot name
-    point = ["--resume", good] if good and re.fullmatch(r"ckpt-\d+", good) else ["--resume"]
-    head = ["--out-dir", str(args.out_dir), *(point if good else ["--overwrite"])]
-    for k, v in flags.items():
-        head += [f"--{k.replace('_', '-')}", str(v)]
-    head += ["--fsdp"] * args.fsdp + (["--tp", str(args.tp)] if args.tp > 1 else []) + ["--compile"] * args.compile
-    head += (["--threads", str(args.threads)] if args.threads else []) + ["--no-progress"] * args.no_progress
-    if args.device != ("cuda" if torch.cuda.is_available() else "cpu"):
-        head += ["--device", args.device]
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
     script = os.path.relpath(__file__)
     script = script if not script.startswith("..") else os.path.abspath(__file__)
     launch = f"torchrun --standalone --nproc_per_node={dist.world}" if dist.distributed else "python"
-    command = " ".join([launch, shlex.quote(script), *map(shlex.quote, head)])
+    flags = settings.continue_flags(args, recorded, good, default_device)
+    command = " ".join([launch, shlex.quote(script), *map(shlex.quote, flags)])
     why = f" ({run.suspect})" if run.suspect else ""
     if good:
         return (f"{good} is the last checkpoint that passed the update check (latest names it)"

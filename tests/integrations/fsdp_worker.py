@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 import fuseblock
 from models.gpt import GPT, GPTConfig
 
-# units return Linear outputs (views), which the stack never changes in place (see train.build_model)
+# units return Linear outputs (views), which the stack never changes in place (see models/build.py)
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 DIM = 9  # odd: every weight's rows split 5 + 4, so FSDP2 pads the second shard
 
