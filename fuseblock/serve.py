@@ -29,7 +29,7 @@ On the torch path (other CPU calls) the same contract is met by the training op 
 by copies: the same bits, but allocating, as any eager torch op does.
 
 Under torch.compile (fullgraph too, as vLLM compiles the whole model) each call is one op
-of the graph, `torch.ops.fuseblock.serve_add_norm` (mutating input and residual) or
+of the graph, the custom op `fuseblock::serve_add_norm` (mutating input and residual) or
 `serve_norm` (mutating out), which runs the eager call, checks included, on the real tensors.
 """
 from __future__ import annotations

@@ -87,7 +87,7 @@ def liger_patch(model) -> int:
     `apply_liger_kernel_to_*` patches a Hugging Face model's norms. Returns the count."""
     from liger_kernel.transformers import functional as lf
 
-    from fuseblock.modules import AddNorm
+    from fuseblock import AddNorm
 
     def naive(self, x):
         if self.kind == "rms":

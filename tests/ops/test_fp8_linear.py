@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from fuseblock.fp8 import mx_block_mm_native
+from fuseblock.reference.fp8 import mx_block_mm_native
 from helpers import generator
 
 import fuseblock
@@ -228,7 +228,7 @@ def test_norm_linear_quant_attribute_routes_add_linear_to_fp8():
 def test_fp8_row_linear_names_the_gpu_and_dtype_scaled_mm_refuses(monkeypatch, gpu, out_dtype, problem):
     import types
 
-    from fuseblock import fp8
+    from fuseblock.reference import fp8
 
     monkeypatch.setattr(torch.version, "hip", gpu.get("hip"), raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: gpu["name"])
@@ -245,7 +245,7 @@ def test_fp8_row_linear_names_the_gpu_and_dtype_scaled_mm_refuses(monkeypatch, g
 
 
 def test_fp8_row_linear_refuses_what_scaled_mm_refuses_before_it_runs(monkeypatch):
-    from fuseblock import fp8
+    from fuseblock.reference import fp8
 
     monkeypatch.setattr(fp8, "rowwise_mm_problem", lambda device, out_dtype, fp8_dtype: f"no {out_dtype} here")
     x, w = torch.randn(4, 64), torch.randn(32, 64)
