@@ -12,10 +12,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from fuseblock.reference.fp8 import mx_block_mm_native
 from helpers import generator
 
 import fuseblock
+from fuseblock.reference.fp8 import mx_block_mm_native
 
 pytest.importorskip("torchao")
 from torchao.float8 import Float8LinearConfig  # noqa: E402
