@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from .attn_res_spec import MAX_SOURCES
 from .ops.attn_res import attn_res_add_norm, attn_res_norm
 from .ops.checks import check_eps, check_int, check_number
-from .stream import ResidualStack, keywords_accepted, route_keywords, split_output
+from .stream import ResidualStack, check_mixer_output, keywords_accepted, route_keywords, split_output
 
 
 def head_states(sublayers: int, block_size: int) -> int:
@@ -166,7 +166,7 @@ class AttnResStack(nn.Module):
             f, partial, *rest = block(bank, f, partial, **kwargs)
             if partial is not None and i % self.block_size == 0:  # partial' finished block i // bs - 1
                 bank, partial = torch.cat([bank, partial.unsqueeze(-2)], dim=-2), None
-            self._check_mixer_output(i, f, x)
+            check_mixer_output(i, self.blocks[i].mixer, f, x)
             extras.append(tuple(rest))
         return self.head(bank, f, partial).to(x.dtype), tuple(extras)
 
@@ -177,19 +177,10 @@ class AttnResStack(nn.Module):
             if i and i % self.block_size == 0:
                 blocks, partial = [*blocks, partial], None
             out, rest = block.naive(blocks + ([partial] if partial is not None else []), **kwargs)
-            self._check_mixer_output(i, out, x)
+            check_mixer_output(i, self.blocks[i].mixer, out, x)
             partial = out.to(x.dtype) if partial is None else partial + out.to(x.dtype)
             extras.append(tuple(rest))
         return self.head.naive([*blocks, partial]).to(x.dtype), tuple(extras)
-
-    def _check_mixer_output(self, i: int, out, x: Tensor) -> None:
-        module = self.blocks[i].mixer
-        if not isinstance(out, Tensor):
-            raise TypeError(f"mixers[{i}] ({type(module).__name__}) returned {type(out).__name__}, not a tensor "
-                            f"(or a tuple whose first element is one)")
-        if out.shape != x.shape:
-            raise ValueError(f"mixers[{i}] ({type(module).__name__}) maps shape {tuple(x.shape)} to "
-                             f"{tuple(out.shape)}: every mixer must map (..., {x.shape[-1]}) to the same shape")
 
     def extra_repr(self) -> str:
         return f"block_size={self.block_size}, fused={self.fused}" + (", return_extras=True" if self.return_extras

@@ -25,7 +25,7 @@ from .hyper_spec import HyperSpec, Mode
 from .ops.checks import check_eps, check_int, check_number
 from .ops.hyper import MAX_STREAMS, hc_add_norm, hc_head, hc_norm
 from .reference.hyper import coefficients
-from .stream import ResidualStack, keywords_accepted, route_keywords, split_output
+from .stream import ResidualStack, check_mixer_output, keywords_accepted, route_keywords, split_output
 
 
 def naive_coefficients(H: Tensor, fn: Tensor, base: Tensor, scale: Tensor, n: int, iters: int, hc_eps: float,
@@ -187,7 +187,7 @@ class HyperConnectionStack(nn.Module):
         for i, (block, kwargs) in enumerate(zip(self.blocks, routed, strict=True)):
             # through the block's __call__, so its hooks run (FSDP2's gathering among them)
             f, H, post, comb, *rest = block(H, f, post, comb, **kwargs)
-            self._check_mixer_output(i, f, x)
+            check_mixer_output(i, self.blocks[i].mixer, f, x)
             extras.append(tuple(rest))
         return self.head(H, f, post, comb).to(x.dtype), tuple(extras)
 
@@ -195,18 +195,9 @@ class HyperConnectionStack(nn.Module):
         extras = []
         for i, (block, kwargs) in enumerate(zip(self.blocks, routed, strict=True)):
             H, (out, *rest) = block.naive(H, **kwargs)
-            self._check_mixer_output(i, out, x)
+            check_mixer_output(i, self.blocks[i].mixer, out, x)
             extras.append(tuple(rest))
         return self.head.naive(H).to(x.dtype), tuple(extras)
-
-    def _check_mixer_output(self, i: int, out, x: Tensor) -> None:
-        module = self.blocks[i].mixer
-        if not isinstance(out, Tensor):
-            raise TypeError(f"mixers[{i}] ({type(module).__name__}) returned {type(out).__name__}, not a tensor "
-                            f"(or a tuple whose first element is one)")
-        if out.shape != x.shape:
-            raise ValueError(f"mixers[{i}] ({type(module).__name__}) maps shape {tuple(x.shape)} to "
-                             f"{tuple(out.shape)}: every mixer must map (..., {x.shape[-1]}) to the same shape")
 
     def extra_repr(self) -> str:
         return f"streams={self.streams}, fused={self.fused}" + (", return_extras=True" if self.return_extras else "")

@@ -39,6 +39,18 @@ def split_output(out) -> tuple:
     return (out[0], tuple(out[1:])) if isinstance(out, tuple) else (out, ())
 
 
+def check_mixer_output(i: int, mixer: nn.Module, out, x: Tensor, what: str = "mixers") -> None:
+    """That `what`[i]'s output is a tensor of x's shape: unchecked, a wrong width reaches the
+    next norm, which refuses it as x's last dim (every stack's naive twin checks it so)."""
+    if not isinstance(out, Tensor):
+        raise TypeError(f"{what}[{i}] ({type(mixer).__name__}) returned "
+                        f"{type(out).__name__}, not a tensor (or a tuple whose first element is one)")
+    if out.shape != x.shape:
+        raise ValueError(f"{what}[{i}] ({type(mixer).__name__}) maps last dim {x.shape[-1]} "
+                         f"to {out.shape[-1]} (shape {tuple(x.shape)} to {tuple(out.shape)}): every mixer "
+                         f"must map (..., {x.shape[-1]}) to the same shape")
+
+
 def route_keywords(kwargs: dict, blocks, accepted, owner: str) -> list[dict]:
     """Each block's keyword arguments: those its mixer's forward accepts (`accepted(block)`:
     a set of names, or None for any). A keyword no block takes is a TypeError naming it."""
@@ -554,8 +566,9 @@ class ResidualStack(nn.Module):
                                    **kwargs))  # (hidden, residual, *rest)
             hidden, residual = out[0], out[1]
             parts = hidden if isinstance(hidden, tuple) else (hidden,)  # a parallel block's pair
-            for part, what in zip(parts, ("mixers", "parallel")[:len(parts)], strict=True):
-                self._check_mixer_output(i, part, x, what)
+            modules = (("mixers", block.mixer), ("parallel", block.parallel))[:len(parts)]
+            for part, (what, module) in zip(parts, modules, strict=True):
+                check_mixer_output(i, module, part, x, what)
             branch_norm = block.branch_norm if self.sandwich else None
             extras.append(tuple(out[2:]))
         if self.post_norm:  # the whole stream is `hidden`
@@ -580,24 +593,13 @@ class ResidualStack(nn.Module):
         # x's dtype, as it does in the fused form.
         h, extras = (x if self.residual_dtype is None else x.to(self.residual_dtype)), []
         for i, (block, kwargs, args) in enumerate(zip(self.blocks, routed, positional, strict=True)):
-            def check(out, what, i=i):
-                self._check_mixer_output(i, out, x, what)
+            def check(out, what, i=i, block=block):
+                check_mixer_output(i, block.parallel if what == "parallel" else block.mixer, out, x, what)
             h, rest = self._call(block._naive_step, h, x.dtype, args, kwargs, check)
             extras.append(rest)
         if self.norm_f is not None:
             h = self.norm_f.naive(h)
         return h.to(x.dtype), tuple(extras)
-
-    def _check_mixer_output(self, i: int, out, x: Tensor, what: str = "mixers") -> None:
-        # Unchecked, a wrong width reaches the next norm, which refuses it as x's last dim.
-        module = self.blocks[i].mixer if what == "mixers" else self.blocks[i].parallel
-        if not isinstance(out, Tensor):
-            raise TypeError(f"{what}[{i}] ({type(module).__name__}) returned "
-                            f"{type(out).__name__}, not a tensor (or a tuple whose first element is one)")
-        if out.shape != x.shape:
-            raise ValueError(f"{what}[{i}] ({type(module).__name__}) maps last dim {x.shape[-1]} "
-                             f"to {out.shape[-1]} (shape {tuple(x.shape)} to {tuple(out.shape)}): every mixer "
-                             f"must map (..., {x.shape[-1]}) to the same shape")
 
     def extra_repr(self) -> str:
         extra = "" if self.residual_dtype is None else f", residual_dtype={self.residual_dtype}"
