@@ -59,16 +59,28 @@ def test_speed_quick_runs(monkeypatch):
         assert r["speedup_min"] <= r["speedup_vs_naive"] <= r["speedup_max"]
 
 
-def test_gpt_step_quick_on_cpu_times_four_contenders():
-    # the GPU benchmark's own code on a toy model, torch.compile included
+def test_gpt_step_quick_on_cpu_times_four_contenders_of_each_model():
+    # the GPU benchmark's own code on toy models (GPT-2's and the Llama's), torch.compile included
     rows = _bench("gpt-step", "--device", "cpu")
-    assert [r["impl"] for r in rows] == ["naive", "naive+compile", "fused", "fused+compile"]
+    impls = ["naive", "naive+compile", "fused", "fused+compile"]
+    assert [(r["model"], r["impl"]) for r in rows] == [(m, i) for m in ("gpt2", "llama") for i in impls]
     for r in rows:
         assert r["runs"] == 3 and 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"]
         assert r["tokens_per_s"] > 0
         assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / r["median_ms"] * 1e3)
+        assert r["steps_per_s"] == pytest.approx(1e3 / r["median_ms"])
+        assert r["steps_per_s_min"] == pytest.approx(1e3 / r["max_ms"])
+        assert r["steps_per_s_max"] == pytest.approx(1e3 / r["min_ms"])
         assert r["speedup_min"] <= r["speedup_vs_naive"] <= r["speedup_max"]
-    assert rows[0]["speedup_vs_naive"] == 1.0
+        assert "peak_mib" not in r  # torch.cuda's memory counters: a GPU's figure alone
+    assert rows[0]["speedup_vs_naive"] == rows[4]["speedup_vs_naive"] == 1.0
+    assert {(r["n_layer"], r["n_embd"]) for r in rows[4:]} == {(2, 64)}  # the Llama's toy shape
+
+
+def test_gpt_step_model_flag_is_checked():
+    p = timeouts.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "gpt-step", "--model", "gpt3"],
+                     capture_output=True, text=True, seconds=60, cwd=ROOT)
+    assert p.returncode == 2 and "--model: invalid choice: 'gpt3'" in p.stderr
 
 
 @pytest.mark.slow
