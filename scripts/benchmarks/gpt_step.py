@@ -13,7 +13,7 @@ test of this code for machines without a GPU.
 scripts/benchmarks/llama_model.py: d = 2048, 16 layers, SwiGLU, RMSNorm, 4 x 2048 tokens),
 or both (the default), one after the other in the same process on the same seed. GPT-2's
 contenders stay resident together and take their steps in turn; the Llama's do not fit
-one GPU together (about 11 GB of fp32 weights and AdamW state each, and the CUDA graphs'
+one GPU together (about 11.4 GB of fp32 weights and AdamW state each, and the CUDA graphs'
 pools), so each is built, warmed, timed over all runs and freed before the next: its
 speedups pair run i of each with run i of naive, minutes apart. On a GPU each row has the
 contender's peak memory: what it holds between steps (weights, AdamW state, CUDA graph

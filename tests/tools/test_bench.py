@@ -77,6 +77,40 @@ def test_gpt_step_quick_on_cpu_times_four_contenders_of_each_model():
     assert {(r["n_layer"], r["n_embd"]) for r in rows[4:]} == {(2, 64)}  # the Llama's toy shape
 
 
+def test_gpt_step_llama_fused_and_naive_are_one_function(monkeypatch):
+    # the two Llama contenders gpt-step compares: same seed, same weights, same loss and gradients
+    # (the torch path here; the kernel path is the stream's own tests'), against the model by hand
+    import torch
+    import torch.nn.functional as F
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from benchmarks import gpt_step
+
+    shape = gpt_step.LLAMA_TOY
+    idx, targets = (torch.randint(0, shape["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(s))
+                    for s in (1, 2))
+    models = {k: gpt_step._contender(k, "llama", shape, torch.device("cpu"))[0] for k in ("naive", "fused")}
+    losses, grads = {}, {}
+    for k, m in models.items():
+        losses[k] = m(idx, targets)[1]
+        losses[k].backward()
+        grads[k] = {n: p.grad for n, p in m.named_parameters()}
+    m = models["naive"]  # by hand: x + attn(rms(x)), then + w2(silu(g) * u) of rms, final rms, head
+    x = m.tok(idx).double()
+    for i in range(shape["n_layer"]):  # the stack's blocks: attention, then SwiGLU, each layer
+        for blk in m.stack.blocks[2 * i:2 * i + 2]:
+            h = F.rms_norm(x, (shape["n_embd"],), blk.norm.weight.double(), 1e-5)
+            x = x + blk.mixer(h.float()).double()
+    logits = m.lm_head(F.rms_norm(x, (shape["n_embd"],), m.stack.norm_f.weight.double(), 1e-5).float())
+    want = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+    assert losses["naive"].item() == pytest.approx(want.item(), rel=1e-5)
+    assert losses["fused"].item() == pytest.approx(losses["naive"].item(), rel=1e-5)
+    # per layer: c_attn, c_proj, w13, w2, two norms; then embedding, head, final norm
+    assert grads["fused"].keys() == grads["naive"].keys() and len(grads["naive"]) == 6 * shape["n_layer"] + 3
+    for n, g in grads["naive"].items():
+        torch.testing.assert_close(grads["fused"][n], g, rtol=1e-4, atol=1e-6, msg=n)
+
+
 def test_gpt_step_model_flag_is_checked():
     p = timeouts.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "gpt-step", "--model", "gpt3"],
                      capture_output=True, text=True, seconds=60, cwd=ROOT)
