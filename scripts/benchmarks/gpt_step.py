@@ -160,6 +160,7 @@ def _measure(model_name: str, args, dev: torch.device) -> list[dict]:
             for k, v in times.items():
                 runs[k].append(statistics.median(v))
         del contenders, model, opt
+        torch.compiler.reset()  # drops the compiled code and the CUDA graph trees (their pools) of this group
         gc.collect()
         if dev.type == "cuda":  # the next group's memory figures start from what this one left
             torch.cuda.empty_cache()
