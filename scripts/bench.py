@@ -13,7 +13,8 @@
     python scripts/bench.py memory  [--quick]   bytes saved for backward per layer per token, fused vs naive GPT
     python scripts/bench.py speed   [--quick] [--repeats N]  CPU training-step time: naive, fused, torch.compile of each
     python scripts/bench.py gpu     [--out DIR] GPU add_norm bandwidth vs eager and torch.compile (exits 0 without CUDA)
-    python scripts/bench.py gpt-step [--quick] [--repeats N]  GPT-2-small training step on a GPU: fused, naive, compiled
+    python scripts/bench.py gpt-step [--quick] [--repeats N] [--model gpt2|llama|both]  GPT-2-small and Llama-shaped
+                                                training steps on a GPU: fused, naive, compiled, reduce-overhead
     python scripts/bench.py gpu-report [--out DIR]  the report of `make gpu-check`, from the parts' outputs in DIR
     python scripts/bench.py sm90    [--quick]   each kernel compiled for an H100 without one: registers, spills
     python scripts/bench.py targets [--quick] [--all]  every kernel compiled for sm_90, sm_100, gfx942 (--all: also

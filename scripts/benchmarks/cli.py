@@ -26,6 +26,8 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cuda",
                     help="gpu, gpt-step: the device; cpu runs a toy-size smoke test of the code; overhead: cuda "
                          "times the per-op rows' real launches (cpu, or no GPU: launches recorded, not run)")
+    ap.add_argument("--model", choices=["gpt2", "llama", "both"], default="both",
+                    help="gpt-step: GPT-2 small, the Llama-shaped model, or both one after the other (default)")
     ap.add_argument("--no-compile", action="store_true", help="gpu: skip the torch.compile baseline")
     ap.add_argument("--all", action="store_true", help="targets: also sm_120 and gfx950")
     ap.add_argument("--threads", type=int, default=None)

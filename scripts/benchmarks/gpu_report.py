@@ -20,11 +20,17 @@ from .common import markdown
 BANDWIDTH_TBPS = 2.7  # fuseblock's forward and backward, rms and layer, at every d of BANDWIDTH_D
 BANDWIDTH_D = (4096, 262144)  # every power of two from .. to, inclusive
 COMPILE_D = (1024, 262144)  # fuseblock at least torch.compile's figure, forward and backward, at every d here
-# GPT step: (contender, baseline, the least ratio of the baseline's median step time to the
-# contender's). The fused stream must beat naive eager by 5%, and compiled, not lose to naive compiled.
-GPT_TARGETS = (("fused", "naive", 1.05), ("fused+compile", "naive+compile", 1.0))
+# GPT step, for each model of STEP_MODELS: (contender, baseline, the least ratio of the baseline's
+# median step time to the contender's). The fused stream must beat naive eager by 5%, and compiled
+# and under CUDA graphs, not lose to naive compiled / reduce-overhead.
+STEP_MODELS = ("gpt2", "llama")
+GPT_TARGETS = (("fused", "naive", 1.05), ("fused+compile", "naive+compile", 1.0),
+               ("fused+reduce-overhead", "naive+reduce-overhead", 1.0))
 # and, judged only where Liger-Kernel was found (gpt-step then runs "naive+liger"): not lose to it
 GPT_PEER_TARGETS = (("fused", "naive+liger", 1.0),)
+# add_norm's forward + backward time per call at bench.py gpu's latency shape (140 x 4096 bf16,
+# do_bench's: launch and host bound there) at most this many times eager's
+LATENCY_VS_EAGER = 2.0
 NO_GPU = 3  # the exit status where no GPU is present
 
 KINDS = ("rms", "layer")
@@ -32,7 +38,7 @@ PASSES = ("fwd", "bwd")
 # name in DIR (the Makefile's), what it is
 PARTS = (("tests", "kernel tests on the compiled kernels (pytest -m kernel, FUSEBLOCK_TEST_DEVICE=cuda)"),
          ("gpu", "add_norm bandwidth (bench.py gpu)"),
-         ("gpt_step", "GPT-2-small training step (bench.py gpt-step)"),
+         ("gpt_step", "GPT-2-small and Llama-shaped training steps (bench.py gpt-step)"),
          ("tile", "forward tile against the loop kernel at d = 32768, bf16 and fp32 (tools/tile_vs_loop.py)"))
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,21 +86,37 @@ def _compile_target(rows: list[dict], kind: str, pas: str) -> dict:
     return _verdict(f"{kind} {pas} >= torch.compile, d {COMPILE_D[0]}..{COMPILE_D[1]}", bad, measured, missing)
 
 
-def _gpt_target(rows: list[dict], impl: str, base: str, least: float) -> dict:
-    ms = {r["impl"]: r["median_ms"] for r in rows if "median_ms" in r}
-    name = f"GPT step {impl} >= {least:.2f}x {base}"
+def _latency_target(rows: list[dict], kind: str) -> dict:
+    row = next((r for r in rows if r.get("kind") == kind), {})
+    name = f"{kind} add_norm fwd+bwd time <= {LATENCY_VS_EAGER:.1f}x eager's, 140 x 4096"
+    cols = [f"{impl}_{pas}_us" for impl in ("fuseblock", "eager") for pas in PASSES]
+    if any(row.get(c) is None for c in cols):
+        return _verdict(name, ["not measured"], "nothing")
+    ours, eager = row[cols[0]] + row[cols[1]], row[cols[2]] + row[cols[3]]
+    ratio = ours / eager
+    return _verdict(name, [] if ratio <= LATENCY_VS_EAGER else [f"{ratio:.2f}x"],
+                    f"{ours:.1f} against {eager:.1f} us ({ratio:.2f}x)")
+
+
+def _gpt_target(rows: list[dict], model: str, impl: str, base: str, least: float) -> dict:
+    # rows of a gpt-step from before --model (no "model" key) are GPT-2's
+    ms = {r["impl"]: r["median_ms"] for r in rows if "median_ms" in r and r.get("model", "gpt2") == model}
+    name = f"{model} step {impl} >= {least:.2f}x {base}"
     if impl not in ms or base not in ms:
         return _verdict(name, ["not measured"], "nothing")
     ratio = ms[base] / ms[impl]
     return _verdict(name, [] if ratio >= least else [f"{ratio:.3f}x"], f"{ratio:.3f}x (median step times)")
 
 
-def judge(bandwidth_rows: list[dict], step_rows: list[dict]) -> list[dict]:
-    """Every target's verdict, from `bench.py gpu` and `bench.py gpt-step` rows."""
+def judge(bandwidth_rows: list[dict], step_rows: list[dict], latency_rows: list[dict] = ()) -> list[dict]:
+    """Every target's verdict, from `bench.py gpu` (bandwidth and latency tables) and `bench.py
+    gpt-step` rows."""
     return ([_bandwidth_target(bandwidth_rows, k, p) for k in KINDS for p in PASSES]
             + [_compile_target(bandwidth_rows, k, p) for k in KINDS for p in PASSES]
-            + [_gpt_target(step_rows, *t) for t in GPT_TARGETS]
-            + [_gpt_target(step_rows, *t) for t in GPT_PEER_TARGETS if any(r.get("impl") == t[1] for r in step_rows)])
+            + [_latency_target(list(latency_rows), k) for k in KINDS]
+            + [_gpt_target(step_rows, m, *t) for m in STEP_MODELS for t in GPT_TARGETS]
+            + [_gpt_target(step_rows, m, *t) for m in STEP_MODELS for t in GPT_PEER_TARGETS
+               if any(r.get("impl") == t[1] and r.get("model", "gpt2") == m for r in step_rows)])
 
 
 def fp8_verdicts(rows: list[dict]) -> list[dict]:
@@ -174,12 +196,12 @@ def report(out: Path, env: dict, gpu: bool = True) -> tuple[str, bool]:
     bandwidth = json.loads((out / "gpu.json").read_text()) if (out / "gpu.json").exists() else []
     steps = _json_lines(out / "gpt_step.log")
     fp8 = _json(out / "gpu_fp8.json") or []
-    verdicts = judge(bandwidth, steps) + fp8_verdicts(fp8)
+    latency = _json(out / "gpu_latency.json") or []
+    verdicts = judge(bandwidth, steps, latency) + fp8_verdicts(fp8)
     parts_failed = [p for p, rc in status.items() if rc != 0]
     missed = [v for v in verdicts if v["verdict"] == "FAIL"]
     ok = not parts_failed and not missed
     found = _json(out / "peers.json") or {}
-    latency = _json(out / "gpu_latency.json") or []
     hyper = _json(out / "gpu_hyper.json") or []
     tile = (_json(out / "tile_bf16.json") or []) + (_json(out / "tile_fp32.json") or [])
     head = [] if gpu else ["**NO GPU**: no CUDA device is present (torch.cuda.is_available() is False). The parts "
@@ -210,7 +232,7 @@ def report(out: Path, env: dict, gpu: bool = True) -> tuple[str, bool]:
               markdown(hyper) if hyper else "no rows (see gpu.log)\n",
               "## Forward tile against the loop kernel, d = 32768, ms (tools/tile_vs_loop.py)", "",
               markdown(tile) if tile else "no rows (see tile.log)\n",
-              "## GPT-2-small training step, bf16 autocast (bench.py gpt-step)", "",
+              "## GPT-2-small and Llama-shaped training steps, bf16 autocast (bench.py gpt-step)", "",
               markdown(steps) if steps else "no rows (see gpt_step.log)\n"]
     return "\n".join(lines), ok
 

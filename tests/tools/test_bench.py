@@ -59,16 +59,62 @@ def test_speed_quick_runs(monkeypatch):
         assert r["speedup_min"] <= r["speedup_vs_naive"] <= r["speedup_max"]
 
 
-def test_gpt_step_quick_on_cpu_times_four_contenders():
-    # the GPU benchmark's own code on a toy model, torch.compile included
+def test_gpt_step_quick_on_cpu_times_four_contenders_of_each_model():
+    # the GPU benchmark's own code on toy models (GPT-2's and the Llama's), torch.compile included
     rows = _bench("gpt-step", "--device", "cpu")
-    assert [r["impl"] for r in rows] == ["naive", "naive+compile", "fused", "fused+compile"]
+    impls = ["naive", "naive+compile", "fused", "fused+compile"]
+    assert [(r["model"], r["impl"]) for r in rows] == [(m, i) for m in ("gpt2", "llama") for i in impls]
     for r in rows:
         assert r["runs"] == 3 and 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"]
         assert r["tokens_per_s"] > 0
         assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / r["median_ms"] * 1e3)
+        assert r["steps_per_s"] == pytest.approx(1e3 / r["median_ms"])
+        assert r["steps_per_s_min"] == pytest.approx(1e3 / r["max_ms"])
+        assert r["steps_per_s_max"] == pytest.approx(1e3 / r["min_ms"])
         assert r["speedup_min"] <= r["speedup_vs_naive"] <= r["speedup_max"]
-    assert rows[0]["speedup_vs_naive"] == 1.0
+        assert "peak_mib" not in r  # torch.cuda's memory counters: a GPU's figure alone
+    assert rows[0]["speedup_vs_naive"] == rows[4]["speedup_vs_naive"] == 1.0
+    assert {(r["n_layer"], r["n_embd"]) for r in rows[4:]} == {(2, 64)}  # the Llama's toy shape
+
+
+def test_gpt_step_llama_fused_and_naive_are_one_function(monkeypatch):
+    # the two Llama contenders gpt-step compares: same seed, same weights, same loss and gradients
+    # (the torch path here; the kernel path is the stream's own tests'), against the model by hand
+    import torch
+    import torch.nn.functional as F
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from benchmarks import gpt_step
+
+    shape = gpt_step.LLAMA_TOY
+    idx, targets = (torch.randint(0, shape["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(s))
+                    for s in (1, 2))
+    models = {k: gpt_step._contender(k, "llama", shape, torch.device("cpu"))[0] for k in ("naive", "fused")}
+    losses, grads = {}, {}
+    for k, m in models.items():
+        losses[k] = m(idx, targets)[1]
+        losses[k].backward()
+        grads[k] = {n: p.grad for n, p in m.named_parameters()}
+    m = models["naive"]  # by hand: x + attn(rms(x)), then + w2(silu(g) * u) of rms, final rms, head
+    x = m.tok(idx).double()
+    for i in range(shape["n_layer"]):  # the stack's blocks: attention, then SwiGLU, each layer
+        for blk in m.stack.blocks[2 * i:2 * i + 2]:
+            h = F.rms_norm(x, (shape["n_embd"],), blk.norm.weight.double(), 1e-5)
+            x = x + blk.mixer(h.float()).double()
+    logits = m.lm_head(F.rms_norm(x, (shape["n_embd"],), m.stack.norm_f.weight.double(), 1e-5).float())
+    want = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+    assert losses["naive"].item() == pytest.approx(want.item(), rel=1e-5)
+    assert losses["fused"].item() == pytest.approx(losses["naive"].item(), rel=1e-5)
+    # per layer: c_attn, c_proj, w13, w2, two norms; then embedding, head, final norm
+    assert grads["fused"].keys() == grads["naive"].keys() and len(grads["naive"]) == 6 * shape["n_layer"] + 3
+    for n, g in grads["naive"].items():
+        torch.testing.assert_close(grads["fused"][n], g, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_gpt_step_model_flag_is_checked():
+    p = timeouts.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "gpt-step", "--model", "gpt3"],
+                     capture_output=True, text=True, seconds=60, cwd=ROOT)
+    assert p.returncode == 2 and "--model: invalid choice: 'gpt3'" in p.stderr
 
 
 @pytest.mark.slow
@@ -260,32 +306,62 @@ def _fake_bandwidth(override=None):
     return rows
 
 
-def _fake_steps(naive=100.0, fused=94.0, naive_c=80.0, fused_c=80.0):
-    return [dict(impl=k, median_ms=v, min_ms=v, max_ms=v) for k, v in
-            (("naive", naive), ("naive+compile", naive_c), ("fused", fused), ("fused+compile", fused_c))]
+def _fake_steps(naive=100.0, fused=94.0, naive_c=80.0, fused_c=80.0, naive_ro=70.0, fused_ro=70.0, model="gpt2",
+                **more):
+    """bench.py gpt-step rows of one model; more: other contenders' median ms (naive_liger=...)."""
+    steps = (("naive", naive), ("naive+compile", naive_c), ("fused", fused), ("fused+compile", fused_c),
+             ("naive+reduce-overhead", naive_ro), ("fused+reduce-overhead", fused_ro),
+             *((k.replace("_", "+"), v) for k, v in more.items()))
+    return [dict(model=model, impl=k, median_ms=v, min_ms=v, max_ms=v) for k, v in steps]
+
+
+def _fake_latency(fuseblock_us=(20.0, 40.0), eager_us=(13.0, 17.0)):
+    """bench.py gpu's latency rows (140 x 4096): fuseblock's and eager's fwd and bwd microseconds."""
+    return [dict(kind=kind, rows=140, d=4096, fuseblock_fwd_us=fuseblock_us[0], fuseblock_bwd_us=fuseblock_us[1],
+                 eager_fwd_us=eager_us[0], eager_bwd_us=eager_us[1]) for kind in ("rms", "layer")]
 
 
 def test_gpu_report_judges_the_targets(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     from benchmarks import gpu_report as R
 
-    verdicts = R.judge(_fake_bandwidth(), _fake_steps())
-    assert len(verdicts) == 10 and {v["verdict"] for v in verdicts} == {"PASS"}
+    steps = _fake_steps() + _fake_steps(model="llama")
+    verdicts = R.judge(_fake_bandwidth(), steps, _fake_latency())
+    assert len(verdicts) == 16 and {v["verdict"] for v in verdicts} == {"PASS"}
     # d = 1024 is outside the bandwidth target but inside the torch.compile one
     by = {v["target"]: v for v in R.judge(
         _fake_bandwidth({("rms", 1024, "fuseblock_fwd_TBps"): 0.9,  # below compile's 1.0 only
                            ("layer", 65536, "fuseblock_bwd_TBps"): 2.69,  # just below 2.7, above compile
                            ("layer", 262144, "fuseblock_fwd_TBps"): None}),  # not measured: a FAIL
-        _fake_steps(fused=100 / 1.04, fused_c=81.0))}
+        _fake_steps(fused=100 / 1.04, fused_c=81.0)  # GPT-2 misses eager and compiled
+        + _fake_steps(model="llama", fused_ro=71.0, naive_liger=90.0, fused=92.0),  # Llama: CUDA graphs, Liger
+        _fake_latency(fuseblock_us=(30.0, 31.0)))}  # 61 against 30 us: just over 2x
     failed = {t for t, v in by.items() if v["verdict"] == "FAIL"}
     assert failed == {"rms fwd >= torch.compile, d 1024..262144", "layer bwd >= 2.7 TB/s, d 4096..262144",
                       "layer fwd >= 2.7 TB/s, d 4096..262144", "layer fwd >= torch.compile, d 1024..262144",
-                      "GPT step fused >= 1.05x naive", "GPT step fused+compile >= 1.00x naive+compile"}
+                      "gpt2 step fused >= 1.05x naive", "gpt2 step fused+compile >= 1.00x naive+compile",
+                      "llama step fused+reduce-overhead >= 1.00x naive+reduce-overhead",
+                      "llama step fused >= 1.00x naive+liger",
+                      "rms add_norm fwd+bwd time <= 2.0x eager's, 140 x 4096",
+                      "layer add_norm fwd+bwd time <= 2.0x eager's, 140 x 4096"}
     assert by["layer bwd >= 2.7 TB/s, d 4096..262144"]["falls_short"] == "d=65536: 2.69"
     assert by["layer fwd >= 2.7 TB/s, d 4096..262144"]["falls_short"] == "not measured at d=262144"
     assert by["rms fwd >= 2.7 TB/s, d 4096..262144"]["verdict"] == "PASS"
-    assert by["GPT step fused >= 1.05x naive"]["falls_short"] == "1.040x"
+    assert by["gpt2 step fused >= 1.05x naive"]["falls_short"] == "1.040x"
+    assert by["llama step fused >= 1.00x naive+liger"]["falls_short"] == "0.978x"
+    assert "gpt2 step fused >= 1.00x naive+liger" not in by  # Liger judged only where it was measured
+    assert by["rms add_norm fwd+bwd time <= 2.0x eager's, 140 x 4096"]["falls_short"] == "2.03x"
+    assert len(by) == 17
     assert R.judge([], [])[0]["verdict"] == "FAIL"  # no figures at all (no GPU): never a pass
+    # no Llama rows (a gpt-step of one model): its targets are FAILs, not left out
+    missing = {v["target"]: v for v in R.judge(_fake_bandwidth(), _fake_steps(), _fake_latency())
+               if v["verdict"] == "FAIL"}
+    assert set(missing) == {f"llama step {a} >= {x:.2f}x {b}" for a, b, x in R.GPT_TARGETS}
+    assert {v["falls_short"] for v in missing.values()} == {"not measured"}
+    # rows from before --model (no model key) are GPT-2's
+    old = [{k: v for k, v in r.items() if k != "model"} for r in _fake_steps(fused=100 / 1.04)]
+    by = {v["target"]: v for v in R.judge([], old)}
+    assert by["gpt2 step fused >= 1.05x naive"]["falls_short"] == "1.040x"
     # the fp8 rows' correctness: fused codes equal norm-then-cast's, else a FAIL (an error too)
     fp8 = R.fp8_verdicts([dict(op="add_norm+fp8_row", codes_equal=True), dict(op="add_norm+mxfp8", codes_equal=False),
                           dict(op="add_norm+mxfp8", error="OutOfMemoryError: ...")])
@@ -301,7 +377,9 @@ def test_gpu_report_writes_one_report_and_fails_on_any_part_or_target(monkeypatc
     monkeypatch.setattr(R, "environment", lambda: {"GPU": "NVIDIA H100 (fake)", "torch": "2.11.0"})
     monkeypatch.setattr(R, "gpu_present", lambda: True)
     (tmp_path / "gpu.json").write_text(json.dumps(_fake_bandwidth()))
-    (tmp_path / "gpt_step.log").write_text("a warning on stderr\n" + "\n".join(map(json.dumps, _fake_steps())))
+    (tmp_path / "gpu_latency.json").write_text(json.dumps(_fake_latency()))
+    (tmp_path / "gpt_step.log").write_text("a warning on stderr\n" + "\n".join(
+        map(json.dumps, _fake_steps() + _fake_steps(model="llama"))))
     (tmp_path / "tests.log").write_text("tests/ops/test_norm.py ....\n=== short test summary info ===\n"
                                         "FAILED tests/ops/test_norm.py::test_x - AssertionError\n"
                                         "======= 1 failed, 599 passed, 3 skipped in 95.12s (0:01:35) =======\n")
@@ -314,10 +392,10 @@ def test_gpu_report_writes_one_report_and_fails_on_any_part_or_target(monkeypatc
     assert e.value.code == 1  # the tests failed, every target passed
     text = (tmp_path / "report.md").read_text()
     assert text in capsys.readouterr().out
-    assert text.startswith("# make gpu-check\n\n**FAIL**: parts failed: tests; targets missed: 0 of 10.")
+    assert text.startswith("# make gpu-check\n\n**FAIL**: parts failed: tests; targets missed: 0 of 16.")
     assert "NVIDIA H100 (fake)" in text and "1 failed, 599 passed, 3 skipped in 95.12s (0:01:35)" in text
-    assert "FAILED tests/ops/test_norm.py::test_x" in text and text.count("| PASS |") == 10
-    assert "| fused+compile | 80.0" in text.replace("80.000", "80.0")  # the GPT step table
+    assert "FAILED tests/ops/test_norm.py::test_x" in text and text.count("| PASS |") == 16
+    assert "| llama | fused+compile | 80.0" in text.replace("80.000", "80.0")  # the GPT step table
     assert "| post_gate | fp32 | 0.9" in text  # the tile against the loop
 
     (tmp_path / "tests.rc").write_text("0\n")
@@ -330,7 +408,7 @@ def test_gpu_report_writes_one_report_and_fails_on_any_part_or_target(monkeypatc
     with pytest.raises(SystemExit) as e:
         R.run(args)
     text = (tmp_path / "report.md").read_text()
-    assert e.value.code == 1 and "parts failed: gpt_step; targets missed: 2 of 10" in text
+    assert e.value.code == 1 and "parts failed: gpt_step; targets missed: 6 of 16" in text
     assert "| gpt_step |" in text and "not run" in text and "no rows (see gpt_step.log)" in text
 
 
