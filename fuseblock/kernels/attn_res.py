@@ -235,6 +235,7 @@ def _rows(t: torch.Tensor | None, d: int) -> torch.Tensor | None:
     return None if t is None else t.reshape(-1, d).contiguous()
 
 
+@launch.on_device(0)
 def attn_res_fwd(sources, partial, branch, query, weight, spec: AttnResSpec):
     """Returns (y, mixed, partial' or None, a (M, S), r (M, S), rho (M,)), the last three fp32."""
     s, nb, d = spec.s, spec.bank, spec.d
@@ -259,6 +260,7 @@ def attn_res_fwd(sources, partial, branch, query, weight, spec: AttnResSpec):
     return y, mixed, pn, a, r, rho
 
 
+@launch.on_device(3)
 def attn_res_bwd(dy, dmixed, dpn, sources, pn, query, weight, a, r, rho, spec: AttnResSpec):
     """(dsources, dpartial (= dbranch) or None, dquery, dweight or None). dy, dmixed, dpn:
     the outputs' gradients (None: zero)."""
