@@ -1,6 +1,6 @@
 """What the test modules share: which path this run tests, a seeded generator on its
 device, the fp64 comparison, the core op's full check (`run_case`), a count of Triton
-launches and one of every launch.
+launches and one of every launch, and two small mixers the stream tests build stacks of.
 
 Test modules import these from here, never from one another or from conftest; conftest
 holds the fixtures and hooks (the `launches` fixture, the `kernel_only` / `torch_only`
@@ -157,3 +157,26 @@ class AllLaunches(contextlib.AbstractContextManager):
     @property
     def total(self) -> int:
         return self.kernels + len(self.ops)
+
+
+class MLP(torch.nn.Module):
+    """A mixer: (..., dim) -> (..., dim)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, h):
+        return self.down(torch.nn.functional.gelu(self.up(h)))
+
+
+class KeywordMixer(torch.nn.Module):
+    """A mixer fed a keyword, returning (out, extra) as Hugging Face attention does."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.v = torch.nn.Linear(dim, dim)
+
+    def forward(self, h, *, scale=1.0):
+        out = self.v(h) * scale
+        return out, out.sum()

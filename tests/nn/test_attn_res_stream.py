@@ -6,9 +6,7 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
-from helpers import assert_close
-from torch import nn
+from helpers import MLP, KeywordMixer, assert_close
 
 import fuseblock
 from fuseblock.attn_res_stream import AttnResStack
@@ -16,29 +14,9 @@ from fuseblock.attn_res_stream import AttnResStack
 D, SHAPE, EPS = 16, (2, 3, 16), 1e-5
 
 
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
-
-    def forward(self, h):
-        return self.down(F.gelu(self.up(h)))
-
-
-class Scaled(nn.Module):
-    """Takes a keyword and returns (out, extra), as Hugging Face attention does."""
-
-    def __init__(self):
-        super().__init__()
-        self.v = nn.Linear(D, D)
-
-    def forward(self, h, *, scale=1.0):
-        out = self.v(h) * scale
-        return out, out.sum()
-
 
 def stack(block_size: int, n: int = 5, **kw) -> AttnResStack:
-    s = AttnResStack([Scaled() if i % 2 else MLP() for i in range(n)], D, block_size=block_size, eps=EPS, **kw)
+    s = AttnResStack([KeywordMixer(D) if i % 2 else MLP(D) for i in range(n)], D, block_size=block_size, eps=EPS, **kw)
     with torch.no_grad():  # away from the init's uniform mix and unit weights
         for name, p in s.named_parameters():
             if name.endswith("query") or name.endswith("weight") and p.dim() == 1:
@@ -62,7 +40,7 @@ def stack64(s: AttnResStack, x, scale=1.0):
         if i and i % s.block_size == 0:
             blocks, partial = [*blocks, partial], None
         out = block.mixer(mix(blocks + ([partial] if partial is not None else []), block),
-                          **({"scale": scale} if isinstance(block.mixer, Scaled) else {}))
+                          **({"scale": scale} if isinstance(block.mixer, KeywordMixer) else {}))
         out = out[0] if isinstance(out, tuple) else out
         partial = out if partial is None else partial + out
     return mix([*blocks, partial], m64.head), m64
@@ -92,15 +70,15 @@ def test_fused_equals_naive_and_fp64(block_size):
 
 def test_one_state_dict_and_extras():
     s = stack(2, return_extras=True)
-    naive = AttnResStack([Scaled() if i % 2 else MLP() for i in range(5)], D, block_size=2, eps=EPS, fused=False,
-                         return_extras=True)
+    naive = AttnResStack([KeywordMixer(D) if i % 2 else MLP(D) for i in range(5)], D, block_size=2, eps=EPS,
+                         fused=False, return_extras=True)
     naive.load_state_dict(s.state_dict())
     assert list(s.state_dict()) == list(naive.state_dict())
     assert fuseblock.AttnResStack is AttnResStack
     x = torch.randn(SHAPE)
     (y, ex), (yn, exn) = s(x, scale=2.0), naive(x, scale=2.0)
     torch.testing.assert_close(y, yn, rtol=1e-5, atol=1e-5)
-    assert len(ex) == 5 and ex[0] == () and len(ex[1]) == 1  # the Scaled mixers' extra
+    assert len(ex) == 5 and ex[0] == () and len(ex[1]) == 1  # the keyword mixers' extra
     torch.testing.assert_close(ex[1][0], exn[1][0], rtol=1e-4, atol=1e-4)
 
 
@@ -119,15 +97,15 @@ def test_one_launch_per_sublayer_and_head(launches):
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="more than 16: use block_size >= 2"):
-        AttnResStack([MLP() for _ in range(16)], D, block_size=1)
+        AttnResStack([MLP(D) for _ in range(16)], D, block_size=1)
     with pytest.raises(ValueError, match="block_size must be >= 1"):
-        AttnResStack([MLP()], D, block_size=0)
+        AttnResStack([MLP(D)], D, block_size=0)
     with pytest.raises(ValueError, match="at least one"):
         AttnResStack([], D, block_size=1)
     with pytest.raises(TypeError, match="mixers must be an iterable"):
-        AttnResStack(MLP(), D, block_size=1)
+        AttnResStack(MLP(D), D, block_size=1)
     with pytest.raises(TypeError, match="no mixer's forward accepts"):
         stack(2)(torch.randn(SHAPE), nope=1)
     with pytest.raises(ValueError, match="key_eps must be finite"):
-        AttnResStack([MLP()], D, block_size=1, key_eps=float("nan"))
+        AttnResStack([MLP(D)], D, block_size=1, key_eps=float("nan"))
 

@@ -6,8 +6,7 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
-from helpers import KERNEL_PATH, AllLaunches, assert_close
+from helpers import KERNEL_PATH, MLP, AllLaunches, KeywordMixer, assert_close
 from torch import nn
 
 import fuseblock
@@ -15,29 +14,9 @@ import fuseblock
 D, SHAPE, EPS, HC_EPS = 16, (2, 3, 16), 1e-5, 1e-6
 
 
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
-
-    def forward(self, h):
-        return self.down(F.gelu(self.up(h)))
-
-
-class Masked(nn.Module):
-    """Takes a keyword and returns (out, extra), as Hugging Face attention does."""
-
-    def __init__(self):
-        super().__init__()
-        self.v = nn.Linear(D, D)
-
-    def forward(self, h, *, scale=1.0):
-        out = self.v(h) * scale
-        return out, out.sum()
-
 
 def stack(n: int, iters: int = 3, **kw) -> fuseblock.HyperConnectionStack:
-    s = fuseblock.HyperConnectionStack([Masked(), MLP(), Masked()], D, streams=n, iters=iters, eps=EPS,
+    s = fuseblock.HyperConnectionStack([KeywordMixer(D), MLP(D), KeywordMixer(D)], D, streams=n, iters=iters, eps=EPS,
                                        hc_eps=HC_EPS, init_std=0.3, **kw)
     with torch.no_grad():  # away from the init's symmetric base and unit scales
         for p in s.parameters():

@@ -8,8 +8,7 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
-from helpers import AllLaunches, assert_close
+from helpers import MLP, AllLaunches, KeywordMixer, assert_close
 from torch import nn
 
 import fuseblock
@@ -17,26 +16,6 @@ import fuseblock
 D, SHAPE = 16, (2, 3, 16)
 EPS = 1e-6
 
-
-class MLP(nn.Module):
-    def __init__(self, dim=D):
-        super().__init__()
-        self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
-
-    def forward(self, h):
-        return self.down(F.gelu(self.up(h)))
-
-
-class Masked(nn.Module):
-    """A mixer fed a keyword, returning (out, extra) as Hugging Face attention does."""
-
-    def __init__(self, dim=D):
-        super().__init__()
-        self.v = nn.Linear(dim, dim)
-
-    def forward(self, h, *, scale=1.0):
-        out = self.v(h) * scale
-        return out, out.sum()
 
 
 class Const(nn.Module):
@@ -66,7 +45,7 @@ SHAPES = {
 def make_stack(shape, n=3, final_norm=True, kind="rms"):
     kw = dict(SHAPES[shape])
     if kw.pop("parallel", False):
-        kw["parallel"] = [MLP() for _ in range(n)]
+        kw["parallel"] = [MLP(D) for _ in range(n)]
     stack = fuseblock.ResidualStack([nn.Linear(D, D) for _ in range(n)], D, eps=EPS, final_norm=final_norm,
                                     kind=kind, **kw)
     with torch.no_grad():  # norms away from their initial values, so a swapped weight shows
@@ -207,12 +186,12 @@ def test_a_block_chained_by_hand_is_its_naive_step(shape):
 
 
 def test_parallel_modules_get_their_own_keywords_and_extras_concatenate():
-    block = fuseblock.PreNormBlock(Masked(), D, parallel=Masked())
+    block = fuseblock.PreNormBlock(KeywordMixer(D), D, parallel=KeywordMixer(D))
     x, r = torch.randn(SHAPE), torch.randn(SHAPE)
     (h, h1), _, e0, e1 = block(x, r, scale=2.0)
     assert torch.equal(e0, h.sum()) and torch.equal(e1, h1.sum())
     # an MLP beside a keyword mixer: the stack routes scale= to the mixer only
-    stack = fuseblock.ResidualStack([Masked()], D, parallel=[MLP()], return_extras=True)
+    stack = fuseblock.ResidualStack([KeywordMixer(D)], D, parallel=[MLP(D)], return_extras=True)
     for fused in (True, False):
         stack.fused = fused
         out, extras = stack(torch.randn(SHAPE), scale=0.5)
