@@ -1,4 +1,5 @@
-"""The resolved description of one normalize call, and the named modes the kernels read.
+"""The resolved description of one normalize call, the named modes the kernels read, and
+the fp8 recipe (`Fp8Recipe`, quant=) that a call resolves into its spec.
 
 The lowest layer: the Triton kernels, the torch reference and the ops above them all
 import this module, and it imports none of them. The math is in docs/math.md.
