@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import torch
 
@@ -33,8 +33,8 @@ from ..spec import (
     stored_dtype,
 )
 
-# The fp8 options that were keywords before they became one Fp8Recipe (quant=)
-RECIPE_FIELDS = ("fp8_dtype", "mx_rounding", "scale_ub", "quant_from", "mx_columnwise")
+# The recipe's options past its mode: each op's keywords before they became one Fp8Recipe (quant=)
+RECIPE_FIELDS = tuple(f.name for f in fields(Fp8Recipe))[1:]
 
 
 def recipe_of(quant) -> Fp8Recipe | None:
