@@ -14,6 +14,7 @@ from .ops.norm import add_norm, norm
 from .ops.norm_add import norm_add, norm_add_norm
 from .ops.norm_linear import norm_linear
 from .reference.fp8 import Quantized
+from .spec import Fp8Recipe
 from .stream import PreNormBlock, ResidualStack
 from .swap import SwapReport, swap_norms
 
@@ -22,7 +23,7 @@ __all__ += ["norm_add", "norm_add_norm"]
 __all__ += ["norm_linear", "NormLinear"]
 __all__ += ["swap_norms", "SwapReport"]
 __all__ += ["fuse_blocks", "unfuse_blocks", "StreamPair"]
-__all__ += ["Quantized"]
+__all__ += ["Quantized", "Fp8Recipe"]
 __all__ += ["hc_add_norm", "hc_norm", "hc_head"]
 __all__ += ["HyperConnectionStack"]
 __all__ += ["attn_res_norm", "attn_res_add_norm", "AttnResStack"]

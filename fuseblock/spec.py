@@ -1,4 +1,5 @@
-"""The resolved description of one normalize call, and the named modes the kernels read.
+"""The resolved description of one normalize call, the named modes the kernels read, and
+the fp8 recipe (`Fp8Recipe`, quant=) that a call resolves into its spec.
 
 The lowest layer: the Triton kernels, the torch reference and the ops above them all
 import this module, and it imports none of them. The math is in docs/math.md.
@@ -8,7 +9,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import KW_ONLY, dataclass, fields, replace
 from enum import IntEnum
 from typing import ClassVar, get_type_hints
 
@@ -63,6 +64,70 @@ MX_BLOCK = 32  # elements per MX scale block, along the row
 ORDS = {"l1": Ord.L1, "l2": Ord.L2, "max": Ord.MAX}
 DEFAULT_GATE_ACT = "silu"
 DEFAULT_GATE_POSITION = "post"
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # the codes' formats (OCP)
+MX_ROUNDINGS = ("floor", "rceil")
+QUANT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # x's, and quant_from's
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """How a norm writes its output as scaled fp8 codes (docs/low_precision.md): the
+    `quant=` of `norm`, `add_norm`, `norm_add_norm` and `norm_linear`, where the mode's
+    name alone (quant="fp8_row") means `Fp8Recipe("fp8_row")`.
+
+    mode: "fp8_tensor" (one static scale, the call's `scale=` tensor), "fp8_row" (a scale
+    per row) or "mxfp8" (e8m0 scales per 32 columns). fp8_dtype: the codes'
+    (torch.float8_e4m3fn or torch.float8_e5m2). mx_rounding (mxfp8): the block scales
+    rounded "floor" (torchao's default) or "rceil". scale_ub (fp8_row): an upper bound on
+    each row's amax. quant_from: the dtype the fp32 normed value is rounded to before it
+    is cast (an unfused norm-then-cast's rounding points), None for one rounding.
+    mx_columnwise (mxfp8): also the copy with blocks of 32 down the columns.
+
+    Frozen and validated here, once: every field of the wrong type or value, and every
+    option the mode does not read (it would do nothing), is a TypeError or ValueError
+    naming the field. `dataclasses.replace(recipe, ...)` makes a validated variant. What
+    depends on the call (x's dtype, the row width, the number of rows) is checked per call.
+    """
+
+    mode: str
+    _: KW_ONLY
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    mx_rounding: str = "floor"
+    scale_ub: float | None = None
+    quant_from: torch.dtype | None = None
+    mx_columnwise: bool = False
+
+    def __post_init__(self):
+        mode = self.mode
+        if not isinstance(mode, str) or mode not in QUANTS:
+            raise ValueError(f"Fp8Recipe mode must be one of {sorted(QUANTS)}, got {mode!r}")
+        if not isinstance(self.fp8_dtype, torch.dtype) or self.fp8_dtype not in FP8_DTYPES:
+            raise TypeError(f"Fp8Recipe fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, "
+                            f"got {self.fp8_dtype!r}")
+        if not isinstance(self.mx_rounding, str) or self.mx_rounding not in MX_ROUNDINGS:
+            raise ValueError(f"Fp8Recipe mx_rounding must be one of {MX_ROUNDINGS}, got {self.mx_rounding!r}")
+        if self.mx_rounding != "floor" and mode != "mxfp8":
+            raise ValueError(f"Fp8Recipe mx_rounding rounds mxfp8's block scales; it does nothing for "
+                             f"mode {mode!r}")
+        ub = self.scale_ub
+        if ub is not None:
+            if mode != "fp8_row":
+                raise ValueError(f"Fp8Recipe scale_ub bounds fp8_row's amax; it does nothing for mode {mode!r}")
+            if isinstance(ub, bool) or not isinstance(ub, (int, float)) or not 0 < ub < math.inf:
+                raise ValueError(f"Fp8Recipe scale_ub must be a positive finite float (an upper bound on each "
+                                 f"row's amax), got {ub!r}")
+            object.__setattr__(self, "scale_ub", float(ub))
+        if self.quant_from is not None and (not isinstance(self.quant_from, torch.dtype)
+                                            or self.quant_from not in QUANT_DTYPES):
+            raise TypeError(f"Fp8Recipe quant_from must be None or one of {QUANT_DTYPES}, got {self.quant_from!r}")
+        if not isinstance(self.mx_columnwise, bool):
+            raise TypeError(f"Fp8Recipe mx_columnwise must be a bool, got {type(self.mx_columnwise).__name__}")
+        if self.mx_columnwise and mode != "mxfp8":
+            raise ValueError(f"Fp8Recipe mx_columnwise is mxfp8's columnwise copy; mode {mode!r} has none")
+
+
+# quant="fp8_row" and the other names: the recipe with the defaults, one instance each
+RECIPES = {mode: Fp8Recipe(mode) for mode in QUANTS}
 
 
 def stored_dtype(x_dtype: torch.dtype, residual: torch.dtype | None, residual_dtype: torch.dtype | None) -> torch.dtype:

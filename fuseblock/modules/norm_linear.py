@@ -9,9 +9,17 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..ops.checks import check_flag, check_float_dtype, check_int, check_last_dim, check_number, check_options
+from ..ops.checks import (
+    check_flag,
+    check_float_dtype,
+    check_int,
+    check_last_dim,
+    check_number,
+    check_options,
+    linear_recipe,
+)
 from ..ops.norm_linear import norm_linear
-from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION
+from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, Fp8Recipe
 
 __all__ = ["NormLinear"]
 
@@ -25,9 +33,9 @@ class NormLinear(nn.Module):
     and initialised as nn.Linear's; `norm_weight` (in_features), initialised so that
     weight_offset + norm_weight = 1; `norm_bias` when norm_bias=True, zeros.
 
-    quant="fp8_row" or "mxfp8": the Linear runs in fp8 (the rowwise recipe, or MX blocks of
-    32), the norm writing its rows as fp8 in its own launch; gradients in high precision
-    (see `norm_linear`).
+    quant="fp8_row" or "mxfp8", or a `fuseblock.Fp8Recipe` of either: the Linear runs in
+    fp8 (the rowwise recipe, or MX blocks of 32), the norm writing its rows as fp8 in its
+    own launch; gradients in high precision (see `norm_linear`).
     """
 
     def __init__(
@@ -41,7 +49,7 @@ class NormLinear(nn.Module):
         norm_bias: bool = False,
         weight_offset: float = 0.0,
         residual_dtype: torch.dtype | None = None,
-        quant: str | None = None,
+        quant: str | Fp8Recipe | None = None,
         device=None,
         dtype=None,
     ):
@@ -58,8 +66,7 @@ class NormLinear(nn.Module):
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.kind, self.eps, self.weight_offset = kind, None if eps is None else float(eps), float(weight_offset)
         self.residual_dtype = residual_dtype
-        if quant not in (None, "fp8_row", "mxfp8"):
-            raise ValueError(f"quant must be None, 'fp8_row' (the rowwise fp8 recipe) or 'mxfp8', got {quant!r}")
+        linear_recipe(quant)  # validated here, once: a mistake is named where the module is built
         self.quant = quant
         factory = dict(device=device, dtype=dtype)
         self.weight = nn.Parameter(torch.empty((out_features, in_features), **factory))

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import replace
-from typing import NamedTuple
+from dataclasses import fields, replace
 
 import torch
 
-from ..reference.fp8 import FP8_DTYPES
 from ..spec import (
     DEFAULT_GATE_ACT,
     DEFAULT_GATE_POSITION,
@@ -25,42 +23,55 @@ from ..spec import (
     GATE_POSITIONS,
     KINDS,
     MX_BLOCK,
+    QUANT_DTYPES,
     QUANTS,
+    RECIPES,
+    Fp8Recipe,
     NormSpec,
     Quant,
     acc_dtype,
     stored_dtype,
 )
 
-MX_ROUNDINGS = ("floor", "rceil")
-QUANT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The recipe's options past its mode: each op's keywords before they became one Fp8Recipe (quant=)
+RECIPE_FIELDS = tuple(f.name for f in fields(Fp8Recipe))[1:]
 
 
-class QuantArgs(NamedTuple):
-    """The fp8 keywords of a call (docs/low_precision.md), as given: their one definition.
-    The ops' signatures take each as a keyword with the default here (`QUANT_DEFAULTS`),
-    and pass them to `resolve` as one QuantArgs."""
-
-    quant: str | None = None
-    scale: torch.Tensor | None = None
-    fp8_dtype: torch.dtype = torch.float8_e4m3fn
-    mx_rounding: str = "floor"
-    scale_ub: float | None = None
-    quant_from: torch.dtype | None = None
-    mx_columnwise: bool = False
+def recipe_of(quant) -> Fp8Recipe | None:
+    """The call's quant= as a recipe: None, a mode's name (its recipe with the defaults) or
+    an Fp8Recipe (validated when it was made)."""
+    if quant is None or isinstance(quant, Fp8Recipe):
+        return quant
+    try:
+        return RECIPES[quant]
+    except (KeyError, TypeError):  # TypeError: unhashable
+        raise ValueError(f"quant must be None, one of {sorted(RECIPES)} or a fuseblock.Fp8Recipe, "
+                         f"got {quant!r}") from None
 
 
-QUANT_DEFAULTS = QuantArgs()
+def linear_recipe(quant) -> Fp8Recipe | None:
+    """norm_linear's and NormLinear's quant=: None, or a recipe of mode fp8_row or mxfp8
+    (the Linear's product) without quant_from or mx_columnwise, which the Linear does not
+    read (its two operands are cast from fp32)."""
+    recipe = recipe_of(quant)
+    if recipe is None:
+        return None
+    if recipe.mode not in ("fp8_row", "mxfp8"):
+        raise ValueError(f"norm_linear takes quant=None, 'fp8_row' (the rowwise recipe) or 'mxfp8', got {quant!r}")
+    if recipe.quant_from is not None or recipe.mx_columnwise:
+        raise ValueError(f"norm_linear's recipe takes no quant_from and no mx_columnwise (its operands are cast from "
+                         f"fp32, in one layout), got {recipe!r}")
+    return recipe
 
 
-def quant_args(quant, scale, fp8_dtype, mx_rounding, scale_ub, quant_from, mx_columnwise) -> QuantArgs:
-    """An op's fp8 keywords as one QuantArgs for `resolve`: QUANT_DEFAULTS itself when each
-    is its default object (a call that left them out), which resolve need not check."""
-    if (quant is None and scale is None and fp8_dtype is QUANT_DEFAULTS.fp8_dtype
-            and mx_rounding is QUANT_DEFAULTS.mx_rounding and scale_ub is None and quant_from is None
-            and mx_columnwise is False):
-        return QUANT_DEFAULTS
-    return QuantArgs(quant, scale, fp8_dtype, mx_rounding, scale_ub, quant_from, mx_columnwise)
+def refuse_keywords(call: str, given: dict) -> None:
+    """An op's keywords it does not take (its `**removed`): a former fp8 keyword named with
+    the recipe that holds it now, anything else as Python names it."""
+    for name in given:
+        if name in RECIPE_FIELDS:
+            raise TypeError(f"{call}() takes no {name}= any more: the fp8 options are one recipe, "
+                            f"quant=fuseblock.Fp8Recipe(mode, {name}=...)")
+    raise TypeError(f"{call}() got an unexpected keyword argument {next(iter(given))!r}")
 
 
 def check_tensor(name: str, t, x: torch.Tensor | None = None) -> None:
@@ -177,12 +188,14 @@ def resolve(
     residual_dtype,
     weight_offset=0.0,
     out_dtype=None,
-    quant: QuantArgs = QUANT_DEFAULTS,
+    quant=None,
+    scale=None,
 ) -> NormSpec:
     """Validate every argument of norm/add_norm and return the kernel-level spec.
     eps=None is torch's default (default_eps) for the kind and the normalized p = x + residual,
     in the dtype it is stored in: what F.rms_norm(x + residual) or F.layer_norm would use.
-    out_dtype (the output's dtype) and quant (the fp8 keywords) are part of the spec too."""
+    out_dtype (the output's dtype) and quant (None, a mode's name or an Fp8Recipe; scale:
+    fp8_tensor's static scale) are part of the spec too."""
     check_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the normalized last dim)")
@@ -209,69 +222,44 @@ def resolve(
     if out_dtype is not None:
         check_float_dtype("out_dtype", out_dtype)
         spec = spec.with_out_dtype(out_dtype)
-    if quant is not QUANT_DEFAULTS:
-        spec = quant_spec(spec, x, quant)
+    if quant is not None or scale is not None:
+        spec = quant_spec(spec, x, quant, scale)
     return spec
 
 
-def quant_spec(spec: NormSpec, x: torch.Tensor, args: QuantArgs) -> NormSpec:
-    """spec with the validated fp8 keywords; every mistake a ValueError or TypeError naming
-    the argument. Without quant=, an fp8 keyword that differs from its default is refused
-    (it would do nothing)."""
-    quant = args.quant
-    if quant is None:
-        check_no_quant_options(args)
-        return spec
-    if not isinstance(quant, str) or quant not in QUANTS:
-        raise ValueError(f"quant must be None or one of {sorted(QUANTS)}, got {quant!r}")
+def quant_spec(spec: NormSpec, x: torch.Tensor, quant, scale=None) -> NormSpec:
+    """spec with the call's fp8 recipe (quant=, with scale= for fp8_tensor): what the recipe
+    checked when it was made holds; here what depends on the call, every mistake a
+    ValueError or TypeError naming the argument. scale= without quant= is refused (it
+    would do nothing)."""
+    recipe = recipe_of(quant)
+    if recipe is None:
+        raise ValueError("scale= is fp8_tensor's static scale, an option of quant=, which is None: pass "
+                         "quant='fp8_tensor', or leave scale at None")
+    mode, name = QUANTS[recipe.mode], recipe.mode
     if spec.out_dtype is not None:
-        raise ValueError(f"out_dtype and quant={quant!r} both say how the output is stored: pass one (quant_from= "
-                         "rounds the normed value to a dtype before it is quantized)")
-    mode = QUANTS[quant]
-    fp8_dtype, mx_rounding, scale_ub, quant_from, mx_columnwise = args[2:]
-    if fp8_dtype not in FP8_DTYPES:
-        raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
+        raise ValueError(f"out_dtype and quant={name!r} both say how the output is stored: pass one (the recipe's "
+                         "quant_from rounds the normed value to a dtype before it is quantized)")
     if x.dtype not in QUANT_DTYPES:
-        raise TypeError(f"quant={quant!r} needs x in float16, bfloat16 or float32 (the fp32 normed value is cast), "
+        raise TypeError(f"quant={name!r} needs x in float16, bfloat16 or float32 (the fp32 normed value is cast), "
                         f"got x of {x.dtype}")
-    if not isinstance(mx_rounding, str) or mx_rounding not in MX_ROUNDINGS:
-        raise ValueError(f"mx_rounding must be one of {MX_ROUNDINGS}, got {mx_rounding!r}")
-    if quant_from is not None and quant_from not in QUANT_DTYPES:
-        raise TypeError(f"quant_from must be None or one of {QUANT_DTYPES}, got {quant_from!r}")
     d = x.shape[-1]
     if mode == Quant.MX and (d % MX_BLOCK or (d // spec.groups) % MX_BLOCK):
         raise ValueError(f"quant='mxfp8' needs the last dim (and each of num_groups={spec.groups} groups) to be a "
                          f"multiple of {MX_BLOCK}, got {d}: pad the row to a multiple of {MX_BLOCK}, or use "
                          f"quant='fp8_row'")
-    if not isinstance(mx_columnwise, bool):
-        raise TypeError(f"mx_columnwise must be a bool, got {type(mx_columnwise).__name__}")
-    if mx_columnwise:
+    if recipe.mx_columnwise:
         rows = x.numel() // d if d else 0
-        if mode != Quant.MX:
-            raise ValueError(f"mx_columnwise is mxfp8's columnwise copy; quant={quant!r} has none")
         if rows % MX_BLOCK:
             raise ValueError(f"mx_columnwise needs the number of rows (x.numel() // d = {rows}) to be a multiple of "
                              f"{MX_BLOCK}: its blocks run down the columns; pad the batch or leave it off")
     if mode == Quant.TENSOR:
-        check_static_scale(args.scale, x)
-    elif args.scale is not None:
-        raise ValueError(f"scale= is fp8_tensor's static scale; quant={quant!r} computes its own (scale must be None)")
-    if scale_ub is not None:
-        if mode != Quant.ROW:
-            raise ValueError(f"scale_ub bounds fp8_row's amax; it does nothing for quant={quant!r}")
-        if isinstance(scale_ub, bool) or not isinstance(scale_ub, (int, float)) or not 0 < scale_ub < math.inf:
-            raise ValueError(f"scale_ub must be a positive finite float (an upper bound on each row's amax), "
-                             f"got {scale_ub!r}")
-    return replace(spec, quant=mode, fp8_e5m2=fp8_dtype == torch.float8_e5m2, mx_rceil=mx_rounding == "rceil",
-                   quant_from=quant_from, scale_ub=float(scale_ub or 0.0), mx_columnwise=mx_columnwise)
-
-
-def check_no_quant_options(args: QuantArgs) -> None:
-    """With quant=None, each fp8 keyword at its default: one given would do nothing."""
-    for name, given, default in zip(QuantArgs._fields[1:], args[1:], QUANT_DEFAULTS[1:], strict=True):
-        if given is not default and (type(given) is not type(default) or given != default):
-            raise ValueError(f"{name}= is an option of quant=, which is None: pass quant='fp8_tensor', "
-                             f"'fp8_row' or 'mxfp8', or leave {name} at its default {default!r}")
+        check_static_scale(scale, x)
+    elif scale is not None:
+        raise ValueError(f"scale= is fp8_tensor's static scale; quant={name!r} computes its own (scale must be None)")
+    return replace(spec, quant=mode, fp8_e5m2=recipe.fp8_dtype == torch.float8_e5m2,
+                   mx_rceil=recipe.mx_rounding == "rceil", quant_from=recipe.quant_from,
+                   scale_ub=recipe.scale_ub or 0.0, mx_columnwise=recipe.mx_columnwise)
 
 
 def check_static_scale(scale, x: torch.Tensor) -> None:

@@ -10,7 +10,7 @@ Dispatch is `fuseblock.ops.dispatch`'s, decided per call before anything is regi
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import List, NoReturn, Optional
 
 import torch
 from torch import Tensor
@@ -21,6 +21,7 @@ from ..reference import norm as reference
 from ..spec import (
     DEFAULT_GATE_ACT,
     DEFAULT_GATE_POSITION,
+    Fp8Recipe,
     NormSpec,
     Quant,
     acc_dtype,
@@ -31,12 +32,9 @@ from ..spec import (
 from ..triton_support import TRACING
 from . import dispatch, dtensor
 from .checks import (
-    QUANT_DEFAULTS,
-    QuantArgs,
     check_branch,
-    check_no_quant_options,
     default_eps,
-    quant_args,
+    refuse_keywords,
     refuse_positional,
     resolve,
 )
@@ -265,7 +263,6 @@ _INF = math.inf
 # add_norm's branch defaults, compared by identity: the plain fast lane pays two `is`
 NO_SCALE = 1.0
 NO_DROPOUT = 0.0
-_E4M3, _FLOOR = QUANT_DEFAULTS.fp8_dtype, QUANT_DEFAULTS.mx_rounding  # the fp8 keywords' defaults
 # The classes a fast lane takes (`x.__class__ in _PLAIN`: no call): plain tensors and
 # parameters; a DTensor or another subclass takes the checked path.
 _PLAIN = (Tensor, torch.nn.Parameter)
@@ -395,13 +392,9 @@ def add_norm(
     x1: Optional[Tensor] = None,
     dropout_p: float = NO_DROPOUT,
     out_dtype: Optional[torch.dtype] = None,
-    quant: Optional[str] = QUANT_DEFAULTS.quant,
-    scale: Optional[Tensor] = QUANT_DEFAULTS.scale,
-    fp8_dtype: torch.dtype = QUANT_DEFAULTS.fp8_dtype,
-    mx_rounding: str = QUANT_DEFAULTS.mx_rounding,
-    scale_ub: Optional[float] = QUANT_DEFAULTS.scale_ub,
-    quant_from: Optional[torch.dtype] = QUANT_DEFAULTS.quant_from,
-    mx_columnwise: bool = QUANT_DEFAULTS.mx_columnwise,
+    quant: Optional[str | Fp8Recipe] = None,
+    scale: Optional[Tensor] = None,
+    **removed: NoReturn,  # none: the former fp8 keywords, refused naming the recipe (refuse_keywords)
 ) -> tuple[Tensor, Tensor]:
     """Fused residual add + normalize over the last dim: returns (out, new_residual).
 
@@ -432,23 +425,25 @@ def add_norm(
     The backward returns dx = alpha * keep_x/(1 - dropout_p) * dp, dx1 likewise, and
     dresidual = dp (dp: the gradient at new_residual).
 
-    quant="fp8_tensor" | "fp8_row" | "mxfp8" returns `Quantized(data, scale)` in place of
-    out, written by the norm's own launch (docs/low_precision.md): fp8_dtype codes
-    (e4m3fn or e5m2) with a static scale= (fp8_tensor), a scale per row (fp8_row, its amax
-    bounded by scale_ub when given) or e8m0 scales per 32 columns (mxfp8, mx_rounding
-    "floor" or "rceil"). The fp32 normed value is cast (one rounding), or first rounded to
-    quant_from as an unfused norm-then-cast pipeline does. mx_columnwise=True (mxfp8) also
-    returns data_t, scale_t: blocks of 32 down the columns, of shape (d, rows) and
-    (d, rows/32), from the same fp32 values in the same launch. The codes carry no gradient;
-    when an input requires one, `Quantized.anchor` takes the gradient at the normed output
-    in high precision, and the backward returns the unquantized op's gradients
-    (`fuseblock.Quantized`, docs/low_precision.md). An fp8 keyword given without quant= is
-    refused.
+    quant= (a `fuseblock.Fp8Recipe`, or a mode's name for the recipe with its defaults:
+    "fp8_tensor" | "fp8_row" | "mxfp8") returns `Quantized(data, scale)` in place of out,
+    written by the norm's own launch (docs/low_precision.md): the recipe's fp8_dtype codes
+    with the static scale= tensor (fp8_tensor: the call's data, not a recipe option), a
+    scale per row (fp8_row, its amax bounded by the recipe's scale_ub when given) or e8m0
+    scales per 32 columns (mxfp8, mx_rounding "floor" or "rceil"). The fp32 normed value
+    is cast (one rounding), or first rounded to the recipe's quant_from as an unfused
+    norm-then-cast pipeline does. mx_columnwise=True (mxfp8) also returns data_t, scale_t:
+    blocks of 32 down the columns, of shape (d, rows) and (d, rows/32), from the same fp32
+    values in the same launch. The codes carry no gradient; when an input requires one,
+    `Quantized.anchor` takes the gradient at the normed output in high precision, and the
+    backward returns the unquantized op's gradients (`fuseblock.Quantized`,
+    docs/low_precision.md). scale= given without quant= is refused.
     """
     if positional:
         refuse_positional("add_norm", "x, residual, weight, bias", 4 + len(positional))
-    if (quant is None and scale is None and scale_ub is None and quant_from is None and mx_columnwise is False
-            and fp8_dtype is _E4M3 and mx_rounding is _FLOOR  # else resolve names them
+    if removed:
+        refuse_keywords("add_norm", removed)
+    if (quant is None and scale is None  # else resolve validates the recipe's call
             and x1 is None and gate is None and c is None and residual_dtype is None and out_dtype is None
             and alpha is NO_SCALE and dropout_p is NO_DROPOUT and num_groups is _ONE_GROUP
             and type(weight_offset) is float and weight_offset == 0.0
@@ -473,9 +468,8 @@ def add_norm(
             if plain is not None:
                 return plain
     if dtensor.has_dtensor(x, residual, weight, bias, gate, x1):  # per-rank shards: docs/parallel.md
-        if quant is not None:
+        if quant is not None or scale is not None:
             raise ValueError("quant= does not take DTensor inputs yet: quantize each rank's local tensor")
-        check_no_quant_options(QuantArgs(quant, scale, fp8_dtype, mx_rounding, scale_ub, quant_from, mx_columnwise))
         return dtensor.add_norm(add_norm, x, residual, weight, bias, gate, x1, kind=kind, c=c, eps=eps,
                                 residual_dtype=residual_dtype, gate_act=gate_act, gate_position=gate_position,
                                 num_groups=num_groups, weight_offset=weight_offset, alpha=alpha,
@@ -485,7 +479,7 @@ def add_norm(
         x, residual, weight, bias, gate, kind=kind, c=c, eps=eps, gate_act=gate_act,
         gate_position=gate_position, num_groups=num_groups, residual_dtype=residual_dtype,
         weight_offset=weight_offset, out_dtype=out_dtype,
-        quant=quant_args(quant, scale, fp8_dtype, mx_rounding, scale_ub, quant_from, mx_columnwise),
+        quant=quant, scale=scale,
     )
     rdtype = new_residual_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
     if not no_branch:
@@ -516,25 +510,22 @@ def norm(
     num_groups: int = 1,
     weight_offset: float = 0.0,
     out_dtype: Optional[torch.dtype] = None,
-    quant: Optional[str] = QUANT_DEFAULTS.quant,
-    scale: Optional[Tensor] = QUANT_DEFAULTS.scale,
-    fp8_dtype: torch.dtype = QUANT_DEFAULTS.fp8_dtype,
-    mx_rounding: str = QUANT_DEFAULTS.mx_rounding,
-    scale_ub: Optional[float] = QUANT_DEFAULTS.scale_ub,
-    quant_from: Optional[torch.dtype] = QUANT_DEFAULTS.quant_from,
-    mx_columnwise: bool = QUANT_DEFAULTS.mx_columnwise,
+    quant: Optional[str | Fp8Recipe] = None,
+    scale: Optional[Tensor] = None,
+    **removed: NoReturn,  # none: the former fp8 keywords, refused naming the recipe (refuse_keywords)
 ) -> Tensor:
     """Normalize over the last dim: `add_norm` with no residual (see there for the math
-    and out_dtype; quant=... returns `Quantized`, as add_norm's, scale_ub included).
+    and out_dtype; quant=... returns `Quantized`, as add_norm's).
 
     kind="rms" equals torch's rms_norm and kind="layer" its layer_norm at the same eps;
     kind="l2" is x / sqrt(x.x + d*eps) * weight + bias.
     """
     if positional:
         refuse_positional("norm", "x, weight, bias", 3 + len(positional))
+    if removed:
+        refuse_keywords("norm", removed)
     return add_norm(
         x, None, weight, bias, kind=kind, c=c, eps=eps, gate=gate, gate_act=gate_act,
         gate_position=gate_position, num_groups=num_groups, weight_offset=weight_offset, out_dtype=out_dtype,
-        quant=quant, scale=scale, fp8_dtype=fp8_dtype, mx_rounding=mx_rounding, scale_ub=scale_ub,
-        quant_from=quant_from, mx_columnwise=mx_columnwise,
+        quant=quant, scale=scale,
     )[0]

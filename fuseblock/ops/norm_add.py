@@ -12,22 +12,21 @@ kernels with the same launch counts (see `fuseblock.kernels.norm_add`).
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, NoReturn, Optional
 
 import torch
 from torch import Tensor
 
 from ..reference import norm as reference
-from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, NormSpec, Quant, acc_dtype, stored_dtype
+from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, Fp8Recipe, NormSpec, Quant, acc_dtype, stored_dtype
 from . import dtensor
 from .checks import (
-    QUANT_DEFAULTS,
-    QuantArgs,
     check_number,
     check_tensor,
     check_vector,
     default_eps,
-    quant_args,
+    recipe_of,
+    refuse_keywords,
     resolve,
 )
 from .dispatch import func_transforms_active, kernels, uses_triton
@@ -172,12 +171,12 @@ def _check_alpha(alpha) -> float:
     return float(alpha)
 
 
-def _spec(x, residual, weight, bias, kind, eps, weight_offset, residual_dtype, out_dtype=None,
-          quant: QuantArgs = QUANT_DEFAULTS) -> NormSpec:
+def _spec(x, residual, weight, bias, kind, eps, weight_offset, residual_dtype, out_dtype=None, quant=None,
+          scale=None) -> NormSpec:
     """One norm's spec, every argument checked (resolve names weight and bias so)."""
     return resolve(x, residual, weight, bias, None, kind=kind, c=None, eps=eps, gate_act=DEFAULT_GATE_ACT,
                    gate_position=DEFAULT_GATE_POSITION, num_groups=1, residual_dtype=residual_dtype,
-                   weight_offset=weight_offset, out_dtype=out_dtype, quant=quant)
+                   weight_offset=weight_offset, out_dtype=out_dtype, quant=quant, scale=scale)
 
 
 def _apply(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha, rdtype, second):
@@ -244,12 +243,9 @@ def norm_add_norm(
     alpha: float = 1.0,
     residual_dtype: Optional[torch.dtype] = None,
     out_dtype: Optional[torch.dtype] = None,
-    quant: Optional[str] = QUANT_DEFAULTS.quant,
-    scale: Optional[Tensor] = QUANT_DEFAULTS.scale,
-    fp8_dtype: torch.dtype = QUANT_DEFAULTS.fp8_dtype,
-    mx_rounding: str = QUANT_DEFAULTS.mx_rounding,
-    scale_ub: Optional[float] = QUANT_DEFAULTS.scale_ub,
-    quant_from: Optional[torch.dtype] = QUANT_DEFAULTS.quant_from,
+    quant: Optional[str | Fp8Recipe] = None,
+    scale: Optional[Tensor] = None,
+    **removed: NoReturn,  # none: the former fp8 keywords, refused naming the recipe (refuse_keywords)
 ) -> tuple[Tensor, Tensor]:
     """Sandwich (Peri-LN) residual update, both norms in one kernel: returns (out, new_residual),
 
@@ -262,15 +258,20 @@ def norm_add_norm(
     norm reads (x's for N_b, new_residual's for N). new_residual's dtype as in `norm_add`
     (N reads the stored value); out has x's dtype, or out_dtype: the fp32 result stored
     once in that dtype by the kernel (as `add_norm`'s), its gradient read in it.
-    quant=... returns `Quantized` in place of out, as `add_norm`'s (its anchor takes the
-    gradient at out in high precision when an input requires one).
+    quant=... (a `fuseblock.Fp8Recipe` or a mode's name; scale=: fp8_tensor's) returns
+    `Quantized` in place of out, as `add_norm`'s (its anchor takes the gradient at out in
+    high precision when an input requires one); the recipe's mx_columnwise is not taken.
     """
+    if removed:
+        refuse_keywords("norm_add_norm", removed)
     check_tensor("x", x)
     check_tensor("residual", residual)
     alpha = _check_alpha(alpha)
+    if quant is not None and recipe_of(quant).mx_columnwise:
+        raise ValueError("norm_add_norm's quant= takes no mx_columnwise (its output has no columnwise copy): use a "
+                         "recipe with mx_columnwise=False")
     # checks x, kind, weight, bias and the output's options
-    spec = _spec(x, residual, weight, bias, kind, eps, weight_offset, residual_dtype, out_dtype,
-                 quant_args(quant, scale, fp8_dtype, mx_rounding, scale_ub, quant_from, False))
+    spec = _spec(x, residual, weight, bias, kind, eps, weight_offset, residual_dtype, out_dtype, quant, scale)
     if kind != "l2":
         for name, t in (("branch_weight", branch_weight), ("weight", weight)):
             if t is None:

@@ -17,6 +17,7 @@ plain composition.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -28,13 +29,14 @@ from ..spec import (
     DEFAULT_GATE_ACT,
     DEFAULT_GATE_POSITION,
     MX_BLOCK,
+    Fp8Recipe,
     NormSpec,
     Quant,
     new_residual_dtype,
     residual_grad_dtype,
 )
 from . import dtensor
-from .checks import QUANT_DEFAULTS, QuantArgs, check_float_dtype, check_tensor, resolve
+from .checks import check_float_dtype, check_tensor, linear_recipe, refuse_keywords, resolve
 from .dispatch import func_transforms_active, kernels, uses_triton
 from .norm import add_norm, apply_norm, norm_op
 
@@ -216,10 +218,8 @@ def norm_linear(
     weight_offset: float = 0.0,
     residual_dtype: torch.dtype | None = None,
     out_dtype: torch.dtype | None = None,
-    quant: str | None = QUANT_DEFAULTS.quant,
-    fp8_dtype: torch.dtype = QUANT_DEFAULTS.fp8_dtype,
-    mx_rounding: str = QUANT_DEFAULTS.mx_rounding,
-    scale_ub: float | None = QUANT_DEFAULTS.scale_ub,
+    quant: str | Fp8Recipe | None = None,
+    **removed: NoReturn,  # none: the former fp8 keywords, refused naming the recipe (refuse_keywords)
 ) -> tuple[Tensor, Tensor]:
     """`y = F.linear(norm(x + residual), weight, bias)`: returns (y, new_residual).
 
@@ -235,23 +235,25 @@ def norm_linear(
     the norm's output is formed in it, as the unfused add_norm(out_dtype=) + F.linear's.
 
     quant="fp8_row" (torchao's rowwise recipe) or "mxfp8" (blocks of 32 along the
-    features, e8m0 scales, mx_rounding "floor" or "rceil"): docs/low_precision.md. The
-    norm writes its rows as fp8 codes and scales in its one launch (fp8_row's amax
-    bounded by scale_ub when given), the weight is quantized along its own rows, and
+    features, e8m0 scales), or a `fuseblock.Fp8Recipe` of either mode (its fp8_dtype,
+    mx_rounding "floor" or "rceil", scale_ub): docs/low_precision.md. The norm writes its
+    rows as fp8 codes and scales in its one launch (fp8_row's amax bounded by scale_ub
+    when given), the weight is quantized along its own rows, and
     torch._scaled_mm forms y (mxfp8 where the device takes block scales; elsewhere the
     dequantize-and-matmul fallback of `fuseblock.reference.fp8.mx_linear`). The backward is the
     unquantized one, in high precision: dout = dy W and dW = dy^T out with out rebuilt from
     p, so dx, dresidual and the norm's gradients equal those of norm_linear without quant
     for the same dy.
     """
+    if removed:
+        refuse_keywords("norm_linear", removed)
     check_tensor("x", x)
     if quant is not None:
-        if quant not in ("fp8_row", "mxfp8"):
-            raise ValueError(f"norm_linear takes quant=None, 'fp8_row' (the rowwise recipe) or 'mxfp8', got {quant!r}")
+        quant = linear_recipe(quant)
         if dtensor.has_dtensor(x, residual, norm_weight, norm_bias, weight, bias) or func_transforms_active():
-            raise ValueError(f"norm_linear(quant={quant!r}) takes plain tensors, outside torch.func transforms")
+            raise ValueError(f"norm_linear(quant={quant.mode!r}) takes plain tensors, outside torch.func transforms")
         if isinstance(weight, Tensor) and weight.dtype != x.dtype:
-            raise TypeError(f"quant={quant!r} needs weight in x's dtype {x.dtype}, got {weight.dtype}")
+            raise TypeError(f"quant={quant.mode!r} needs weight in x's dtype {x.dtype}, got {weight.dtype}")
     if dtensor.has_dtensor(x, residual, norm_weight, norm_bias, weight, bias):  # docs/parallel.md
         if out_dtype is not None:
             raise ValueError("norm_linear's out_dtype does not take DTensor inputs yet")
@@ -259,11 +261,11 @@ def norm_linear(
                                    kind=kind, eps=eps, weight_offset=weight_offset, residual_dtype=residual_dtype)
     return _norm_linear(x, residual, norm_weight, norm_bias, weight, bias, kind=kind, eps=eps,
                         weight_offset=weight_offset, residual_dtype=residual_dtype, out_dtype=out_dtype,
-                        quant=QuantArgs(quant, None, fp8_dtype, mx_rounding, scale_ub))
+                        quant=quant)
 
 
 def _norm_linear(x, residual, norm_weight, norm_bias, weight, bias, *, kind, eps, weight_offset, residual_dtype,
-                 rows=None, out_dtype=None, quant: QuantArgs = QUANT_DEFAULTS):
+                 rows=None, out_dtype=None, quant: Fp8Recipe | None = None):
     """norm_linear on plain tensors (a DTensor call's local shards; rows: _NormLinear's)."""
     check_float_dtype("out_dtype", out_dtype)  # before the weight's dtype is compared with it
     if x.dim() == 0:

@@ -22,9 +22,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..spec import MX_BLOCK, NormSpec, Quant
+from ..spec import FP8_DTYPES, MX_BLOCK, NormSpec, Quant
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 AMAX_EPS = 1e-12  # torchao's floor on amax (float8_utils.EPS), compared in fp64
 E8M0_BIAS = 127
 E8M0_NAN = 255

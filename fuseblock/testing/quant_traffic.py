@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import add_norm
-from ..ops.checks import QuantArgs, quant_spec
+from ..ops.checks import quant_spec
 from ..reference.fp8 import quantize
 from ..spec import NormSpec
 from .op_traffic import UNCACHED_ARGS, activation_bytes
@@ -32,7 +32,7 @@ def measure_quant_traffic(op: str, rows: int, d: int, dtype) -> list[dict]:
         q, new_res = add_norm(x, residual, w, quant=mode, scale=scale)
     with KernelTraffic(glue=True) as kn:
         out, _ = add_norm(x, residual, w)
-    spec = quant_spec(NormSpec(False, 1.0, 1e-6, 0, 0, 1), x, QuantArgs(mode, scale))
+    spec = quant_spec(NormSpec(False, 1.0, 1e-6, 0, 0, 1), x, mode, scale)
     with EagerTraffic() as cast:
         quantize(out, spec, scale)
     scale_bytes = q.scale.nbytes  # fp8_tensor's static scale read, the others' scales written

@@ -324,23 +324,24 @@ def channel_norm_launches(x, weight, bias=None, *, batch=True, groups=0, compile
     return out
 
 
-def quant_launches(x, residual, weight, *, quant="fp8_row", mx_columnwise=False, second=False,
-                   compiled=None) -> list[CapturedLaunch]:
+def quant_launches(x, residual, weight, *, quant="fp8_row", second=False, compiled=None) -> list[CapturedLaunch]:
     """The forward launches of add_norm (rms; second: norm_add_norm) with a scaled fp8
-    output (`quant` as the ops take it); the backward is the plain op's."""
+    output (`quant` as the ops take it: a mode's name or an Fp8Recipe); the backward is the
+    plain op's."""
     from ..kernels import launch
     from ..kernels import norm as kernels
     from ..kernels import norm_add as pair_kernels
-    from ..ops.checks import QuantArgs, resolve
+    from ..ops.checks import recipe_of, resolve
     from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION
 
-    def spec_of(quant_args: QuantArgs):
+    def spec_of(quant, scale):
         return resolve(x, residual, weight, None, None, kind="rms", c=None, eps=1e-6, gate_act=DEFAULT_GATE_ACT,
-                       gate_position=DEFAULT_GATE_POSITION, num_groups=1, residual_dtype=None, quant=quant_args)
+                       gate_position=DEFAULT_GATE_POSITION, num_groups=1, residual_dtype=None, quant=quant,
+                       scale=scale)
 
-    scale = torch.ones((), dtype=torch.float32) if quant == "fp8_tensor" else None
-    plain = spec_of(QuantArgs())
-    spec = spec_of(QuantArgs(quant=quant, scale=scale, mx_columnwise=mx_columnwise))
+    scale = torch.ones((), dtype=torch.float32) if recipe_of(quant).mode == "fp8_tensor" else None
+    plain = spec_of(None, None)
+    spec = spec_of(quant, scale)
     rdtype = stored_dtype(x.dtype, residual.dtype, None)
     with captured_launches(kernels, pair_kernels, launch, compiled=compiled) as out:
         if second:

@@ -176,7 +176,7 @@ def _fp8_row(mode: str, dev, do_bench, quick_cpu: bool) -> dict:
         spec = replace(NormSpec(False, 1.0, 1e-6, 0, 0, 1), quant=Quant.ROW if mode == "fp8_row" else Quant.MX)
 
         def fused():
-            return fuseblock.add_norm(x, r, w, eps=1e-6, quant=mode, quant_from=torch.bfloat16)
+            return fuseblock.add_norm(x, r, w, eps=1e-6, quant=fuseblock.Fp8Recipe(mode, quant_from=torch.bfloat16))
 
         def unfused():
             out, p = fuseblock.add_norm(x, r, w, eps=1e-6)

@@ -29,6 +29,7 @@ from types import SimpleNamespace
 
 import torch
 
+import fuseblock
 from fuseblock.kernels import launch, occupancy
 from fuseblock.testing import targets as T
 
@@ -74,8 +75,8 @@ def _ops(quick: bool) -> dict:
     def quant(mode, columnwise=False, second=False):
         def build(d, dtype, rows, compiled):
             x, w = torch.empty(rows, d, dtype=dtype), torch.empty(d, dtype=dtype)
-            return T.quant_launches(x, torch.empty_like(x), w, quant=mode, mx_columnwise=columnwise, second=second,
-                                    compiled=compiled)
+            recipe = fuseblock.Fp8Recipe(mode, mx_columnwise=columnwise)
+            return T.quant_launches(x, torch.empty_like(x), w, quant=recipe, second=second, compiled=compiled)
         return build
 
     def hyper(n):

@@ -17,6 +17,7 @@ import re
 import pytest
 import torch
 
+import fuseblock
 from fuseblock.testing import targets as T
 
 pytestmark = [pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton's compiler"),
@@ -71,8 +72,8 @@ def test_the_ir_reader_sees_32_bit_offsets():
 
 def test_mxfp8_columnwise_store_offsets_are_64_bit():
     x = torch.empty(64, 256)
-    w = compiled_widths(T.quant_launches(x, torch.empty(64, 256), torch.empty(256), quant="mxfp8",
-                                         mx_columnwise=True), "_fwd_tile")
+    w = compiled_widths(T.quant_launches(x, torch.empty(64, 256), torch.empty(256), quant=fuseblock.Fp8Recipe(
+        "mxfp8", mx_columnwise=True)), "_fwd_tile")
     assert w["OT"] == {"i64"} and w["QST"] == {"i64"}, w
 
 

@@ -10,7 +10,7 @@ import torch
 from helpers import generator
 
 import fuseblock
-from fuseblock import Quantized
+from fuseblock import Fp8Recipe, Quantized
 
 torchao = pytest.importorskip("torchao")
 from torchao.float8.config import ScalingGranularity  # noqa: E402
@@ -51,7 +51,7 @@ def unfused(x, w, quant_from=None, **kw):
 @pytest.mark.parametrize("quant_from", [None, torch.bfloat16])
 def test_fp8_row_equals_torchao_rowwise(fp8_dtype, quant_from):
     x, w = case(dtype=torch.bfloat16 if quant_from else torch.float32)
-    q = fuseblock.norm(x, w, quant="fp8_row", fp8_dtype=fp8_dtype, quant_from=quant_from)
+    q = fuseblock.norm(x, w, quant=Fp8Recipe("fp8_row", fp8_dtype=fp8_dtype, quant_from=quant_from))
     assert isinstance(q, Quantized) and q.data.dtype == fp8_dtype and q.scale.shape == (6, 1)
     ref = hp_tensor_to_float8_dynamic(unfused(x, w, quant_from), fp8_dtype, LinearMMConfig(),
                                       scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1)
@@ -62,22 +62,18 @@ def test_fp8_row_equals_torchao_rowwise(fp8_dtype, quant_from):
 @pytest.mark.kernel
 def test_norm_takes_scale_ub_as_add_norm():
     x, w = case()
-    q = fuseblock.norm(x, w, quant="fp8_row", scale_ub=0.25)
+    q = fuseblock.norm(x, w, quant=Fp8Recipe("fp8_row", scale_ub=0.25))
     o = unfused(x, w)
     s = amax_to_scale(o.abs().amax(-1, keepdim=True).clamp(max=0.25), E4)
     ref = hp_tensor_and_scale_to_float8(o, s, E4, axiswise_dim=-1)
     assert torch.equal(u8(q.data), u8(ref._data)) and torch.equal(q.scale, s.reciprocal())
-    for bad, err in ((dict(quant="mxfp8", scale_ub=1.0), "does nothing for quant='mxfp8'"),
-                     (dict(quant="fp8_row", scale_ub=float("inf")), "positive finite")):
-        with pytest.raises(ValueError, match=err):
-            fuseblock.norm(x, w, **bad)
 
 
 @pytest.mark.kernel
 def test_fp8_row_with_residual_and_scale_ub():
     x, w = case()
     res = torch.randn_like(x)
-    q, new_res = fuseblock.add_norm(x, res, w, quant="fp8_row", scale_ub=0.5)
+    q, new_res = fuseblock.add_norm(x, res, w, quant=Fp8Recipe("fp8_row", scale_ub=0.5))
     o = fuseblock.add_norm(x, res, w, out_dtype=torch.float32)[0]
     s = amax_to_scale(o.abs().amax(-1, keepdim=True).clamp(max=0.5), E4)
     ref = hp_tensor_and_scale_to_float8(o, s, E4, axiswise_dim=-1)
@@ -91,7 +87,7 @@ def test_fp8_row_with_residual_and_scale_ub():
 def test_fp8_tensor_equals_torchao_tensorwise(fp8_dtype):
     x, w = case()
     scale = torch.tensor([3e-3])
-    q = fuseblock.norm(x, w, quant="fp8_tensor", scale=scale, fp8_dtype=fp8_dtype)
+    q = fuseblock.norm(x, w, quant=Fp8Recipe("fp8_tensor", fp8_dtype=fp8_dtype), scale=scale)
     ref = hp_tensor_and_scale_to_float8(unfused(x, w), torch.reciprocal(scale), fp8_dtype)
     assert torch.equal(u8(q.data), u8(ref._data)) and q.scale is scale
     assert (u8(q.data) & 0x7F).max() == (126 if fp8_dtype == E4 else 123)  # saturated, not wrapped to NaN
@@ -102,7 +98,7 @@ def test_fp8_tensor_equals_torchao_tensorwise(fp8_dtype):
 @pytest.mark.parametrize("quant_from", [None, torch.bfloat16])
 def test_mxfp8_equals_torchao_to_mx(rounding, quant_from):
     x, w = case(dtype=torch.bfloat16 if quant_from else torch.float32)
-    q = fuseblock.norm(x, w, quant="mxfp8", mx_rounding=rounding, quant_from=quant_from)
+    q = fuseblock.norm(x, w, quant=Fp8Recipe("mxfp8", mx_rounding=rounding, quant_from=quant_from))
     assert q.scale.dtype == torch.float8_e8m0fnu and q.scale.shape == (6, 3)
     scale, data = to_mx(unfused(x, w, quant_from), E4, 32, MODES[rounding])
     assert torch.equal(u8(q.data), u8(data))
@@ -137,7 +133,7 @@ def test_every_code_tie_subnormal_and_saturation_edge(fp8_dtype):
     v = torch.cat([v, -v[v != 0]])  # no -0.0: the kernel forms 0.0 + w (weight_offset), which is +0
     v = torch.nn.functional.pad(v, (0, (-v.numel()) % 32))
     x = torch.ones(1, v.numel())
-    q = fuseblock.norm(x, v, eps=0.0, quant="fp8_tensor", scale=torch.tensor([1.0]), fp8_dtype=fp8_dtype)
+    q = fuseblock.norm(x, v, eps=0.0, quant=Fp8Recipe("fp8_tensor", fp8_dtype=fp8_dtype), scale=torch.tensor([1.0]))
     assert torch.equal(u8(q.data[0]), u8(v.clamp(-fmax, fmax).to(fp8_dtype)))
 
 
@@ -153,35 +149,78 @@ def test_wide_rows_quantize_the_same():
 
 @pytest.mark.parametrize("kw, err, says", [
     (dict(quant="fp8"), ValueError, "quant must be"),
-    (dict(quant="fp8_row", fp8_dtype=torch.bfloat16), TypeError, "fp8_dtype"),
-    (dict(quant="mxfp8", mx_rounding="even"), ValueError, "mx_rounding"),
+    (dict(quant=("fp8_row",)), ValueError, "quant must be"),
     (dict(quant="fp8_tensor"), TypeError, "scale="),
     (dict(quant="fp8_tensor", scale=torch.tensor([1.0, 2.0])), ValueError, "scale must be a one-element"),
     (dict(quant="fp8_tensor", scale=torch.tensor([1.0], dtype=torch.float64)), ValueError, "float32"),
     (dict(quant="fp8_tensor", scale=torch.tensor([float("inf")])), ValueError, "positive and finite"),
     (dict(quant="fp8_tensor", scale=torch.tensor([0.0])), ValueError, "positive and finite"),
     (dict(quant="fp8_row", scale=torch.tensor([1.0])), ValueError, "scale must be None"),
-    (dict(quant="fp8_row", scale_ub=-1.0), ValueError, "scale_ub"),
-    (dict(quant="mxfp8", scale_ub=1.0), ValueError, "scale_ub"),
-    (dict(quant="fp8_row", quant_from=torch.float64), TypeError, "quant_from"),
     (dict(quant="fp8_row", out_dtype=torch.float32), ValueError, "out_dtype and quant"),
-    (dict(quant="fp8_row", scale_ub=True), ValueError, "scale_ub"),
-    (dict(quant="fp8_row", mx_columnwise=1), TypeError, "mx_columnwise"),
-    # an fp8 keyword without quant= would do nothing: refused by name
-    (dict(scale_ub=1.0), ValueError, "scale_ub= is an option of quant="),
-    (dict(scale=torch.tensor([1.0])), ValueError, "scale= is an option of quant="),
-    (dict(fp8_dtype=torch.float8_e5m2), ValueError, "fp8_dtype= is an option"),
-    (dict(mx_rounding="rceil"), ValueError, "mx_rounding= is an option"),
-    (dict(quant_from=torch.bfloat16), ValueError, "quant_from= is an option"),
-    (dict(mx_columnwise=True), ValueError, "mx_columnwise= is an option"),
+    # scale= (the call's tensor, not a recipe option) without quant= would do nothing: refused by name
+    (dict(scale=torch.tensor([1.0])), ValueError, "scale= is fp8_tensor's static scale, an option of quant="),
+    # the former keywords: a TypeError naming the recipe that holds them now
+    (dict(quant="fp8_row", scale_ub=1.0), TypeError, r"no scale_ub= any more.*Fp8Recipe\(mode, scale_ub="),
+    (dict(fp8_dtype=torch.float8_e5m2), TypeError, "no fp8_dtype= any more"),
+    (dict(quant="mxfp8", mx_rounding="rceil"), TypeError, "no mx_rounding= any more"),
+    (dict(quant_from=torch.bfloat16), TypeError, "no quant_from= any more"),
+    (dict(mx_columnwise=True), TypeError, "no mx_columnwise= any more"),
+    (dict(epsilon=1e-6), TypeError, "unexpected keyword argument 'epsilon'"),  # any other, as Python says it
 ])
 def test_bad_options_name_the_argument(kw, err, says):
     x = torch.randn(2, 64)
-    with pytest.raises(err, match=says):
-        fuseblock.add_norm(x, None, **kw)
-    if "mx_columnwise" not in kw:  # norm_add_norm has no columnwise copy
+    for call in (lambda: fuseblock.add_norm(x, None, **kw), lambda: fuseblock.norm(x, **kw),
+                 lambda: fuseblock.norm_add_norm(x, x, torch.ones(64), torch.ones(64), **kw)):
         with pytest.raises(err, match=says):
-            fuseblock.norm_add_norm(x, x, torch.ones(64), torch.ones(64), **kw)
+            call()
+
+
+@pytest.mark.parametrize("kw, err, says", [
+    (dict(mode="fp8"), ValueError, "mode must be one of"),
+    (dict(mode=None), ValueError, "mode must be one of"),
+    (dict(mode="fp8_row", fp8_dtype=torch.bfloat16), TypeError, "fp8_dtype must be"),
+    (dict(mode="fp8_row", fp8_dtype="e4m3"), TypeError, "fp8_dtype must be"),
+    (dict(mode="mxfp8", mx_rounding="even"), ValueError, "mx_rounding must be one of"),
+    (dict(mode="fp8_row", mx_rounding="rceil"), ValueError, "mx_rounding rounds mxfp8's.*'fp8_row'"),
+    (dict(mode="fp8_row", scale_ub=-1.0), ValueError, "scale_ub must be a positive finite"),
+    (dict(mode="fp8_row", scale_ub=float("inf")), ValueError, "scale_ub must be a positive finite"),
+    (dict(mode="fp8_row", scale_ub=True), ValueError, "scale_ub must be"),
+    (dict(mode="fp8_row", scale_ub=torch.tensor(1.0)), ValueError, "scale_ub must be"),
+    (dict(mode="mxfp8", scale_ub=1.0), ValueError, "scale_ub bounds fp8_row's amax.*'mxfp8'"),
+    (dict(mode="fp8_row", quant_from=torch.float64), TypeError, "quant_from must be"),
+    (dict(mode="fp8_row", quant_from="bf16"), TypeError, "quant_from must be"),
+    (dict(mode="mxfp8", mx_columnwise=1), TypeError, "mx_columnwise must be a bool"),
+    (dict(mode="fp8_row", mx_columnwise=True), ValueError, "mxfp8's columnwise copy; mode 'fp8_row'"),
+])
+def test_the_recipe_is_validated_when_made_naming_the_field(kw, err, says):
+    with pytest.raises(err, match=says):
+        Fp8Recipe(**kw)
+
+
+def test_the_recipe_is_one_frozen_hashable_value_and_a_mode_names_its_defaults():
+    from dataclasses import FrozenInstanceError, replace
+    r = Fp8Recipe("fp8_row", scale_ub=1)
+    assert r.scale_ub == 1.0 and type(r.scale_ub) is float  # stored as the float it is compared as
+    assert r == Fp8Recipe("fp8_row", scale_ub=1.0) and hash(r) == hash(Fp8Recipe("fp8_row", scale_ub=1.0))
+    with pytest.raises(FrozenInstanceError):
+        r.scale_ub = 2.0
+    with pytest.raises(ValueError, match="scale_ub bounds"):  # a variant is validated too
+        replace(r, mode="mxfp8")
+    with pytest.raises(TypeError):  # every option but the mode is keyword-only
+        Fp8Recipe("fp8_row", torch.float8_e5m2)
+    x, w = case()
+    # the mode's name is its recipe with the defaults: the same codes, the same spec
+    for mode in ("fp8_row", "mxfp8"):
+        a, b = fuseblock.norm(x, w, quant=mode), fuseblock.norm(x, w, quant=Fp8Recipe(mode))
+        assert torch.equal(u8(a.data), u8(b.data)) and torch.equal(a.scale, b.scale)
+    # each option reaches the spec the kernels read
+    from fuseblock.ops.checks import quant_spec
+    from fuseblock.spec import NormSpec, Quant
+    spec = quant_spec(NormSpec(False, 1.0, 1e-6, 0, 0, 1), x.bfloat16(),
+                      Fp8Recipe("mxfp8", fp8_dtype=E5, mx_rounding="rceil", quant_from=torch.bfloat16))
+    assert (spec.quant, spec.fp8_e5m2, spec.mx_rceil, spec.quant_from, spec.scale_ub) == (
+        Quant.MX, True, True, torch.bfloat16, 0.0)
+    assert quant_spec(NormSpec(False, 1.0, 1e-6, 0, 0, 1), x, Fp8Recipe("fp8_row", scale_ub=0.5)).scale_ub == 0.5
 
 
 def test_bad_shapes_and_dtypes_say_what_to_do():
@@ -218,8 +257,9 @@ def test_rceil_is_the_exact_ceiling_where_torchaos_eager_log2_rounds():
 @pytest.mark.kernel
 def test_quant_under_torch_compile_runs_eagerly_and_equals_eager():
     x, w = case()
-    compiled = torch.compile(lambda x, w: fuseblock.add_norm(x, x, w, quant="mxfp8"))
-    got, want = compiled(x, w)[0], fuseblock.add_norm(x, x, w, quant="mxfp8")[0]
+    recipe = Fp8Recipe("mxfp8", mx_rounding="rceil")  # a recipe object through Dynamo
+    compiled = torch.compile(lambda x, w: fuseblock.add_norm(x, x, w, quant=recipe))
+    got, want = compiled(x, w)[0], fuseblock.add_norm(x, x, w, quant=recipe)[0]
     assert torch.equal(u8(got.data), u8(want.data)) and torch.equal(u8(got.scale), u8(want.scale))
 
 
@@ -248,7 +288,7 @@ def test_mxfp8_columnwise_copy_equals_to_mx_of_the_transpose(rounding, d):
     # d = 288: past the fused columnwise tile (32 rows of 256), normed then quantized apart
     x, w = case(rows=64, d=d)
     x[5:40] *= 1e-3  # the first column blocks' amax differ from the second's
-    q, _ = fuseblock.add_norm(x, x, w, quant="mxfp8", mx_rounding=rounding, mx_columnwise=True)
+    q, _ = fuseblock.add_norm(x, x, w, quant=Fp8Recipe("mxfp8", mx_rounding=rounding, mx_columnwise=True))
     o = fuseblock.add_norm(x, x, w, out_dtype=torch.float32)[0]
     scale, data = to_mx(o, E4, 32, MODES[rounding])
     scale_t, data_t = to_mx(o.t().contiguous(), E4, 32, MODES[rounding])
@@ -259,26 +299,27 @@ def test_mxfp8_columnwise_copy_equals_to_mx_of_the_transpose(rounding, d):
 
 def test_mx_columnwise_needs_whole_blocks_of_rows():
     with pytest.raises(ValueError, match="multiple of 32.*pad the batch"):
-        fuseblock.norm(torch.randn(40, 64), quant="mxfp8", mx_columnwise=True)
-    with pytest.raises(ValueError, match="mxfp8's columnwise"):
-        fuseblock.norm(torch.randn(64, 64), quant="fp8_row", mx_columnwise=True)
+        fuseblock.norm(torch.randn(40, 64), quant=Fp8Recipe("mxfp8", mx_columnwise=True))
+    with pytest.raises(ValueError, match="no columnwise copy"):  # norm_add_norm's output has none
+        fuseblock.norm_add_norm(torch.randn(64, 64), torch.randn(64, 64), torch.ones(64), torch.ones(64),
+                                quant=Fp8Recipe("mxfp8", mx_columnwise=True))
 
 
-def test_the_fp8_keywords_have_one_definition():
-    """Every op that takes quant= takes its keywords with the defaults of
-    fuseblock.ops.checks.QUANT_DEFAULTS, the one definition resolve validates."""
+def test_the_fp8_options_are_one_recipe_argument():
+    """Every op that takes quant= takes the recipe (or a mode's name) as one keyword, with
+    fp8_tensor's scale tensor beside it where the op has that mode; none takes a former
+    fp8 keyword."""
     import inspect
 
-    from fuseblock.ops.checks import QUANT_DEFAULTS
-    takes = {fuseblock.norm: QUANT_DEFAULTS._fields, fuseblock.add_norm: QUANT_DEFAULTS._fields,
-             fuseblock.norm_add_norm: QUANT_DEFAULTS._fields[:-1],  # no columnwise copy there
-             fuseblock.norm_linear: ("quant", "fp8_dtype", "mx_rounding", "scale_ub")}
+    from fuseblock.ops.checks import RECIPE_FIELDS
+    takes = {fuseblock.norm: ("quant", "scale"), fuseblock.add_norm: ("quant", "scale"),
+             fuseblock.norm_add_norm: ("quant", "scale"), fuseblock.norm_linear: ("quant",)}
     for fn, names in takes.items():
         params = inspect.signature(fn).parameters
-        assert [n for n in QUANT_DEFAULTS._fields if n in params] == list(names), fn.__name__
+        assert not set(RECIPE_FIELDS) & set(params), fn.__name__
+        assert [n for n in ("quant", "scale") if n in params] == list(names), fn.__name__
         for n in names:
-            assert params[n].kind is inspect.Parameter.KEYWORD_ONLY
-            assert params[n].default is getattr(QUANT_DEFAULTS, n), (fn.__name__, n)
+            assert params[n].kind is inspect.Parameter.KEYWORD_ONLY and params[n].default is None, (fn.__name__, n)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="records the JIT kernels' launches")
@@ -290,6 +331,6 @@ def test_mxfp8_columnwise_fallback_norms_in_the_plain_layout():
     from fuseblock.testing.targets import quant_launches
 
     x, w = torch.empty(64, 288), torch.empty(288)
-    got = quant_launches(x, torch.empty_like(x), w, quant="mxfp8", mx_columnwise=True)
+    got = quant_launches(x, torch.empty_like(x), w, quant=Fp8Recipe("mxfp8", mx_columnwise=True))
     assert [ln.name for ln in got] == ["_fwd_tile"] and "QUANT" not in got[0].kwargs
     assert got[0].kwargs["BR"] == fwd_layout(288).br

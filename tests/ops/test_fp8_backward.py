@@ -86,9 +86,10 @@ def test_norm_add_norm_backward_equals_the_unquantized_ops(mode):
 def test_norm_without_residual_trains_and_its_codes_are_the_no_grad_calls():
     g = generator(2)
     t = _leaves(torch.bfloat16, g, "x", "weight")
-    q = fuseblock.norm(t["x"], t["weight"], quant="fp8_row", quant_from=torch.bfloat16)
+    recipe = fuseblock.Fp8Recipe("fp8_row", quant_from=torch.bfloat16)
+    q = fuseblock.norm(t["x"], t["weight"], quant=recipe)
     with torch.no_grad():
-        q0 = fuseblock.norm(t["x"], t["weight"], quant="fp8_row", quant_from=torch.bfloat16)
+        q0 = fuseblock.norm(t["x"], t["weight"], quant=recipe)
     assert q0.anchor is None and q.anchor.requires_grad and not q.data.requires_grad
     assert torch.equal(q.data.view(torch.uint8), q0.data.view(torch.uint8)) and torch.equal(q.scale, q0.scale)
     assert q.anchor.dtype == torch.bfloat16 and q.anchor.shape == (4, D) and q.anchor.isnan().all()

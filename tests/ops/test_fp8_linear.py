@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from helpers import generator
 
 import fuseblock
+from fuseblock import Fp8Recipe
 from fuseblock.reference.fp8 import mx_block_mm_native
 
 pytest.importorskip("torchao")
@@ -113,8 +114,8 @@ def test_mxfp8_norm_linear_equals_unfused_norm_to_mx_and_the_fallback(rounding):
     w, b = (0.1 * torch.randn(48, 64, generator=g)).requires_grad_(), torch.randn(48, generator=g).requires_grad_()
     dy = torch.randn(6, 48, generator=g)
     leaves = [x, res, nw, w, b]
-    y8, grads8 = _grads(lambda: fuseblock.norm_linear(x, res, nw, None, w, b, quant="mxfp8", mx_rounding=rounding),
-                        leaves, dy)
+    recipe = Fp8Recipe("mxfp8", mx_rounding=rounding)
+    y8, grads8 = _grads(lambda: fuseblock.norm_linear(x, res, nw, None, w, b, quant=recipe), leaves, dy)
     with torch.no_grad():
         o = fuseblock.add_norm(x, res, nw, out_dtype=torch.float32)[0]
         want = _deq(*to_mx(o, E4, 32, MODES[rounding])) @ _deq(*to_mx(w, E4, 32, MODES[rounding])).t() + b
@@ -122,12 +123,12 @@ def test_mxfp8_norm_linear_equals_unfused_norm_to_mx_and_the_fallback(rounding):
         torch.testing.assert_close(y8, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     else:
         assert torch.equal(y8, want)
-    if rounding == "floor":  # the module's (norm_linear's default rounding) runs the same op
-        module = fuseblock.NormLinear(64, 48, quant="mxfp8")
-        with torch.no_grad():
-            for name, t in (("norm_weight", nw), ("weight", w), ("bias", b)):
-                getattr(module, name).copy_(t)
-            assert torch.equal(module(x, res)[0], y8)
+    # the module runs the same op: the mode's name is the default (floor) recipe
+    module = fuseblock.NormLinear(64, 48, quant="mxfp8" if rounding == "floor" else recipe)
+    with torch.no_grad():
+        for name, t in (("norm_weight", nw), ("weight", w), ("bias", b)):
+            getattr(module, name).copy_(t)
+        assert torch.equal(module(x, res)[0], y8)
     _, grads = _grads(lambda: fuseblock.norm_linear(x, res, nw, None, w, b), leaves, dy)
     for got, plain in zip(grads8, grads, strict=True):
         assert torch.equal(got, plain)
@@ -173,10 +174,15 @@ def test_norm_linear_quant_bad_input():
         fuseblock.NormLinear(64, 8, quant="fp8")
     with pytest.raises(ValueError, match="multiple of 32.*pad the row"):
         fuseblock.norm_linear(torch.randn(2, 48), None, None, None, torch.randn(8, 48), quant="mxfp8")
-    with pytest.raises(ValueError, match="scale_ub"):
-        fuseblock.norm_linear(x, None, None, None, w, quant="mxfp8", scale_ub=1.0)
-    with pytest.raises(ValueError, match="mx_rounding= is an option of quant="):
-        fuseblock.norm_linear(x, None, None, None, w, mx_rounding="rceil")
+    with pytest.raises(ValueError, match="'fp8_row'.*'mxfp8'"):
+        fuseblock.NormLinear(64, 8, quant=Fp8Recipe("fp8_tensor"))
+    for bad in (Fp8Recipe("fp8_row", quant_from=torch.bfloat16), Fp8Recipe("mxfp8", mx_columnwise=True)):
+        with pytest.raises(ValueError, match="no quant_from and no mx_columnwise"):
+            fuseblock.norm_linear(x, None, None, None, w, quant=bad)
+        with pytest.raises(ValueError, match="no quant_from and no mx_columnwise"):
+            fuseblock.NormLinear(64, 8, quant=bad)
+    with pytest.raises(TypeError, match=r"no mx_rounding= any more.*Fp8Recipe"):
+        fuseblock.norm_linear(x, None, None, None, w, quant="mxfp8", mx_rounding="rceil")
     with pytest.raises(ValueError, match="out_dtype and quant"):
         fuseblock.norm_linear(x, None, None, None, w, quant="fp8_row", out_dtype=torch.float32)
     with pytest.raises(TypeError, match="out_dtype"):
@@ -194,8 +200,8 @@ def test_norm_linear_fp8_row_scale_ub_bounds_the_rows_amax():
     from torchao.float8.float8_training_tensor import LinearMMConfig
     torch.manual_seed(0)
     x, w = torch.randn(4, 64), torch.randn(8, 64)
-    got = fuseblock.norm_linear(x, None, None, None, w, quant="fp8_row", scale_ub=0.5)[0]
-    q = fuseblock.norm(x, quant="fp8_row", scale_ub=0.5)
+    got = fuseblock.norm_linear(x, None, None, None, w, quant=Fp8Recipe("fp8_row", scale_ub=0.5))[0]
+    q = fuseblock.norm(x, quant=Fp8Recipe("fp8_row", scale_ub=0.5))
     wq = hp_tensor_to_float8_dynamic(w, E4, LinearMMConfig(), scaling_granularity=ScalingGranularity.AXISWISE,
                                      axiswise_dim=-1)
     want = torch._scaled_mm(q.data, wq._data.t(), scale_a=q.scale, scale_b=wq._scale.reciprocal().reshape(1, -1),

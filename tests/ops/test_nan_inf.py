@@ -57,7 +57,7 @@ def test_fp8_row_scale_and_codes_of_a_row_with_nan_or_inf(special):
 @pytest.mark.parametrize("special", list(SPECIALS))
 def test_mxfp8_block_scale_and_codes_of_a_block_with_nan_or_inf(special, mode):
     x, w = rows_with(special)
-    q = fuseblock.norm(x, w, quant="mxfp8", mx_rounding=mode)
+    q = fuseblock.norm(x, w, quant=fuseblock.Fp8Recipe("mxfp8", mx_rounding=mode))
     mode_ = {"floor": ScaleCalculationMode.FLOOR, "rceil": ScaleCalculationMode.RCEIL}[mode]
     scale, data = to_mx(fuseblock.norm(x, w, out_dtype=torch.float32), E4, 32, mode_)
     assert torch.equal(q.scale.view(torch.uint8), scale.view(torch.uint8)), (q.scale.view(torch.uint8),
