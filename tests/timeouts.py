@@ -103,6 +103,20 @@ def kill_tree(proc: subprocess.Popen) -> None:
     for pid in stopped:
         _signal(pid, signal.SIGKILL)
     proc.wait()
+    # SIGKILL is sent, not done: a busy machine may run a process's exit a while later. Wait
+    # (10 s at most) until each one has exited, so that none outlives the call
+    deadline = time.monotonic() + 10
+    while any(running(pid) for pid in stopped) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def running(pid: int) -> bool:
+    """pid is a process that has not exited (a zombie has: only its entry waits for its parent)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
 
 
 def _signal(pid: int, signum: int) -> None:

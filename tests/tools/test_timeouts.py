@@ -84,20 +84,12 @@ SPAWNS_AND_HANGS = ("import subprocess, sys, time\n"
                     "print('child', c.pid, flush=True)\ntime.sleep(120)")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")  # a zombie has exited: only its entry waits for its parent
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process tree from /proc")
 def test_a_run_past_its_limit_kills_the_processes_below_it_too(fast):
     with pytest.raises(pytest.fail.Exception) as excinfo:
         timeouts.run([sys.executable, "-c", SPAWNS_AND_HANGS], seconds=500, capture_output=True, text=True)
     child = int(str(excinfo.value).split("child ")[1].split()[0])
-    assert not _alive(child), f"process {child}, started by the one that timed out, is still running"
+    assert not timeouts.running(child), f"process {child}, started by the one that timed out, is still running"
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process tree from /proc")
@@ -109,4 +101,4 @@ def test_a_wait_past_its_limit_kills_the_processes_below_it_too(fast, tmp_path):
     child = int(log.read_text().split("child ")[1].split()[0])
     with pytest.raises(pytest.fail.Exception):
         timeouts.wait(proc, seconds=200, log=log)
-    assert not _alive(child), f"process {child}, started by the one that timed out, is still running"
+    assert not timeouts.running(child), f"process {child}, started by the one that timed out, is still running"
