@@ -34,6 +34,7 @@ from transformers import initialization as hf_init
 from ...convert import norm_from
 from ...modules.norm import Norm
 from ...ops.checks import check_float_dtype
+from .attn_res import ATTN_RES
 from .check import refusals
 from .families import FAMILIES, SUPPORTED, WRAPPED, WRAPPERS, Family, family_of_class
 from .refused import REFUSED
@@ -221,17 +222,19 @@ def fuse(model: PreTrainedModel, *, residual_dtype: torch.dtype | None = None) -
                          f"dtype, as its modeling code keeps them (residual_dtype=None)")
     layers = getattr(base, "fuseblock_family", None) and getattr(base, base.fuseblock_family.model_parts["layers"])
     if layers is None:
-        _convert_norms(base, family)
-        # the model, its base model and a wrapper's language model each initialise their own
-        # modules; a wrapper's vision tower holds no Norm and keeps its own method
-        for module in {id(m): m for m in (model, model.base_model)}.values():
-            if module is not base:
-                module.__class__ = _fused_class(type(module), None, INIT)
+        if family.shape is not ATTN_RES:  # (its norms stay the modeling code's: the attn_res ops read their weights)
+            _convert_norms(base, family)
+            # the model, its base model and a wrapper's language model each initialise their own
+            # modules; a wrapper's vision tower holds no Norm and keeps its own method
+            for module in {id(m): m for m in (model, model.base_model)}.values():
+                if module is not base:
+                    module.__class__ = _fused_class(type(module), None, INIT)
         layers = getattr(base, family.model_parts["layers"])
         for layer in layers:
             layer.__class__ = _fused_class(type(layer), family, LAYER)
         base.fuseblock_family = family
-        base.__class__ = _fused_class(type(base), family, MODEL)
+        if family.model_forward is not None:
+            base.__class__ = _fused_class(type(base), family, MODEL)
     for layer in layers:
         layer.fuseblock_residual_dtype = residual_dtype
     base.fuseblock_residual_dtype = residual_dtype
