@@ -545,6 +545,8 @@ def family_of_class(name: str) -> str | None:
     models."""
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
+    if name is None:  # (a family the installed transformers lacks, 5.23's inkling2_loop_text, maps to None too)
+        return None
     return next((m for m in FAMILIES if MODEL_MAPPING_NAMES.get(m) == name), None)
 
 

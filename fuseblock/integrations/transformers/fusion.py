@@ -220,6 +220,9 @@ def fuse(model: PreTrainedModel, *, residual_dtype: torch.dtype | None = None) -
     if residual_dtype is not None and family.hyper is not None:
         raise ValueError(f"residual_dtype: {type(base).__name__}'s n residual streams are kept in the model's "
                          f"dtype, as its modeling code keeps them (residual_dtype=None)")
+    if residual_dtype is not None and family.shape is ATTN_RES:
+        raise ValueError(f"residual_dtype: {type(base).__name__}'s partial blocks are kept in fp32 and its block "
+                         f"states in the model's dtype, as its modeling code keeps them (residual_dtype=None)")
     layers = getattr(base, "fuseblock_family", None) and getattr(base, base.fuseblock_family.model_parts["layers"])
     if layers is None:
         if family.shape is not ATTN_RES:  # (its norms stay the modeling code's: the attn_res ops read their weights)
