@@ -117,6 +117,19 @@ def test_inkling2_loop_what_the_op_does_not_compute_stays_as_it_was():
     assert type(fuse(model).model.layers[0]) is layer
 
 
+def test_inkling2_loop_fused_model_copies_and_pickles_fused(tmp_path):
+    """Copied or pickled whole (torch.save), a fused model is fused: its layers' classes, its
+    family the registered entry, its logits."""
+    fused = pair()[1]
+    torch.save(fused, tmp_path / "fused.pt")
+    ids = batch(t=6)[0]
+    for other in (torch.load(tmp_path / "fused.pt", weights_only=False), copy.deepcopy(fused)):
+        assert other.model.fuseblock_family is FAMILIES[KIND]
+        assert [type(x) for x in other.model.layers] == [type(x) for x in fused.model.layers]
+        with torch.no_grad():
+            assert torch.equal(other(ids).logits, fused(ids).logits)
+
+
 def test_inkling2_loop_greedy_generation_with_cache_and_padding_is_identical():
     unfused, fused = pair()
     ids, mask, _ = batch(t=8)

@@ -61,7 +61,9 @@ def _fused_class(cls: type, family: Family | None, role: str) -> type:
     if key not in _FUSED_CLASSES:
         if role == LAYER:
             methods = {"forward": family.shape.forward, "fuseblock_family": family}
-            what = f"on the fused residual stream ({family.shape.name}): forward(p, r, **kwargs) -> (sum, p', r')"
+            what = (f"on the fused residual stream ({family.shape.name}): forward(p, r, **kwargs) -> (sum, p', r')"
+                    if family.model_forward is not None else
+                    f"with its mixes and norms fused ({family.shape.name}), called as {cls.__name__}")
         elif role == MODEL:
             methods, what = {"forward": family.model_forward, "_init_weights": _init_weights}, "with its fused forward"
         else:
