@@ -208,7 +208,8 @@ def fuse(model: PreTrainedModel, *, residual_dtype: torch.dtype | None = None) -
     model's own adds give (torch's type promotion: under bf16 autocast with fp32
     parameters the stream is fp32 already); torch.float32 keeps an fp32 stream in a bf16
     model. Calling fuse again on a fused model only changes residual_dtype. The n-stream
-    families (deepseek_v4, hy_v4, glm5_next) keep their streams in the model's dtype: None only.
+    families (deepseek_v4, hy_v4, glm5_next) keep their streams in the model's dtype, and
+    inkling2_loop its partial blocks in fp32, as their modeling code does: None only.
 
     A transformers version outside the tested range (versions.TESTED: 5.17 to 5.24) is a
     RuntimeError naming the range.
