@@ -12,7 +12,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from ..attn_res_spec import MAX_SOURCES, AttnResSpec
+from ..attn_res_spec import FORMS, MAX_SOURCES, AttnResSpec
 from ..reference import attn_res as attn_res_reference
 from .checks import check_eps, check_number, check_tensor
 from .dispatch import func_transforms_active, kernels, uses_triton
@@ -26,7 +26,8 @@ def _check_vector(name: str, t, sources: Tensor, d: int) -> None:
         raise ValueError(f"{name} must have shape ({d},) for sources of width d = {d}, got {tuple(t.shape)}")
 
 
-def resolve(sources, partial, branch, query, weight, *, scale, key_eps, eps, normed_values, kind) -> AttnResSpec:
+def resolve(sources, partial, branch, query, weight, *, scale, key_eps, eps, normed_values, kind,
+            form="fused") -> AttnResSpec:
     """Validate every argument of one call and return its spec."""
     check_tensor("sources", sources)
     if sources.dim() < 2:
@@ -43,6 +44,8 @@ def resolve(sources, partial, branch, query, weight, *, scale, key_eps, eps, nor
         raise ValueError(f"sources' count S = shape[-2] must be in 1..{MAX_SOURCES}{extra}, got {s}")
     if not isinstance(kind, str) or kind != "rms":
         raise ValueError(f"kind must be 'rms' (the next sublayer's RMS norm), got {kind!r}")
+    if not isinstance(form, str) or form not in FORMS:
+        raise ValueError(f"form must be one of {sorted(FORMS)}, got {form!r}")
     if not isinstance(normed_values, bool):
         raise TypeError(f"normed_values must be a bool, got {type(normed_values).__name__}")
     check_number("scale", scale)
@@ -67,7 +70,7 @@ def resolve(sources, partial, branch, query, weight, *, scale, key_eps, eps, nor
     elif partial is not None:
         raise ValueError("partial applies only with a branch to add (branch is None)")
     return AttnResSpec(s=s, d=d, update=update, has_partial=partial is not None, normed_values=normed_values,
-                       scale=float(scale), key_eps=float(key_eps), eps=float(eps))
+                       scale=float(scale), key_eps=float(key_eps), eps=float(eps), form=FORMS[form])
 
 
 def apply(sources, partial, branch, query, weight, spec: AttnResSpec):
@@ -142,7 +145,7 @@ attn_res_op = FusedOp("attn_res", _fwd, _fwd_fake, _bwd, _bwd_fake, _setup, _gra
 
 def attn_res_norm(sources: Tensor, query: Tensor, weight: Tensor | None, *, scale: float = 1.0,
                   key_eps: float = 1e-6, eps: float = 1e-6, normed_values: bool = False,
-                  kind: str = "rms") -> tuple[Tensor, Tensor]:
+                  kind: str = "rms", form: str = "fused") -> tuple[Tensor, Tensor]:
     """An attention residual: a learned softmax mix over S source states, then the next norm.
 
     sources (..., S, d), 1 <= S <= 16, any strides (a bank of S states per token, not a
@@ -155,23 +158,28 @@ def attn_res_norm(sources: Tensor, query: Tensor, weight: Tensor | None, *, scal
     Returns (y, mixed), both in sources' dtype. Kimi's Attention Residuals mix the states
     (normed_values=False, scale=1); transformers' inkling2_loop the keys (normed_values=True,
     scale=d**-0.5).
+
+    form ("fused", "inkling2") picks the torch path's order of operations: fuseblock's own,
+    or that of transformers' Inkling2BlockAttentionResidual (two batched matmuls), which
+    that path then reproduces bit for bit in fp32; the kernels keep their one order.
     """
     spec = resolve(sources, None, None, query, weight, scale=scale, key_eps=key_eps, eps=eps,
-                   normed_values=normed_values, kind=kind)
+                   normed_values=normed_values, kind=kind, form=form)
     y, mixed, _ = apply(sources, None, None, query, weight, spec)
     return y, mixed
 
 
 def attn_res_add_norm(sources: Tensor, branch: Tensor, partial: Tensor | None, query: Tensor,
                       weight: Tensor | None, *, scale: float = 1.0, key_eps: float = 1e-6, eps: float = 1e-6,
-                      normed_values: bool = False, kind: str = "rms") -> tuple[Tensor, Tensor, Tensor]:
+                      normed_values: bool = False, kind: str = "rms",
+                      form: str = "fused") -> tuple[Tensor, Tensor, Tensor]:
     """`attn_res_norm` with the block's running partial state updated in the same launch.
 
     sources (..., S - 1, d): the finished blocks' states; branch (..., d): the last
     sublayer's output; partial (..., d) the running partial block, or None at a block's
     first sublayer. partial' = partial + branch (branch alone without partial), rounded
-    to sources' dtype, is the S-th source. Returns (y, mixed, partial').
+    to sources' dtype, is the S-th source. Returns (y, mixed, partial'). form as attn_res_norm's.
     """
     spec = resolve(sources, partial, branch, query, weight, scale=scale, key_eps=key_eps, eps=eps,
-                   normed_values=normed_values, kind=kind)
+                   normed_values=normed_values, kind=kind, form=form)
     return apply(sources, partial, branch, query, weight, spec)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..attn_res_spec import AttnResSpec
+from ..attn_res_spec import AttnResSpec, Form
 from ..spec import NormSpec, acc_dtype
 from . import norm as reference
 
@@ -24,12 +24,18 @@ def update(partial: Tensor | None, branch: Tensor, dtype: torch.dtype) -> Tensor
 
 
 def mix(v: Tensor, query: Tensor, spec: AttnResSpec) -> tuple[Tensor, Tensor]:
-    """(mixed, a) of the sources v (..., S, d) in the accumulation dtype: mixed (..., d), a (..., S)."""
+    """(mixed, a) of the sources v (..., S, d) in the accumulation dtype: mixed (..., d), a (..., S).
+    Form INKLING2 takes Inkling2BlockAttentionResidual's ops: its eager attention of one
+    query (..., 1, d) over the keys, scores and mix two batched matmuls."""
     r = torch.rsqrt(v.square().mean(-1, keepdim=True) + spec.key_eps)
     k = v * r
+    u = k if spec.normed_values else v
+    if spec.form == Form.INKLING2:
+        q = query.to(v.dtype).expand(*k.shape[:-2], 1, k.shape[-1])
+        a = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * spec.scale, dim=-1)
+        return torch.matmul(a, u).squeeze(-2), a.squeeze(-2)
     a = torch.softmax(spec.scale * (k @ query.to(v.dtype)), dim=-1)
-    mixed = (a.unsqueeze(-1) * (k if spec.normed_values else v)).sum(-2)
-    return mixed, a
+    return (a.unsqueeze(-1) * u).sum(-2), a
 
 
 def out_norm(mixed: Tensor, weight: Tensor | None, spec: AttnResSpec) -> Tensor:

@@ -49,11 +49,11 @@ def _call(t, **kw):
     return fuseblock.attn_res_add_norm(t["sources"], t["branch"], t["partial"], t["query"], t["weight"], **kw)
 
 
-def _check(t, dtype, *, scale=1.0, normed=False, sources=None, cond=1.0):
+def _check(t, dtype, *, scale=1.0, normed=False, sources=None, cond=1.0, form="fused"):
     """The op on t (sources replaced by a view of the same values, if given) against attn_res64:
     values and every leaf's gradient, a random cotangent on each output."""
     args = dict(t, sources=t["sources"] if sources is None else sources)
-    got = [o for o in _call(args, scale=scale, normed_values=normed) if o is not None]
+    got = [o for o in _call(args, scale=scale, normed_values=normed, form=form) if o is not None]
     ref = [r for r in attn_res64(args["sources"], t["partial"], t["branch"], t["query"], t["weight"], scale=scale,
                                  normed=normed, stored=dtype if dtype != F32 else None) if r is not None]
     assert all(o.dtype == t["sources"].dtype for o in got)
@@ -88,6 +88,18 @@ def test_against_fp64(s, update, partial, normed, dtype):
     t = _inputs(s, 24, dtype=dtype, update=update, partial=partial)
     # bf16: partial' and mixed carry one rounding each (the reference rounds the same values)
     _check(t, dtype, scale=24 ** -0.5 if normed else 1.0, normed=normed, cond=4.0 if dtype == BF16 else 1.0)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("s,update,partial,dtype", [(1, False, False, F32), (5, True, True, F32),
+                                                    (4, True, False, BF16)])
+def test_inkling2_form_against_fp64(s, update, partial, dtype):
+    """form "inkling2" (the torch path in Inkling2BlockAttentionResidual's order: two batched
+    matmuls; the kernels' order unchanged) holds to the same reference, both value forms."""
+    torch.manual_seed(s)
+    t = _inputs(s, 24, dtype=dtype, update=update, partial=partial)
+    _check(t, dtype, scale=24 ** -0.5, normed=True, form="inkling2", cond=4.0 if dtype == BF16 else 1.0)
+    _check(t, dtype, normed=False, form="inkling2", cond=4.0 if dtype == BF16 else 1.0)
 
 
 @pytest.mark.kernel
@@ -195,6 +207,7 @@ def test_compile_fullgraph_no_break():
     (dict(key_eps=-1.0), "key_eps must be >= 0"),
     (dict(scale=math.nan), "scale must be finite"),
     (dict(kind="layer"), "kind must be 'rms'"),
+    (dict(form="kimi"), "form must be one of"),
 ])
 def test_bad_input_names_the_argument(change, match):
     args = dict(sources=torch.randn(2, 3, 8), query=torch.randn(8), weight=torch.randn(8))

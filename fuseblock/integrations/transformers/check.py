@@ -29,6 +29,7 @@ from torch import nn
 
 from ...convert import norm_from
 from ...ops.hyper import MAX_STREAMS
+from . import attn_res
 from .families import Family
 
 # (bidirectional: Gemma3's use_bidirectional_attention, masks the model forward does not build)
@@ -51,7 +52,10 @@ def _neutral(value) -> bool:
 
 def refusals(base: nn.Module, family: Family) -> list[str]:
     """Why `base` (the inner model: LlamaModel and its kin) is not what `family`'s fused
-    forward computes; empty when it is."""
+    forward computes; empty when it is. The attention-residual shape's layers are of several
+    classes, which its own check holds to what its forward computes (attn_res.refusals)."""
+    if family.shape is attn_res.ATTN_RES:
+        return attn_res.refusals(base, family)
     found = []
     children, expected = set(base._modules), set(family.model_parts.values())
     if children != expected:

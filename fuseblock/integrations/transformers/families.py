@@ -26,6 +26,7 @@ from transformers.modeling_outputs import (
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from .attn_res import ATTN_RES
 from .layers import HYPER, PARALLEL, PARALLEL_RESIDUAL_FIRST, POST_NORM, PRE_NORM, SANDWICH, Hyper, Shape
 from .model import FUSED_MODEL_FORWARD, HYPER_MODEL_FORWARD, PREPARE, stream_forward
 from .versions import CACHE, LINEAR_CACHE, one_cache
@@ -87,7 +88,8 @@ class Family:
     output: the inner model's output class (MoE families return router logits in theirs), or a
         function of its fields making it (CWM's class, imported where a CWM model runs).
     model_forward: the inner model's fused forward, its class's by fuse: model.py's, or a
-        family's own where its model's signature differs (GPT-2's), mapping onto model.py's.
+        family's own where its model's signature differs (GPT-2's), mapping onto model.py's;
+        None where the inner model keeps its class and forward (the attention-residual shape).
     cache_keyword: the keyword under which the decoder layers (and their attention) take
         the KV cache: None for the installed transformers' own (versions.CACHE:
         past_key_values, 5.24's cache), GPT-NeoX's "layer_past".
@@ -111,7 +113,7 @@ class Family:
     prepare: Callable = no_change
     rotary: str | None = "shared"
     output: Callable = BaseModelOutputWithPast
-    model_forward: Callable = FUSED_MODEL_FORWARD
+    model_forward: Callable | None = FUSED_MODEL_FORWARD
     cache_keyword: str | None = None
     variant: Callable | None = None
     requires: Mapping[str, object] = field(default_factory=dict)
@@ -475,6 +477,19 @@ FAMILIES.update({
         "hy_v4", _hy_v4_options, _indexed_attend, _plain_feed, _hy_v4_inputs, topk=True, weighted_head=True)),
 })
 
+
+# inkling2_loop_text (issue 45, transformers 5.24): block attention residuals (attn_res.py). Its
+# layers are of four classes (sliding and full attention, plain and looped), fused by one forward;
+# its model forward (the loop passes, the messages, the final mix and norm) and its norms stay
+# the modeling code's (model_forward None: the inner model keeps its class)
+FAMILIES.update({
+    "inkling2_loop_text": Family(
+        ATTN_RES, {"attn_input": "attention_input", "norm_1": "input_layernorm", "attn": "self_attn",
+                   "mlp_input": "mlp_input", "norm_2": "post_attention_layernorm", "mlp": "mlp"},
+        {"embed": "embed_tokens", "layers": "layers", "norm": "norm", "final": "final_input",
+         "messages": "message_input"}, rotary=None, output=MoeModelOutputWithPast, model_forward=None),
+})
+
 SUPPORTED = tuple(FAMILIES)
 
 def mrope_positions(base, position_ids: Tensor | None, inputs_embeds: Tensor, cache):
@@ -517,7 +532,7 @@ WRAPPED: Mapping[str, Family] = {
 # forward takes as the unfused one does.
 WRAPPERS: Mapping[str, str] = {"llava": "language_model", "gemma3": "language_model", "mistral3": "language_model",
                                "qwen2_vl": "language_model", "qwen2_5_vl": "language_model",
-                               "glm5_next": "language_model"}
+                               "glm5_next": "language_model", "inkling2_loop": "language_model"}
 
 
 def family_of_class(name: str) -> str | None:
@@ -530,6 +545,8 @@ def family_of_class(name: str) -> str | None:
     models."""
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
+    if name is None:  # (a family the installed transformers lacks, 5.23's inkling2_loop_text, maps to None too)
+        return None
     return next((m for m in FAMILIES if MODEL_MAPPING_NAMES.get(m) == name), None)
 
 

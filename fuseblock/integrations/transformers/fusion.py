@@ -34,6 +34,7 @@ from transformers import initialization as hf_init
 from ...convert import norm_from
 from ...modules.norm import Norm
 from ...ops.checks import check_float_dtype
+from .attn_res import ATTN_RES
 from .check import refusals
 from .families import FAMILIES, SUPPORTED, WRAPPED, WRAPPERS, Family, family_of_class
 from .refused import REFUSED
@@ -60,7 +61,9 @@ def _fused_class(cls: type, family: Family | None, role: str) -> type:
     if key not in _FUSED_CLASSES:
         if role == LAYER:
             methods = {"forward": family.shape.forward, "fuseblock_family": family}
-            what = f"on the fused residual stream ({family.shape.name}): forward(p, r, **kwargs) -> (sum, p', r')"
+            what = (f"on the fused residual stream ({family.shape.name}): forward(p, r, **kwargs) -> (sum, p', r')"
+                    if family.model_forward is not None else
+                    f"with its mixes and norms fused ({family.shape.name}), called as {cls.__name__}")
         elif role == MODEL:
             methods, what = {"forward": family.model_forward, "_init_weights": _init_weights}, "with its fused forward"
         else:
@@ -205,7 +208,8 @@ def fuse(model: PreTrainedModel, *, residual_dtype: torch.dtype | None = None) -
     model's own adds give (torch's type promotion: under bf16 autocast with fp32
     parameters the stream is fp32 already); torch.float32 keeps an fp32 stream in a bf16
     model. Calling fuse again on a fused model only changes residual_dtype. The n-stream
-    families (deepseek_v4, hy_v4, glm5_next) keep their streams in the model's dtype: None only.
+    families (deepseek_v4, hy_v4, glm5_next) keep their streams in the model's dtype, and
+    inkling2_loop its partial blocks in fp32, as their modeling code does: None only.
 
     A transformers version outside the tested range (versions.TESTED: 5.17 to 5.24) is a
     RuntimeError naming the range.
@@ -219,19 +223,24 @@ def fuse(model: PreTrainedModel, *, residual_dtype: torch.dtype | None = None) -
     if residual_dtype is not None and family.hyper is not None:
         raise ValueError(f"residual_dtype: {type(base).__name__}'s n residual streams are kept in the model's "
                          f"dtype, as its modeling code keeps them (residual_dtype=None)")
+    if residual_dtype is not None and family.shape is ATTN_RES:
+        raise ValueError(f"residual_dtype: {type(base).__name__}'s partial blocks are kept in fp32 and its block "
+                         f"states in the model's dtype, as its modeling code keeps them (residual_dtype=None)")
     layers = getattr(base, "fuseblock_family", None) and getattr(base, base.fuseblock_family.model_parts["layers"])
     if layers is None:
-        _convert_norms(base, family)
-        # the model, its base model and a wrapper's language model each initialise their own
-        # modules; a wrapper's vision tower holds no Norm and keeps its own method
-        for module in {id(m): m for m in (model, model.base_model)}.values():
-            if module is not base:
-                module.__class__ = _fused_class(type(module), None, INIT)
+        if family.shape is not ATTN_RES:  # (its norms stay the modeling code's: the attn_res ops read their weights)
+            _convert_norms(base, family)
+            # the model, its base model and a wrapper's language model each initialise their own
+            # modules; a wrapper's vision tower holds no Norm and keeps its own method
+            for module in {id(m): m for m in (model, model.base_model)}.values():
+                if module is not base:
+                    module.__class__ = _fused_class(type(module), None, INIT)
         layers = getattr(base, family.model_parts["layers"])
         for layer in layers:
             layer.__class__ = _fused_class(type(layer), family, LAYER)
         base.fuseblock_family = family
-        base.__class__ = _fused_class(type(base), family, MODEL)
+        if family.model_forward is not None:
+            base.__class__ = _fused_class(type(base), family, MODEL)
     for layer in layers:
         layer.fuseblock_residual_dtype = residual_dtype
     base.fuseblock_residual_dtype = residual_dtype

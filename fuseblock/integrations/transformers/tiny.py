@@ -71,6 +71,16 @@ TINY: dict[str, dict] = {
     "hy_v4": dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
                   moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, index_topk=4,
                   index_head_dim=16, index_n_heads=2, hc_magnitude=1.5, indexer_types=["full", "shared"]),
+    # inkling2_loop_text (issue 45, transformers 5.24): blocks of 2 layers, a sliding then a full
+    # layer in each (the full ones mix with three queries); layers 2 and 3 looped twice, so the
+    # second pass runs the message gates; a small MoE, sink attention and relative bias
+    "inkling2_loop_text": dict(num_hidden_layers=4, n_layers_per_attn_res_block=2, loop_layer_index_start=2,
+                               loop_layer_index_end=4, loop_num_passes=2, loop_gate_rank=8, head_dim=16,
+                               swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16,
+                               sliding_window_size=5, d_rel=4, rel_extent=8, log_scaling_n_floor=8,
+                               moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                               unpadded_vocab_size=128, eos_token_id=1,
+                               layer_types=["hybrid_sliding", "hybrid"] * 2),
 }
 
 # The Llama-shaped families (issue 43): what their MoE blocks (routers, shared experts, a dense
