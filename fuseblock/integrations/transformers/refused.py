@@ -25,7 +25,7 @@ _SEQ2SEQ = "the decoder of an encoder-decoder family: cross-attention between it
 _RECURRENT = "a recurrent or state-space block (one norm and one mixer per block): not a fused shape yet"
 _HYBRID = "hybrid layers (linear-attention, convolution or state-space mixers beside attention): not a fused shape yet"
 _WRAPPER = "a multimodal wrapper or container fuse has not checked: its language model is not one fuse takes yet"
-# Per-channel residual updates (transformers 5.24's dory and muse_spark; zaya, qwen4_exp_text): what each
+# Per-channel residual updates (dory, only in transformers 5.24; muse_spark, zaya, qwen4_exp_text): what each
 # layer computes in place of r + f, by its modeling source (tests/integrations/test_hf_hyper_families.py
 # checks each reason against it)
 _PER_CHANNEL = ("per-channel residual and branch scales, which fuseblock's ops do not take yet (add_norm's alpha is "
