@@ -81,7 +81,8 @@ HF524_TESTS := tests/integrations/test_hf_versions.py tests/integrations/test_tr
                tests/integrations/test_hf_hyper_families.py tests/integrations/test_hf_sandwich_families.py \
                tests/integrations/test_hf_llama_shaped_families.py
 HF524_SELECT := test_hf_versions or greedy or generat or fp32_logits or checkpoints_load or config_only or refusal \
-                or (family_row and (deepseek_v3 or gpt_oss or olmo3 or cohere2 or ministral3)) or hy_v4_vl
+                or (family_row and (deepseek_v3 or gpt_oss or olmo3 or cohere2 or ministral3)) or hy_v4_vl \
+                or stream_norms_become
 
 test-hf524: $(HF524_STAMP)
 	$(TEST_THREADS) $(HF524_PY) -m pytest -q -p no:cacheprovider $(HF524_TESTS) -k "$(HF524_SELECT)" --durations=5
