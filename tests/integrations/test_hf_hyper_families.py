@@ -303,6 +303,35 @@ def test_gradient_checkpointing_in_training_mode(kind, reentrant):
     assert_same_run(b, a)
 
 
+@pytest.mark.skipif(not HAS_HY_V4_VL, reason=f"transformers {transformers.__version__} has no HY-V4-VL")
+def test_hy_v4_vl_language_model_takes_its_position_ids_as_the_unfused_one():
+    """HYV4VLTextModel's position ids, each layout its forward takes: none, (B, T), (3, B, T)
+    (the M-RoPE sections, which its rotary embedding and layers read) and (4, B, T), the text
+    positions first (packed sequences, which its mask reads): the fused language model's output
+    is the unfused one's, bitwise, and each layout's ids change the output."""
+    unfused = inner(build("hy_v4_vl"))
+    fused = fuse(copy.deepcopy(unfused))
+    ids, mask, _ = batch(t=8)
+    b, t = ids.shape
+    text = torch.arange(t).expand(b, t)
+    grid = torch.stack([text, text + torch.arange(t) % 3, text + torch.arange(t) % 2])  # differing sections
+    packed = (torch.arange(t) % (t // 2)).expand(b, t)  # two sequences of t / 2 tokens in each row
+    layouts = {"none": {}, "2-d": dict(position_ids=text), "3-d": dict(position_ids=grid),
+               "text + 3-d": dict(position_ids=torch.cat([packed[None], grid]))}
+    outs = {}
+    with torch.no_grad():
+        for layout, kw in layouts.items():
+            # packed: the mask comes from the text positions, with no mask and no cache (training)
+            kw = dict(kw, attention_mask=None if layout == "text + 3-d" else mask, use_cache=False)
+            outs[layout] = a = unfused(input_ids=ids, **kw).last_hidden_state
+            c = fused(input_ids=ids, **kw).last_hidden_state
+            assert torch.equal(c, a), (layout, max_diff(c, a))
+        assert torch.equal(outs["none"], outs["2-d"])
+        assert not torch.equal(outs["3-d"], outs["2-d"])
+        unpacked = unfused(input_ids=ids, position_ids=torch.cat([text[None], grid]), use_cache=False)
+        assert not torch.equal(outs["text + 3-d"], unpacked.last_hidden_state)
+
+
 # ---------------------------------------------------------------------------- what the modules record
 
 
