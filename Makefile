@@ -68,7 +68,8 @@ test-floor: $(FLOOR_STAMP)
 # .venv-hf524: .venv's packages with transformers 5.24 (which renamed the KV cache's keyword,
 # past_key_values, to cache). test-hf524 runs the version tests, each family's fp32
 # comparison, greedy generation with the cache and checkpoint round trip, five of the
-# Llama-shaped rows and the config-only families (5.24's exaone, sarvam_moe, sarvam_mla) on
+# Llama-shaped rows, the config-only families (5.24's exaone, sarvam_moe, sarvam_mla), every
+# test of 5.24's HY-V4-VL wrapper and the refusals checked against 5.24's sources (dory) on
 # it, torch path only (the kernels do not see the version); and inkling2_loop, which 5.24
 # alone has, on both paths.
 $(HF524_STAMP): pyproject.toml
@@ -81,7 +82,8 @@ HF524_TESTS := tests/integrations/test_hf_versions.py tests/integrations/test_tr
                tests/integrations/test_hf_hyper_families.py tests/integrations/test_hf_sandwich_families.py \
                tests/integrations/test_hf_llama_shaped_families.py tests/integrations/test_hf_inkling2_loop.py
 HF524_SELECT := test_hf_versions or greedy or generat or fp32_logits or checkpoints_load or config_only or refusal \
-                or (family_row and (deepseek_v3 or gpt_oss or olmo3 or cohere2 or ministral3)) or inkling
+                or (family_row and (deepseek_v3 or gpt_oss or olmo3 or cohere2 or ministral3)) or hy_v4_vl \
+                or stream_norms_become or inkling
 
 test-hf524: $(HF524_STAMP)
 	$(TEST_THREADS) $(HF524_PY) -m pytest -q -p no:cacheprovider $(HF524_TESTS) -k "$(HF524_SELECT)" --durations=5

@@ -1,5 +1,6 @@
 """The n-stream (hyper-connection, mHC) families fused against the unfused models: DeepSeek-V4,
-HY-V4 and GLM-5-next (its text model, inside its multimodal wrapper).
+HY-V4, GLM-5-next and HY-V4-VL (their text models, inside their multimodal wrappers; HY-V4-VL on
+transformers 5.24 only).
 
 Tiny configs with random weights (tiny.py's, and GLM below), 2 layers, nothing downloaded.
 On the torch path in fp32 the fused model is the unfused one bitwise: logits, loss, every
@@ -30,7 +31,13 @@ from fuseblock import Norm  # noqa: E402
 from fuseblock.integrations.transformers import fuse  # noqa: E402
 from fuseblock.integrations.transformers.tiny import SIZES  # noqa: E402
 
-KINDS = ["deepseek_v4", "hy_v4", "glm5_next"]
+# HY-V4-VL is transformers 5.24's: its tests skip on the versions before (make test-hf524 runs them)
+HAS_HY_V4_VL = hasattr(transformers, "HYV4VLForConditionalGeneration")
+KINDS = ["deepseek_v4", "hy_v4", "glm5_next"] + ["hy_v4_vl"] * HAS_HY_V4_VL
+ALL_KINDS = [*KINDS[:3], pytest.param("hy_v4_vl", marks=pytest.mark.skipif(
+    not HAS_HY_V4_VL, reason=f"transformers {transformers.__version__} has no HY-V4-VL"))]
+WRAPPERS = {"glm5_next", "hy_v4_vl"}
+VISION = ("model.visual.", "model.vision_tower.")  # GLM's vision tower, HY-V4-VL's
 LAYERS = SIZES["num_hidden_layers"]
 
 # GLM-5-next's text model at hidden 64: a linear-attention layer, then a sparse-attention
@@ -56,6 +63,30 @@ def with_image(ids, mask):
                      image_grid_thw=torch.tensor([[1, 4, 4]] * ids.shape[0]))
 
 
+def hy_v4_vl_config(**text_overrides):
+    """HY-V4-VL at hidden 64: HY-V4's tiny text config with M-RoPE sections (summing to half its
+    rotary head dim); a one-layer vision tower (hy_v4_vl_image's grid)."""
+    from fuseblock.integrations.transformers.tiny import TINY
+
+    text = dict(SIZES, **TINY["hy_v4"], rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                         "mrope_section": [4, 2, 2]})
+    vision = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=1,
+                  out_hidden_size=64, patch_size=2, max_image_size=16)
+    return transformers.HYV4VLConfig(text_config={**text, **text_overrides}, vision_config=vision, image_token_id=3,
+                                     video_token_id=4)
+
+
+def hy_v4_vl_image(ids):
+    """HY-V4-VL's image inputs for ids: one 4 x 2 grid of 2 x 2 patches per row, merged 2 x 2 into
+    2 rows of one token and its row's newline token: 4 image tokens at positions 3 to 6 (after row
+    0's padding), marked in mm_token_type_ids (the wrapper's M-RoPE positions read it)."""
+    g = generator(2)
+    ids = ids.clone()
+    ids[:, 3:7] = 3
+    return ids, dict(pixel_values=torch.randn(ids.shape[0] * 8, 3 * 2 * 2, generator=g),
+                     image_grid_thw=torch.tensor([[1, 4, 2]] * ids.shape[0]), mm_token_type_ids=(ids == 3).long())
+
+
 def glm_config(**text_overrides):
     return transformers.Glm5NextConfig(text_config={**GLM_TEXT, **text_overrides}, vision_config=GLM_VISION,
                                        image_token_id=3, video_token_id=4, image_start_token_id=5,
@@ -63,19 +94,25 @@ def glm_config(**text_overrides):
 
 
 def model_class(kind):
-    return transformers.Glm5NextForConditionalGeneration if kind == "glm5_next" else \
-        transformers.AutoModelForCausalLM._model_mapping[type(transformers.AutoConfig.for_model(kind))]
+    if kind in WRAPPERS:
+        return getattr(transformers, "Glm5NextForConditionalGeneration" if kind == "glm5_next" else
+                       "HYV4VLForConditionalGeneration")
+    return transformers.AutoModelForCausalLM._model_mapping[type(transformers.AutoConfig.for_model(kind))]
+
+
+def wrapper_config(kind, **overrides):
+    return (glm_config if kind == "glm5_next" else hy_v4_vl_config)(**overrides)
 
 
 def build(kind, seed=0, **overrides):
     """The unfused model in eval mode, every 1-d parameter perturbed (hf_models.make) and
     DeepSeek-V4's hash routers given a random token -> experts table (it is zeros, one
     expert for every token, until a checkpoint fills it)."""
-    if kind != "glm5_next":
+    if kind not in WRAPPERS:
         model = make(kind, seed=seed, **overrides)
     else:
         torch.manual_seed(seed)
-        model = transformers.Glm5NextForConditionalGeneration(glm_config(**overrides))
+        model = model_class(kind)(wrapper_config(kind, **overrides))
         with torch.no_grad():
             for p in model.parameters():
                 if p.dim() == 1:
@@ -94,7 +131,7 @@ def pair(kind, **overrides):
 
 
 def inner(model):
-    """The language model fuse fuses: model.model, GLM's model.model.language_model."""
+    """The language model fuse fuses: model.model, the wrappers' model.model.language_model."""
     return getattr(model.model, "language_model", model.model)
 
 
@@ -121,14 +158,14 @@ def assert_same_run(b, a, exact=True):
         assert_same(x, y, exact)
     assert b[2].keys() == a[2].keys()
     assert {n for n, g in b[2].items() if g is None} == {n for n, g in a[2].items() if g is None}
-    text = [g for n, g in a[2].items() if not n.startswith("model.visual.")]  # (GLM's vision tower: images only)
+    text = [g for n, g in a[2].items() if not n.startswith(VISION)]  # (the vision towers: images only)
     assert sum(g is not None for g in text) > 0.8 * len(text)
     for name, g in a[2].items():
         if g is not None:
             # GLM's vision tower: its patch embedding's gradient sums the image's patches, which
             # cancel; on an H200 the kernel path left 6.4e-5 of its scale there (the
             # interpreter under 1e-5)
-            assert_same(b[2][name], g, exact, 1e-4 if name.startswith("model.visual.") else 1e-5)
+            assert_same(b[2][name], g, exact, 1e-4 if name.startswith(VISION) else 1e-5)
     if a[3] is not False:
         assert len(b[3]) == len(a[3]) == LAYERS + 1
         for x, y in zip(b[3], a[3], strict=True):
@@ -143,7 +180,7 @@ def hc_modules(model):
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_fused_model_equals_the_unfused_one_with_one_hc_op_per_boundary(kind, monkeypatch):
     unfused, fused = pair(kind)
     assert list(fused.state_dict()) == list(unfused.state_dict())
@@ -164,11 +201,11 @@ def test_fused_model_equals_the_unfused_one_with_one_hc_op_per_boundary(kind, mo
             m.register_forward_hook(lambda m, a, o, model=model: ran.append(model))
     ids, mask, labels = batch(t=8)
     image = {}
-    if kind == "glm5_next":  # the wrapper merges an image's features into the embeddings the streams start from
-        ids, image = with_image(ids, mask)
+    if kind in WRAPPERS:  # the wrapper merges an image's features into the embeddings the streams start from
+        ids, image = with_image(ids, mask) if kind == "glm5_next" else hy_v4_vl_image(ids)
     a, b = run(unfused, ids, mask, labels, **image), run(fused, ids, mask, labels, **image)
     if image:
-        assert any(g is not None and g.abs().max() > 0 for n, g in a[2].items() if n.startswith("model.visual."))
+        assert any(g is not None and g.abs().max() > 0 for n, g in a[2].items() if n.startswith(VISION))
     assert calls == {"hc_add_norm": 2 * LAYERS - 1, "hc_norm": 1, "hc_head": 1}
     assert len(ran) == len(hc_modules(unfused)) and all(m is unfused for m in ran)
     assert b[3][1].shape == (*ids.shape, inner(fused).config.hc_mult, SIZES["hidden_size"])  # the n streams
@@ -214,7 +251,7 @@ def test_the_stream_norms_become_norms_and_every_other_module_stays():
 # ---------------------------------------------------------------------------- generation, checkpoints
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_greedy_generation_with_cache_and_padding_is_identical(kind):
     unfused, fused = pair(kind)
     ids, mask, _ = batch(t=8)
@@ -227,7 +264,7 @@ def test_greedy_generation_with_cache_and_padding_is_identical(kind):
     assert a.shape == (2, 12) and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_checkpoints_keep_their_keys_and_load_both_ways(kind, tmp_path):
     from safetensors.torch import load_file
 
@@ -249,7 +286,8 @@ def test_checkpoints_keep_their_keys_and_load_both_ways(kind, tmp_path):
 
 
 # one mode a family (the suite's time): reentrant passes gradients to the positional stream only
-@pytest.mark.parametrize(("kind", "reentrant"), [("deepseek_v4", True), ("hy_v4", False), ("glm5_next", True)])
+@pytest.mark.parametrize(("kind", "reentrant"), [("deepseek_v4", True), ("hy_v4", False), ("glm5_next", True),
+                                                 *[("hy_v4_vl", True)] * HAS_HY_V4_VL])
 def test_gradient_checkpointing_in_training_mode(kind, reentrant):
     unfused, fused = pair(kind)
     with warnings.catch_warnings():
@@ -265,14 +303,43 @@ def test_gradient_checkpointing_in_training_mode(kind, reentrant):
     assert_same_run(b, a)
 
 
+@pytest.mark.skipif(not HAS_HY_V4_VL, reason=f"transformers {transformers.__version__} has no HY-V4-VL")
+def test_hy_v4_vl_language_model_takes_its_position_ids_as_the_unfused_one():
+    """HYV4VLTextModel's position ids, each layout its forward takes: none, (B, T), (3, B, T)
+    (the M-RoPE sections, which its rotary embedding and layers read) and (4, B, T), the text
+    positions first (packed sequences, which its mask reads): the fused language model's output
+    is the unfused one's, bitwise, and each layout's ids change the output."""
+    unfused = inner(build("hy_v4_vl"))
+    fused = fuse(copy.deepcopy(unfused))
+    ids, mask, _ = batch(t=8)
+    b, t = ids.shape
+    text = torch.arange(t).expand(b, t)
+    grid = torch.stack([text, text + torch.arange(t) % 3, text + torch.arange(t) % 2])  # differing sections
+    packed = (torch.arange(t) % (t // 2)).expand(b, t)  # two sequences of t / 2 tokens in each row
+    layouts = {"none": {}, "2-d": dict(position_ids=text), "3-d": dict(position_ids=grid),
+               "text + 3-d": dict(position_ids=torch.cat([packed[None], grid]))}
+    outs = {}
+    with torch.no_grad():
+        for layout, kw in layouts.items():
+            # packed: the mask comes from the text positions, with no mask and no cache (training)
+            kw = dict(kw, attention_mask=None if layout == "text + 3-d" else mask, use_cache=False)
+            outs[layout] = a = unfused(input_ids=ids, **kw).last_hidden_state
+            c = fused(input_ids=ids, **kw).last_hidden_state
+            assert torch.equal(c, a), (layout, max_diff(c, a))
+        assert torch.equal(outs["none"], outs["2-d"])
+        assert not torch.equal(outs["3-d"], outs["2-d"])
+        unpacked = unfused(input_ids=ids, position_ids=torch.cat([text[None], grid]), use_cache=False)
+        assert not torch.equal(outs["text + 3-d"], unpacked.last_hidden_state)
+
+
 # ---------------------------------------------------------------------------- what the modules record
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_router_logits_aux_loss_and_attention_weights_match(kind):
     """output_router_logits and output_attentions: the MoE layers' router logits, the
-    load-balancing loss in the total loss (where the family's model adds one: HY-V4's does
-    not) and the attention weights are the unfused model's, bitwise (modules fuse leaves,
+    load-balancing loss in the total loss (where the family's model adds one: HY-V4's and
+    HY-V4-VL's do not) and the attention weights are the unfused model's, bitwise (modules fuse leaves,
     recorded by transformers' hooks on them)."""
     unfused, fused = pair(kind, router_aux_loss_coef=1.0)
     ids, mask, labels = batch(t=8)
@@ -288,7 +355,7 @@ def test_router_logits_aux_loss_and_attention_weights_match(kind):
     else:
         assert len(a.router_logits) == len(b.router_logits) >= 1
         assert all(torch.equal(x, y) for x, y in zip(b.router_logits, a.router_logits, strict=True))
-    if kind == "hy_v4":
+    if kind in ("hy_v4", "hy_v4_vl"):
         assert getattr(a, "aux_loss", None) is None and getattr(b, "aux_loss", None) is None
     else:
         assert a.aux_loss > 0 and torch.equal(b.aux_loss, a.aux_loss)
@@ -300,13 +367,14 @@ def test_router_logits_aux_loss_and_attention_weights_match(kind):
 # ---------------------------------------------------------------------------- init, pickling
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_meta_device_init_equals_the_unfused_model(kind):
     """Built on meta (fused there, as from_pretrained would), to_empty, init_weights: every
     parameter is the unfused model's after the same steps (the hc modules' by their class's
     init, the stream norms' ones), and the loss is finite."""
     cls = model_class(kind)
-    config = glm_config() if kind == "glm5_next" else transformers.AutoConfig.for_model(kind, **make_overrides(kind))
+    config = wrapper_config(kind) if kind in WRAPPERS else transformers.AutoConfig.for_model(kind,
+                                                                                            **make_overrides(kind))
     unfused, fused = meta_pair(cls, config)
     for model in (unfused, fused):
         model.eval()
@@ -366,3 +434,75 @@ def test_what_the_hc_ops_do_not_compute_is_refused_by_name():
         fuse(build("hy_v4", hc_mult=17))
     with pytest.raises(ValueError, match=r"residual_dtype: DeepseekV4Model's n residual streams"):
         fuse(build("deepseek_v4"), residual_dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------- per-channel residual updates
+
+# What fuse's reason for refusing each family with a per-channel or input-gated residual update says
+# its modeling source holds (the module of its model class, as the installed transformers maps it):
+# every pattern must be found there, so a family whose layer is not what its reason says fails
+PER_CHANNEL_EVIDENCE = {
+    "dory": (r"class DoryL2Norm\(torch\.nn\.Module\):[^$]*?def __init__\(self, eps: float = 1e-6\):",
+             r"x \* torch\.rsqrt\(x\.pow\(2\)\.sum\(-1, keepdim=True\)",  # L2, not RMS
+             r"hidden_states = self\.input_layernorm\(hidden_states\)",  # the normed value is the stream
+             r"hidden_states = hidden_states \+ attention_rate \* \(attn_output - hidden_states\)",
+             r"attention_rate = \(self\.lambda_1 \* self\.lambda_scale\)\.abs\(\)",
+             r"self\.lambda_1 = nn\.Parameter\(torch\.full\(\(config\.hidden_size,\)",
+             r"for loop_idx in range\(n_loops\):\s+hidden_states = self\.norm\(hidden_states\) \+ input_hidden_states"),
+    "muse_spark_text": (r"return \(alpha \* residual \+ beta \* hidden_states\)\.to\(residual\.dtype\)",
+                        r"self\.gate = nn\.Parameter\(torch\.empty\(config\.hidden_size\)\)",
+                        r"beta = torch\.sigmoid\(w\)",
+                        r"alpha = torch\.sqrt\(torch\.clamp\(torch\.sigmoid\(-w\) \* \(1\.0 \+ beta\)",
+                        r"self\.post_attention_layernorm = MuseSparkRMSNorm\(\s+config\.hidden_size, "
+                        r"eps=config\.post_norm_eps, with_scale=False",
+                        r"self\.post_feedforward_layernorm = MuseSparkTextInputScaledRMSNorm\(",
+                        r"output = x\.float\(\) \* \(1\.0 \+ self\.weight\)\.float\(\)\s+"
+                        r"output = self\._norm\("),
+    "zaya": (r"hidden_states = \(hidden_states \+ self\.hidden_states_bias\) \* self\.hidden_states_scale",
+             r"residual = \(residual \+ self\.residual_bias\) \* self\.residual_scale",
+             r"self\.residual_bias = nn\.Parameter\(torch\.zeros\(hidden_size\)\)",
+             r"return hidden_states, prev_router_hidden_states"),
+    "qwen4_exp_text": (r"input_mix_weight = torch\.sigmoid\(self\.input_mix_weight_up\(input_mix_weight\)\)",
+                       r"self\.input_mix_weight_down = nn\.Linear\(hc_hidden_size, config\.hc_lowrank",
+                       r"\)\.mean\(\s+dim=-2\s+\)",
+                       r"injection_weights = 2 \* torch\.sigmoid\(self\.block_inject_weight\(",
+                       r"hidden_states = hyper_input \+ injection\.flatten\(-2\)",
+                       r"self\.linear_attn = ", r"self\.ple = "),
+}
+# the norms a reason says fuseblock does not convert, as the layers build them: refused by norm_from
+NOT_CONVERTED = {"dory": {"DoryL2Norm": {}},
+                 "muse_spark_text": {"MuseSparkRMSNorm": dict(dim=64, with_scale=False),
+                                     "MuseSparkTextInputScaledRMSNorm": dict(dim=64)}}
+
+
+@pytest.mark.parametrize("model_type", sorted(PER_CHANNEL_EVIDENCE))
+def test_each_per_channel_refusal_is_what_the_familys_source_holds(model_type):
+    import inspect
+    import re
+    import sys
+
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    from fuseblock.convert import norm_from
+    from fuseblock.integrations.transformers import REFUSED
+
+    name = MODEL_MAPPING_NAMES.get(model_type)
+    if name is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    module = sys.modules[getattr(transformers, name).__module__]
+    source = inspect.getsource(module)
+    missing = [p for p in PER_CHANNEL_EVIDENCE[model_type] if not re.search(p, source)]
+    assert not missing, (model_type, REFUSED[model_type], missing)
+    for cls, args in NOT_CONVERTED.get(model_type, {}).items():
+        assert cls in REFUSED[model_type]
+        with pytest.raises((TypeError, ValueError), match=rf"norm_from: unsupported module {cls}"):
+            norm_from(getattr(module, cls)(**args))
+    if model_type == "muse_spark_text":  # its wrapper's reason is its language model's
+        assert REFUSED[model_type] in REFUSED["muse_spark"]
+    if model_type == "dory":  # the cheapest of these models: refused as a whole, by that reason, left unchanged
+        model = transformers.DoryForCausalLM(transformers.DoryConfig(**SIZES))
+        with pytest.raises(ValueError, match=r"^fuse: DoryForCausalLM \(model_type 'dory'\) is refused: nGPT's layer") \
+                as e:
+            fuse(model)
+        assert REFUSED["dory"] in str(e.value) and "\n" not in str(e.value)
+        assert not any(isinstance(m, Norm) for m in model.modules())

@@ -436,14 +436,20 @@ def _deepseek_v4_inputs(base, input_ids, inputs_embeds, attention_mask, position
 
 def _hy_v4_inputs(base, input_ids, inputs_embeds, attention_mask, position_ids, cache, use_cache):
     """HYV4Model.forward's: one causal mask, always built (its indexer reads it), one rotary embedding."""
+    return _indexed_layer_inputs(base, inputs_embeds, attention_mask, position_ids, position_ids, cache, use_cache)
+
+
+def _indexed_layer_inputs(base, inputs_embeds, attention_mask, mask_ids, rotary_ids, cache, use_cache):
+    """HY-V4's layer keywords: the causal mask of mask_ids, always built; the rotary embedding of
+    rotary_ids, which the layers take as their position ids too."""
     masks = attention_mask
     if not isinstance(masks, dict):
         masks = {"indexed_attention": create_causal_mask(
-            config=base.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+            config=base.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=mask_ids,
             allow_is_causal_skip=False, **{CACHE: cache})}
-    rotary = base.rotary_emb(inputs_embeds, position_ids=position_ids)
+    rotary = base.rotary_emb(inputs_embeds, position_ids=rotary_ids)
     return [{"attention_mask": masks["indexed_attention"], "position_embeddings": rotary,
-             "position_ids": position_ids, CACHE: cache, "use_cache": use_cache}] * base.config.num_hidden_layers
+             "position_ids": rotary_ids, CACHE: cache, "use_cache": use_cache}] * base.config.num_hidden_layers
 
 
 def _glm5_next_inputs(base, input_ids, inputs_embeds, attention_mask, position_ids, cache, use_cache):
@@ -508,6 +514,20 @@ def mrope_positions(base, position_ids: Tensor | None, inputs_embeds: Tensor, ca
     return position_ids, None
 
 
+def given_positions(base, position_ids: Tensor | None, inputs_embeds: Tensor, cache):
+    """The position ids as given (None included), for a family whose inputs step makes its own
+    (HY-V4-VL's, `_hy_v4_vl_inputs`)."""
+    return position_ids, position_ids
+
+
+def _hy_v4_vl_inputs(base, input_ids, inputs_embeds, attention_mask, position_ids, cache, use_cache):
+    """HYV4VLTextModel.forward's: HY-V4's (`_hy_v4_inputs`) with Qwen2-VL's M-RoPE positions
+    (`mrope_positions`): the rotary embedding and the layers take the (3, B, T) ids, the mask
+    the text positions of (4, B, T) ones, else none."""
+    rotary_ids, text_ids = mrope_positions(base, position_ids, inputs_embeds, cache)
+    return _indexed_layer_inputs(base, inputs_embeds, attention_mask, text_ids, rotary_ids, cache, use_cache)
+
+
 # Language models transformers ships only inside a multimodal wrapper (no causal-LM class
 # of their own, so no tiny config and none of FAMILIES' generic tests: the wrappers' tests
 # cover them): model_type -> Family, as FAMILIES
@@ -521,6 +541,9 @@ WRAPPED: Mapping[str, Family] = {
                              output=MoeModelOutputWithPast, model_forward=HYPER_MODEL_FORWARD, rotary=None,
                              hyper=Hyper("glm5_next", _deepseek_v4_options, _indexed_attend, _plain_feed,
                                          _glm5_next_inputs, topk=True, weighted_head=False)),
+    # HY-V4-VL's text model (transformers 5.24): HY-V4's layers and head, M-RoPE positions
+    "hy_v4_vl_text": Family(HYPER, **_HYPER_FAMILY, positions=given_positions, hyper=Hyper(
+        "hy_v4", _hy_v4_options, _indexed_attend, _plain_feed, _hy_v4_vl_inputs, topk=True, weighted_head=True)),
 }
 
 # Multimodal wrappers (issue 25): the wrapper's config.model_type -> the attribute of its
@@ -532,7 +555,8 @@ WRAPPED: Mapping[str, Family] = {
 # forward takes as the unfused one does.
 WRAPPERS: Mapping[str, str] = {"llava": "language_model", "gemma3": "language_model", "mistral3": "language_model",
                                "qwen2_vl": "language_model", "qwen2_5_vl": "language_model",
-                               "glm5_next": "language_model", "inkling2_loop": "language_model"}
+                               "glm5_next": "language_model", "inkling2_loop": "language_model",
+                               "hy_v4_vl": "language_model"}
 
 
 def family_of_class(name: str) -> str | None:

@@ -1,11 +1,11 @@
 """Why `fuse` refuses the causal-LM families it does not fuse, by `config.model_type`.
 
-Read off each family's model and decoder-layer structure in transformers 5.23 (its
-modules and config; docs/transformers.md's table lists every family). A family not named
-here nor in FAMILIES is refused as not yet compared. Reasons are grouped by what keeps
-the family out; "Llama-shaped" families have Llama's module layout but have not been put
-through the tests that every fused family passes, so fuse refuses them rather than
-trusting the names.
+Read off each family's model and decoder-layer structure in transformers 5.23, or 5.24
+for the families only it has (dory): its modules and config (docs/transformers.md's
+table lists every family). A family not named here nor in FAMILIES is refused as not yet
+compared. Reasons are grouped by what keeps the family out; "Llama-shaped" families have
+Llama's module layout but have not been put through the tests that every fused family
+passes, so fuse refuses them rather than trusting the names.
 """
 from __future__ import annotations
 
@@ -25,8 +25,16 @@ _SEQ2SEQ = "the decoder of an encoder-decoder family: cross-attention between it
 _RECURRENT = "a recurrent or state-space block (one norm and one mixer per block): not a fused shape yet"
 _HYBRID = "hybrid layers (linear-attention, convolution or state-space mixers beside attention): not a fused shape yet"
 _WRAPPER = "a multimodal wrapper or container fuse has not checked: its language model is not one fuse takes yet"
-_HYPER = ("gated residuals in place of the residual add (Qwen4-Exp's low-rank per-channel stream mix, ZAYA's "
-          "per-channel scale and bias on both sides of the add): not the mHC boundary the hc ops fuse")
+# Per-channel residual updates (dory, only in transformers 5.24; muse_spark, zaya, qwen4_exp_text): what each
+# layer computes in place of r + f, by its modeling source (tests/integrations/test_hf_hyper_families.py
+# checks each reason against it)
+_PER_CHANNEL = ("per-channel residual and branch scales, which fuseblock's ops do not take yet (add_norm's alpha is "
+                "one float)")
+_MUSE_SPARK = ("per-channel residual gates in place of the residual add (MuseSparkResidualGate: "
+               "alpha * r + beta * N(x), alpha and beta [d] vectors formed from one gate Parameter): "
+               f"{_PER_CHANNEL}; and norms fuseblock does not convert: the attention's post-norm has no weight and "
+               "no normalized_shape (MuseSparkRMSNorm(with_scale=False)), the MLP's scales before it normalizes "
+               "(MuseSparkTextInputScaledRMSNorm: N((1 + w) * x))")
 
 _GROUPS = {
     _LLAMA_SHAPED: ("emu3", "moshi", "minimax_m3_vl_text", "phi4_multimodal", "mellum"),
@@ -46,11 +54,27 @@ _GROUPS = {
               "olmo_hybrid", "inkling_text", "inkling2_text", "blt", "hrm_text"),
     _WRAPPER: ("fuyu", "gemma3n", "gemma4", "gemma4_unified", "git", "got_ocr2", "llama4", "mllama",
                "moss_transcribe_diarize", "qwen4_exp", "dots3_note"),
-    _HYPER: ("qwen4_exp_text", "zaya"),
 }
 
 REFUSED: dict[str, str] = {model_type: why for why, names in _GROUPS.items() for model_type in names}
 REFUSED.update({
+    "dory": "nGPT's layer on the unit sphere: each norm an L2 norm with no weight and no normalized_shape "
+            "(DoryL2Norm(eps), not a norm fuseblock converts) whose output replaces the stream, each update the "
+            "interpolation h + |lambda * s| * (N(f(h)) - h) at learned per-channel rates (lambda_1, lambda_2): "
+            f"{_PER_CHANNEL}; and the model forward loops its recurrent layers (config.n_recurrent_loops, each loop "
+            "entered with norm(h) + the input layers' normed output), which fuse's model forward does not",
+    "muse_spark_text": _MUSE_SPARK,
+    "muse_spark": f"a multimodal wrapper whose language model (muse_spark_text) fuse refuses: {_MUSE_SPARK}",
+    "zaya": "ZAYA's residual update (ZayaResidualScaling): (f + b_f) * s_f + (r + b_r) * s_r, a per-channel bias and "
+            "scale on each side of the add, the biases added before the scales, which per-channel scales alone "
+            "(a * r + b * f) do not compute; and each layer hands the next its router's hidden states "
+            "(prev_router_hidden_states), a second stream beside the residual",
+    "qwen4_exp_text": "Qwen4-Exp's gated residual (Qwen4ExpTextGatedResidual): config.hc_count streams whose sublayer "
+                      "input is their mean under input-dependent per-channel gates (the sigmoid of a low-rank MLP of "
+                      "the normed streams, input_mix_weight_down / up) with no norm after it, and whose update adds "
+                      "the branch to each stream at an input-dependent weight (2 sigmoid(block_inject_weight)): "
+                      "neither the mHC boundary the hc ops fuse (a weighted norm after the collapse) nor fixed "
+                      "per-channel scales; beside linear-attention layers and per-layer embeddings (ple)",
     "doge": "learned residual scales in the decoder layer (input_residual, post_attention_residual Parameters): a "
             "per-channel residual update, not a fused shape yet",
     "jetmoe": "a mixture of attention heads as self_attention and a MoE as mlp, with router losses of both: not yet "
