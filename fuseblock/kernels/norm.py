@@ -826,7 +826,7 @@ def _bwd_plan(p, gate, weight, bias, dout, dres, spec: NormSpec, x_dtype, residu
     n_blocks = cdiv(M, lay.br)
     limit = min(n_blocks, cdiv(M, MIN_ROWS_PER_PROGRAM))
     strides = (d if gate is not None else 0, d, d if dres is not None else 0, d,
-               0 if residual_grad_dtype is None else d, 0 if gate is None else d)
+               0 if residual_grad_dtype is None else d, 0 if gate is None else d, 0, 0, 0)  # (no [d] scales here)
     scalars = (d, *strides, M, G, d // G, spec.scale, spec.weight_offset, *_branch(spec))
     consts = dict(BR=lay.br, BG=lay.bg, BD=lay.bd, num_warps=lay.warps, FLAGS=fold_flags(flags))
     # one wave of programs at most, as norm_bwd (deterministic mode and what was learned are in the key)

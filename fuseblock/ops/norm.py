@@ -140,8 +140,8 @@ def _bwd_fake(dout, dres, p, gate, weight, bias, rstd, mean, spec, x_dtype, resi
 
 
 def _setup(ctx, inputs, output):
-    x, residual, gate, weight, bias, spec, residual_dtype, _, x1, seed = inputs[:10]
-    rscale, bscale = inputs[10:] if len(inputs) > 10 else (None, None)
+    x, residual, gate, weight, bias, spec, residual_dtype, _, x1, seed, *scales = inputs
+    rscale, bscale = scales or (None, None)  # the [d] scales, which a plain call does not pass
     _, new_res, rstd, mean = output
     ctx.spec = spec if spec.__class__ is NormSpec else NormSpec.unpack(spec)
     # Backward re-derives everything from p and the row statistics, so the normalized

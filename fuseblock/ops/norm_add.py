@@ -108,8 +108,8 @@ def _bwd_fake(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b
 
 
 def _setup(ctx, inputs, output):
-    x, residual, branch_weight, branch_bias, weight, bias, spec, _, second, _ = inputs[:10]
-    rscale, bscale = inputs[10:] if len(inputs) > 10 else (None, None)
+    x, residual, branch_weight, branch_bias, weight, bias, spec, _, second, _, *scales = inputs
+    rscale, bscale = scales or (None, None)  # the [d] scales, which a plain call does not pass
     new_res, _, rstd_b, mean_b, rstd, mean = output
     ctx.bspec, ctx.spec, ctx.alpha = _unpack(spec)
     ctx.second = second
