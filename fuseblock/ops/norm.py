@@ -194,7 +194,7 @@ def _grads(ctx, grad_outputs, norm_bwd):
             dout, dres, p, gate, weight, bias, rstd, mean, ctx.spec if norm_bwd is _launch_bwd else ctx.spec.pack(),
             ctx.x_dtype, rgrad_dtype, seed, ctx.has_x1, residual, x, x1, rscale, bscale,
         )
-    return (
+    grads = (
         dx,
         None if ctx.residual_dtype is None else (dx if rgrad_dtype is None else dres_sep),
         dgate if gate is not None else None,
@@ -202,10 +202,9 @@ def _grads(ctx, grad_outputs, norm_bwd):
         db if bias is not None else None,
         None, None, None,
         (dx1 if ctx.spec.dropout_p > 0 else dx) if ctx.has_x1 else None,  # no dropout: dx1 = dx
-        None,
-        drs if rscale is not None else None,
-        dbs if bscale is not None else None,
     )
+    # the [d] scales' after the seed's None, where the call had them (dx1 stays last otherwise)
+    return grads if rscale is None and bscale is None else (*grads, None, drs, dbs)
 
 
 def _dropout_scales(ctx, p: Tensor, seed: Tensor) -> tuple[Tensor, Optional[Tensor]]:
@@ -262,8 +261,9 @@ def _graph_grads(ctx, grad_outputs):
         a = ctx.spec.residual_scale if rscale is None else rscale.to(dp.dtype)
         dp = dp * a if rscale is not None or a != 1.0 else dp  # dresidual = a * dp
     dresidual = None if ctx.residual_dtype is None or dp is None else dp.to(ctx.residual_dtype)
-    return (dx, dresidual, found.get(id(gate)), found.get(id(weight)), found.get(id(bias)), None, None, None,
-            dx1 if ctx.has_x1 else None, None, drs, dbs)
+    grads = (dx, dresidual, found.get(id(gate)), found.get(id(weight)), found.get(id(bias)), None, None, None,
+             dx1 if ctx.has_x1 else None)
+    return grads if rscale is None and bscale is None else (*grads, None, drs, dbs)
 
 
 norm_op = FusedOp("norm", _fwd, _fwd_fake, _bwd, _bwd_fake, _setup, _grads, stats=(2, 3), graph_grads=_graph_grads,

@@ -221,3 +221,20 @@ def test_the_ops_schemas_and_fakes_take_the_scales():
                           test_utils=checks)
     torch.library.opcheck(norm_add_op.fwd_op, (x, r, w, None, w, None, [*spec, *spec, 1.0], torch.float32, True, True,
                                                a, b), test_utils=checks)
+
+
+@pytest.mark.kernel
+def test_create_graph_gradients_equal_the_first_order_ones():
+    # create_graph=True takes the differentiable form of the backward (the kernel path's
+    # graph_grads): the same gradients, the scales' included
+    x, r = torch.randn(4, D, requires_grad=True), torch.randn(4, D, requires_grad=True)
+    w, bw, a, b = (torch.randn(D, requires_grad=True) for _ in range(4))
+    for call, leaves in ((lambda: fuseblock.add_norm(x, r, w, residual_scale=a, branch_scale=b, x1=r),
+                          (x, r, w, a, b)),
+                         (lambda: fuseblock.norm_add_norm(x, r, bw, w, residual_scale=a, branch_scale=b),
+                          (x, r, bw, w, a, b))):
+        outs = call()
+        cots = [torch.randn(o.shape) for o in outs]
+        first = torch.autograd.grad(outs, leaves, cots, retain_graph=True)
+        for g, h in zip(first, torch.autograd.grad(outs, leaves, cots, create_graph=True), strict=True):
+            torch.testing.assert_close(g, h)
