@@ -179,10 +179,13 @@ class NormSpec:
     act: Act
     groups: int
     weight_offset: float = 0.0  # Gemma's (1 + w): the stored weight is the offset from weight_offset
-    # add_norm's branch, p = residual + alpha * (drop(x) + drop(x1)): its scale and the
-    # dropout probability (the seed is drawn per call, not part of the spec)
+    # add_norm's branch, p = residual_scale * residual + alpha * (drop(x) + drop(x1)): the
+    # branch's float scale (the float form of branch_scale), the dropout probability (the
+    # seed is drawn per call, not part of the spec) and the residual's float scale. A [d]
+    # tensor scale is an argument of the call, not a field; its float here is then 1.
     alpha: float = 1.0
     dropout_p: float = 0.0
+    residual_scale: float = 1.0
     # the dtype the output is stored in, None for x's: an fp32 out of bf16 x is the fp32
     # composition stored once (not rounded to x's dtype first), and its gradient is read as
     # it comes (flash-attention's out_dtype)
@@ -221,9 +224,9 @@ class NormSpec:
             object.__setattr__(self, "_packed", packed)
         return list(packed)
 
-    def with_branch(self, alpha: float, dropout_p: float) -> NormSpec:
+    def with_branch(self, alpha: float, dropout_p: float, residual_scale: float = 1.0) -> NormSpec:
         """This spec with add_norm's validated branch options."""
-        return replace(self, alpha=float(alpha), dropout_p=float(dropout_p))
+        return replace(self, alpha=float(alpha), dropout_p=float(dropout_p), residual_scale=float(residual_scale))
 
     def with_out_dtype(self, out_dtype: torch.dtype | None) -> NormSpec:
         """This spec storing its output in out_dtype (a validated float dtype; None: x's)."""

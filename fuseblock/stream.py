@@ -118,8 +118,23 @@ def _dropped(t: Tensor, p: float) -> Tensor:
     return F.dropout(t, p, training=True) if p > 0.0 else t
 
 
-def _scaled(alpha: float, t: Tensor) -> Tensor:
+def _scaled(alpha, t: Tensor) -> Tensor:
+    """alpha * t: alpha a float (1: t itself) or a [d] tensor."""
+    if isinstance(alpha, Tensor):
+        return t * alpha
     return t if alpha == 1.0 else alpha * t
+
+
+def _check_scale(name: str, value, dim: int):
+    """A block's residual_scale or branch_scale: a finite float, or a (dim,) float tensor
+    (an nn.Parameter to learn it: nGPT's, Muse Spark's per-channel gates)."""
+    if isinstance(value, Tensor):
+        if value.shape != (dim,) or not value.is_floating_point():
+            raise ValueError(f"{name} must be a float or a ({dim},) float tensor, got {value.dtype} of shape "
+                             f"{tuple(value.shape)}")
+        return value
+    check_number(name, value)
+    return float(value)
 
 
 class PreNormBlock(nn.Module):
@@ -182,6 +197,8 @@ class PreNormBlock(nn.Module):
         parallel_norm: bool | nn.Module = False,
         sandwich: bool = False,
         post_norm: bool = False,
+        residual_scale: float | Tensor = 1.0,
+        branch_scale: float | Tensor | None = None,
     ):
         super().__init__()
         if not isinstance(mixer, nn.Module):
@@ -203,7 +220,19 @@ class PreNormBlock(nn.Module):
         self.parallel_norm = self._second_norm(parallel_norm, parallel, dim, norm_kw)
         self.branch_norm = Norm(dim, **norm_kw) if sandwich or post_norm else None
         self.sandwich, self.post_norm = sandwich, post_norm
+        if branch_scale is not None and not isinstance(branch_scale, Tensor):  # alpha's other name
+            if alpha != 1.0:
+                raise ValueError("alpha and branch_scale are one scale (alpha is branch_scale's float form): give one")
+            alpha, branch_scale = branch_scale, None
         self.alpha, self.dropout = alpha, dropout
+        # the per-channel scales: a float, or a [d] tensor kept as given (an nn.Parameter is
+        # learned, any other tensor a buffer)
+        for name, value in (("residual_scale", residual_scale), ("branch_scale", branch_scale)):
+            value = value if value is None else _check_scale(name, value, dim)
+            if isinstance(value, Tensor) and not isinstance(value, nn.Parameter):
+                self.register_buffer(name, value)
+            else:
+                setattr(self, name, value)
         self._keywords_cache = [(None, None), (None, None)]  # (module, its keywords) of the mixer, the parallel
         self._room_cache = [(None, None), (None, None)]  # (module, how many side inputs it takes) of the two
         self._keywords(None)
@@ -269,9 +298,16 @@ class PreNormBlock(nn.Module):
         _check_variant(getattr(self, "_alpha", 1.0), value, self.parallel, self.sandwich, self.post_norm)
         self._dropout = float(value)
 
+    def _scales(self) -> dict:
+        """The per-channel scales as add_norm's keywords, {} where there are none."""
+        rs, bs = self.residual_scale, self.branch_scale
+        if bs is None and not isinstance(rs, Tensor) and rs == 1.0:
+            return {}
+        return dict(residual_scale=rs, branch_scale=bs)
+
     def _has_options(self) -> bool:
         return (self.alpha != 1.0 or self.dropout > 0.0 or self.parallel is not None or self.sandwich
-                or self.post_norm)
+                or self.post_norm or bool(self._scales()))
 
     def forward(self, hidden, residual: Tensor | None = None, *args, branch_norm: Norm | None = None,
                 **kwargs) -> tuple:
@@ -280,7 +316,8 @@ class PreNormBlock(nn.Module):
         if getattr(self.mixer, "fuses_prenorm", False):
             if self._has_options() or branch_norm is not None:
                 raise ValueError(f"a fuses_prenorm mixer ({type(self.mixer).__name__}) fuses the norm into its "
-                                 f"Linear, which takes no alpha, dropout, parallel, sandwich or post_norm")
+                                 f"Linear, which takes no alpha, dropout, parallel, sandwich, post_norm or "
+                                 f"residual_scale/branch_scale")
             return self.mixer(hidden, residual, *args, prenorm=self.norm, **kwargs)
         hidden, residual, rest = self._step(hidden, residual, branch_norm, args, kwargs)
         return (hidden, residual, *rest)
@@ -296,7 +333,7 @@ class PreNormBlock(nn.Module):
             if isinstance(out, Tensor) and out.shape != hidden.shape:
                 raise ValueError(f"mixer ({type(self.mixer).__name__}) maps shape {tuple(hidden.shape)} to "
                                  f"{tuple(out.shape)}: a mixer must keep its input's shape")
-            return self.branch_norm.norm_add(out, hidden, alpha=self.alpha), None, rest
+            return self.branch_norm.norm_add(out, hidden, alpha=self.alpha, **self._scales()), None, rest
         normed, residual = self._enter(hidden, residual, branch_norm)
         out, rest = split_output(self.mixer(normed, *args, **self._kwargs_for(0, kwargs)))
         if self.parallel is None:
@@ -318,15 +355,16 @@ class PreNormBlock(nn.Module):
         if branch_norm is not None:
             if pair:
                 raise ValueError("branch_norm takes one branch, got a pair (a parallel block's outputs)")
-            return branch_norm.norm_add_norm(hidden, residual, self.norm, alpha=self.alpha)
+            return branch_norm.norm_add_norm(hidden, residual, self.norm, alpha=self.alpha, **self._scales())
         if self.sandwich:
             raise ValueError("a sandwich block's hidden is the previous block's output before its branch norm: "
                              "pass branch_norm=previous_block.branch_norm")
         h, h1 = hidden if pair else (hidden, None)
         p = self.dropout if self.training else 0.0
-        if h1 is None and self.alpha == 1.0 and p == 0.0:  # add_norm's plain lane, keywords left out
+        scales = self._scales()
+        if h1 is None and self.alpha == 1.0 and p == 0.0 and not scales:  # add_norm's plain lane, keywords left out
             return self.norm.add(h, residual)
-        return self.norm.add(h, residual, alpha=self.alpha, x1=h1, dropout_p=p)
+        return self.norm.add(h, residual, alpha=self.alpha, x1=h1, dropout_p=p, **scales)
 
     def naive(self, x: Tensor, *args, **kwargs):
         """The unfused step (x + alpha * drop(mixer(norm(x), *args, **kwargs)), or the form
@@ -354,11 +392,14 @@ class PreNormBlock(nn.Module):
             branch, rest = _dropped(out, p) + _dropped(out1, p), rest + rest1
         else:
             branch = _dropped(out, p)
-        return h + _scaled(self.alpha, branch), rest
+        return (_scaled(self.residual_scale, h)
+                + _scaled(self.alpha if self.branch_scale is None else self.branch_scale, branch)), rest
 
     def extra_repr(self) -> str:
         """The shape's settings that differ from the default (the modules show their own)."""
         parts = [f"alpha={self.alpha}"] if self.alpha != 1.0 else []
+        parts += [f"{k}=tensor of {v.shape[0]}" if isinstance(v, Tensor) else f"{k}={v}"
+                  for k, v in self._scales().items() if v is not None and (isinstance(v, Tensor) or v != 1.0)]
         parts += [f"dropout={self.dropout}"] if self.dropout > 0.0 else []
         parts += [f"{name}=True" for name in ("sandwich", "post_norm") if getattr(self, name)]
         return ", ".join(parts)
@@ -451,6 +492,8 @@ class ResidualStack(nn.Module):
         sandwich: bool = False,
         post_norm: bool = False,
         checkpoint: bool = False,
+        residual_scale: float | Tensor = 1.0,
+        branch_scale: float | Tensor | None = None,
     ):
         super().__init__()
         mixers = self.modules_of("mixers", mixers)
@@ -470,13 +513,14 @@ class ResidualStack(nn.Module):
         norm_kw = dict(kind=kind, eps=eps, bias=bias, residual_dtype=residual_dtype, weight_offset=weight_offset)
         self.blocks = nn.ModuleList(
             PreNormBlock(m, dim, alpha=alpha, dropout=dropout, parallel=m1, parallel_norm=parallel_norm,
-                         sandwich=sandwich, post_norm=post_norm, **norm_kw)
+                         sandwich=sandwich, post_norm=post_norm, residual_scale=residual_scale,
+                         branch_scale=branch_scale, **norm_kw)
             for m, m1 in zip(mixers, seconds, strict=True))
         self.norm_f = AddNorm(dim, **norm_kw) if final_norm else None
         self.fused, self.return_extras, self.checkpoint = fused, return_extras, checkpoint
         self.residual_dtype = residual_dtype
         self.sandwich, self.post_norm = sandwich, post_norm
-        self.alpha, self.dropout = alpha, dropout
+        self.alpha, self.dropout = self.blocks[0].alpha, dropout  # (a float branch_scale is alpha)
 
     # The stack's alpha and dropout are every block's: the fused form applies a block's at
     # the next block's entry and the stack's at its end, the naive form each block's to
@@ -571,21 +615,25 @@ class ResidualStack(nn.Module):
                 check_mixer_output(i, module, part, x, what)
             branch_norm = block.branch_norm if self.sandwich else None
             extras.append(tuple(out[2:]))
+        # the per-channel scales, every block's (as alpha): the last block's output takes them here
+        scales = self.blocks[-1]._scales()
         if self.post_norm:  # the whole stream is `hidden`
             out = hidden if self.norm_f is None else self.norm_f.add(hidden)[0]
         elif self.sandwich:  # o = N_f(r + alpha * N_b(p)), one norm_add_norm (or norm_add)
-            out = (branch_norm.norm_add(hidden, residual, alpha=self.alpha) if self.norm_f is None
-                   else branch_norm.norm_add_norm(hidden, residual, self.norm_f, alpha=self.alpha)[0])
+            out = (branch_norm.norm_add(hidden, residual, alpha=self.alpha, **scales) if self.norm_f is None
+                   else branch_norm.norm_add_norm(hidden, residual, self.norm_f, alpha=self.alpha, **scales)[0])
         else:  # o = norm_f(r + alpha * (drop(p) + drop(p1))), one more launch
             h, h1 = hidden if isinstance(hidden, tuple) else (hidden, None)
             p = self.dropout if self.training else 0.0
             if self.norm_f is None:
                 branch = _dropped(h, p) if h1 is None else _dropped(h, p) + _dropped(h1, p)
-                out = residual + _scaled(self.alpha, branch)
-            elif h1 is None and self.alpha == 1.0 and p == 0.0:  # add_norm's plain lane
+                last = self.blocks[-1]
+                out = (_scaled(last.residual_scale, residual)
+                       + _scaled(self.alpha if last.branch_scale is None else last.branch_scale, branch))
+            elif h1 is None and self.alpha == 1.0 and p == 0.0 and not scales:  # add_norm's plain lane
                 out = self.norm_f.add(h, residual)[0]
             else:
-                out = self.norm_f.add(h, residual, alpha=self.alpha, x1=h1, dropout_p=p)[0]
+                out = self.norm_f.add(h, residual, alpha=self.alpha, x1=h1, dropout_p=p, **scales)[0]
         return out.to(x.dtype), tuple(extras)
 
     def _naive(self, x: Tensor, routed: list[dict], positional: list[tuple]) -> tuple[Tensor, tuple]:

@@ -389,23 +389,30 @@ def sum_rows(PART, OUT, n_rows, s_part, o_col, m_col, BR: tl.constexpr, BD: tl.c
 
 @triton.jit(do_not_specialize=["n_rows"])
 def _bwd_sum(DWP, DBP, DW, DB, n_rows, D, BR: tl.constexpr, BD: tl.constexpr,
-             HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+             HAS_W: tl.constexpr, HAS_B: tl.constexpr, DAP=None, DCP=None, DA=None, DC=None):
     # A backward's second launch: dw and db, both in one, from the (n_rows, D) partial
-    # rows its first wrote; program i_c sums columns i_c * BD ...
+    # rows its first wrote (and two more, DA and DC where given: the norm's [d] scales);
+    # program i_c sums columns i_c * BD ...
     o_col = tl.program_id(0) * BD + tl.arange(0, BD)
     m_col = o_col < D
     if HAS_W:
         sum_rows(DWP, DW, n_rows, D, o_col, m_col, BR, BD)
     if HAS_B:
         sum_rows(DBP, DB, n_rows, D, o_col, m_col, BR, BD)
+    if DA is not None:
+        sum_rows(DAP, DA, n_rows, D, o_col, m_col, BR, BD)
+    if DC is not None:
+        sum_rows(DCP, DC, n_rows, D, o_col, m_col, BR, BD)
 
 
-def sum_partial_rows(dw_part, db_part, dw, db, n_rows: int, d: int, bd: int | None = None) -> None:
+def sum_partial_rows(dw_part, db_part, dw, db, n_rows: int, d: int, bd: int | None = None, scales=()) -> None:
     """Launch `_bwd_sum`: dw and db (either may be None), in their own dtypes, become the
     column sums of the (n_rows, d) fp32 partial rows dw_part and db_part. bd: `sum_cols`'s
-    columns per program, where the caller has it."""
+    columns per program, where the caller has it. scales: (da_part, dc_part, da, dc), two
+    more such gradients summed in the same launch (either may be None)."""
     if bd is None:
-        bd = sum_cols(d, (dw_part if dw is not None else db_part).device)
+        bd = sum_cols(d, next(t for t in (dw_part, db_part, *scales) if t is not None).device)
     _bwd_sum_ = traced(_bwd_sum) if TRACING.on else _bwd_sum
+    more = dict(zip(("DAP", "DCP", "DA", "DC"), scales, strict=True)) if scales else {}
     _bwd_sum_[(cdiv(d, bd),)](dw_part, db_part, dw, db, n_rows, d, BR=max(1, SUM_TILE // bd), BD=bd,
-                             HAS_W=dw is not None, HAS_B=db is not None, num_warps=4)
+                             HAS_W=dw is not None, HAS_B=db is not None, num_warps=4, **more)

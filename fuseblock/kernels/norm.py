@@ -65,6 +65,7 @@ from .row_math import (
     GATE_NONE,
     GATE_POST,
     GATE_PRE,
+    SCALE_VEC,
     check_modes,
     gate_act,
     gate_act_grad,
@@ -72,6 +73,8 @@ from .row_math import (
     row_mean,
     row_rstd,
     row_weight,
+    scale_by,
+    scale_mode,
     sq_prod,
 )
 
@@ -102,13 +105,14 @@ MIN_ROWS_PER_PROGRAM = 64  # keeps dw/db partial rows (fp32, written and summed)
 
 # --------------------------------------------------------------------------- helpers
 @triton.jit
-def _load_p(X, X1, R, RO, SEED, o_x, o_x1, o_r, o_ro, o_e, mask, alpha, drop_p, drop_scale,
+def _load_p(X, X1, R, RO, SEED, RS, BS, o_x, o_x1, o_r, o_ro, o_e, o_c, mask, alpha, rscale, drop_p, drop_scale,
             HAS_X1: tl.constexpr, DROPOUT: tl.constexpr,
-    HAS_R: tl.constexpr, STORE_R: tl.constexpr):
-    """p = residual + alpha * (drop(x) + drop(x1)) in fp32 (the plain op: x + residual, alpha
-    = 1 being exact); stores new_residual and returns its rounded value, so the norm sees
-    exactly what was stored (and what the naive stack would add). o_e keys the dropout
-    masks (`philox_keep`); drop_scale = 1 / (1 - drop_p)."""
+    HAS_R: tl.constexpr, STORE_R: tl.constexpr, R_SCALE: tl.constexpr, BS_VEC: tl.constexpr):
+    """p = a * residual + b * (drop(x) + drop(x1)) in fp32 (the plain op: x + residual, alpha
+    = 1 being exact), b = alpha or BS[o_c], a (`scale_by`) none, rscale or RS[o_c]; stores
+    new_residual and returns its rounded value, so the norm sees exactly what was stored
+    (and what the naive stack would add). o_e keys the dropout masks (`philox_keep`);
+    drop_scale = 1 / (1 - drop_p)."""
     b_p = tl.load(X + o_x, mask=mask, other=0.0).to(tl.float32)
     if HAS_X1:
         b_x1 = tl.load(X1 + o_x1, mask=mask, other=0.0).to(tl.float32)
@@ -119,9 +123,12 @@ def _load_p(X, X1, R, RO, SEED, o_x, o_x1, o_r, o_ro, o_e, mask, alpha, drop_p, 
             b_x1 = tl.where(b_kx1, b_x1 * drop_scale, 0.0)
     if HAS_X1:
         b_p += b_x1
-    b_p *= alpha
+    if BS_VEC:
+        b_p *= tl.load(BS + o_c, mask=mask, other=0.0).to(tl.float32)
+    else:
+        b_p *= alpha
     if HAS_R:
-        b_p += tl.load(R + o_r, mask=mask, other=0.0).to(tl.float32)
+        b_p += scale_by(tl.load(R + o_r, mask=mask, other=0.0).to(tl.float32), RS, rscale, o_c, mask, R_SCALE)
     if STORE_R:
         b_pr = b_p.to(RO.dtype.element_ty)
         tl.store(RO + o_ro, b_pr, mask=mask)
@@ -130,11 +137,12 @@ def _load_p(X, X1, R, RO, SEED, o_x, o_x1, o_r, o_ro, o_e, mask, alpha, drop_p, 
 
 
 # --------------------------------------------------------------------------- forward
-@triton.jit(do_not_specialize=["M", "eps", "scale", "woff", "alpha", "drop_p", "drop_scale", "SEED", "q_ub"])
+@triton.jit(do_not_specialize=["M", "eps", "scale", "woff", "alpha", "rscale", "drop_p", "drop_scale", "SEED",
+                               "q_ub"])
 def _fwd_tile(
-    X, X1, R, Z, W, B, O, RO, RSTD, MEAN, SEED,
+    X, X1, R, Z, W, B, O, RO, RSTD, MEAN, SEED, RS, BS,
     s_x, s_x1, s_r, s_z, s_o, s_ro,
-    M, G, DG, eps, scale, woff, alpha, drop_p, drop_scale,
+    M, G, DG, eps, scale, woff, alpha, rscale, drop_p, drop_scale,
     BR: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
     FLAGS: tl.constexpr,  # `fwd_flags`: HAS_X1 ... EXACT_SQ, GATE and ACT in one constexpr
     # the scaled fp8 output (`fuseblock.kernels.fp8.store_quantized`): O holds its codes
@@ -153,6 +161,8 @@ def _fwd_tile(
     EXACT_SQ: tl.constexpr = (FLAGS >> 8) & 1
     GATE: tl.constexpr = (FLAGS >> 9) & 3
     ACT: tl.constexpr = (FLAGS >> 11) & 3
+    R_SCALE: tl.constexpr = (FLAGS >> 13) & 3
+    BS_VEC: tl.constexpr = (FLAGS >> 15) & 1
     check_modes(GATE, ACT)
     i_m = tl.program_id(0)
     o_m = (i_m * BR + tl.arange(0, BR)).to(tl.int64)  # int64: M * stride may pass 2**31
@@ -165,8 +175,9 @@ def _fwd_tile(
     row = o_m[:, None, None]
     col = o_gd[None, :, :]
 
-    b_p = _load_p(X, X1, R, RO, SEED, row * s_x + col, row * s_x1 + col, row * s_r + col, row * s_ro + col,
-                  row * (G * DG) + col, mask, alpha, drop_p, drop_scale, HAS_X1, DROPOUT, HAS_R, STORE_R)
+    b_p = _load_p(X, X1, R, RO, SEED, RS, BS, row * s_x + col, row * s_x1 + col, row * s_r + col, row * s_ro + col,
+                  row * (G * DG) + col, row * 0 + col, mask, alpha, rscale, drop_p, drop_scale, HAS_X1, DROPOUT,
+                  HAS_R, STORE_R, R_SCALE, BS_VEC)
     if GATE == GATE_PRE:
         b_s = b_p * gate_act(tl.load(Z + row * s_z + col, mask=mask, other=0.0).to(tl.float32), ACT)
     else:
@@ -203,16 +214,16 @@ def _fwd_tile(
             tl.store(MEAN + o_stat, b_mean, mask=m_stat)
 
 
-@triton.jit(do_not_specialize=["MG", "eps", "scale", "woff", "alpha", "drop_p", "drop_scale", "SEED"])
+@triton.jit(do_not_specialize=["MG", "eps", "scale", "woff", "alpha", "rscale", "drop_p", "drop_scale", "SEED"])
 def _fwd_loop(
-    X, X1, R, Z, W, B, O, RO, RSTD, MEAN, SEED,
+    X, X1, R, Z, W, B, O, RO, RSTD, MEAN, SEED, RS, BS,
     s_x, s_x1, s_r, s_z, s_o, s_ro,
-    MG, G, DG, eps, scale, woff, alpha, drop_p, drop_scale,
+    MG, G, DG, eps, scale, woff, alpha, rscale, drop_p, drop_scale,
     BD: tl.constexpr,
     HAS_X1: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_R: tl.constexpr, STORE_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, STORE_STATS: tl.constexpr,
-    EXACT_SQ: tl.constexpr,
+    EXACT_SQ: tl.constexpr, R_SCALE: tl.constexpr, BS_VEC: tl.constexpr,
 ):
     check_modes(GATE, ACT)
     # Persistent: program i_p handles (row, group) pairs i_p, i_p + n_p, ... A row this
@@ -238,9 +249,9 @@ def _fwd_loop(
         for i_d in range(0, DG, BD):
             o_col = o_base + i_d + o_d
             m_d = i_d + o_d < DG
-            b_s = _load_p(X, X1, R, RO, SEED, i_m * s_x + o_col, i_m * s_x1 + o_col, i_m * s_r + o_col,
-                          i_m * s_ro + o_col, i_m * (G * DG) + o_col, m_d, alpha, drop_p, drop_scale,
-                          HAS_X1, DROPOUT, HAS_R, STORE_R)
+            b_s = _load_p(X, X1, R, RO, SEED, RS, BS, i_m * s_x + o_col, i_m * s_x1 + o_col, i_m * s_r + o_col,
+                          i_m * s_ro + o_col, i_m * (G * DG) + o_col, o_col, m_d, alpha, rscale, drop_p, drop_scale,
+                          HAS_X1, DROPOUT, HAS_R, STORE_R, R_SCALE, BS_VEC)
             if GATE == GATE_PRE:
                 b_s *= gate_act(tl.load(Z + i_m * s_z + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
             if CENTER:
@@ -265,9 +276,9 @@ def _fwd_loop(
             if STORE_R and (HAS_R or HAS_X1):
                 b_s = tl.load(RO + i_m * s_ro + o_col, mask=m_d, other=0.0).to(tl.float32)
             else:  # x alone (its dropout mask regenerated): read x again, the same bytes as new_residual
-                b_s = _load_p(X, X1, R, RO, SEED, i_m * s_x + o_col, i_m * s_x1 + o_col, i_m * s_r + o_col,
-                              i_m * s_ro + o_col, i_m * (G * DG) + o_col, m_d, alpha, drop_p, drop_scale,
-                              HAS_X1, DROPOUT, HAS_R, False)
+                b_s = _load_p(X, X1, R, RO, SEED, RS, BS, i_m * s_x + o_col, i_m * s_x1 + o_col, i_m * s_r + o_col,
+                              i_m * s_ro + o_col, i_m * (G * DG) + o_col, o_col, m_d, alpha, rscale, drop_p,
+                              drop_scale, HAS_X1, DROPOUT, HAS_R, False, R_SCALE, BS_VEC)
                 if STORE_R:  # new_residual is (alpha times) x in another dtype: the norm sees the rounded value
                     b_s = b_s.to(RO.dtype.element_ty).to(tl.float32)
             if GATE != GATE_NONE:
@@ -299,15 +310,17 @@ def _normalized(b_p, b_g, b_rstd, b_mean, mask, CENTER: tl.constexpr, GATE: tl.c
 
 @triton.jit
 def _bwd_block(
-    P, Z, DO, DRO, DX, DR, DZ, DX1, SEED, row, col, mask,
-    s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz,
-    b_w, b_b, b_rstd, b_mean, b_c1, b_c2, D, DG, scale, alpha, drop_p, drop_scale,
+    P, Z, DO, DRO, DX, DR, DZ, DX1, SEED, R, X, X1, RS, BS, row, col, mask,
+    s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz, s_r, s_x, s_x1,
+    b_w, b_b, b_rstd, b_mean, b_c1, b_c2, D, DG, scale, alpha, rscale, drop_p, drop_scale,
     HAS_X1: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_DRO: tl.constexpr, STORE_DR: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, WHOLE: tl.constexpr,
+    R_SCALE: tl.constexpr, BS_VEC: tl.constexpr,
 ):
     """The backward of one block of rows (docs/math.md): stores dx (and a separate
-    dresidual, dx1 and dz), and returns the block's sums over its rows of dw's and db's terms.
+    dresidual, dx1 and dz), and returns the block's sums over its rows of dw's and db's
+    terms, and of the [d] scales' (dp * residual, dp * (drop(x) + drop(x1)); zeros without).
     The tile kernel's [BR, BG, BD] blocks hold whole groups (WHOLE), whose row constants
     mean(r * dr) and mean(dq) it sums itself; the wide-row column pass's [BR, BD] blocks
     hold a chunk of one group's columns, and get them from _bwd_dots as b_c1 and b_c2."""
@@ -343,26 +356,43 @@ def _bwd_block(
         b_dq *= b_g
     if HAS_DRO:  # dp: the norm's part + the gradient arriving at new_residual
         b_dq += tl.load(DRO + row * s_dro + col, mask=mask, other=0.0).to(tl.float32)
-    if STORE_DR:  # dresidual = dp, apart from dx: in another dtype, or dx is not dp
-        tl.store(DR + row * s_dr + col, b_dq.to(DR.dtype.element_ty), mask=mask)
-    # dx = alpha * keep_x / (1 - drop_p) * dp, dx1 with its own mask (with no dropout dx1
-    # is dx: the caller uses dx for both); the plain op: dx = dp. DX1 is allocated as DX
-    # is, contiguous: the same row stride.
-    b_dx = b_dq * alpha
+    o_c = row * 0 + col  # the columns, of the block's shape: a [d] scale's offsets
+    if STORE_DR:  # dresidual = a * dp, apart from dx: in another dtype, or dx is not dp
+        tl.store(DR + row * s_dr + col, scale_by(b_dq, RS, rscale, o_c, mask, R_SCALE).to(DR.dtype.element_ty),
+                 mask=mask)
+    b_srs = tl.sum(b_dq * 0.0, 0)  # the [d] scales' sums: d a = sum dp * r, d b = sum dp * (drop(x) + drop(x1))
+    b_sbs = b_srs
+    if R_SCALE == SCALE_VEC:
+        b_srs = tl.sum(b_dq * tl.load(R + row * s_r + col, mask=mask, other=0.0).to(tl.float32), 0)
+    if BS_VEC:
+        b_u = tl.load(X + row * s_x + col, mask=mask, other=0.0).to(tl.float32)
+        if DROPOUT:
+            b_u = tl.where(b_kx, b_u * drop_scale, 0.0)
+        if X1 is not None:  # (HAS_X1 is whether dx1 is written apart: with dropout)
+            b_u1 = tl.load(X1 + row * s_x1 + col, mask=mask, other=0.0).to(tl.float32)
+            b_u += tl.where(b_kx1, b_u1 * drop_scale, 0.0) if DROPOUT else b_u1
+        b_sbs = tl.sum(b_dq * b_u, 0)
+    # dx = b * keep_x / (1 - drop_p) * dp (b: alpha or the [d] branch scale), dx1 with its
+    # own mask (with no dropout dx1 is dx: the caller uses dx for both); the plain op:
+    # dx = dp. DX1 is allocated as DX is, contiguous: the same row stride.
+    if BS_VEC:
+        b_dx = b_dq * tl.load(BS + o_c, mask=mask, other=0.0).to(tl.float32)
+    else:
+        b_dx = b_dq * alpha
     if DROPOUT:
         b_dx *= drop_scale
         if HAS_X1:
             tl.store(DX1 + row * s_dx + col, tl.where(b_kx1, b_dx, 0.0).to(DX1.dtype.element_ty), mask=mask)
         b_dx = tl.where(b_kx, b_dx, 0.0)
     tl.store(DX + row * s_dx + col, b_dx.to(DX.dtype.element_ty), mask=mask)
-    return tl.sum(b_do * b_r, 0) * scale, tl.sum(b_do, 0)
+    return tl.sum(b_do * b_r, 0) * scale, tl.sum(b_do, 0), b_srs, b_sbs
 
 
-@triton.jit(do_not_specialize=["M", "scale", "woff", "alpha", "drop_p", "drop_scale", "SEED"])
+@triton.jit(do_not_specialize=["M", "scale", "woff", "alpha", "rscale", "drop_p", "drop_scale", "SEED"])
 def _bwd_tile(
-    P, Z, W, B, RSTD, MEAN, DO, DRO, DX, DR, DZ, DWP, DBP, DX1, SEED,
-    s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz,
-    M, G, DG, scale, woff, alpha, drop_p, drop_scale,
+    P, Z, W, B, RSTD, MEAN, DO, DRO, DX, DR, DZ, DWP, DBP, DX1, SEED, R, X, X1, RS, BS, DRSP, DBSP,
+    s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz, s_r, s_x, s_x1,
+    M, G, DG, scale, woff, alpha, rscale, drop_p, drop_scale,
     BR: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
     FLAGS: tl.constexpr,  # `bwd_flags`: HAS_X1 ... HAS_B, CENTER, GATE and ACT in one constexpr
 ):
@@ -375,6 +405,8 @@ def _bwd_tile(
     CENTER: tl.constexpr = (FLAGS >> 6) & 1
     GATE: tl.constexpr = (FLAGS >> 9) & 3
     ACT: tl.constexpr = (FLAGS >> 11) & 3
+    R_SCALE: tl.constexpr = (FLAGS >> 13) & 3
+    BS_VEC: tl.constexpr = (FLAGS >> 15) & 1
     check_modes(GATE, ACT)
     # A persistent grid: program i_p handles row blocks i_p, i_p + n_p, ... and keeps
     # its dw/db sums in registers, so it writes one partial row (fp32) at the very end:
@@ -390,6 +422,8 @@ def _bwd_tile(
     b_b = tl.load(B + o_gd, mask=m_gd, other=0.0).to(tl.float32)[None, :, :] if HAS_B else None
     b_dw = tl.zeros([BG, BD], dtype=tl.float32)
     b_db = tl.zeros([BG, BD], dtype=tl.float32)
+    b_drs = tl.zeros([BG, BD], dtype=tl.float32)  # the [d] scales' sums, as dw's
+    b_dbs = tl.zeros([BG, BD], dtype=tl.float32)
     for i_m in range(i_p, tl.cdiv(M, BR), n_p):
         o_m = (i_m * BR + tl.arange(0, BR)).to(tl.int64)
         m_m = o_m < M
@@ -397,17 +431,24 @@ def _bwd_tile(
         m_stat = m_m[:, None] & (o_g[None, :] < G)
         b_rstd = tl.load(RSTD + o_stat, mask=m_stat, other=0.0)[:, :, None]
         b_mean = tl.load(MEAN + o_stat, mask=m_stat, other=0.0)[:, :, None] if CENTER else None
-        b_sw, b_sb = _bwd_block(P, Z, DO, DRO, DX, DR, DZ, DX1, SEED, o_m[:, None, None], o_gd[None, :, :],
-                                m_m[:, None, None] & m_gd[None, :, :], s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz,
-                                b_w, b_b, b_rstd, b_mean, None, None, G * DG, DG, scale, alpha, drop_p, drop_scale,
-                                HAS_X1, DROPOUT, HAS_DRO, STORE_DR, HAS_W, HAS_B, CENTER, GATE, ACT, True)
+        b_sw, b_sb, b_srs, b_sbs = _bwd_block(
+            P, Z, DO, DRO, DX, DR, DZ, DX1, SEED, R, X, X1, RS, BS, o_m[:, None, None], o_gd[None, :, :],
+            m_m[:, None, None] & m_gd[None, :, :], s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz, s_r, s_x, s_x1,
+            b_w, b_b, b_rstd, b_mean, None, None, G * DG, DG, scale, alpha, rscale, drop_p, drop_scale,
+            HAS_X1, DROPOUT, HAS_DRO, STORE_DR, HAS_W, HAS_B, CENTER, GATE, ACT, True, R_SCALE, BS_VEC)
         b_dw += b_sw
         b_db += b_sb
+        b_drs += b_srs
+        b_dbs += b_sbs
     o_part = i_p.to(tl.int64) * G * DG + o_gd
     if HAS_W:
         tl.store(DWP + o_part, b_dw.to(DWP.dtype.element_ty), mask=m_gd)
     if HAS_B:
         tl.store(DBP + o_part, b_db.to(DBP.dtype.element_ty), mask=m_gd)
+    if R_SCALE == SCALE_VEC:
+        tl.store(DRSP + o_part, b_drs.to(DRSP.dtype.element_ty), mask=m_gd)
+    if BS_VEC:
+        tl.store(DBSP + o_part, b_dbs.to(DBSP.dtype.element_ty), mask=m_gd)
 
 
 @triton.jit(do_not_specialize=["MG", "scale", "woff"])
@@ -467,17 +508,19 @@ def _store_sums(DW, DB, o_col, m_d, b_dw, b_db, HAS_W: tl.constexpr, HAS_B: tl.c
         tl.store(DB + o_col, b_db.to(DB.dtype.element_ty), mask=m_d)
 
 
-@triton.jit(do_not_specialize=["M", "scale", "woff", "alpha", "drop_p", "drop_scale", "SEED"])
+@triton.jit(do_not_specialize=["M", "scale", "woff", "alpha", "rscale", "drop_p", "drop_scale", "SEED"])
 def _bwd_cols(
-    P, Z, W, B, RSTD, MEAN, DOT, DO, DRO, DX, DR, DZ, DWP, DBP, DX1, SEED, DW, DB, CNT,
-    s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz,
-    M, G, DG, scale, woff, alpha, drop_p, drop_scale,
+    P, Z, W, B, RSTD, MEAN, DOT, DO, DRO, DX, DR, DZ, DWP, DBP, DX1, SEED, R, X, X1, RS, BS, DRSP, DBSP, DW, DB,
+    DRS, DBS, CNT,
+    s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz, s_r, s_x, s_x1,
+    M, G, DG, scale, woff, alpha, rscale, drop_p, drop_scale,
     BR: tl.constexpr, BD: tl.constexpr,
     HAS_X1: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_DRO: tl.constexpr, STORE_DR: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     SUM_PARTS: tl.constexpr,
-    CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr,
+    CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, R_SCALE: tl.constexpr, BS_VEC: tl.constexpr,
 ):
+    RS_VEC: tl.constexpr = R_SCALE == SCALE_VEC  # the [d] scales' sums go as dw's and db's, through the same slots
     check_modes(GATE, ACT)
     # Wide rows, step 2 of 2, split stream-K: the work is n_t items, (column chunk i_c
     # inside one group, row block i_m) chunk-major, and program i_p takes the items
@@ -500,6 +543,8 @@ def _bwd_cols(
     o_d = tl.arange(0, BD)
     b_dw = tl.zeros([BD], dtype=tl.float32)
     b_db = tl.zeros([BD], dtype=tl.float32)
+    b_drs = tl.zeros([BD], dtype=tl.float32)
+    b_dbs = tl.zeros([BD], dtype=tl.float32)
     for t in range(t_lo, t_hi):
         i_c = t // n_b
         i_m = t - i_c * n_b
@@ -516,17 +561,22 @@ def _bwd_cols(
         b_mean = tl.load(MEAN + o_mg, mask=m_m, other=0.0)[:, None] if CENTER else None
         b_c1 = tl.load(DOT + 2 * o_mg, mask=m_m, other=0.0)[:, None]
         b_c2 = tl.load(DOT + 2 * o_mg + 1, mask=m_m, other=0.0)[:, None] if CENTER else None
-        b_sw, b_sb = _bwd_block(P, Z, DO, DRO, DX, DR, DZ, DX1, SEED, o_m[:, None], o_col[None, :],
-                                m_m[:, None] & m_d[None, :], s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz, b_w, b_b,
-                                b_rstd, b_mean, b_c1, b_c2, G * DG, DG, scale, alpha, drop_p, drop_scale,
-                                HAS_X1, DROPOUT, HAS_DRO, STORE_DR, HAS_W, HAS_B, CENTER, GATE, ACT, False)
+        b_sw, b_sb, b_srs, b_sbs = _bwd_block(
+            P, Z, DO, DRO, DX, DR, DZ, DX1, SEED, R, X, X1, RS, BS, o_m[:, None], o_col[None, :],
+            m_m[:, None] & m_d[None, :], s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz, s_r, s_x, s_x1, b_w, b_b,
+            b_rstd, b_mean, b_c1, b_c2, G * DG, DG, scale, alpha, rscale, drop_p, drop_scale,
+            HAS_X1, DROPOUT, HAS_DRO, STORE_DR, HAS_W, HAS_B, CENTER, GATE, ACT, False, R_SCALE, BS_VEC)
         b_dw += b_sw
         b_db += b_sb
+        b_drs += b_srs
+        b_dbs += b_sbs
         if (i_m == n_b - 1) | (t == t_hi - 1):  # the chunk's last item, or this program's
             if not SUM_PARTS:  # no chunk is shared (the launcher knows): these sums are dw and db
                 _store_sums(DW, DB, o_col, m_d, b_dw, b_db, HAS_W, HAS_B)
+                _store_sums(DRS, DBS, o_col, m_d, b_drs, b_dbs, RS_VEC, BS_VEC)
             elif (t_lo <= t - i_m) & (t - i_m + n_b <= t_hi):  # all of the chunk's rows were this program's
                 _store_sums(DW, DB, o_col, m_d, b_dw, b_db, HAS_W, HAS_B)
+                _store_sums(DRS, DBS, o_col, m_d, b_drs, b_dbs, RS_VEC, BS_VEC)
             else:
                 # A chunk shared by programs p_lo .. p_hi: each writes its row of sums (fp32)
                 # to slot i_p + i_c of DWP/DBP, rows of BD. Along the items (p, c) only ever
@@ -537,8 +587,14 @@ def _bwd_cols(
                     tl.store(DWP + o_slot, b_dw, mask=m_d)
                 if HAS_B:
                     tl.store(DBP + o_slot, b_db, mask=m_d)
+                if RS_VEC:
+                    tl.store(DRSP + o_slot, b_drs, mask=m_d)
+                if BS_VEC:
+                    tl.store(DBSP + o_slot, b_dbs, mask=m_d)
             b_dw = tl.zeros([BD], dtype=tl.float32)
             b_db = tl.zeros([BD], dtype=tl.float32)
+            b_drs = tl.zeros([BD], dtype=tl.float32)
+            b_dbs = tl.zeros([BD], dtype=tl.float32)
     if SUM_PARTS:
         # Only a program's first and last chunks can be shared. For each that is, the program
         # counts itself in on the chunk's counter (zeroed by _bwd_dots) once all its rows are
@@ -569,13 +625,17 @@ def _bwd_cols(
                         sum_rows(DWP + o_first, DW + o_start, p_hi - p_lo + 1, BD, o_d, m_d, BR, BD)
                     if HAS_B:
                         sum_rows(DBP + o_first, DB + o_start, p_hi - p_lo + 1, BD, o_d, m_d, BR, BD)
+                    if RS_VEC:
+                        sum_rows(DRSP + o_first, DRS + o_start, p_hi - p_lo + 1, BD, o_d, m_d, BR, BD)
+                    if BS_VEC:
+                        sum_rows(DBSP + o_first, DBS + o_start, p_hi - p_lo + 1, BD, o_d, m_d, BR, BD)
 
 
 # --------------------------------------------------------------------------- launchers
-def _branch(spec: NormSpec) -> tuple[float, float, float]:
-    """(alpha, drop_p, drop_scale) of add_norm's branch, as the kernels take them."""
+def _branch(spec: NormSpec) -> tuple[float, float, float, float]:
+    """(alpha, rscale, drop_p, drop_scale) of add_norm's branch, as the kernels take them."""
     p = spec.dropout_p
-    return spec.alpha, p, (1.0 / (1.0 - p) if p > 0 else 1.0)
+    return spec.alpha, spec.residual_scale, p, (1.0 / (1.0 - p) if p > 0 else 1.0)
 
 
 def _fwd_layout(d: int, spec: NormSpec):
@@ -609,7 +669,8 @@ def _quantized_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_s
 _FWD_PLANS: dict = {}
 
 
-def _fwd_plan(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, need_stats, x1, seed) -> tuple:
+def _fwd_plan(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, need_stats, x1, seed, rscale,
+              bscale) -> tuple:
     d = x.shape[-1]
     M, G = x.numel() // d, spec.groups
     lay = _fwd_layout(d, spec) if M > 0 else None
@@ -619,7 +680,7 @@ def _fwd_plan(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, n
     strides = (d, 0 if x1 is None else d, 0 if residual is None else d, 0 if gate is None else d, d,
                0 if residual_dtype is None else d)  # s_x, s_x1, s_r, s_z, s_o, s_ro
     scalars = (*strides, M, G, d // G, spec.eps, spec.scale, spec.weight_offset, *_branch(spec))
-    flags = _fwd_flags(x1, residual, weight, bias, spec, residual_dtype is not None, need_stats)
+    flags = _fwd_flags(x1, residual, weight, bias, spec, residual_dtype is not None, need_stats, rscale, bscale)
     consts = dict(BR=lay.br, BG=lay.bg, BD=lay.bd, num_warps=lay.warps, FLAGS=fold_flags(flags))
     return spec, (cdiv(M, lay.br),), spec.out_dtype_for(x.dtype), (M, G), scalars, consts
 
@@ -627,7 +688,7 @@ def _fwd_plan(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, n
 # Where each flag sits in the tile kernels' one FLAGS constexpr (GATE and ACT two bits each):
 # one argument for Triton's launcher to bind and key, on every launch, instead of eleven
 _FLAG_BITS = dict(HAS_X1=0, DROPOUT=1, HAS_R=2, HAS_DRO=2, STORE_R=3, STORE_DR=3, HAS_W=4, HAS_B=5, CENTER=6,
-                  STORE_STATS=7, EXACT_SQ=8, GATE=9, ACT=11)
+                  STORE_STATS=7, EXACT_SQ=8, GATE=9, ACT=11, R_SCALE=13, BS_VEC=15)
 
 
 def fold_flags(flags: dict) -> int:
@@ -638,23 +699,26 @@ def fold_flags(flags: dict) -> int:
     return folded
 
 
-def _fwd_flags(x1, residual, weight, bias, spec: NormSpec, store_r: bool, need_stats: bool) -> dict:
+def _fwd_flags(x1, residual, weight, bias, spec: NormSpec, store_r: bool, need_stats: bool, rscale=None,
+               bscale=None) -> dict:
     """The forward kernels' constexpr flags (num_warps apart), by name: the loop kernel takes
-    them so, the tile kernel folded (`fold_flags`)."""
+    them so, the tile kernel folded (`fold_flags`). rscale, bscale: the [d] scales or None."""
     return dict(HAS_X1=x1 is not None, DROPOUT=spec.dropout_p > 0, HAS_R=residual is not None, STORE_R=store_r,
                 HAS_W=weight is not None, HAS_B=bias is not None, CENTER=spec.center, GATE=int(spec.gate),
-                ACT=int(spec.act), STORE_STATS=need_stats, EXACT_SQ=spec.eps == 0)
+                ACT=int(spec.act), STORE_STATS=need_stats, EXACT_SQ=spec.eps == 0,
+                R_SCALE=scale_mode(spec.residual_scale, rscale), BS_VEC=bscale is not None)
 
 
 @launch.on_device(0)
 def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, need_stats, x1=None, seed=None,
-             out=None, new_res=None, qscale=None, _codes=None, _quant=None):
+             out=None, new_res=None, qscale=None, _codes=None, _quant=None, rscale=None, bscale=None):
     """Triton forward, same contract as `fuseblock.reference.norm.norm_fwd`. x1 and seed (the
     dropout masks' key, drawn by the caller when spec.dropout_p > 0: an int, or a one-element
     int64 tensor on x's device that the kernel reads) are add_norm's branch:
     p = residual + alpha * (drop(x) + drop(x1)). out and new_res: (M, d) tensors to write
     into (of x's and residual_dtype), for `fuseblock.serve`, which may pass x and the
-    residual themselves; else they are allocated.
+    residual themselves; else they are allocated. rscale, bscale: the [d] residual and
+    branch scales (p = rscale * residual + bscale * (...)), or None.
 
     With spec.quant, out is `fuseblock.reference.fp8.Quantized` (qscale: fp8_tensor's static scale),
     written by the tile kernel in its one launch. Rows too wide for a tile are normed into
@@ -664,18 +728,20 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
     if (out is None and _codes is None and spec.serial is not None and not launch.TRACING.on and x.is_contiguous()
             and (residual is None or residual.is_contiguous())
             and (weight is None or weight.is_contiguous()) and (bias is None or bias.is_contiguous())
-            and (gate is None or gate.is_contiguous()) and (x1 is None or x1.is_contiguous())):
+            and (gate is None or gate.is_contiguous()) and (x1 is None or x1.is_contiguous())
+            and (rscale is None or rscale.is_contiguous()) and (bscale is None or bscale.is_contiguous())):
         key = (spec.serial, x.shape, x.dtype, x.device, residual_dtype, need_stats,
                None if residual is None else residual.dtype, None if gate is None else gate.dtype,
                None if weight is None else weight.dtype, None if bias is None else bias.dtype,
                None if x1 is None else x1.dtype, seed.__class__, launch.MAX_TILE_FWD, launch.MAX_TILE_FWD_HEAVY,
-               launch.MAX_ROWS, launch.WARP, launch.SM_THREADS)
+               launch.MAX_ROWS, launch.WARP, launch.SM_THREADS, rscale is None, bscale is None)
         try:
             plan = _FWD_PLANS[key]
         except KeyError:
             plan = None
         if plan is None:
-            plan = _fwd_plan(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1, seed)
+            plan = _fwd_plan(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1, seed, rscale,
+                             bscale)
             if len(_FWD_PLANS) >= 4096:
                 _FWD_PLANS.clear()
             _FWD_PLANS[key] = plan
@@ -686,7 +752,8 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
             new_res = torch.empty(x.shape, dtype=residual_dtype, device=dev) if residual_dtype is not None else None
             rstd = torch.empty(stat_shape, dtype=torch.float32, device=dev) if need_stats else None
             mean = torch.empty(stat_shape, dtype=torch.float32, device=dev) if need_stats and spec.center else None
-            _fwd_tile[grid](x, x1, residual, gate, weight, bias, out, new_res, rstd, mean, seed, *scalars, **consts)
+            _fwd_tile[grid](x, x1, residual, gate, weight, bias, out, new_res, rstd, mean, seed, rscale, bscale,
+                            *scalars, **consts)
             LAUNCHES["fwd"] += 1
             return out, new_res, rstd, mean
     # The launchers' stride contract: activations may have any strides (rows are passed
@@ -696,7 +763,7 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
     d, dev = x.shape[-1], x.device
     (x2, s_x), (x12, s_x1) = row_arg(x, d), row_arg(x1, d)
     (r2, s_r), (z2, s_z) = row_arg(residual, d), row_arg(gate, d)
-    weight, bias = vec(weight), vec(bias)
+    weight, bias, rscale, bscale = vec(weight), vec(bias), vec(rscale), vec(bscale)
     M, G = x.numel() // d, spec.groups
     # Outputs in x's shape, the kernel writing through them by row (a view of them only
     # where they are not contiguous): a returned view would be one autograd refuses to let
@@ -715,8 +782,9 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
             # the loop kernel regenerates the masks in both passes: in 256 threads it took 128
             # registers and 24 bytes of stack a thread (fp32, sm_90), in 512 66 to 72 and none
             lay = lay._replace(warps=warps(512), per_sm=fit_per_sm(warps(512)))
-        args = (x2, x12, r2, z2, weight, bias, o2, ro2, rstd, mean, seed, s_x, s_x1, s_r, s_z, s_o, s_ro)
-        flags = _fwd_flags(x12, r2, weight, bias, spec, new_res is not None, need_stats)
+        args = (x2, x12, r2, z2, weight, bias, o2, ro2, rstd, mean, seed, rscale, bscale, s_x, s_x1, s_r, s_z, s_o,
+                s_ro)
+        flags = _fwd_flags(x12, r2, weight, bias, spec, new_res is not None, need_stats, rscale, bscale)
         if lay.tile:
             br = max(lay.br, 32) if spec.mx_columnwise else lay.br
             _fwd_tile_ = launch.traced(_fwd_tile) if launch.TRACING.on else _fwd_tile
@@ -758,7 +826,7 @@ def _bwd_plan(p, gate, weight, bias, dout, dres, spec: NormSpec, x_dtype, residu
     n_blocks = cdiv(M, lay.br)
     limit = min(n_blocks, cdiv(M, MIN_ROWS_PER_PROGRAM))
     strides = (d if gate is not None else 0, d, d if dres is not None else 0, d,
-               0 if residual_grad_dtype is None else d, 0 if gate is None else d)
+               0 if residual_grad_dtype is None else d, 0 if gate is None else d, 0, 0, 0)  # (no [d] scales here)
     scalars = (d, *strides, M, G, d // G, spec.scale, spec.weight_offset, *_branch(spec))
     consts = dict(BR=lay.br, BG=lay.bg, BD=lay.bd, num_warps=lay.warps, FLAGS=fold_flags(flags))
     # one wave of programs at most, as norm_bwd (deterministic mode and what was learned are in the key)
@@ -768,29 +836,36 @@ def _bwd_plan(p, gate, weight, bias, dout, dres, spec: NormSpec, x_dtype, residu
             launch.sum_cols(d, p.device))
 
 
-def _bwd_flags(has_dx1: bool, has_dro: bool, store_dr: bool, has_w: bool, has_b: bool, spec: NormSpec) -> dict:
+def _bwd_flags(has_dx1: bool, has_dro: bool, store_dr: bool, has_w: bool, has_b: bool, spec: NormSpec, rscale=None,
+               bscale=None) -> dict:
     """The backward kernels' constexpr flags."""
     return dict(HAS_X1=has_dx1, DROPOUT=spec.dropout_p > 0, HAS_DRO=has_dro, STORE_DR=store_dr, HAS_W=has_w,
-                HAS_B=has_b, CENTER=spec.center, GATE=int(spec.gate), ACT=int(spec.act))
+                HAS_B=has_b, CENTER=spec.center, GATE=int(spec.gate), ACT=int(spec.act),
+                R_SCALE=scale_mode(spec.residual_scale, rscale), BS_VEC=bscale is not None)
 
 
 @launch.on_device(2)
 def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dtype, residual_grad_dtype,
-             seed=None, has_x1=False):
-    """Triton backward. Returns (dx, dresidual or None, dgate, dw, db, dx1 or None).
+             seed=None, has_x1=False, residual=None, x=None, x1=None, rscale=None, bscale=None):
+    """Triton backward. Returns (dx, dresidual or None, dgate, dw, db, dx1 or None,
+    drscale or None, dbscale or None).
 
     dx is in x_dtype; a separate dresidual is written only when residual_grad_dtype is
     given: the residual's dtype differs (an fp32 residual stream under bf16 activations),
     or add_norm's branch (alpha, x1, dropout) makes dx another tensor than dresidual = dp.
     Otherwise dx serves both. dx1 (has_x1, with dropout: else dx1 is dx) is in x_dtype;
     the dropout masks are regenerated from the forward's seed. dw and db come in the
-    weight's and the bias's dtype.
+    weight's and the bias's dtype. With the [d] scales rscale (residual given) and bscale
+    (x, and x1 when has_x1, given), dresidual = a * dp and dx = b * ... * dp, and their
+    gradients, sums over rows of dp * residual and dp * (drop(x) + drop(x1)), come in
+    their dtypes, summed beside dw and db.
 
     At most two launches, torch ops included: `_bwd_tile`, then `_bwd_sum` adding up its
     dw/db partial rows (none when one program ran, or with no weight and no bias); wide
     rows `_bwd_dots` + `_bwd_cols`, which sums its own partial rows.
     """
-    if (spec.serial is not None and not launch.TRACING.on and p.is_contiguous() and dout.is_contiguous()
+    if (spec.serial is not None and not launch.TRACING.on and rscale is None and bscale is None
+            and p.is_contiguous() and dout.is_contiguous()
             and (dres is None or dres.is_contiguous())
             and (gate is None or gate.is_contiguous()) and (weight is None or weight.is_contiguous())
             and (bias is None or bias.is_contiguous())):
@@ -823,20 +898,23 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
             dw_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if sum_parts and dw is not None else dw
             db_part = torch.empty((n_prog, d), dtype=torch.float32, device=dev) if sum_parts and db is not None else db
             compiled = _bwd_tile[(n_prog,)](p, gate, weight, bias, rstd, mean, dout, dres, dx, dr, dz, dw_part, db_part,
-                                            dx1, seed, *scalars, **consts)
+                                            dx1, seed, None, None, None, None, None, None, None, *scalars, **consts)
             LAUNCHES["bwd"] += 1
             if sum_parts:
                 sum_partial_rows(dw_part, db_part, dw, db, n_prog, d, sum_bd)
                 LAUNCHES["bwd"] += 1
             if not learned and compiled is not None:  # a GPU's first launch of the variant (the plan is rebuilt)
                 learn(dev, variant, compiled, lay.warps)
-            return dx, dr, dz, dw, db, dx1
+            return dx, dr, dz, dw, db, dx1, None, None
     d, dev = p.shape[-1], p.device
     # As in norm_fwd. A dout whose columns are not unit-stride (an expanded gradient) is
     # copied by `rows`, a torch op: the caller's layout, not this op's work.
     (p2, s_p), (do2, s_do) = row_arg(p, d), row_arg(dout, d)
     (dro2, s_dro), (z2, s_z) = row_arg(dres, d), row_arg(gate, d)
-    weight, bias = vec(weight), vec(bias)
+    weight, bias, rscale, bscale = vec(weight), vec(bias), vec(rscale), vec(bscale)
+    # the scaled inputs, read for the [d] scales' gradients only
+    (r2, s_r) = row_arg(residual if rscale is not None else None, d)
+    (x2, s_x), (x12, s_x1) = (row_arg(t if bscale is not None else None, d) for t in (x, x1))
     M, G = p.numel() // d, spec.groups
     dg = d // G
     # The gradients in p's shape, as norm_fwd's outputs (contiguous: the kernels write them
@@ -848,11 +926,14 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     dx, dr, dz = grads
     need_dw, need_db = weight is not None, bias is not None
     if M == 0:  # no rows, no launch: the sums over none are zero (a fill each, for this edge case)
-        return (*grads, *(None if t is None else torch.zeros((d,), dtype=t.dtype, device=dev) for t in (weight, bias)),
-                dx1)
+        zeros = [None if t is None else torch.zeros((d,), dtype=t.dtype, device=dev) for t in (weight, bias, rscale,
+                                                                                              bscale)]
+        return (*grads, *zeros[:2], dx1, *zeros[2:])
     dw = torch.empty((d,), dtype=weight.dtype, device=dev) if need_dw else None
     db = torch.empty((d,), dtype=bias.dtype, device=dev) if need_db else None
-    flags = _bwd_flags(dx1 is not None, dro2 is not None, dr is not None, need_dw, need_db, spec)
+    drs = torch.empty((d,), dtype=rscale.dtype, device=dev) if rscale is not None else None
+    dbs = torch.empty((d,), dtype=bscale.dtype, device=dev) if bscale is not None else None
+    flags = _bwd_flags(dx1 is not None, dro2 is not None, dr is not None, need_dw, need_db, spec, rscale, bscale)
     lay = bwd_layout(d, G)
     if lay.tile:
         n_cols = 1
@@ -876,14 +957,14 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     # with more than one row block, unless the programs divide the chunks evenly (a
     # program's range of items then ends where a chunk does). With one program, or one
     # per chunk, its sums are dw and db: it writes them, and nothing is left to add.
-    sum_parts = (need_dw or need_db) and n_blocks > 1 and n_cols % n_prog != 0
+    sum_parts = (need_dw or need_db or drs is not None or dbs is not None) and n_blocks > 1 and n_cols % n_prog != 0
     # The tile's partial rows are its programs'; the column kernel's are one chunk wide, one
     # for each program and chunk it touches: n_prog + n_cols - 1 pairs at most (_bwd_cols).
     part = (n_prog, d) if lay.tile else (n_prog + n_cols - 1, lay.bd)
-    dw_part = torch.empty(part, dtype=torch.float32, device=dev) if need_dw and sum_parts else dw
-    db_part = torch.empty(part, dtype=torch.float32, device=dev) if need_db and sum_parts else db
-    strides = (s_p, s_z, s_do, s_dro, d, 0 if dr is None else d, 0 if dz is None else d)
-    outs = (do2, dro2, dx, dr, dz, dw_part, db_part, dx1, seed)
+    dw_part, db_part, drs_part, dbs_part = (torch.empty(part, dtype=torch.float32, device=dev)
+                                            if g is not None and sum_parts else g for g in (dw, db, drs, dbs))
+    strides = (s_p, s_z, s_do, s_dro, d, 0 if dr is None else d, 0 if dz is None else d, s_r, s_x, s_x1)
+    outs = (do2, dro2, dx, dr, dz, dw_part, db_part, dx1, seed, r2, x2, x12, rscale, bscale, drs_part, dbs_part)
     if lay.tile:
         _bwd_tile_ = launch.traced(_bwd_tile) if launch.TRACING.on else _bwd_tile
         compiled = _bwd_tile_[(n_prog,)](p2, z2, weight, bias, rstd, mean, *outs, *strides, M, G, dg, spec.scale,
@@ -891,7 +972,7 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
                                         num_warps=lay.warps, FLAGS=fold_flags(flags))
         LAUNCHES["bwd"] += 1
         if sum_parts:
-            sum_partial_rows(dw_part, db_part, dw, db, n_prog, d)
+            sum_partial_rows(dw_part, db_part, dw, db, n_prog, d, scales=(drs_part, dbs_part, drs, dbs))
             LAUNCHES["bwd"] += 1
     else:
         dots = torch.empty((M * G, 2), dtype=torch.float32, device=dev)
@@ -907,10 +988,11 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
                                              num_warps=dots_lay.warps, **dots_flags)
         learn(dev, dots_variant, dots_compiled, dots_lay.warps)
         _bwd_cols_ = launch.traced(_bwd_cols) if launch.TRACING.on else _bwd_cols
-        compiled = _bwd_cols_[(n_prog,)](p2, z2, weight, bias, rstd, mean, dots, *outs, dw, db, cnt, *strides,
+        compiled = _bwd_cols_[(n_prog,)](p2, z2, weight, bias, rstd, mean, dots, *outs, dw, db, drs, dbs, cnt,
+                                        *strides,
                                         M, G, dg, spec.scale, spec.weight_offset, *_branch(spec),
                                         BR=lay.br, BD=lay.bd, SUM_PARTS=sum_parts, num_warps=lay.warps, **flags,
                                         **(launch.NO_SPILL if spec.dropout_p > 0 else {}))
         LAUNCHES["bwd"] += 2
     learn(dev, variant, compiled, lay.warps)
-    return (*grads, dw, db, dx1)
+    return (*grads, dw, db, dx1, drs, dbs)

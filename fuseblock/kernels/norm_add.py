@@ -55,7 +55,7 @@ from .launch import (
     warps,
 )
 from .occupancy import learn, programs_per_sm
-from .row_math import row_mean, row_rstd, row_weight, sq_prod
+from .row_math import SCALE_NONE, SCALE_VEC, row_mean, row_rstd, row_weight, scale_by, scale_mode, sq_prod
 
 MIN_ROWS_PER_PROGRAM = 64  # as the norm's backward: keeps the partial rows small next to the activations
 LOOP_ROWS = 4  # _bwd_loop's rows per block: a program's partial rows are updated once per block
@@ -122,15 +122,15 @@ def _affine(b_r, W, B, o_d, m_d, scale, woff, HAS_W: tl.constexpr, HAS_B: tl.con
     return b_o
 
 
-@triton.jit(do_not_specialize=["M", "eps_b", "eps", "scale", "woff_b", "woff", "alpha", "q_ub"])
+@triton.jit(do_not_specialize=["M", "eps_b", "eps", "scale", "woff_b", "woff", "alpha", "rscale", "q_ub"])
 def _fwd_tile(
-    X, R, BW, BB, W, B, RO, O, RSTDB, MEANB, RSTD, MEAN,
+    X, R, BW, BB, W, B, RO, O, RSTDB, MEANB, RSTD, MEAN, RS, BS,
     s_x, s_r, s_ro, s_o,
-    M, D, eps_b, eps, scale, woff_b, woff, alpha,
+    M, D, eps_b, eps, scale, woff_b, woff, alpha, rscale,
     BR: tl.constexpr, BD: tl.constexpr,
     HAS_BW: tl.constexpr, HAS_BB: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     SECOND: tl.constexpr, CENTER: tl.constexpr, STORE_STATS: tl.constexpr,
-    EXACT_B: tl.constexpr, EXACT: tl.constexpr,
+    EXACT_B: tl.constexpr, EXACT: tl.constexpr, R_SCALE: tl.constexpr, BS_VEC: tl.constexpr,
     # the second norm's scaled fp8 output (`fuseblock.kernels.fp8.store_quantized`): O holds its codes
     QS=None, q_max=0.0, q_ub=0.0, q_tiny=0.0, q_tiny_scale=0.0,
     QUANT: tl.constexpr = 0, Q_MBITS: tl.constexpr = 3, Q_BIAS: tl.constexpr = 7, Q_MAXPOW2: tl.constexpr = 8,
@@ -148,7 +148,7 @@ def _fwd_tile(
     b_q, b_rstdb, b_meanb = _stats(b_x, mask, D, eps_b, BR, BD, CENTER, EXACT_B)
     b_y = _affine(b_q * b_rstdb[:, None], BW, BB, o_d, m_d, scale, woff_b, HAS_BW, HAS_BB)
     # new_residual from the fp32 branch, rounded once; the second norm reads the stored value
-    b_p = tl.load(R + row * s_r + col, mask=mask, other=0.0).to(tl.float32) + alpha * b_y
+    b_p = _residual_update(R, RS, BS, row * s_r + col, row * 0 + col, mask, b_y, alpha, rscale, R_SCALE, BS_VEC)
     b_pr = b_p.to(RO.dtype.element_ty)
     tl.store(RO + row * s_ro + col, b_pr, mask=mask)
     if SECOND:
@@ -168,6 +168,15 @@ def _fwd_tile(
             tl.store(RSTD + o_m, b_rstd, mask=m_m)
             if CENTER:
                 tl.store(MEAN + o_m, b_mean, mask=m_m)
+
+
+@triton.jit
+def _residual_update(R, RS, BS, o_r, o_c, mask, b_y, alpha, rscale, R_SCALE: tl.constexpr, BS_VEC: tl.constexpr):
+    """a * r + b * y in fp32: a none, rscale or RS[o_c] (`scale_by`), b alpha or BS[o_c]."""
+    b_r = scale_by(tl.load(R + o_r, mask=mask, other=0.0).to(tl.float32), RS, rscale, o_c, mask, R_SCALE)
+    if BS_VEC:
+        return b_r + tl.load(BS + o_c, mask=mask, other=0.0).to(tl.float32) * b_y
+    return b_r + alpha * b_y
 
 
 @triton.jit
@@ -203,15 +212,15 @@ def _row_stats(PTR, base, D, eps, BD: tl.constexpr, CENTER: tl.constexpr, EXACT_
     return b_rstd, b_mean
 
 
-@triton.jit(do_not_specialize=["M", "eps_b", "eps", "scale", "woff_b", "woff", "alpha"])
+@triton.jit(do_not_specialize=["M", "eps_b", "eps", "scale", "woff_b", "woff", "alpha", "rscale"])
 def _fwd_loop(
-    X, R, BW, BB, W, B, RO, O, RSTDB, MEANB, RSTD, MEAN,
+    X, R, BW, BB, W, B, RO, O, RSTDB, MEANB, RSTD, MEAN, RS, BS,
     s_x, s_r, s_ro, s_o,
-    M, D, eps_b, eps, scale, woff_b, woff, alpha,
+    M, D, eps_b, eps, scale, woff_b, woff, alpha, rscale,
     BD: tl.constexpr,
     HAS_BW: tl.constexpr, HAS_BB: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     SECOND: tl.constexpr, CENTER: tl.constexpr, STORE_STATS: tl.constexpr,
-    EXACT_B: tl.constexpr, EXACT: tl.constexpr,
+    EXACT_B: tl.constexpr, EXACT: tl.constexpr, R_SCALE: tl.constexpr, BS_VEC: tl.constexpr,
 ):
     # Rows too wide for registers, persistent over rows: x's statistics (a sweep over x),
     # new_residual written (x and residual read), then N's statistics and out (two sweeps
@@ -228,7 +237,7 @@ def _fwd_loop(
             b_x = tl.load(X + i_m * s_x + o_col, mask=m_d, other=0.0).to(tl.float32)
             b_q = b_x - b_meanb if CENTER else b_x
             b_y = _affine(b_q * b_rstdb, BW, BB, o_col, m_d, scale, woff_b, HAS_BW, HAS_BB)
-            b_p = tl.load(R + i_m * s_r + o_col, mask=m_d, other=0.0).to(tl.float32) + alpha * b_y
+            b_p = _residual_update(R, RS, BS, i_m * s_r + o_col, o_col, m_d, b_y, alpha, rscale, R_SCALE, BS_VEC)
             tl.store(RO + i_m * s_ro + o_col, b_p.to(RO.dtype.element_ty), mask=m_d)
         if SECOND:
             b_rstd, b_mean = _row_stats(RO, i_m * s_ro, D, eps, BD, CENTER, EXACT)
@@ -269,15 +278,15 @@ def _norm_bwd(b_s, b_do, RSTD, MEAN, W, o_m, m_m, o_d, m_d, mask, D, scale, woff
     return b_ds, tl.sum(b_do * b_r, 0) * scale
 
 
-@triton.jit(do_not_specialize=["M", "scale", "woff_b", "woff", "alpha"])
+@triton.jit(do_not_specialize=["M", "scale", "woff_b", "woff", "alpha", "rscale"])
 def _bwd_tile(
-    X, P, BW, W, RSTDB, MEANB, RSTD, MEAN, DO, DRO, DX, DR, DBWP, DBBP, DWP, DBP,
-    s_x, s_p, s_do, s_dro, s_dx, s_dr,
-    M, D, scale, woff_b, woff, alpha,
+    X, P, BW, W, RSTDB, MEANB, RSTD, MEAN, DO, DRO, DX, DR, DBWP, DBBP, DWP, DBP, R, BB, RS, BS, DRSP, DBSP,
+    s_x, s_p, s_do, s_dro, s_dx, s_dr, s_r,
+    M, D, scale, woff_b, woff, alpha, rscale,
     BR: tl.constexpr, BD: tl.constexpr,
     HAS_DO: tl.constexpr, HAS_DRO: tl.constexpr, HAS_BW: tl.constexpr, HAS_BB: tl.constexpr,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, SECOND: tl.constexpr, CENTER: tl.constexpr,
-    STORE_DR: tl.constexpr,
+    STORE_DR: tl.constexpr, R_SCALE: tl.constexpr, BS_VEC: tl.constexpr,
 ):
     # A persistent grid, as the norm's _bwd_tile: program i_p handles row blocks i_p,
     # i_p + n_p, ... and writes its four parameter-gradient sums once, as row i_p of the
@@ -290,12 +299,15 @@ def _bwd_tile(
     b_dbb = tl.zeros([BD], dtype=tl.float32)
     b_dw = tl.zeros([BD], dtype=tl.float32)
     b_db = tl.zeros([BD], dtype=tl.float32)
+    b_drs = tl.zeros([BD], dtype=tl.float32)  # the [d] scales': sums of dp * r and dp * N_b(x)
+    b_dbs = tl.zeros([BD], dtype=tl.float32)
     for i_m in range(i_p, tl.cdiv(M, BR), n_p):
         o_m = (i_m * BR + tl.arange(0, BR)).to(tl.int64)
         m_m = o_m < M
         mask = m_m[:, None] & m_d[None, :]
         row = o_m[:, None]
         col = o_d[None, :]
+        o_c = row * 0 + col
         # dp: the gradient at new_residual, through the second norm and directly
         b_dp = tl.zeros([BR, BD], dtype=tl.float32)
         if SECOND and HAS_DO:
@@ -307,11 +319,20 @@ def _bwd_tile(
             b_db += tl.sum(b_do, 0)
         if HAS_DRO:
             b_dp += tl.load(DRO + row * s_dro + col, mask=mask, other=0.0).to(tl.float32)
-        if STORE_DR:
-            tl.store(DR + row * s_dr + col, b_dp.to(DR.dtype.element_ty), mask=mask)
-        # the branch: dy = alpha * dp, then the branch norm's backward to x
-        b_dy = alpha * b_dp
+        if STORE_DR:  # dresidual = a * dp
+            tl.store(DR + row * s_dr + col, scale_by(b_dp, RS, rscale, o_c, mask, R_SCALE).to(DR.dtype.element_ty),
+                     mask=mask)
         b_x = tl.load(X + row * s_x + col, mask=mask, other=0.0).to(tl.float32)
+        if R_SCALE == SCALE_VEC:
+            b_drs += tl.sum(b_dp * tl.load(R + row * s_r + col, mask=mask, other=0.0).to(tl.float32), 0)
+        if BS_VEC:  # N_b(x) rebuilt from x and its statistics, for d b
+            b_rstdb = tl.load(RSTDB + o_m, mask=m_m, other=0.0)[:, None]
+            b_rb = tl.where(mask, b_x - tl.load(MEANB + o_m, mask=m_m, other=0.0)[:, None], 0.0) if CENTER else b_x
+            b_y = _affine(b_rb * b_rstdb, BW, BB, o_d, m_d, scale, woff_b, HAS_BW, HAS_BB)
+            b_dbs += tl.sum(b_dp * b_y, 0)
+            b_dy = b_dp * tl.load(BS + o_c, mask=mask, other=0.0).to(tl.float32)
+        else:  # the branch: dy = alpha * dp, then the branch norm's backward to x
+            b_dy = alpha * b_dp
         b_dx, b_sbw = _norm_bwd(b_x, b_dy, RSTDB, MEANB, BW, o_m, m_m, o_d, m_d, mask, D, scale, woff_b,
                                 HAS_BW, CENTER)
         tl.store(DX + row * s_dx + col, b_dx.to(DX.dtype.element_ty), mask=mask)
@@ -326,6 +347,10 @@ def _bwd_tile(
         tl.store(DWP + o_part, b_dw.to(DWP.dtype.element_ty), mask=m_d)
     if HAS_B:
         tl.store(DBP + o_part, b_db.to(DBP.dtype.element_ty), mask=m_d)
+    if R_SCALE == SCALE_VEC:
+        tl.store(DRSP + o_part, b_drs.to(DRSP.dtype.element_ty), mask=m_d)
+    if BS_VEC:
+        tl.store(DBSP + o_part, b_dbs.to(DBSP.dtype.element_ty), mask=m_d)
 
 
 @triton.jit
@@ -345,15 +370,32 @@ def _add_part(PART, o_part, m_d, m_old, b_add):
     tl.store(PART + o_part, tl.load(PART + o_part, mask=m_d & m_old, other=0.0) + b_add, mask=m_d)
 
 
-@triton.jit(do_not_specialize=["M", "scale", "woff_b", "woff", "alpha"])
+@triton.jit
+def _dp_again(P, DO, DRO, W, o_p, o_do, o_dro, o_col, m_d, mask, b_rstd, b_mean, b_c1, b_c2, scale, woff,
+              HAS_W: tl.constexpr, HAS_DRO: tl.constexpr, CENTER: tl.constexpr):
+    """_bwd_loop's dp on one chunk as its sweep 2 forms it (N's backward from the row
+    constants, plus dresidual), for sweep 3 where DR holds a * dp (a residual scale)."""
+    b_r = _normalized(P, o_p, mask, b_rstd, b_mean, CENTER)
+    b_dr = tl.load(DO + o_do, mask=mask, other=0.0).to(tl.float32) * scale
+    if HAS_W:
+        b_dr *= row_weight(W, o_col, m_d, woff)[None, :]
+    b_dp = (b_dr - b_r * b_c1[:, None]) * b_rstd[:, None]
+    if CENTER:
+        b_dp = tl.where(mask, b_dp - b_c2[:, None], 0.0)
+    if HAS_DRO:
+        b_dp += tl.load(DRO + o_dro, mask=mask, other=0.0).to(tl.float32)
+    return b_dp
+
+
+@triton.jit(do_not_specialize=["M", "scale", "woff_b", "woff", "alpha", "rscale"])
 def _bwd_loop(
-    X, P, BW, W, RSTDB, MEANB, RSTD, MEAN, DO, DRO, DX, DR, DBWP, DBBP, DWP, DBP,
-    s_x, s_p, s_do, s_dro, s_dx, s_dr,
-    M, D, scale, woff_b, woff, alpha,
+    X, P, BW, W, RSTDB, MEANB, RSTD, MEAN, DO, DRO, DX, DR, DBWP, DBBP, DWP, DBP, R, BB, RS, BS, DRSP, DBSP,
+    s_x, s_p, s_do, s_dro, s_dx, s_dr, s_r,
+    M, D, scale, woff_b, woff, alpha, rscale,
     BR: tl.constexpr, BD: tl.constexpr,
     HAS_DO: tl.constexpr, HAS_DRO: tl.constexpr, HAS_BW: tl.constexpr, HAS_BB: tl.constexpr,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, SECOND: tl.constexpr, CENTER: tl.constexpr,
-    STORE_DR: tl.constexpr,
+    STORE_DR: tl.constexpr, R_SCALE: tl.constexpr, BS_VEC: tl.constexpr,
 ):
     # Rows too wide for registers, in one launch: program i_p handles blocks of BR rows
     # i_p, i_p + n_p, ..., three sweeps over each block's column chunks, since each norm's
@@ -432,13 +474,27 @@ def _bwd_loop(
                 b_dp += tl.load(DRO + row * s_dro + col, mask=mask, other=0.0).to(tl.float32)
             # dresidual rounded once; the branch takes that stored value (as the unfused
             # form, and as sweep 3, which reads it back)
+            o_c = row * 0 + col
             if STORE_DR:
                 b_dpr = b_dp.to(DR.dtype.element_ty)
-                tl.store(DR + row * s_dr + col, b_dpr, mask=mask)
+                if R_SCALE == SCALE_NONE:
+                    tl.store(DR + row * s_dr + col, b_dpr, mask=mask)
+                else:  # dresidual = a * dp
+                    b_dra = scale_by(b_dpr.to(tl.float32), RS, rscale, o_c, mask, R_SCALE)
+                    tl.store(DR + row * s_dr + col, b_dra.to(DR.dtype.element_ty), mask=mask)
             else:  # dp is dres as it came (norm_add_bwd's store_dr), already in its dtype
                 b_dpr = b_dp
-            b_dy = alpha * b_dpr.to(tl.float32)
+            b_dpf = b_dpr.to(tl.float32)
             b_rb = _normalized(X, row * s_x + col, mask, b_rstdb, b_meanb, CENTER)
+            if R_SCALE == SCALE_VEC:  # the [d] scales' terms: dp * r and dp * N_b(x)
+                _add_part(DRSP, o_part, m_d, m_old, tl.sum(b_dpf * tl.load(R + row * s_r + col, mask=mask,
+                                                                           other=0.0).to(tl.float32), 0))
+            if BS_VEC:
+                b_y = _affine(b_rb, BW, BB, o_col, m_d, scale, woff_b, HAS_BW, HAS_BB)
+                _add_part(DBSP, o_part, m_d, m_old, tl.sum(tl.where(mask, b_dpf * b_y, 0.0), 0))
+                b_dy = b_dpf * tl.load(BS + o_c, mask=mask, other=0.0).to(tl.float32)
+            else:
+                b_dy = alpha * b_dpf
             b_dyw = b_dy * scale
             if HAS_BW:
                 b_dyw *= row_weight(BW, o_col, m_d, woff_b)[None, :]
@@ -460,11 +516,23 @@ def _bwd_loop(
             m_d = o_col < D
             mask = m_m[:, None] & m_d[None, :]
             col = o_col[None, :]
-            if STORE_DR:
+            if R_SCALE != SCALE_NONE:  # DR holds a * dp: dp formed again, as sweep 2 rounded it
+                if N_BWD:
+                    b_dp = _dp_again(P, DO, DRO, W, row * s_p + col, row * s_do + col, row * s_dro + col, o_col,
+                                     m_d, mask, b_rstd, b_mean, b_c1, b_c2, scale, woff, HAS_W, HAS_DRO, CENTER)
+                else:
+                    b_dp = tl.zeros([BR, BD], dtype=tl.float32)
+                    if HAS_DRO:
+                        b_dp += tl.load(DRO + row * s_dro + col, mask=mask, other=0.0).to(tl.float32)
+                b_dp = b_dp.to(DR.dtype.element_ty).to(tl.float32)
+            elif STORE_DR:
                 b_dp = tl.load(DR + row * s_dr + col, mask=mask, other=0.0).to(tl.float32)
             else:
                 b_dp = tl.load(DRO + row * s_dro + col, mask=mask, other=0.0).to(tl.float32)
-            b_dyw = alpha * scale * b_dp
+            if BS_VEC:
+                b_dyw = scale * b_dp * tl.load(BS + row * 0 + col, mask=mask, other=0.0).to(tl.float32)
+            else:
+                b_dyw = alpha * scale * b_dp
             if HAS_BW:
                 b_dyw *= row_weight(BW, o_col, m_d, woff_b)[None, :]
             b_rb = _normalized(X, row * s_x + col, mask, b_rstdb, b_meanb, CENTER)
@@ -477,9 +545,11 @@ def _bwd_loop(
 
 @triton.jit(do_not_specialize=["n_rows"])
 def _bwd_sum4(DBWP, DBBP, DWP, DBP, DBW, DBB, DW, DB, n_rows, D, BR: tl.constexpr, BD: tl.constexpr,
-              HAS_BW: tl.constexpr, HAS_BB: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+              HAS_BW: tl.constexpr, HAS_BB: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+              DRSP=None, DBSP=None, DRS=None, DBS=None):
     # The backward's second launch: the four parameters' gradients, each in its own dtype,
-    # from the (n_rows, D) fp32 partial rows of _bwd_tile (launch._bwd_sum, for four).
+    # from the (n_rows, D) fp32 partial rows of _bwd_tile (launch._bwd_sum, for four), and
+    # the [d] scales' where given.
     o_col = tl.program_id(0) * BD + tl.arange(0, BD)
     m_col = o_col < D
     if HAS_BW:
@@ -490,6 +560,10 @@ def _bwd_sum4(DBWP, DBBP, DWP, DBP, DBW, DBB, DW, DB, n_rows, D, BR: tl.constexp
         sum_rows(DWP, DW, n_rows, D, o_col, m_col, BR, BD)
     if HAS_B:
         sum_rows(DBP, DB, n_rows, D, o_col, m_col, BR, BD)
+    if DRS is not None:
+        sum_rows(DRSP, DRS, n_rows, D, o_col, m_col, BR, BD)
+    if DBS is not None:
+        sum_rows(DBSP, DBS, n_rows, D, o_col, m_col, BR, BD)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -499,11 +573,13 @@ def _flag_eps(spec: NormSpec) -> bool:
 
 @launch.on_device(0)
 def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_spec: NormSpec, spec: NormSpec,
-                 alpha: float, residual_dtype, second: bool, need_stats: bool, qscale=None):
+                 alpha: float, residual_dtype, second: bool, need_stats: bool, qscale=None, rscale=None, bscale=None):
     """(new_residual, out or None, rstd_b, mean_b, rstd, mean), the statistics (M,) fp32 or
     None; same contract as `fuseblock.reference.norm.norm_add_fwd`. With spec.quant, out is
     `fuseblock.reference.fp8.Quantized` (qscale: fp8_tensor's static scale), written by the tile
-    kernel; rows too wide for it are normed into fp32 and cast by `fuseblock.reference.fp8.quantize`."""
+    kernel; rows too wide for it are normed into fp32 and cast by `fuseblock.reference.fp8.quantize`.
+    new_residual = a * residual + b * N_b(x): a branch_spec.residual_scale or the [d] tensor
+    rscale, b alpha or the [d] tensor bscale."""
     d = x.shape[-1]
     quant, codes = {}, None
     if spec.quant != Quant.NONE:
@@ -514,7 +590,8 @@ def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_s
             return (new_res, fp8.quantize(out, spec, qscale), *stats)
         codes, qs, quant = quant_buffers(x, spec, qscale)
     (x2, s_x), (r2, s_r) = row_arg(x, d), row_arg(residual, d)  # contiguous ones as they are
-    branch_weight, branch_bias, weight, bias = map(vec, (branch_weight, branch_bias, weight, bias))
+    branch_weight, branch_bias, weight, bias, rscale, bscale = map(vec, (branch_weight, branch_bias, weight, bias,
+                                                                         rscale, bscale))
     M = x.numel() // d
     dev = x.device
     new_res = torch.empty(x.shape, dtype=residual_dtype, device=dev)
@@ -531,12 +608,14 @@ def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_s
         # the tile up to MAX_TILE_BWD only: compiled for sm_90 at d = 32768 it spills (16 to
         # 240 bytes a thread, bf16 rms/layer), where 16384 keeps all in 76 to 116 registers
         lay = fwd_layout(d) if fits(d, False) else loop_layout(d)
-        args = (x2, r2, branch_weight, branch_bias, weight, bias, ro2, o2, rstd_b, mean_b, rstd, mean,
+        args = (x2, r2, branch_weight, branch_bias, weight, bias, ro2, o2, rstd_b, mean_b, rstd, mean, rscale, bscale,
                 s_x, s_r, d, s_o,
-                M, d, branch_spec.eps, spec.eps, spec.scale, branch_spec.weight_offset, spec.weight_offset, alpha)
+                M, d, branch_spec.eps, spec.eps, spec.scale, branch_spec.weight_offset, spec.weight_offset, alpha,
+                branch_spec.residual_scale)
         flags = dict(HAS_BW=branch_weight is not None, HAS_BB=branch_bias is not None, HAS_W=weight is not None,
                      HAS_B=bias is not None, SECOND=second, CENTER=spec.center, STORE_STATS=need_stats,
-                     EXACT_B=_flag_eps(branch_spec), EXACT=_flag_eps(spec), num_warps=lay.warps)
+                     EXACT_B=_flag_eps(branch_spec), EXACT=_flag_eps(spec), num_warps=lay.warps,
+                     R_SCALE=scale_mode(branch_spec.residual_scale, rscale), BS_VEC=bscale is not None)
         if lay.tile:
             _fwd_tile_ = launch.traced(_fwd_tile) if launch.TRACING.on else _fwd_tile
             _fwd_tile_[(cdiv(M, lay.br),)](*args, BR=lay.br, BD=lay.bd, **flags, **quant)
@@ -553,8 +632,11 @@ def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_s
 @launch.on_device(2)
 def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b, mean_b, rstd, mean,
                  branch_spec: NormSpec, spec: NormSpec, alpha: float, residual_grad_dtype, second: bool,
-                 store_dr: bool = True):
-    """(dx, dresidual, dbranch_weight, dbranch_bias, dweight, dbias), the absent ones None.
+                 store_dr: bool = True, residual=None, rscale=None, bscale=None):
+    """(dx, dresidual, dbranch_weight, dbranch_bias, dweight, dbias, drscale, dbscale), the
+    absent ones None. rscale and bscale: the forward's [d] scales (residual given with rscale):
+    dresidual = a * dp, dy = b * dp, and their gradients, sums over rows of dp * residual and
+    dp * N_b(x), summed beside the parameters' in the same launches.
     dout (the gradient at out) and dres (at new_residual) may each be None. At most two
     launches: `_bwd_tile` (or `_bwd_loop` for rows wider than the tile), then `_bwd_sum4`
     when programs left partial rows: several tile programs, or any loop kernel.
@@ -564,13 +646,16 @@ def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rst
     d = x.shape[-1]
     (x2, s_x), (p2, s_p) = row_arg(x, d), row_arg(p, d)  # contiguous ones as they are
     (do2, s_do), (dro2, s_dro) = row_arg(dout, d), row_arg(dres, d)
-    branch_weight, weight = vec(branch_weight), vec(weight)
+    r2, s_r = row_arg(residual if rscale is not None else None, d)
+    branch_weight, weight, rscale, bscale = vec(branch_weight), vec(weight), vec(rscale), vec(bscale)
+    bb = vec(branch_bias) if bscale is not None else None  # N_b(x) rebuilt for bscale's gradient
     M = x.numel() // d
     dev = x.device
     dx = torch.empty(x.shape, dtype=x.dtype, device=dev)
-    store_dr = store_dr or second or dro2 is None or dres.dtype != residual_grad_dtype
+    store_dr = (store_dr or second or dro2 is None or dres.dtype != residual_grad_dtype
+                or branch_spec.residual_scale != 1.0 or rscale is not None)  # dresidual = a * dp: another tensor
     dr = torch.empty(x.shape, dtype=residual_grad_dtype, device=dev) if store_dr else None
-    params = (branch_weight, branch_bias, weight if second else None, bias if second else None)
+    params = (branch_weight, branch_bias, weight if second else None, bias if second else None, rscale, bscale)
     if M == 0:
         return (dx, dr, *(None if t is None else torch.zeros((d,), dtype=t.dtype, device=dev) for t in params))
     grads = [None if t is None else torch.empty((d,), dtype=t.dtype, device=dev) for t in params]
@@ -579,7 +664,8 @@ def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rst
     n_items = cdiv(M, lay.br)
     flags = dict(HAS_DO=do2 is not None, HAS_DRO=dro2 is not None, HAS_BW=params[0] is not None,
                  HAS_BB=params[1] is not None, HAS_W=params[2] is not None, HAS_B=params[3] is not None,
-                 SECOND=second, CENTER=spec.center, STORE_DR=store_dr)
+                 SECOND=second, CENTER=spec.center, STORE_DR=store_dr,
+                 R_SCALE=scale_mode(branch_spec.residual_scale, rscale), BS_VEC=bscale is not None)
     variant = lay.variant(f"norm_add.{kernel.fn.__name__}", (x2, p2, branch_weight, weight, do2, dro2), flags)
     slots = row_programs(dev, variant, lay.per_sm)
     n_prog = max(1, min(slots, n_items, cdiv(M, MIN_ROWS_PER_PROGRAM)))
@@ -591,10 +677,11 @@ def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rst
     p_arg = p2 if second else None  # the second norm's input
     kernel_ = launch.traced(kernel) if launch.TRACING.on else kernel
     compiled = kernel_[(n_prog,)](
-        x2, p_arg, branch_weight, weight, rstd_b, mean_b, rstd, mean, do2, dro2, dx, dr, *parts,
+        x2, p_arg, branch_weight, weight, rstd_b, mean_b, rstd, mean, do2, dro2, dx, dr, *parts[:4], r2, bb, rscale,
+        bscale, *parts[4:],
         s_x, s_p if second else 0, s_do, s_dro,
         d, d if store_dr else 0,  # dx and dr: contiguous, written by rows of d
-        M, d, spec.scale, branch_spec.weight_offset, spec.weight_offset, alpha,
+        s_r, M, d, spec.scale, branch_spec.weight_offset, spec.weight_offset, alpha, branch_spec.residual_scale,
         BR=lay.br, BD=lay.bd, num_warps=lay.warps, **flags,
     )
     learn(dev, variant, compiled, lay.warps)
@@ -602,8 +689,10 @@ def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rst
     if sum_parts:
         bd = sum_cols(d, dev)
         _bwd_sum4_ = launch.traced(_bwd_sum4) if launch.TRACING.on else _bwd_sum4
-        _bwd_sum4_[(cdiv(d, bd),)](*parts, *grads, n_prog, d, BR=max(1, launch.SUM_TILE // bd), BD=bd,
+        scales = {} if rscale is None and bscale is None else dict(DRSP=parts[4], DBSP=parts[5], DRS=grads[4],
+                                                                   DBS=grads[5])
+        _bwd_sum4_[(cdiv(d, bd),)](*parts[:4], *grads[:4], n_prog, d, BR=max(1, launch.SUM_TILE // bd), BD=bd,
                                   HAS_BW=grads[0] is not None, HAS_BB=grads[1] is not None,
-                                  HAS_W=grads[2] is not None, HAS_B=grads[3] is not None, num_warps=4)
+                                  HAS_W=grads[2] is not None, HAS_B=grads[3] is not None, num_warps=4, **scales)
         LAUNCHES["bwd"] += 1
     return (dx, dr, *grads)

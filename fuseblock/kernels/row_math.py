@@ -105,3 +105,26 @@ def philox_keep(SEED, o_e, drop_p):
     b_u0, b_u1, _, _ = tl.rand4x(key, o_e)
     return b_u0 >= drop_p, b_u1 >= drop_p
 
+
+
+# A residual or branch scale of the residual update r' = a * r + b * branch (docs/math.md):
+# none, one float (a scalar argument), or a [d] vector in memory; launchers pass `scale_mode`
+SCALE_NONE = tl.constexpr(0)
+SCALE_FLOAT = tl.constexpr(1)
+SCALE_VEC = tl.constexpr(2)
+
+
+def scale_mode(value: float, vector) -> int:
+    """The constexpr mode of a scale: its [d] tensor (vector), else its float (1: none)."""
+    return 2 if vector is not None else int(value != 1.0)
+
+
+@triton.jit
+def scale_by(b, S, s, o_c, mask, MODE: tl.constexpr):
+    """b times the scale, in fp32: b (MODE none), b * s (float), b * S[o_c] (vector; o_c the
+    columns, of b's shape)."""
+    if MODE == SCALE_FLOAT:
+        b = b * s
+    elif MODE == SCALE_VEC:
+        b = b * tl.load(S + o_c, mask=mask, other=0.0).to(tl.float32)
+    return b

@@ -123,9 +123,11 @@ class Norm(nn.Module):
 
     def add(self, x: Tensor, residual: Tensor | None = None, *positional: Tensor,
             residual_dtype: torch.dtype | None = None, gate: Tensor | None = None, alpha: float = NO_SCALE,
-            x1: Tensor | None = None, dropout_p: float = NO_DROPOUT) -> tuple[Tensor, Tensor]:
+            x1: Tensor | None = None, dropout_p: float = NO_DROPOUT, residual_scale: float | Tensor = NO_SCALE,
+            branch_scale: float | Tensor | None = None) -> tuple[Tensor, Tensor]:
         """fuseblock.add_norm with this module's parameters and settings: (N(r'), r') with
-        r' = residual + alpha * (drop(x) + drop(x1)). residual_dtype=None keeps new_residual
+        r' = residual + alpha * (drop(x) + drop(x1)), or with the per-channel scales
+        a * residual + b * (drop(x) + drop(x1)). residual_dtype=None keeps new_residual
         in the module's residual_dtype (an AddNorm's), else in the dtype torch's
         `x + residual` has. dropout_p is the caller's to zero in eval. The defaults are
         add_norm's own objects, which its plain lane tests by identity: pass none of the
@@ -147,6 +149,7 @@ class Norm(nn.Module):
                 gate=gate, gate_act=self.gate_act if gated else DEFAULT_GATE_ACT,
                 gate_position=self.gate_position if gated else DEFAULT_GATE_POSITION, num_groups=self.num_groups,
                 weight_offset=self.weight_offset, alpha=alpha, x1=x1, dropout_p=dropout_p,
+                residual_scale=residual_scale, branch_scale=branch_scale,
             )
         except ValueError:
             check_last_dim(x, self.dim)
@@ -179,16 +182,20 @@ class Norm(nn.Module):
                            quant=self.linear_quant)
 
     def norm_add(self, x: Tensor, residual: Tensor, *, alpha: float = 1.0,
-                 residual_dtype: torch.dtype | None = None) -> Tensor:
+                 residual_dtype: torch.dtype | None = None, residual_scale: float | Tensor = 1.0,
+                 branch_scale: float | Tensor | None = None) -> Tensor:
         """fuseblock.norm_add with this module as the branch norm: residual + alpha * N(x),
-        the post-norm step (OLMo2). residual_dtype as in `add`."""
+        the post-norm step (OLMo2), or a * residual + b * N(x) with the per-channel scales.
+        residual_dtype as in `add`."""
         self._check_plain("norm_add")
         return norm_add(x, residual, self.weight, self.bias, kind=self.kind, eps=self.eps,
-                        weight_offset=self.weight_offset, alpha=alpha,
+                        weight_offset=self.weight_offset, alpha=alpha, residual_scale=residual_scale,
+                        branch_scale=branch_scale,
                         residual_dtype=self.residual_dtype if residual_dtype is None else residual_dtype)
 
     def norm_add_norm(self, x: Tensor, residual: Tensor, norm: Norm, *, alpha: float = 1.0,
-                      residual_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+                      residual_dtype: torch.dtype | None = None, residual_scale: float | Tensor = 1.0,
+                      branch_scale: float | Tensor | None = None) -> tuple[Tensor, Tensor]:
         """fuseblock.norm_add_norm with this module as the branch norm and `norm` the one after
         (Gemma2's sandwich): (norm(r'), r') with r' = residual + alpha * self(x), both norms
         in one launch. They share the kind; each keeps its eps, weight_offset and
@@ -207,7 +214,8 @@ class Norm(nn.Module):
                              # the branch's eps=None is torch's for x, not norm's eps
                              eps=norm.eps, branch_eps=default_eps(x.dtype, self.kind) if self.eps is None else self.eps,
                              weight_offset=norm.weight_offset,
-                             branch_weight_offset=self.weight_offset, alpha=alpha,
+                             branch_weight_offset=self.weight_offset, alpha=alpha, residual_scale=residual_scale,
+                             branch_scale=branch_scale,
                              residual_dtype=norm.residual_dtype if residual_dtype is None else residual_dtype)
 
     def _check_plain(self, op: str) -> None:

@@ -288,6 +288,41 @@ def check_branch(x: torch.Tensor, x1, alpha, dropout_p) -> None:
             raise TypeError(f"x1 must have x's dtype {x.dtype}, got {x1.dtype}")
 
 
+def check_scale(name: str, scale, x: torch.Tensor, like: torch.Tensor | None):
+    """A residual_scale or branch_scale: a finite real number, returned as a float, or a
+    (d,) tensor on x's device in fp32 or like's dtype (the weight's; x's with no weight),
+    returned as it is."""
+    if not isinstance(scale, torch.Tensor):
+        check_number(name, scale)
+        return float(scale)
+    check_vector(name, scale, x, x.shape[-1])
+    dtype = (x if like is None else like).dtype
+    if scale.dtype not in (torch.float32, dtype):
+        raise TypeError(f"{name} must be float32 or {dtype} (the weight's dtype, x's without one), got {scale.dtype}")
+    return scale
+
+
+def check_scales(x: torch.Tensor, residual, like, alpha, residual_scale, branch_scale):
+    """The residual update's scales, r' = a * r + b * branch: (b's float, a's float, a's
+    [d] tensor or None, b's [d] tensor or None). alpha is branch_scale's float form: one
+    of the two (alpha 1: not given). like: the tensor whose dtype a [d] scale may have
+    besides fp32 (the weight; None: x)."""
+    check_number("alpha", alpha)
+    if branch_scale is not None:
+        if alpha != 1.0:
+            raise ValueError("alpha and branch_scale are one scale (alpha is branch_scale's float form): give one")
+        branch_scale = check_scale("branch_scale", branch_scale, x, like)
+    if residual_scale is None:
+        residual_scale = 1.0
+    residual_scale = check_scale("residual_scale", residual_scale, x, like)
+    if residual is None and (isinstance(residual_scale, torch.Tensor) or residual_scale != 1.0):
+        raise ValueError("residual_scale scales the residual: it needs one (residual is None)")
+    bs = branch_scale if isinstance(branch_scale, torch.Tensor) else None
+    rs = residual_scale if isinstance(residual_scale, torch.Tensor) else None
+    return (float(alpha) if branch_scale is None or bs is not None else branch_scale,
+            1.0 if rs is not None else residual_scale, rs, bs)
+
+
 def check_vector(name: str, t, x: torch.Tensor, d: int) -> None:
     check_tensor(name, t, x)
     if t.dim() != 1 or t.shape[0] != d:

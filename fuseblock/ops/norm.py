@@ -33,6 +33,7 @@ from ..triton_support import TRACING
 from . import dispatch, dtensor
 from .checks import (
     check_branch,
+    check_scales,
     default_eps,
     refuse_keywords,
     refuse_positional,
@@ -43,7 +44,8 @@ from .registry import FusedOp, live, placeholder, placeholders
 from .seed import draw_seed
 
 
-def _launch_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1=None, seed=None):
+def _launch_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1=None, seed=None,
+                residual_scale=None, branch_scale=None):
     """`_fwd` with None for each absent output: what the eager Function runs. spec: a
     NormSpec (the eager calls), or packed (the custom op's)."""
     if spec.__class__ is not NormSpec:
@@ -53,19 +55,21 @@ def _launch_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stat
     except KeyError:
         launchers = kernels("norm", x)
     return launchers.norm_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1,
-                              seed if seed is None else _seed_arg(seed))
+                              seed if seed is None else _seed_arg(seed), rscale=residual_scale, bscale=branch_scale)
 
 
 # The spec crosses the custom-op boundary packed (NormSpec.pack: a list of floats). typing.List,
 # not list: torch 2.5's schema inference knows only the typing forms, spelled out.
-# x1 and seed (add_norm's branch, `fuseblock.kernels.norm.norm_fwd`) come last, with
-# defaults: the plain op's callers pass neither.
+# x1, seed and the [d] scales (add_norm's branch, `fuseblock.kernels.norm.norm_fwd`) come
+# last, with defaults: the plain op's callers pass none.
 def _fwd(
     x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
     spec: List[float], residual_dtype: Optional[torch.dtype], need_stats: bool,  # noqa: UP006
-    x1: Optional[Tensor] = None, seed: Optional[Tensor] = None,
+    x1: Optional[Tensor] = None, seed: Optional[Tensor] = None, residual_scale: Optional[Tensor] = None,
+    branch_scale: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return placeholders(x, _launch_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1, seed))
+    return placeholders(x, _launch_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1, seed,
+                                       residual_scale, branch_scale))
 
 
 def _seed_arg(seed: Optional[Tensor]):
@@ -76,7 +80,8 @@ def _seed_arg(seed: Optional[Tensor]):
     return int(seed) if seed is not None and seed.is_cpu and not TRACING.on else seed
 
 
-def _fwd_fake(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1=None, seed=None):
+def _fwd_fake(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1=None, seed=None,
+              residual_scale=None, branch_scale=None):
     s = NormSpec.unpack(spec)
     rows = x.numel() // x.shape[-1]
     stat = acc_dtype(x.dtype)
@@ -92,14 +97,16 @@ def _bwd(
     dout: Tensor, dres: Optional[Tensor], p: Tensor, gate: Optional[Tensor], weight: Optional[Tensor],
     bias: Optional[Tensor], rstd: Tensor, mean: Optional[Tensor], spec: List[float],  # noqa: UP006
     x_dtype: torch.dtype, residual_grad_dtype: Optional[torch.dtype], seed: Optional[Tensor] = None,
-    has_x1: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    has_x1: bool = False, residual: Optional[Tensor] = None, x: Optional[Tensor] = None,
+    x1: Optional[Tensor] = None, residual_scale: Optional[Tensor] = None, branch_scale: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return placeholders(p, _launch_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec, x_dtype,
-                                       residual_grad_dtype, seed, has_x1))
+                                       residual_grad_dtype, seed, has_x1, residual, x, x1, residual_scale,
+                                       branch_scale))
 
 
 def _launch_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec, x_dtype, residual_grad_dtype, seed=None,
-                has_x1=False):
+                has_x1=False, residual=None, x=None, x1=None, residual_scale=None, branch_scale=None):
     """`_bwd` with None for each absent gradient: what the eager Function runs (spec as
     `_launch_fwd` takes it)."""
     if spec.__class__ is not NormSpec:
@@ -109,11 +116,12 @@ def _launch_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec, x_dtype, re
     except KeyError:
         launchers = kernels("norm", p)
     return launchers.norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec, x_dtype,
-                                       residual_grad_dtype, seed if seed is None else _seed_arg(seed), has_x1)
+                              residual_grad_dtype, seed if seed is None else _seed_arg(seed), has_x1,
+                              residual, x, x1, residual_scale, branch_scale)
 
 
 def _bwd_fake(dout, dres, p, gate, weight, bias, rstd, mean, spec, x_dtype, residual_grad_dtype, seed=None,
-              has_x1=False):
+              has_x1=False, residual=None, x=None, x1=None, residual_scale=None, branch_scale=None):
     d = p.shape[-1]
     return (
         p.new_empty(p.shape, dtype=x_dtype),
@@ -122,26 +130,35 @@ def _bwd_fake(dout, dres, p, gate, weight, bias, rstd, mean, spec, x_dtype, resi
         p.new_empty((d,), dtype=weight.dtype) if weight is not None else placeholder(p),
         p.new_empty((d,), dtype=bias.dtype) if bias is not None else placeholder(p),
         p.new_empty(p.shape, dtype=x_dtype) if has_x1 and NormSpec.unpack(spec).dropout_p > 0 else placeholder(p),
+        *(p.new_empty((d,), dtype=t.dtype) if t is not None else placeholder(p)
+          for t in (residual_scale, branch_scale)),
     )
 
 
 
 
 def _setup(ctx, inputs, output):
-    x, residual, gate, weight, bias, spec, residual_dtype, _, x1, seed = inputs
+    x, residual, gate, weight, bias, spec, residual_dtype, _, x1, seed, *scales = inputs
+    rscale, bscale = scales or (None, None)  # the [d] scales, which a plain call does not pass
     _, new_res, rstd, mean = output
     ctx.spec = spec if spec.__class__ is NormSpec else NormSpec.unpack(spec)
     # Backward re-derives everything from p and the row statistics, so the normalized
     # output is never kept: p is the stored new_residual, or x itself when none is stored.
     # Of the branch only the seed is kept (one int64): the dropout masks are regenerated.
     p = new_res if residual_dtype is not None else x
-    ctx.save_for_backward(p, gate, weight, bias, rstd, mean if ctx.spec.center else None, seed)
+    # A [d] scale's gradient is a column sum of dp times what it scaled: the residual's (a),
+    # the branch's (b: x and x1, whose dropout masks are regenerated), kept for it alone
+    ctx.save_for_backward(p, gate, weight, bias, rstd, mean if ctx.spec.center else None, seed,
+                          residual if rscale is not None else None, x if bscale is not None else None,
+                          x1 if bscale is not None else None, rscale, bscale)
     ctx.x_dtype = x.dtype
     ctx.residual_dtype = None if residual is None else residual.dtype
     ctx.stored = residual_dtype is not None
     ctx.has_x1 = x1 is not None
-    # dx = alpha * keep_x / (1 - dropout_p) * dp is not dresidual = dp (x1 alone changes nothing there)
-    ctx.scaled = ctx.spec.alpha != 1.0 or ctx.spec.dropout_p > 0
+    # dx = alpha * keep_x / (1 - dropout_p) * dp is not dresidual = residual_scale * dp (x1
+    # alone changes nothing there)
+    ctx.scaled = (ctx.spec.alpha != 1.0 or ctx.spec.dropout_p > 0 or ctx.spec.residual_scale != 1.0
+                  or rscale is not None or bscale is not None)
     # the dtype of a dresidual written apart from dx: with alpha != 1 or dropout, whenever there
     # is a residual (dx = alpha * keep / (1 - p) * dp is another tensor than dp); else where
     # the residual's dtype differs from x's
@@ -154,10 +171,11 @@ def _setup(ctx, inputs, output):
 
 
 def _grads(ctx, grad_outputs, norm_bwd):
-    """(dx, dresidual, dgate, dweight, dbias, None x 3, dx1) from the saved context: the
-    gradients of the op's inputs, the options' None between them."""
+    """(dx, dresidual, dgate, dweight, dbias, None x 3, dx1, None, dresidual_scale,
+    dbranch_scale) from the saved context: the gradients of the op's inputs, the options'
+    None between them."""
     dout, dnew_res = grad_outputs[:2]
-    p, gate, weight, bias, rstd, mean, seed = ctx.saved_tensors
+    p, gate, weight, bias, rstd, mean, seed, residual, x, x1, rscale, bscale = ctx.saved_tensors
     # absent statistics: None (the eager forward's) or a 1-d placeholder (the custom op's; they are (rows, groups))
     if (rstd is None or rstd.ndim == 1) and p.numel() > 0:
         raise RuntimeError("fuseblock: backward through a norm whose forward ran without grad enabled")
@@ -166,14 +184,15 @@ def _grads(ctx, grad_outputs, norm_bwd):
     dres = dnew_res if ctx.stored else None  # else new_residual is x: autograd routes it
     rgrad_dtype = ctx.rgrad_dtype
     if norm_bwd is _launch_bwd and seed is None and "norm" in dispatch.LOADED:  # eager: the launcher itself
-        dx, dres_sep, dgate, dw, db, dx1 = dispatch.LOADED["norm"].norm_bwd(
-            dout, dres, p, gate, weight, bias, rstd, mean, ctx.spec, ctx.x_dtype, rgrad_dtype, None, ctx.has_x1)
+        dx, dres_sep, dgate, dw, db, dx1, drs, dbs = dispatch.LOADED["norm"].norm_bwd(
+            dout, dres, p, gate, weight, bias, rstd, mean, ctx.spec, ctx.x_dtype, rgrad_dtype, None, ctx.has_x1,
+            residual, x, x1, rscale, bscale)
     else:
-        dx, dres_sep, dgate, dw, db, dx1 = norm_bwd(  # the eager launcher takes the spec as it is
+        dx, dres_sep, dgate, dw, db, dx1, drs, dbs = norm_bwd(  # the eager launcher takes the spec as it is
             dout, dres, p, gate, weight, bias, rstd, mean, ctx.spec if norm_bwd is _launch_bwd else ctx.spec.pack(),
-            ctx.x_dtype, rgrad_dtype, seed, ctx.has_x1,
+            ctx.x_dtype, rgrad_dtype, seed, ctx.has_x1, residual, x, x1, rscale, bscale,
         )
-    return (
+    grads = (
         dx,
         None if ctx.residual_dtype is None else (dx if rgrad_dtype is None else dres_sep),
         dgate if gate is not None else None,
@@ -182,6 +201,8 @@ def _grads(ctx, grad_outputs, norm_bwd):
         None, None, None,
         (dx1 if ctx.spec.dropout_p > 0 else dx) if ctx.has_x1 else None,  # no dropout: dx1 = dx
     )
+    # the [d] scales' after the seed's None, where the call had them (dx1 stays last otherwise)
+    return grads if rscale is None and bscale is None else (*grads, None, drs, dbs)
 
 
 def _dropout_scales(ctx, p: Tensor, seed: Tensor) -> tuple[Tensor, Optional[Tensor]]:
@@ -203,7 +224,7 @@ def _graph_grads(ctx, grad_outputs):
     gradient with a graph, so second derivatives are right. A stored p is this node's own
     output: the second derivative reaches x and residual through it."""
     dout, dnew_res = grad_outputs[:2]
-    p, gate, weight, bias, _, _, seed = ctx.saved_tensors
+    p, gate, weight, bias, _, _, seed, residual, x, x1, rscale, bscale = ctx.saved_tensors
     leaves = [t for t in (p, gate, weight, bias) if t is not None and t.requires_grad]
     found = {}
     if leaves and dout is not None:
@@ -218,15 +239,29 @@ def _graph_grads(ctx, grad_outputs):
     if dp is None and p.requires_grad:
         dp = torch.zeros(p.shape, dtype=ctx.x_dtype, device=p.device)
     dx = dx1 = None if dp is None else dp.to(ctx.x_dtype)
-    if dp is not None and ctx.scaled:  # dx = alpha * keep_x / (1 - dropout_p) * dp, and dx1 likewise
-        dx = dx1 = dp * ctx.spec.alpha
+    drs = dbs = None
+    if dp is not None and ctx.scaled:  # dx = b * keep_x / (1 - dropout_p) * dp, and dx1 likewise
+        b = ctx.spec.alpha if bscale is None else bscale.to(dp.dtype)
+        dx = dx1 = dp * b
+        sx = sx1 = None
         if ctx.spec.dropout_p > 0:
             sx, sx1 = _dropout_scales(ctx, p, seed)
             dx, dx1 = dx * sx, (dx1 * sx1 if ctx.has_x1 else None)
         dx, dx1 = dx.to(ctx.x_dtype), (dx1.to(ctx.x_dtype) if ctx.has_x1 else None)
+        rows = dp.reshape(-1, dp.shape[-1])
+        if rscale is not None:  # d a = sum over rows of dp * r
+            drs = (rows * residual.reshape(rows.shape).to(dp.dtype)).sum(0).to(rscale.dtype)
+        if bscale is not None:  # d b = sum over rows of dp * (drop(x) + drop(x1))
+            u = x.to(dp.dtype) if sx is None else x.to(dp.dtype) * sx
+            if x1 is not None:
+                u = u + (x1.to(dp.dtype) if sx1 is None else x1.to(dp.dtype) * sx1)
+            dbs = (rows * u.reshape(rows.shape)).sum(0).to(bscale.dtype)
+        a = ctx.spec.residual_scale if rscale is None else rscale.to(dp.dtype)
+        dp = dp * a if rscale is not None or a != 1.0 else dp  # dresidual = a * dp
     dresidual = None if ctx.residual_dtype is None or dp is None else dp.to(ctx.residual_dtype)
-    return (dx, dresidual, found.get(id(gate)), found.get(id(weight)), found.get(id(bias)), None, None, None,
-            dx1 if ctx.has_x1 else None)
+    grads = (dx, dresidual, found.get(id(gate)), found.get(id(weight)), found.get(id(bias)), None, None, None,
+             dx1 if ctx.has_x1 else None)
+    return grads if rscale is None and bscale is None else (*grads, None, drs, dbs)
 
 
 norm_op = FusedOp("norm", _fwd, _fwd_fake, _bwd, _bwd_fake, _setup, _grads, stats=(2, 3), graph_grads=_graph_grads,
@@ -235,24 +270,32 @@ norm_op = FusedOp("norm", _fwd, _fwd_fake, _bwd, _bwd_fake, _setup, _grads, stat
 
 def apply_norm(x: Tensor, residual: Optional[Tensor], gate: Optional[Tensor], weight: Optional[Tensor],
                bias: Optional[Tensor], spec: NormSpec, residual_dtype: Optional[torch.dtype], need_stats: bool = False,
-               x1: Optional[Tensor] = None):
+               x1: Optional[Tensor] = None, residual_scale: Optional[Tensor] = None,
+               branch_scale: Optional[Tensor] = None):
     """The op on validated arguments, for add_norm and the family ops: (out, new_residual,
     rstd, mean), absent ones None or empty; need_stats: the caller wants rstd and mean.
-    x1 and spec.alpha, spec.dropout_p: add_norm's branch (residual_dtype then given).
+    x1, spec.alpha, spec.dropout_p, spec.residual_scale and the [d] tensors residual_scale,
+    branch_scale: add_norm's branch (residual_dtype then given).
 
     The registered op where the Triton kernels run (it also keeps the statistics for its
     backward when a gradient is needed), else the torch path's plain differentiable ops;
     under a torch.func transform (vmap, grad, jvp) those always, as they are all such a
     transform can see through."""
     if not uses_triton(x) or func_transforms_active():
-        return reference.norm_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1)
+        return reference.norm_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1,
+                                  residual_scale, branch_scale)
     # written out, not a generator over the six: this runs on every kernel-path call
     need_stats = need_stats or (torch.is_grad_enabled() and (
         x.requires_grad or (residual is not None and residual.requires_grad)
         or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad)
-        or (gate is not None and gate.requires_grad) or (x1 is not None and x1.requires_grad)))
+        or (gate is not None and gate.requires_grad) or (x1 is not None and x1.requires_grad)
+        or (residual_scale is not None and residual_scale.requires_grad)
+        or (branch_scale is not None and branch_scale.requires_grad)))
     seed = draw_seed(x) if spec.dropout_p > 0 else None
-    return norm_op(x, residual, gate, weight, bias, spec.pack(), residual_dtype, need_stats, x1, seed)
+    if residual_scale is None and branch_scale is None:
+        return norm_op(x, residual, gate, weight, bias, spec.pack(), residual_dtype, need_stats, x1, seed)
+    return norm_op(x, residual, gate, weight, bias, spec.pack(), residual_dtype, need_stats, x1, seed, residual_scale,
+                   branch_scale)
 
 
 _F32, _F64 = torch.float32, torch.float64
@@ -273,12 +316,13 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 _BRANCH_SPECS: dict = {}
 
 
-def _with_branch(spec: NormSpec, alpha, dropout_p) -> NormSpec:
-    """spec.with_branch(alpha, dropout_p) (validated), the same instance for the same three."""
-    key = (spec.serial, alpha.__class__, alpha, dropout_p.__class__, dropout_p)
+def _with_branch(spec: NormSpec, alpha, dropout_p, residual_scale) -> NormSpec:
+    """spec.with_branch(alpha, dropout_p, residual_scale) (validated floats), the same instance
+    for the same four."""
+    key = (spec.serial, alpha.__class__, alpha, dropout_p.__class__, dropout_p, residual_scale)
     found = _BRANCH_SPECS.get(key) if spec.serial is not None else None
     if found is None:
-        found = spec.with_branch(alpha, dropout_p)
+        found = spec.with_branch(alpha, dropout_p, residual_scale)
         if spec.serial is not None and len(_BRANCH_SPECS) < 4096:
             _BRANCH_SPECS[key] = found
     return found
@@ -389,6 +433,8 @@ def add_norm(
     num_groups: int = 1,
     weight_offset: float = 0.0,
     alpha: float = NO_SCALE,
+    residual_scale: float | Tensor = NO_SCALE,
+    branch_scale: float | Tensor | None = None,
     x1: Optional[Tensor] = None,
     dropout_p: float = NO_DROPOUT,
     out_dtype: Optional[torch.dtype] = None,
@@ -425,6 +471,14 @@ def add_norm(
     The backward returns dx = alpha * keep_x/(1 - dropout_p) * dp, dx1 likewise, and
     dresidual = dp (dp: the gradient at new_residual).
 
+    Per-channel scales (nGPT, Muse Spark): new_residual = a * residual + b * (drop(x) +
+    drop(x1)), a = residual_scale, b = branch_scale, each a finite float or a (d,) tensor
+    in fp32 or the weight's dtype (x's without a weight), multiplied along the last dim in
+    fp32. alpha is branch_scale's float form: give one of them. A tensor scale's gradient
+    is a column sum, sum over rows of dp * residual (a) or dp * (drop(x) + drop(x1)) (b),
+    in the scale's dtype, from the backward's own launches; dresidual = a * dp. residual_scale
+    needs a residual. Neither takes quant= or DTensor inputs yet.
+
     quant= (a `fuseblock.Fp8Recipe`, or a mode's name for the recipe with its defaults:
     "fp8_tensor" | "fp8_row" | "mxfp8") returns `Quantized(data, scale)` in place of out,
     written by the norm's own launch (docs/low_precision.md): the recipe's fp8_dtype codes
@@ -446,6 +500,7 @@ def add_norm(
     if (quant is None and scale is None  # else resolve validates the recipe's call
             and x1 is None and gate is None and c is None and residual_dtype is None and out_dtype is None
             and alpha is NO_SCALE and dropout_p is NO_DROPOUT and num_groups is _ONE_GROUP
+            and residual_scale is NO_SCALE and branch_scale is None
             and type(weight_offset) is float and weight_offset == 0.0
             and gate_act is DEFAULT_GATE_ACT and gate_position is DEFAULT_GATE_POSITION
             and x.__class__ in _PLAIN and (residual is None or residual.__class__ in _PLAIN)
@@ -470,11 +525,14 @@ def add_norm(
     if dtensor.has_dtensor(x, residual, weight, bias, gate, x1):  # per-rank shards: docs/parallel.md
         if quant is not None or scale is not None:
             raise ValueError("quant= does not take DTensor inputs yet: quantize each rank's local tensor")
+        if residual_scale is not NO_SCALE or branch_scale is not None:
+            raise ValueError("residual_scale and branch_scale do not take DTensor inputs yet (alpha does)")
         return dtensor.add_norm(add_norm, x, residual, weight, bias, gate, x1, kind=kind, c=c, eps=eps,
                                 residual_dtype=residual_dtype, gate_act=gate_act, gate_position=gate_position,
                                 num_groups=num_groups, weight_offset=weight_offset, alpha=alpha,
                                 dropout_p=dropout_p, out_dtype=out_dtype)
-    no_branch = x1 is None and alpha is NO_SCALE and dropout_p is NO_DROPOUT  # else checked below
+    no_branch = (x1 is None and alpha is NO_SCALE and dropout_p is NO_DROPOUT and residual_scale is NO_SCALE
+                 and branch_scale is None)  # else checked below
     spec = resolve(
         x, residual, weight, bias, gate, kind=kind, c=c, eps=eps, gate_act=gate_act,
         gate_position=gate_position, num_groups=num_groups, residual_dtype=residual_dtype,
@@ -482,17 +540,26 @@ def add_norm(
         quant=quant, scale=scale,
     )
     rdtype = new_residual_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
+    rscale = bscale = None
     if not no_branch:
         check_branch(x, x1, alpha, dropout_p)
-        if x1 is not None or alpha != 1.0 or dropout_p != 0.0:  # new_residual is not x: always stored
-            spec = _with_branch(spec, alpha, dropout_p)
+        alpha, rs, rscale, bscale = check_scales(x, residual, weight, alpha, residual_scale, branch_scale)
+        if reference.is_branch(spec.with_branch(alpha, dropout_p, rs), x1, rscale, bscale):
+            # new_residual is not x: always stored
+            spec = _with_branch(spec, alpha, dropout_p, rs)
             rdtype = stored_dtype(x.dtype, None if residual is None else residual.dtype, residual_dtype)
+        if spec.residual_scale != 1.0 or rscale is not None or bscale is not None:
+            if spec.quant != Quant.NONE:
+                raise ValueError("quant= does not take residual_scale or a tensor branch_scale yet")
+            if dtensor.has_dtensor(rscale, bscale, None, None, None):
+                raise ValueError("residual_scale and branch_scale take no DTensor yet")
     if spec.quant != Quant.NONE:
         # here, not at the top: ops/fp8.py's torch.compiler.disable imports torch._dynamo
         from . import fp8 as quant_ops
         out, new_res = quant_ops.quantized_norm(norm_op, x, residual, gate, weight, bias, spec, rdtype, x1, scale)
         return out, (x if rdtype is None else new_res)
-    out, new_res, _, _ = apply_norm(x, residual, gate, weight, bias, spec, rdtype, x1=x1)
+    out, new_res, _, _ = apply_norm(x, residual, gate, weight, bias, spec, rdtype, x1=x1, residual_scale=rscale,
+                                    branch_scale=bscale)
     return out, (x if rdtype is None else new_res)
 
 

@@ -22,6 +22,7 @@ from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, Fp8Recipe, NormSpec,
 from . import dtensor
 from .checks import (
     check_number,
+    check_scales,
     check_tensor,
     check_vector,
     default_eps,
@@ -43,20 +44,23 @@ def _unpack(spec: List[float]) -> tuple[NormSpec, NormSpec, float]:  # noqa: UP0
 def _fwd(
     x: Tensor, residual: Tensor, branch_weight: Optional[Tensor], branch_bias: Optional[Tensor],
     weight: Optional[Tensor], bias: Optional[Tensor], spec: List[float], residual_dtype: torch.dtype,  # noqa: UP006
-    second: bool, need_stats: bool,
+    second: bool, need_stats: bool, residual_scale: Optional[Tensor] = None, branch_scale: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return placeholders(x, _launch_fwd(x, residual, branch_weight, branch_bias, weight, bias, spec, residual_dtype,
-                                       second, need_stats))
+                                       second, need_stats, residual_scale, branch_scale))
 
 
-def _launch_fwd(x, residual, branch_weight, branch_bias, weight, bias, spec, residual_dtype, second, need_stats):
+def _launch_fwd(x, residual, branch_weight, branch_bias, weight, bias, spec, residual_dtype, second, need_stats,
+                residual_scale=None, branch_scale=None):
     """`_fwd` with None for each absent output: what the eager Function runs."""
     bspec, nspec, alpha = _unpack(spec)
     return kernels("norm_add", x).norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, bspec, nspec,
-                                               alpha, residual_dtype, second, need_stats)
+                                               alpha, residual_dtype, second, need_stats, rscale=residual_scale,
+                                               bscale=branch_scale)
 
 
-def _fwd_fake(x, residual, branch_weight, branch_bias, weight, bias, spec, residual_dtype, second, need_stats):
+def _fwd_fake(x, residual, branch_weight, branch_bias, weight, bias, spec, residual_dtype, second, need_stats,
+              residual_scale=None, branch_scale=None):
     second_spec = _unpack(spec)[1]
     center = second_spec.center
     rows = x.numel() // x.shape[-1]
@@ -73,34 +77,38 @@ def _bwd(
     dout: Optional[Tensor], dres: Optional[Tensor], x: Tensor, p: Optional[Tensor], branch_weight: Optional[Tensor],
     branch_bias: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor], rstd_b: Tensor,
     mean_b: Optional[Tensor], rstd: Optional[Tensor], mean: Optional[Tensor], spec: List[float],  # noqa: UP006
-    residual_grad_dtype: torch.dtype, second: bool, store_dr: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    residual_grad_dtype: torch.dtype, second: bool, store_dr: bool, residual: Optional[Tensor] = None,
+    residual_scale: Optional[Tensor] = None, branch_scale: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return placeholders(x, _launch_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b, mean_b,
-                                       rstd, mean, spec, residual_grad_dtype, second, store_dr))
+                                       rstd, mean, spec, residual_grad_dtype, second, store_dr, residual,
+                                       residual_scale, branch_scale))
 
 
 def _launch_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b, mean_b, rstd, mean, spec,
-                residual_grad_dtype, second, store_dr):
+                residual_grad_dtype, second, store_dr, residual=None, residual_scale=None, branch_scale=None):
     """`_bwd` with None for each absent gradient: what the eager Function runs."""
     bspec, nspec, alpha = _unpack(spec)
     return kernels("norm_add", x).norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b,
                                                mean_b, rstd, mean, bspec, nspec, alpha, residual_grad_dtype, second,
-                                               store_dr)
+                                               store_dr, residual, residual_scale, branch_scale)
 
 
 def _bwd_fake(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rstd_b, mean_b, rstd, mean, spec,
-              residual_grad_dtype, second, store_dr):
+              residual_grad_dtype, second, store_dr, residual=None, residual_scale=None, branch_scale=None):
     d = x.shape[-1]
 
     def param(t, on=True):
         return x.new_empty((d,), dtype=t.dtype) if t is not None and on else placeholder(x)
 
     return (x.new_empty(x.shape), x.new_empty(x.shape, dtype=residual_grad_dtype) if store_dr else placeholder(x),
-            param(branch_weight), param(branch_bias), param(weight, second), param(bias, second))
+            param(branch_weight), param(branch_bias), param(weight, second), param(bias, second),
+            param(residual_scale), param(branch_scale))
 
 
 def _setup(ctx, inputs, output):
-    x, residual, branch_weight, branch_bias, weight, bias, spec, _, second, _ = inputs
+    x, residual, branch_weight, branch_bias, weight, bias, spec, _, second, _, *scales = inputs
+    rscale, bscale = scales or (None, None)  # the [d] scales, which a plain call does not pass
     new_res, _, rstd_b, mean_b, rstd, mean = output
     ctx.bspec, ctx.spec, ctx.alpha = _unpack(spec)
     ctx.second = second
@@ -108,25 +116,35 @@ def _setup(ctx, inputs, output):
     # Backward needs x, the stored new_residual (only for the second norm) and each norm's
     # row statistics; never the normalized outputs. The biases only say their dtypes.
     center = ctx.spec.center
+    # A [d] residual scale's gradient is a column sum of dp * residual: the residual is kept for it
     ctx.save_for_backward(x, new_res if second else None, branch_weight, branch_bias, weight, bias, rstd_b,
-                          mean_b if center else None, rstd if second else None, mean if second and center else None)
+                          mean_b if center else None, rstd if second else None, mean if second and center else None,
+                          residual if rscale is not None else None, rscale, bscale)
     return () if second else (1,)  # without the second norm, out is an empty placeholder (or None, eager)
 
 
 def _grads(ctx, grad_outputs, bwd):
-    """(dx, dresidual, dbranch_weight, dbranch_bias, dweight, dbias) from the saved context."""
+    """(dx, dresidual, dbranch_weight, dbranch_bias, dweight, dbias, None x 4,
+    dresidual_scale, dbranch_scale) from the saved context."""
     dres, dout = grad_outputs[:2]
-    x, p, bw, bb, w, b, rstd_b, mean_b, rstd, mean = ctx.saved_tensors
+    x, p, bw, bb, w, b, rstd_b, mean_b, rstd, mean, residual, rscale, bscale = ctx.saved_tensors
     if (rstd_b is None or rstd_b.numel() == 0) and x.numel() > 0:  # None: the eager forward's absent statistics
         raise RuntimeError("fuseblock: backward through a norm_add whose forward ran without grad enabled")
     # norm_add's r' = r + alpha * N(x) passes the gradient at r' through to r: in r's dtype it
     # is dresidual itself, returned as it came, where a kernel would write a copy of it
-    passed = not ctx.second and dres is not None and dres.dtype == ctx.residual_dtype
+    # (a residual_scale makes dresidual = a * dp another tensor)
+    passed = (not ctx.second and dres is not None and dres.dtype == ctx.residual_dtype and rscale is None
+              and ctx.bspec.residual_scale == 1.0)
     found = bwd(dout if ctx.second else None, dres, x, p, bw, bb, w, b, rstd_b, mean_b, rstd, mean,
-                [*ctx.bspec.pack(), *ctx.spec.pack(), ctx.alpha], ctx.residual_dtype, ctx.second, not passed)
+                [*ctx.bspec.pack(), *ctx.spec.pack(), ctx.alpha], ctx.residual_dtype, ctx.second, not passed,
+                residual, rscale, bscale)
     if passed:
         found = (found[0], dres, *found[2:])
-    return tuple(g if t is not None else None for g, t in zip(found, (x, x, bw, bb, w, b), strict=True))
+    grads = tuple(g if t is not None else None for g, t in zip(found[:6], (x, x, bw, bb, w, b), strict=True))
+    if rscale is None and bscale is None:
+        return grads
+    return (*grads, None, None, None, None, found[6] if rscale is not None else None,
+            found[7] if bscale is not None else None)
 
 
 def _graph_grads(ctx, grad_outputs):
@@ -136,6 +154,7 @@ def _graph_grads(ctx, grad_outputs):
     residual) and autograd differentiates it with a graph."""
     dres, dout = grad_outputs[:2]
     x, p, bw, bb, w, b = ctx.saved_tensors[:6]
+    residual, rscale, bscale = ctx.saved_tensors[10:]
     found = {}
 
     def grad_of(out, leaves, dgrad):
@@ -153,22 +172,28 @@ def _graph_grads(ctx, grad_outputs):
         dpn = found.get(id(pp))
         if dpn is not None:
             dp = dpn if dp is None else dp + dpn
+    drs = dbs = None
     if dp is not None:
         xx = x if x.requires_grad else x.detach().requires_grad_()
-        y = reference.norm_out(xx.to(acc_dtype(x.dtype)), None, bw, bb, ctx.bspec)[0] * ctx.alpha
+        y0 = reference.norm_out(xx.to(acc_dtype(x.dtype)), None, bw, bb, ctx.bspec)[0]
+        y = y0 * ctx.alpha if bscale is None else y0 * bscale.to(y0.dtype)
         grad_of(y, (xx, bw, bb), dp)
+        rows = dp.reshape(-1, dp.shape[-1])
+        if bscale is not None:  # d b = sum over rows of dp * N_b(x)
+            dbs = (rows * y0.reshape(rows.shape).to(rows.dtype)).sum(0).to(bscale.dtype)
+        if rscale is not None:  # d a = sum over rows of dp * r, and dresidual = a * dp
+            drs = (rows * residual.reshape(rows.shape).to(rows.dtype)).sum(0).to(rscale.dtype)
+            dp = dp * rscale.to(dp.dtype)
+        elif ctx.bspec.residual_scale != 1.0:
+            dp = dp * ctx.bspec.residual_scale
     dx = found.get(id(x))
-    return (None if dx is None else dx.to(ctx.x_dtype), None if dp is None else dp.to(ctx.residual_dtype),
-            found.get(id(bw)), found.get(id(bb)), found.get(id(w)), found.get(id(b)))
+    grads = (None if dx is None else dx.to(ctx.x_dtype), None if dp is None else dp.to(ctx.residual_dtype),
+             found.get(id(bw)), found.get(id(bb)), found.get(id(w)), found.get(id(b)))
+    return grads if rscale is None and bscale is None else (*grads, None, None, None, None, drs, dbs)
 
 
 norm_add_op = FusedOp("norm_add_norm", _fwd, _fwd_fake, _bwd, _bwd_fake, _setup, _grads, stats=(2, 3, 4, 5),
                       graph_grads=_graph_grads, launch_fwd=_launch_fwd, launch_bwd=_launch_bwd)
-
-
-def _check_alpha(alpha) -> float:
-    check_number("alpha", alpha)
-    return float(alpha)
 
 
 def _spec(x, residual, weight, bias, kind, eps, weight_offset, residual_dtype, out_dtype=None, quant=None,
@@ -179,21 +204,34 @@ def _spec(x, residual, weight, bias, kind, eps, weight_offset, residual_dtype, o
                    weight_offset=weight_offset, out_dtype=out_dtype, quant=quant, scale=scale)
 
 
-def _apply(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha, rdtype, second):
+def _scales(x, residual, like, alpha, residual_scale, branch_scale, bspec: NormSpec):
+    """(bspec with the float residual scale, alpha, the [d] residual scale, the [d] branch
+    scale), validated (`check_scales`)."""
+    alpha, rs, rscale, bscale = check_scales(x, residual, like, alpha, residual_scale, branch_scale)
+    if (rs != 1.0 or rscale is not None or bscale is not None) and dtensor.has_dtensor(
+            x, residual, rscale, bscale, None):
+        raise ValueError("residual_scale and branch_scale do not take DTensor inputs yet (alpha does)")
+    return (bspec if rs == 1.0 else bspec.with_branch(bspec.alpha, bspec.dropout_p, rs)), alpha, rscale, bscale
+
+
+def _apply(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha, rdtype, second, rscale=None,
+           bscale=None):
     """(new_residual, out or None) on validated arguments, by the path that serves x."""
     if dtensor.has_dtensor(x, residual, branch_weight, branch_bias, weight, bias):  # docs/parallel.md
         return dtensor.norm_add(_apply, x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha,
                                 rdtype, second)
     if not uses_triton(x) or func_transforms_active():
         return reference.norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha,
-                                      rdtype, second)
+                                      rdtype, second, rscale, bscale)
     # written out, not a generator over the six: this runs on every kernel-path call
     need_stats = torch.is_grad_enabled() and (
         x.requires_grad or residual.requires_grad or (branch_weight is not None and branch_weight.requires_grad)
         or (branch_bias is not None and branch_bias.requires_grad) or (weight is not None and weight.requires_grad)
-        or (bias is not None and bias.requires_grad))
+        or (bias is not None and bias.requires_grad) or (rscale is not None and rscale.requires_grad)
+        or (bscale is not None and bscale.requires_grad))
+    scales = () if rscale is None and bscale is None else (rscale, bscale)
     new_res, out, *_ = norm_add_op(x, residual, branch_weight, branch_bias, weight, bias,
-                                   [*bspec.pack(), *spec.pack(), alpha], rdtype, second, need_stats)
+                                   [*bspec.pack(), *spec.pack(), alpha], rdtype, second, need_stats, *scales)
     return new_res, (out if second else None)
 
 
@@ -207,6 +245,8 @@ def norm_add(
     eps: Optional[float] = None,
     weight_offset: float = 0.0,
     alpha: float = 1.0,
+    residual_scale: float | Tensor = 1.0,
+    branch_scale: float | Tensor | None = None,
     residual_dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
     """Post-norm residual update: new_residual = residual + alpha * N(x), returned.
@@ -217,14 +257,20 @@ def norm_add(
     alpha is a finite real number. N(x) is kept in fp32 and the sum rounded once, into
     residual_dtype: by default the dtype torch's `residual + N(x)` has (the residual's,
     or the wider of it and x's). One kernel launch forward on the kernel path.
+
+    Per-channel scales: new_residual = a * residual + b * N(x), a = residual_scale,
+    b = branch_scale, each a finite float or a (d,) tensor in fp32 or the weight's dtype
+    (x's without a weight); alpha is branch_scale's float form (give one). A tensor
+    scale's gradient is sum over rows of dp * residual (a) or dp * N(x) (b), from the
+    backward's own launches.
     """
     check_tensor("x", x)
     check_tensor("residual", residual)
-    alpha = _check_alpha(alpha)
     spec = _spec(x, residual, weight, bias, kind, default_eps(x.dtype, kind) if eps is None else eps, weight_offset,
                  residual_dtype)
+    bspec, alpha, rscale, bscale = _scales(x, residual, weight, alpha, residual_scale, branch_scale, spec)
     rdtype = stored_dtype(x.dtype, residual.dtype, residual_dtype)
-    return _apply(x, residual, weight, bias, None, None, spec, spec, alpha, rdtype, False)[0]
+    return _apply(x, residual, weight, bias, None, None, bspec, spec, alpha, rdtype, False, rscale, bscale)[0]
 
 
 def norm_add_norm(
@@ -241,6 +287,8 @@ def norm_add_norm(
     weight_offset: float = 0.0,
     branch_weight_offset: Optional[float] = None,
     alpha: float = 1.0,
+    residual_scale: float | Tensor = 1.0,
+    branch_scale: float | Tensor | None = None,
     residual_dtype: Optional[torch.dtype] = None,
     out_dtype: Optional[torch.dtype] = None,
     quant: Optional[str | Fp8Recipe] = None,
@@ -261,12 +309,13 @@ def norm_add_norm(
     quant=... (a `fuseblock.Fp8Recipe` or a mode's name; scale=: fp8_tensor's) returns
     `Quantized` in place of out, as `add_norm`'s (its anchor takes the gradient at out in
     high precision when an input requires one); the recipe's mx_columnwise is not taken.
+    residual_scale and branch_scale as in `norm_add`: new_residual = a * residual + b * N_b(x)
+    (a tensor's dtype may be fp32 or branch_weight's); not with quant= yet.
     """
     if removed:
         refuse_keywords("norm_add_norm", removed)
     check_tensor("x", x)
     check_tensor("residual", residual)
-    alpha = _check_alpha(alpha)
     if quant is not None and recipe_of(quant).mx_columnwise:
         raise ValueError("norm_add_norm's quant= takes no mx_columnwise (its output has no columnwise copy): use a "
                          "recipe with mx_columnwise=False")
@@ -293,13 +342,17 @@ def norm_add_norm(
         if branch_weight_offset != 0 and branch_weight is None:
             raise ValueError(f"branch_weight_offset={branch_weight_offset} needs a branch_weight: it is added to it")
     bspec = _spec(x, residual, branch_weight, branch_bias, kind, branch_eps, branch_weight_offset, residual_dtype)
+    bspec, alpha, rscale, bscale = _scales(x, residual, branch_weight, alpha, residual_scale, branch_scale, bspec)
     rdtype = stored_dtype(x.dtype, residual.dtype, residual_dtype)
     if spec.quant != Quant.NONE:
+        if bspec.residual_scale != 1.0 or rscale is not None or bscale is not None:
+            raise ValueError("quant= does not take residual_scale or a tensor branch_scale yet")
         if dtensor.has_dtensor(x, residual, branch_weight, branch_bias, weight, bias):
             raise ValueError("quant= does not take DTensor inputs yet: quantize each rank's local tensor")
         # here, not at the top: ops/fp8.py's torch.compiler.disable imports torch._dynamo
         from . import fp8 as quant_ops
         return quant_ops.quantized_norm_add(norm_add_op, x, residual, branch_weight, branch_bias, weight, bias, bspec,
                                             spec, alpha, rdtype, scale)
-    new_res, out = _apply(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha, rdtype, True)
+    new_res, out = _apply(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha, rdtype, True,
+                          rscale, bscale)
     return out, new_res

@@ -54,10 +54,10 @@ def _kernel_out(p: Tensor, weight, bias, spec: NormSpec) -> Tensor:
 def _kernel_norm_grads(dout, dres, p, weight, bias, rstd, mean, spec: NormSpec, x_dtype, rgrad_dtype):
     """(dx, dresidual or None, dweight, dbias) from the Triton backward."""
     if torch.compiler.is_compiling():
-        dx, dr, _, dw, db, _ = norm_op.bwd_op(dout, dres, p, None, weight, bias, rstd, mean, spec.pack(), x_dtype,
+        dx, dr, _, dw, db, *_ = norm_op.bwd_op(dout, dres, p, None, weight, bias, rstd, mean, spec.pack(), x_dtype,
                                               rgrad_dtype)
     else:
-        dx, dr, _, dw, db, _ = kernels("norm", p).norm_bwd(dout, dres, p, None, weight, bias, rstd, mean, spec,
+        dx, dr, _, dw, db, *_ = kernels("norm", p).norm_bwd(dout, dres, p, None, weight, bias, rstd, mean, spec,
                                                            x_dtype, rgrad_dtype)
     return dx, (dr if rgrad_dtype is not None else None), dw, db
 

@@ -166,11 +166,20 @@ def residual_sum(x: Tensor, residual: Tensor | None, residual_dtype: torch.dtype
     return _as(_as(x, wide) + _as(residual, wide), residual_dtype)  # add in the widest of the three dtypes
 
 
+def scaled(t: Tensor, scale, dtype: torch.dtype) -> Tensor:
+    """t * scale in dtype: scale a float (1: t as it is) or a [d] tensor, cast to dtype."""
+    if isinstance(scale, Tensor):
+        return t * _as(scale, dtype)
+    return t if scale == 1.0 else t * scale
+
+
 def branch_sum(x: Tensor, x1: Tensor | None, residual: Tensor | None, residual_dtype: torch.dtype,
-               spec: NormSpec) -> Tensor:
-    """add_norm's branch: new_residual = residual + alpha * (drop(x) + drop(x1)) in
+               spec: NormSpec, residual_scale: Tensor | None = None, branch_scale: Tensor | None = None) -> Tensor:
+    """add_norm's branch: new_residual = a * residual + b * (drop(x) + drop(x1)) in
     residual_dtype, rounded once: the sum in fp32 (or the widest of the dtypes), torch's
-    own dropout (independent masks for x and x1, from torch's generator)."""
+    own dropout (independent masks for x and x1, from torch's generator). a and b: the
+    [d] tensors residual_scale and branch_scale where given, else spec.residual_scale and
+    spec.alpha."""
     wide = torch.promote_types(acc_dtype(x.dtype), residual_dtype)
     if residual is not None:
         wide = torch.promote_types(wide, residual.dtype)
@@ -180,11 +189,16 @@ def branch_sum(x: Tensor, x1: Tensor | None, residual: Tensor | None, residual_d
     if x1 is not None:
         b1 = _as(x1, wide)
         b = b + (torch.nn.functional.dropout(b1, spec.dropout_p) if spec.dropout_p > 0 else b1)
-    if spec.alpha != 1.0:
-        b = b * spec.alpha
+    b = scaled(b, spec.alpha if branch_scale is None else branch_scale, wide)
     if residual is not None:
-        b = b + _as(residual, wide)
+        b = b + scaled(_as(residual, wide), spec.residual_scale if residual_scale is None else residual_scale, wide)
     return _as(b, residual_dtype)
+
+
+def is_branch(spec: NormSpec, x1, residual_scale, branch_scale) -> bool:
+    """Whether add_norm's call has a branch (new_residual is not the plain x + residual)."""
+    return (x1 is not None or spec.alpha != 1.0 or spec.dropout_p > 0 or spec.residual_scale != 1.0
+            or residual_scale is not None or branch_scale is not None)
 
 
 def norm_fwd(
@@ -197,6 +211,8 @@ def norm_fwd(
     residual_dtype: torch.dtype | None,
     need_stats: bool,
     x1: Tensor | None = None,
+    residual_scale: Tensor | None = None,
+    branch_scale: Tensor | None = None,
 ):
     """The torch path: plain differentiable torch ops, so autograd (double backward
     included), torch.func and torch.compile see the math itself. Returns (out,
@@ -206,10 +222,11 @@ def norm_fwd(
     new_residual is formed only when residual_dtype is given (the caller passes it
     whenever there is a residual or a dtype change), rounded once from the exact sum; the
     norm then reads that stored value, as the naive stack's next layer would. x1 and
-    spec.alpha, spec.dropout_p: add_norm's branch (`branch_sum`; residual_dtype given).
+    spec.alpha, spec.dropout_p, spec.residual_scale and the [d] tensors residual_scale,
+    branch_scale: add_norm's branch (`branch_sum`; residual_dtype given).
     """
-    if x1 is not None or spec.alpha != 1.0 or spec.dropout_p > 0:
-        new_residual = branch_sum(x, x1, residual, residual_dtype, spec)
+    if is_branch(spec, x1, residual_scale, branch_scale):
+        new_residual = branch_sum(x, x1, residual, residual_dtype, spec, residual_scale, branch_scale)
     else:
         new_residual = residual_sum(x, residual, residual_dtype)
     p = x if new_residual is None else new_residual
@@ -287,7 +304,8 @@ def affine_(r: Tensor, spec: NormSpec, weight: Tensor | None, bias: Tensor | Non
 
 
 # ---------------------------------------------------------------- post-norm and sandwich
-# norm_add: new_residual = residual + alpha * N_b(x); norm_add_norm adds out = N(new_residual).
+# norm_add: new_residual = a * residual + b * N_b(x); norm_add_norm adds out = N(new_residual).
+# a: branch_spec.residual_scale or a [d] tensor; b: alpha or a [d] tensor.
 # The branch N_b(x) stays in the accumulation dtype until it is added: new_residual is
 # rounded once, from the exact sum, as the kernels do (docs/math.md).
 def _norm_acc(p: Tensor, weight: Tensor | None, bias: Tensor | None, spec: NormSpec) -> Tensor:
@@ -299,15 +317,17 @@ def _norm_acc(p: Tensor, weight: Tensor | None, bias: Tensor | None, spec: NormS
 
 def norm_add_fwd(x: Tensor, residual: Tensor, branch_weight: Tensor | None, branch_bias: Tensor | None,
                  weight: Tensor | None, bias: Tensor | None, branch_spec: NormSpec, spec: NormSpec, alpha: float,
-                 residual_dtype: torch.dtype, second: bool) -> tuple[Tensor, Tensor | None]:
-    """(new_residual, out or None): new_residual = residual + alpha * N_b(x) in
-    residual_dtype, and with `second` out = N(new_residual) in x's dtype (spec.out_dtype's
-    when set), N reading the stored new_residual. Plain differentiable torch ops."""
+                 residual_dtype: torch.dtype, second: bool, residual_scale: Tensor | None = None,
+                 branch_scale: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """(new_residual, out or None): new_residual = a * residual + b * N_b(x) in
+    residual_dtype (a: residual_scale or branch_spec.residual_scale, b: branch_scale or
+    alpha), and with `second` out = N(new_residual) in x's dtype (spec.out_dtype's when
+    set), N reading the stored new_residual. Plain differentiable torch ops."""
     y = _norm_acc(x, branch_weight, branch_bias, branch_spec)
-    if alpha != 1.0:
-        y = y * alpha
+    y = scaled(y, alpha if branch_scale is None else branch_scale, y.dtype)
     wide = torch.promote_types(torch.promote_types(y.dtype, residual.dtype), residual_dtype)
-    new_residual = _as(_as(residual, wide) + _as(y, wide), residual_dtype)
+    r = scaled(_as(residual, wide), branch_spec.residual_scale if residual_scale is None else residual_scale, wide)
+    new_residual = _as(r + _as(y, wide), residual_dtype)
     if not second:
         return new_residual, None
     return new_residual, _as(_norm_acc(new_residual, weight, bias, spec), spec.out_dtype_for(x.dtype))

@@ -118,6 +118,48 @@ def test_fused_equals_naive_and_fp64(shape, final_norm):
 
 
 @pytest.mark.kernel
+@pytest.mark.parametrize("shape", ["plain", "sandwich", "post_norm"])
+def test_per_channel_scales_fused_equals_naive_and_fp64(shape):
+    # h <- a * h + b * branch with learned [d] gates (nGPT, Muse Spark), every block's: the
+    # fused stack (each block's entry takes the previous output's scales, the stack's end
+    # the last's), its naive twin and the fp64 stream, values and every gradient, a and b too
+    a, b = nn.Parameter(torch.rand(D) + 0.5), nn.Parameter(torch.randn(D))
+    fused = fuseblock.ResidualStack([nn.Linear(D, D) for _ in range(2)], D, eps=EPS, residual_scale=a,
+                                    branch_scale=b, sandwich=shape == "sandwich", post_norm=shape == "post_norm")
+    naive = copy.deepcopy(fused)
+    naive.fused = False
+    assert list(fused.state_dict()) == list(naive.state_dict())
+    x = torch.randn(SHAPE, requires_grad=True)
+    cot = torch.randn(SHAPE)
+    h = x.double()
+    for blk in fused.blocks:
+        branch = call64(blk.mixer, h if blk.post_norm else norm64(h, blk.norm))
+        if blk.branch_norm is not None:
+            branch = norm64(branch, blk.branch_norm)
+        h = a.double() * h + b.double() * branch
+    ref = norm64(h, fused.norm_f)
+    want = grads(ref, cot.double(), [x, *fused.parameters()])
+    assert any(p is a for p in fused.parameters()) and any(p is b for p in fused.parameters())
+    for name, stack in (("fused", fused), ("naive", naive)):
+        out = stack(x)
+        assert_close(out, ref, torch.float32, f"{name} out")
+        got = grads(out, cot, [x, *stack.parameters()])
+        for (pname, _), g, w in zip([("x", x), *fused.named_parameters()], got, want, strict=True):
+            assert_close(g, w, torch.float32, f"{name} d{pname}")
+
+
+def test_per_channel_scales_refused_by_name():
+    with pytest.raises(ValueError, match="residual_scale must be a float or a \\(16,\\) float tensor"):
+        fuseblock.PreNormBlock(nn.Identity(), D, residual_scale=torch.ones(D + 1))
+    with pytest.raises(ValueError, match="alpha and branch_scale are one scale"):
+        fuseblock.PreNormBlock(nn.Identity(), D, alpha=2.0, branch_scale=3.0)
+    block = fuseblock.PreNormBlock(nn.Identity(), D, branch_scale=0.5)  # a float branch_scale is alpha
+    assert block.alpha == 0.5 and block.branch_scale is None
+    assert "residual_scale" in dict(fuseblock.PreNormBlock(nn.Identity(), D, residual_scale=torch.ones(D))
+                                    .named_buffers())  # a plain tensor: a buffer, not learned
+
+
+@pytest.mark.kernel
 @pytest.mark.parametrize("shape", ["sandwich", "post_norm"])
 def test_layer_norm_kind(shape):
     stack = make_stack(shape, n=2, kind="layer")
