@@ -92,14 +92,14 @@ def test_norm_add_scales_match_fp64(second, kind, rs, bs):
 @pytest.mark.kernel_only("the wide-row kernels' layouts")
 @pytest.mark.usefixtures("small_wide_rows")
 def test_wide_rows_take_the_scales_through_the_loop_kernels(monkeypatch):
-    # 9 rows of 21 (small_wide_rows): add_norm's _fwd_loop and _bwd_cols (3 column chunks,
+    # 5 rows of 19 (small_wide_rows): add_norm's _fwd_loop and _bwd_cols (3 column chunks,
     # the last ragged, partial rows shared by programs), norm_add_norm's _fwd_loop and
     # _bwd_loop (whose sweep 3 forms dp again)
     import fuseblock.kernels.norm_add as NA
 
     monkeypatch.setattr(NA, "LOOP_TILE", 32)
     monkeypatch.setattr(NA, "MIN_ROWS_PER_PROGRAM", 4)
-    rows, d = 9, 21
+    rows, d = 5, 19
     x, r, x1 = (torch.randn(rows, d, requires_grad=True) for _ in range(3))
     w, bw = torch.randn(d, requires_grad=True), torch.randn(d, requires_grad=True)
     a, b = _scale("tensor", d), _scale("tensor", d)
