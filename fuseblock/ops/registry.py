@@ -70,6 +70,10 @@ class LazyNamespace(type(torch.ops.aten)):
     """`torch.ops.fuseblock`: a name of a FusedOp not yet registered registers it first, then
     torch's lookup (which caches the op on the namespace: later reads are attribute reads)."""
 
+    # torch's: the ops take their `__module__` from their namespace's class, by which a pickler
+    # (Inductor's graph cache) finds them again
+    __module__ = type(torch.ops.aten).__module__
+
     def __getattr__(self, name: str):
         op = _UNREGISTERED.get(name)
         if op is not None:
