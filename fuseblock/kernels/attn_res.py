@@ -238,6 +238,8 @@ def _rows(t: torch.Tensor | None, d: int) -> torch.Tensor | None:
 @launch.on_device(0)
 def attn_res_fwd(sources, partial, branch, query, weight, spec: AttnResSpec):
     """Returns (y, mixed, partial' or None, a (M, S), r (M, S), rho (M,)), the last three fp32."""
+    if sources.is_cuda and sources.get_device() != torch._C._cuda_getDevice():  # launch.on_device
+        return launch.on_its_device(attn_res_fwd, sources, locals())
     s, nb, d = spec.s, spec.bank, spec.d
     lead = sources.shape[:-2]
     bank, s_t, s_s = _bank(sources, nb, d)
@@ -264,6 +266,8 @@ def attn_res_fwd(sources, partial, branch, query, weight, spec: AttnResSpec):
 def attn_res_bwd(dy, dmixed, dpn, sources, pn, query, weight, a, r, rho, spec: AttnResSpec):
     """(dsources, dpartial (= dbranch) or None, dquery, dweight or None). dy, dmixed, dpn:
     the outputs' gradients (None: zero)."""
+    if sources.is_cuda and sources.get_device() != torch._C._cuda_getDevice():  # launch.on_device
+        return launch.on_its_device(attn_res_bwd, sources, locals())
     s, nb, d = spec.s, spec.bank, spec.d
     bank, s_t, s_s = _bank(sources, nb, d)
     M, dev = bank.shape[0], sources.device

@@ -248,6 +248,8 @@ def channel_norm_fwd(x, weight, bias, batch: bool, groups: int, eps: float,
     over the batch (batch), else one per sample and group of C/groups channels. Running
     buffers (batch norm), when given, are updated in place by the same launch. Any
     strides: x's (N, C, L) view and the per-channel vectors' are passed to the kernel."""
+    if x.is_cuda and x.get_device() != torch._C._cuda_getDevice():  # launch.on_device
+        return launch.on_its_device(channel_norm_fwd, x, locals())
     x3, n_sets, rows, k = _geometry(x, batch, groups)
     n, n_ch, length = x3.shape
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # not a view: users may edit it in place
@@ -274,6 +276,8 @@ def channel_norm_fwd(x, weight, bias, batch: bool, groups: int, eps: float,
 def channel_norm_bwd(dy, x, weight, bias, mean, rstd, batch: bool, groups: int):
     """(dx in x's dtype, dw in weight's dtype or None, db in bias's dtype or None). One
     launch for batch norm and for N = 1; two otherwise (`_bwd_sum` over the N samples)."""
+    if x.is_cuda and x.get_device() != torch._C._cuda_getDevice():  # launch.on_device
+        return launch.on_its_device(channel_norm_bwd, x, locals())
     x3, n_sets, rows, k = _geometry(x, batch, groups)
     n, n_ch, length = x3.shape
     dy3 = dy.reshape(x3.shape)

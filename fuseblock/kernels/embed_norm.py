@@ -169,6 +169,8 @@ def _bwd_loop(X, N, DO, DX, s_x, s_do, s_dx, D, eps, BD: tl.constexpr, ORD: tl.c
 @launch.on_device(0)
 def embed_norm_fwd(x: torch.Tensor, ord: int, eps: float):
     """Returns (y shaped like x, n shaped x.shape[:-1] in fp32)."""
+    if x.is_cuda and x.get_device() != torch._C._cuda_getDevice():  # launch.on_device
+        return launch.on_its_device(embed_norm_fwd, x, locals())
     d = x.shape[-1]
     x2 = rows(x, d)
     M = x2.shape[0]
@@ -192,6 +194,8 @@ def embed_norm_fwd(x: torch.Tensor, ord: int, eps: float):
 @launch.on_device(1)
 def embed_norm_bwd(dy: torch.Tensor, x: torch.Tensor, n: torch.Tensor, ord: int, eps: float) -> torch.Tensor:
     """dx in x's dtype, from the saved x and row norms n."""
+    if x.is_cuda and x.get_device() != torch._C._cuda_getDevice():  # launch.on_device
+        return launch.on_its_device(embed_norm_bwd, x, locals())
     d = x.shape[-1]
     x2, do2 = rows(x, d), rows(dy, d)
     M = x2.shape[0]

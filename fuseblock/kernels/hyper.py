@@ -552,6 +552,8 @@ def _acc(t: torch.Tensor) -> torch.dtype:
 @launch.on_device(0)
 def hyper_fwd(streams, branch, post, comb, fn, base, scale, weight, spec: HyperSpec):
     """Returns (y, new_streams or None, post_next or None, comb_next or None, mix (M, m), rho (M,))."""
+    if streams.is_cuda and streams.get_device() != torch._C._cuda_getDevice():  # launch.on_device
+        return launch.on_its_device(hyper_fwd, streams, locals())
     n, d, m = spec.n, spec.d, spec.m
     lead = streams.shape[:-2]
     H = _flat(streams, n, d)
@@ -591,6 +593,8 @@ def hyper_bwd(dy, dhn, dpost_n, dcomb_n, streams, branch, post, comb, hn, fn, ba
               spec: HyperSpec):
     """(dstreams, dbranch, dpost, dcomb, dfn, dbase, dscale, dweight), None where the input is None.
     dy, dhn, dpost_n, dcomb_n: the outputs' gradients (None: zero)."""
+    if streams.is_cuda and streams.get_device() != torch._C._cuda_getDevice():  # launch.on_device
+        return launch.on_its_device(hyper_bwd, streams, locals())
     n, d, m = spec.n, spec.d, spec.m
     H = _flat(streams, n, d)
     M, dev = H.shape[0], streams.device

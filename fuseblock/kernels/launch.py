@@ -27,7 +27,6 @@ small inputs (tests/conftest.py, `small_wide_rows`).
 # "tl.constexpr" as no annotation and passes BR, BD, ... as arrays (tests/tools/test_floor.py).
 
 import collections
-import functools
 from typing import NamedTuple
 
 import torch
@@ -161,30 +160,38 @@ DETERMINISTIC_SUM_COLS = 64  # and the sum's columns per program (its reduction 
 
 
 def on_device(arg: int):
-    """Decorator of a launcher entry (a function the ops call): run it with the CUDA device of
+    """Decorator of a launcher entry (a function the ops call) that runs with the CUDA device of
     its positional argument `arg` (a tensor every call passes) current, so that Triton
     launches on that GPU and on its current stream. Triton launches on whichever device is
     current (triton/runtime/jit.py): tensors on cuda:1 with cuda:0 current would crash,
     or with peer access run on GPU 0's stream, unordered with GPU 1's work.
 
-    The common case, the tensor on the current device (or on the CPU), costs no device
-    switch: one device query on CUDA, none on the CPU; nothing is allocated, so a CUDA
-    graph may capture it. `entry.device_arg` says which argument is read (tests enumerate
-    the entries)."""
+    The guard is the entry's own first statement, not a wrapper (a call of its own on every
+    launch, which the host's budget counts), written as every entry writes it:
 
-    def guard(launcher):
-        @functools.wraps(launcher)
-        def entry(*args, **kwargs):
-            t = args[arg]
-            if t.is_cuda and t.get_device() != torch._C._cuda_getDevice():
-                with torch.cuda.device(t.get_device()):
-                    return launcher(*args, **kwargs)
-            return launcher(*args, **kwargs)
+        if t.is_cuda and t.get_device() != torch._C._cuda_getDevice():  # launch.on_device
+            return launch.on_its_device(entry, t, locals())
 
-        entry.device_arg = arg
-        return entry
+    so the common case, the tensor on the current device (or on the CPU), costs no device
+    switch: two builtin calls on CUDA, an attribute read on the CPU; nothing is allocated, so
+    a CUDA graph may capture it. This decorator checks that the entry calls `on_its_device`
+    and records `entry.device_arg`, which argument is read (tests enumerate the entries)."""
 
-    return guard
+    def mark(launcher):
+        if "on_its_device" not in launcher.__code__.co_names:
+            raise TypeError(f"{launcher.__qualname__}: a launcher entry starts with the device guard "
+                            f"(fuseblock.kernels.launch.on_device)")
+        launcher.device_arg = arg
+        return launcher
+
+    return mark
+
+
+def on_its_device(launcher, t: torch.Tensor, arguments: dict):
+    """launcher(**arguments) with t's CUDA device current: an entry's guard (`on_device`) calls
+    it, with its own arguments (`locals()` before anything else), where t is on another GPU."""
+    with torch.cuda.device(t.get_device()):
+        return launcher(**arguments)
 
 
 # Plain-integer helpers: triton.cdiv and triton.next_power_of_2 are constexpr functions

@@ -723,6 +723,8 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
     With spec.quant, out is `fuseblock.reference.fp8.Quantized` (qscale: fp8_tensor's static scale),
     written by the tile kernel in its one launch. Rows too wide for a tile are normed into
     fp32 by the loop kernel and cast by `fuseblock.reference.fp8.quantize` (two passes more)."""
+    if x.is_cuda and x.get_device() != torch._C._cuda_getDevice():  # launch.on_device
+        return launch.on_its_device(norm_fwd, x, locals())
     if spec.quant != Quant.NONE and _codes is None:
         return _quantized_fwd(x, residual, gate, weight, bias, spec, residual_dtype, need_stats, x1, seed, qscale)
     if (out is None and _codes is None and spec.serial is not None and not launch.TRACING.on and x.is_contiguous()
@@ -864,6 +866,8 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     dw/db partial rows (none when one program ran, or with no weight and no bias); wide
     rows `_bwd_dots` + `_bwd_cols`, which sums its own partial rows.
     """
+    if p.is_cuda and p.get_device() != torch._C._cuda_getDevice():  # launch.on_device
+        return launch.on_its_device(norm_bwd, p, locals())
     if (spec.serial is not None and not launch.TRACING.on and rscale is None and bscale is None
             and p.is_contiguous() and dout.is_contiguous()
             and (dres is None or dres.is_contiguous())

@@ -580,6 +580,8 @@ def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_s
     kernel; rows too wide for it are normed into fp32 and cast by `fuseblock.reference.fp8.quantize`.
     new_residual = a * residual + b * N_b(x): a branch_spec.residual_scale or the [d] tensor
     rscale, b alpha or the [d] tensor bscale."""
+    if x.is_cuda and x.get_device() != torch._C._cuda_getDevice():  # launch.on_device
+        return launch.on_its_device(norm_add_fwd, x, locals())
     d = x.shape[-1]
     quant, codes = {}, None
     if spec.quant != Quant.NONE:
@@ -643,6 +645,8 @@ def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rst
     store_dr=False (norm_add, dres given in residual_grad_dtype): dresidual is dres itself,
     which r' = r + alpha * N(x) passes through, so nothing is written for it and dresidual
     comes back None; the loop kernel reads dres back where it would read its stored copy."""
+    if x.is_cuda and x.get_device() != torch._C._cuda_getDevice():  # launch.on_device
+        return launch.on_its_device(norm_add_bwd, x, locals())
     d = x.shape[-1]
     (x2, s_x), (p2, s_p) = row_arg(x, d), row_arg(p, d)  # contiguous ones as they are
     (do2, s_do), (dro2, s_dro) = row_arg(dout, d), row_arg(dres, d)

@@ -11,11 +11,19 @@ Inductor compiles and launches itself; the launcher's Python (specs, layouts, gr
 then gone from the compiled step. Else (torch 2.5, and under TRITON_INTERPRET=1, whose
 kernels `wrap_triton` cannot record) they are opaque custom ops with fake
 implementations, which the compiled code calls, launcher and all.
+
+The ops are registered on first need, not at import: `torch.library.triton_op` imports
+torch._dynamo (about 2 s, as much as `import torch`), which an eager call never needs.
+The first read of a `FusedOp`'s `fwd_op` or `bwd_op`, or of its name in `torch.ops.fuseblock`
+(`LazyNamespace`: Dynamo reads a namespace's attributes for real while it traces, so a
+compiled model's first call registers the ops it reaches; so do a saved graph's lookups and
+`torch.library.opcheck`), registers that op's forward, backward and autograd formula, once.
 """
 from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from collections.abc import Callable
 
 import torch
@@ -52,6 +60,28 @@ def register(name: str, impl: Callable, fake: Callable):
     op = torch.library.custom_op(f"fuseblock::{name}", impl, mutates_args=())
     op.register_fake(fake)
     return op
+
+
+_LOCK = threading.RLock()  # held while a FusedOp registers (re-entered by torch's own lookups during it)
+_UNREGISTERED: dict[str, FusedOp] = {}  # the FusedOps not yet registered, by each of their op names
+
+
+class LazyNamespace(type(torch.ops.aten)):
+    """`torch.ops.fuseblock`: a name of a FusedOp not yet registered registers it first, then
+    torch's lookup (which caches the op on the namespace: later reads are attribute reads)."""
+
+    # torch's: the ops take their `__module__` from their namespace's class, by which a pickler
+    # (Inductor's graph cache) finds them again
+    __module__ = type(torch.ops.aten).__module__
+
+    def __getattr__(self, name: str):
+        op = _UNREGISTERED.get(name)
+        if op is not None:
+            op.registered()
+        return super().__getattr__(name)
+
+
+torch.ops.fuseblock.__class__ = LazyNamespace  # torch's namespace object itself (a module: its class can change)
 
 # torch's C `Function.apply` and its unwrapping of a dead functorch wrapper: what
 # `torch.autograd.Function.apply` runs outside a torch.func transform, after a setup_context
@@ -95,7 +125,8 @@ class FusedOp:
       tensor each on every call. `setup` and `grads` take either.
 
 
-    `fwd_op` and `bwd_op` are the registered ops, triton_ops or custom ops (`register`):
+    `fwd_op` and `bwd_op` are the registered ops, triton_ops or custom ops (`register`), registered
+    on their first read (`registered`, the module's docstring):
     `torch.ops.fuseblock.<name>_fwd` and `_bwd`, the overloads Dynamo's graph holds: code that calls the launchers under
     torch.compile, and tests that look for the ops in a graph, take them from here
     rather than naming them by string. `setup`, `grads`, `bwd` and `graph_grads` are the
@@ -107,19 +138,26 @@ class FusedOp:
                  graph_grads: Callable | None = None, eager_fwd: Callable | None = None,
                  launch_fwd: Callable | None = None, launch_bwd: Callable | None = None):
         n_inputs = len(inspect.signature(fwd).parameters)
-        register(f"{name}_fwd", fwd, fwd_fake)
-        register(f"{name}_bwd", bwd, bwd_fake)
-        # the overloads the CustomOpDefs call, and which a traced graph holds
-        fwd_op = getattr(torch.ops.fuseblock, f"{name}_fwd").default
-        bwd_op = getattr(torch.ops.fuseblock, f"{name}_bwd").default
 
         def pad(found: tuple) -> tuple:
             return found + (None,) * (n_inputs - len(found))
 
-        def op_backward(ctx, *grad_outputs):
-            return pad(grads(ctx, grad_outputs, bwd_op))
+        def register_ops() -> tuple:
+            register(f"{name}_fwd", fwd, fwd_fake)
+            register(f"{name}_bwd", bwd, bwd_fake)
+            # the overloads the CustomOpDefs call, and which a traced graph holds
+            fwd_op = getattr(torch.ops.fuseblock, f"{name}_fwd").default
+            bwd_op = getattr(torch.ops.fuseblock, f"{name}_bwd").default
 
-        torch.library.register_autograd(f"fuseblock::{name}_fwd", op_backward, setup_context=setup)
+            def op_backward(ctx, *grad_outputs):
+                return pad(grads(ctx, grad_outputs, bwd_op))
+
+            torch.library.register_autograd(f"fuseblock::{name}_fwd", op_backward, setup_context=setup)
+            return fwd_op, bwd_op
+
+        self._register_ops, self._ops, self._registering = register_ops, None, False
+        self._names = (f"{name}_fwd", f"{name}_bwd")
+        _UNREGISTERED[f"{name}_fwd"] = _UNREGISTERED[f"{name}_bwd"] = self
 
         eager_bwd = launch_bwd or bwd
         plain_fwd = launch_fwd or fwd
@@ -152,21 +190,45 @@ class FusedOp:
         # takes the transform's way), and has passed each tensor through `live`: torch's C
         # apply, one call. (None: the Function's `extra`.)
         self.eager = Eager.apply if _C_APPLY is None else _C_APPLY.__get__(None, Eager)
-        self.fwd_op, self.bwd_op = fwd_op, bwd_op
         # the eager pieces, for an autograd node over the same backward with another
         # forward (a quantized output: `fuseblock.ops.fp8`)
         self.setup, self.grads, self.bwd, self.graph_grads = setup, grads, eager_bwd, graph_grads
         self._eager, self._eager_fwd = Eager, eager_fwd
+
+    def registered(self) -> tuple | None:
+        """(fwd_op, bwd_op), registering them on the first call (once, under a lock); None to
+        a lookup made by their registration itself (`LazyNamespace`)."""
+        if self._ops is None:
+            with _LOCK:
+                if self._ops is None and not self._registering:
+                    self._registering = True
+                    try:
+                        self._ops = self._register_ops()
+                    finally:
+                        self._registering = False
+                    for name in self._names:
+                        _UNREGISTERED.pop(name, None)
+        return self._ops
+
+    # Read through the namespace, whose lookup registers (`LazyNamespace`): while Dynamo traces
+    # `__call__` it runs that lookup for real, where it could not trace `registered`'s lock.
+    @property
+    def fwd_op(self):
+        return getattr(torch.ops.fuseblock, self._names[0]).default
+
+    @property
+    def bwd_op(self):
+        return getattr(torch.ops.fuseblock, self._names[1]).default
 
     def __call__(self, *inputs, **extra):
         """Run the op: the custom op while torch.compile traces, else the eager Function
         (with `extra` for `eager_fwd`: never while compiling)."""
         if torch.compiler.is_compiling():
             if extra:
-                raise RuntimeError(f"{self.fwd_op}: eager-only arguments {sorted(extra)} while compiling")
+                raise RuntimeError(f"fuseblock::{self._names[0]}: eager-only arguments {sorted(extra)} while compiling")
             return self.fwd_op(*inputs)
         if extra and self._eager_fwd is None:
-            raise TypeError(f"{self.fwd_op} takes no eager-only arguments, got {sorted(extra)}")
+            raise TypeError(f"fuseblock::{self._names[0]} takes no eager-only arguments, got {sorted(extra)}")
         return self._eager.apply(extra, *inputs)
 
 

@@ -12,6 +12,7 @@ The entries are found in the source, as the ops (and `fuseblock.serve`) call the
 """
 import contextlib
 import importlib
+import inspect
 import re
 from pathlib import Path
 
@@ -77,7 +78,8 @@ def test_the_library_calls_every_kernel_family_through_an_entry():
 def test_every_entry_makes_the_tensors_device_current(gpus, module, name):
     fn = getattr(importlib.import_module(f"fuseblock.kernels.{module}"), name)
     assert hasattr(fn, "device_arg"), f"{module}.{name} has no device guard (fuseblock.kernels.launch.on_device)"
-    args = [None] * (fn.device_arg + 1)
+    required = [p for p in inspect.signature(fn).parameters.values() if p.default is p.empty]
+    args = [None] * len(required)  # the guard is the entry's first statement: it reads only its tensor
     args[fn.device_arg] = torch.zeros(2, 8).as_subclass(OnGpu1)
     with pytest.raises(Switched):
         fn(*args)
@@ -89,6 +91,8 @@ def test_the_guard_switches_only_off_the_current_device(gpus):
 
     @launch.on_device(1)
     def launcher(a, t, *, k=None):
+        if t.is_cuda and t.get_device() != torch._C._cuda_getDevice():  # the entries' guard, as they write it
+            return launch.on_its_device(launcher, t, locals())
         ran.append((a, t, k))
         return "launched"
 
@@ -101,3 +105,8 @@ def test_the_guard_switches_only_off_the_current_device(gpus):
     with pytest.raises(Switched):  # off the current device: switch to it before anything runs
         launcher("a", t)
     assert gpus["set"] == [1] and len(ran) == 2
+
+
+def test_an_entry_without_the_guard_is_refused():
+    with pytest.raises(TypeError, match="starts with the device guard"):
+        launch.on_device(0)(lambda x: x)
