@@ -308,6 +308,8 @@ def check_scales(x: torch.Tensor, residual, like, alpha, residual_scale, branch_
     of the two (alpha 1: not given). like: the tensor whose dtype a [d] scale may have
     besides fp32 (the weight; None: x)."""
     check_number("alpha", alpha)
+    if branch_scale is None and (residual_scale is None or residual_scale.__class__ is float and residual_scale == 1.0):
+        return float(alpha), 1.0, None, None  # the plain update: what a call without the scales pays
     if branch_scale is not None:
         if alpha != 1.0:
             raise ValueError("alpha and branch_scale are one scale (alpha is branch_scale's float form): give one")
