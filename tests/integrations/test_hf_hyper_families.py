@@ -457,7 +457,9 @@ PER_CHANNEL_EVIDENCE = {
                         r"eps=config\.post_norm_eps, with_scale=False",
                         r"self\.post_feedforward_layernorm = MuseSparkTextInputScaledRMSNorm\(",
                         r"output = x\.float\(\) \* \(1\.0 \+ self\.weight\)\.float\(\)\s+"
-                        r"output = self\._norm\("),
+                        r"output = self\._norm\(",
+                        r"return hidden_states \* torch\.pow\(mean_squared, -0\.5\)",  # not rsqrt
+                        r"self\.norm = MuseSparkRMSNorm\(config\.hidden_size, eps=config\.rms_norm_eps\)"),
     "zaya": (r"hidden_states = \(hidden_states \+ self\.hidden_states_bias\) \* self\.hidden_states_scale",
              r"residual = \(residual \+ self\.residual_bias\) \* self\.residual_scale",
              r"self\.residual_bias = nn\.Parameter\(torch\.zeros\(hidden_size\)\)",
@@ -473,6 +475,28 @@ PER_CHANNEL_EVIDENCE = {
 NOT_CONVERTED = {"dory": {"DoryL2Norm": {}},
                  "muse_spark_text": {"MuseSparkRMSNorm": dict(dim=64, with_scale=False),
                                      "MuseSparkTextInputScaledRMSNorm": dict(dim=64)}}
+
+
+def _muse_spark_norm_is_not_the_ops(module):
+    """What muse_spark's reason measures: MuseSparkRMSNorm (its final norm), which norm_from
+    converts, gives the Norm's forward bitwise in fp32 and another input gradient (pow's
+    backward, where the op's is rsqrt's), so its fused gradients would not be bitwise; the
+    same norm in rsqrt's form is the Norm's, gradient too (the difference is pow's alone)."""
+    from fuseblock.convert import norm_from
+
+    g = torch.Generator().manual_seed(0)  # (on the CPU, where the test builds its norm)
+    norm = module.MuseSparkRMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=g))
+    x = torch.randn(2, 9, 64, generator=g, requires_grad=True)
+    dy = torch.randn(2, 9, 64, generator=g)
+    fused = norm_from(norm)
+    out, out_f = norm(x), fused(x)
+    assert torch.equal(out, out_f)
+    dx, dx_f = (torch.autograd.grad(y, x, dy)[0] for y in (out, out_f))
+    assert 0 < max_diff(dx, dx_f) <= 2.4e-7
+    rsqrt = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
+    assert torch.equal(torch.autograd.grad(rsqrt, x, dy)[0], dx_f)
 
 
 @pytest.mark.parametrize("model_type", sorted(PER_CHANNEL_EVIDENCE))
@@ -499,6 +523,7 @@ def test_each_per_channel_refusal_is_what_the_familys_source_holds(model_type):
             norm_from(getattr(module, cls)(**args))
     if model_type == "muse_spark_text":  # its wrapper's reason is its language model's
         assert REFUSED[model_type] in REFUSED["muse_spark"]
+        _muse_spark_norm_is_not_the_ops(module)
     if model_type == "dory":  # the cheapest of these models: refused as a whole, by that reason, left unchanged
         model = transformers.DoryForCausalLM(transformers.DoryConfig(**SIZES))
         with pytest.raises(ValueError, match=r"^fuse: DoryForCausalLM \(model_type 'dory'\) is refused: nGPT's layer") \
