@@ -38,9 +38,11 @@ _MUSE_SPARK = ("per-channel residual gates (MuseSparkResidualGate: alpha * r + b
                "MuseSparkRMSNorm (the final norm, and the attention's post-norm: with_scale=False, no weight and no "
                "normalized_shape) computes x * torch.pow(mean(x^2) + eps, -0.5), whose forward equals torch's "
                "rms_norm bitwise and whose input gradient does not (pow's backward; up to 2.4e-7 apart in fp32 at "
-               "d = 64), so its fp32 gradients would not be the unfused model's, as every fused family's are; and the "
-               "MLP's post-norm scales before it normalizes (MuseSparkTextInputScaledRMSNorm: N((1 + w) * x)), "
-               "not a norm fuseblock converts")
+               "d = 64), so converted its fp32 gradients would not be the unfused model's, as every fused family's "
+               "are; the MLP's post-norm scales before it normalizes (MuseSparkTextInputScaledRMSNorm: "
+               "N((1 + w) * x)), not a norm fuseblock converts; and its NoPE layers (config.layer_rope_theta 0) take "
+               "no position embeddings, where fuse's model forward gives every layer the rotary one. A fused layer "
+               "that keeps MuseSparkRMSNorm the modeling code's is bitwise, but fuse has no forward for it yet")
 
 _GROUPS = {
     _LLAMA_SHAPED: ("emu3", "moshi", "minimax_m3_vl_text", "phi4_multimodal", "mellum"),
