@@ -30,11 +30,19 @@ _WRAPPER = "a multimodal wrapper or container fuse has not checked: its language
 # checks each reason against it)
 _PER_CHANNEL = ("per-channel residual and branch scales, which fuseblock's ops do not take yet (add_norm's alpha is "
                 "one float)")
-_MUSE_SPARK = ("per-channel residual gates in place of the residual add (MuseSparkResidualGate: "
-               "alpha * r + beta * N(x), alpha and beta [d] vectors formed from one gate Parameter): "
-               f"{_PER_CHANNEL}; and norms fuseblock does not convert: the attention's post-norm has no weight and "
-               "no normalized_shape (MuseSparkRMSNorm(with_scale=False)), the MLP's scales before it normalizes "
-               "(MuseSparkTextInputScaledRMSNorm: N((1 + w) * x))")
+# Muse Spark's gates are the ops' per-channel scales (r' = a * r + b * N_b(x), residual_scale / branch_scale),
+# but its RMSNorms round their gradients otherwise than the op's norm
+# (tests/integrations/test_hf_hyper_families.py measures it)
+_MUSE_SPARK = ("per-channel residual gates (MuseSparkResidualGate: alpha * r + beta * N(x), alpha and beta [d] "
+               "vectors formed from one gate Parameter), which the ops' residual_scale and branch_scale compute; but "
+               "MuseSparkRMSNorm (the final norm, and the attention's post-norm: with_scale=False, no weight and no "
+               "normalized_shape) computes x * torch.pow(mean(x^2) + eps, -0.5), whose forward equals torch's "
+               "rms_norm bitwise and whose input gradient does not (pow's backward; up to 2.4e-7 apart in fp32 at "
+               "d = 64), so converted its fp32 gradients would not be the unfused model's, as every fused family's "
+               "are; the MLP's post-norm scales before it normalizes (MuseSparkTextInputScaledRMSNorm: "
+               "N((1 + w) * x)), not a norm fuseblock converts; and its NoPE layers (config.layer_rope_theta 0) take "
+               "no position embeddings, where fuse's model forward gives every layer the rotary one. A fused layer "
+               "that keeps MuseSparkRMSNorm the modeling code's is bitwise, but fuse has no forward for it yet")
 
 _GROUPS = {
     _LLAMA_SHAPED: ("emu3", "moshi", "minimax_m3_vl_text", "phi4_multimodal", "mellum"),
