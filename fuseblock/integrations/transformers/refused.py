@@ -28,8 +28,6 @@ _WRAPPER = "a multimodal wrapper or container fuse has not checked: its language
 # Per-channel residual updates (dory, only in transformers 5.24; muse_spark, zaya, qwen4_exp_text): what each
 # layer computes in place of r + f, by its modeling source (tests/integrations/test_hf_hyper_families.py
 # checks each reason against it)
-_PER_CHANNEL = ("per-channel residual and branch scales, which fuseblock's ops do not take yet (add_norm's alpha is "
-                "one float)")
 # Muse Spark's gates are the ops' per-channel scales (r' = a * r + b * N_b(x), residual_scale / branch_scale),
 # but its RMSNorms round their gradients otherwise than the op's norm
 # (tests/integrations/test_hf_hyper_families.py measures it)
@@ -68,8 +66,9 @@ REFUSED: dict[str, str] = {model_type: why for why, names in _GROUPS.items() for
 REFUSED.update({
     "dory": "nGPT's layer on the unit sphere: each norm an L2 norm with no weight and no normalized_shape "
             "(DoryL2Norm(eps), not a norm fuseblock converts) whose output replaces the stream, each update the "
-            "interpolation h + |lambda * s| * (N(f(h)) - h) at learned per-channel rates (lambda_1, lambda_2): "
-            f"{_PER_CHANNEL}; and the model forward loops its recurrent layers (config.n_recurrent_loops, each loop "
+            "interpolation h + |lambda * s| * (N(f(h)) - h) at learned per-channel rates (lambda_1, lambda_2), "
+            "which the ops' residual_scale and branch_scale (a * h + b * N(f(h))) compute rounded otherwise, not "
+            "bit for bit; and the model forward loops its recurrent layers (config.n_recurrent_loops, each loop "
             "entered with norm(h) + the input layers' normed output), which fuse's model forward does not",
     "muse_spark_text": _MUSE_SPARK,
     "muse_spark": f"a multimodal wrapper whose language model (muse_spark_text) fuse refuses: {_MUSE_SPARK}",
