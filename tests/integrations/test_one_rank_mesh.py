@@ -53,12 +53,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("case", list(CASES))
-def test_dtensor_calls_on_a_one_rank_mesh_equal_plain_tensors(mesh, case, compiled):
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+def _inputs(mesh, case):
+    """A case's plain tensors and the same placed on the mesh, each requiring its gradient."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    call, dim = CASES[case]
+    dim = CASES[case][1]
     torch.manual_seed(0)
     plain = [torch.randn(B, T, D), torch.randn(B, T, D), torch.randn(D), torch.randn(D),
              torch.randn(3 * D, D), torch.randn(3 * D)]
@@ -67,23 +66,55 @@ def test_dtensor_calls_on_a_one_rank_mesh_equal_plain_tensors(mesh, case, compil
     placed = [distribute_tensor(t, mesh, [Shard(dim)]) for t in plain[:2]] + \
         [distribute_tensor(t, mesh, vector) for t in plain[2:4]] + \
         [_column_split(mesh, t, strided) for t in plain[4:]]
-    plain = [t.requires_grad_() for t in plain]
-    placed = [t.requires_grad_() for t in placed]
+    return [t.requires_grad_() for t in plain], [t.requires_grad_() for t in placed]
+
+
+def _refused_before_212(case) -> bool:
+    return case == "norm_linear_sequence" and not STRIDED_SPLIT_REDISTRIBUTES
+
+
+@pytest.fixture(scope="module")
+def compiled(mesh):
+    """Every case's call (but one its torch refuses) in one function under
+    torch.compile(fullgraph=True), one compile for them all: each case's outputs and its
+    placed inputs' gradients (the loss a sum over the cases, each of its own inputs alone)."""
+    cases = [c for c in CASES if not _refused_before_212(c)]
+    placed = {c: _inputs(mesh, c)[1] for c in cases}
+
+    def calls(*flat):
+        return [CASES[c][0](*flat[6 * i:6 * i + 6]) for i, c in enumerate(cases)]
+
+    torch._dynamo.reset()
+    got = torch.compile(calls, fullgraph=True)(*(t for c in cases for t in placed[c]))
+    sum(o.square().sum() for outs in got for o in outs).backward()
+    return {c: (outs, placed[c]) for c, outs in zip(cases, got, strict=True)}
+
+
+@pytest.mark.parametrize("compiled_call", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_dtensor_calls_on_a_one_rank_mesh_equal_plain_tensors(mesh, case, compiled_call, request):
+    from torch.distributed.tensor import DTensor
+
+    call = CASES[case][0]
+    plain, placed = _inputs(mesh, case)
     want = call(*plain)
-    if compiled:
-        torch._dynamo.reset()
-        call = torch.compile(call, fullgraph=True)
-    if strided and not STRIDED_SPLIT_REDISTRIBUTES:  # torch < 2.12: refused, naming the torch that can
+    if _refused_before_212(case):  # torch < 2.12: refused, naming the torch that can
+        if compiled_call:
+            torch._dynamo.reset()
+            call = torch.compile(call, fullgraph=True)
         # compiled, Dynamo reports the ValueError as its own exception, the message within
         with pytest.raises((ValueError, torch._dynamo.exc.Unsupported),
                            match=r"norm_linear: weight's placement on mesh dim 0 is _StridedShard.* needs torch "
                                  r">= 2\.12: the DTensor of torch 2\."):
             call(*placed)
         return
-    got = call(*placed)
+    if compiled_call:  # the compiled fixture's: its outputs, its placed inputs' gradients
+        got, placed = request.getfixturevalue("compiled")[case]
+    else:
+        got = call(*placed)
+        sum(o.square().sum() for o in got).backward()
     assert all(isinstance(t, DTensor) for t in got)
     sum(o.square().sum() for o in want).backward()
-    sum(o.square().sum() for o in got).backward()
     for what, g, w in [("out", got[0], want[0]), ("new_residual", got[1], want[1])] + [
             (f"grad {i}", a.grad, b.grad) for i, (a, b) in enumerate(zip(placed, plain, strict=True))
             if b.grad is not None]:

@@ -141,46 +141,55 @@ def masks_of(got_res, r):
     return bool(((v == 0) | (v == 1) | (v == 3) | (v == 4)).all()), (v == 1) | (v == 4), v >= 3
 
 
-def dropout_case(mesh, dim: int, compiled: bool = False) -> tuple[dict, torch.Tensor]:
-    """add_norm with dropout (layer norm, alpha, x1) on DTensors sharded on `dim`, x = 1 and
-    x1 = 3 so new_residual tells both masks (`masks_of`), eager or under
-    torch.compile(fullgraph=True). Against one process given those masks (x and x1 pre-scaled,
-    no dropout): values and every gradient; the masks: decoded, x's apart from x1's, the kept
-    fraction, the same after the same torch.manual_seed and not after another. Also returns
-    the whole new_residual, which main holds the compiled call's against the eager one's."""
+def dropout_case(mesh, dims: tuple[int, ...], compiled: bool = False) -> dict[int, tuple[dict, torch.Tensor]]:
+    """add_norm with dropout (layer norm, alpha, x1) on DTensors sharded on each of `dims`,
+    x = 1 and x1 = 3 so new_residual tells both masks (`masks_of`), eager or under
+    torch.compile(fullgraph=True) (one function calling it once per dim: one compile for them
+    all). Against one process given those masks (x and x1 pre-scaled, no dropout): values and
+    every gradient; the masks: decoded, x's apart from x1's, the kept fraction, the same after
+    the same torch.manual_seed and not after another. Per dim, also the whole new_residual,
+    which main holds the compiled call's against the eager one's."""
     torch.manual_seed(9)
     r, w, b = torch.randn(DROP_SHAPE), torch.randn(DROP_SHAPE[-1]), torch.randn(DROP_SHAPE[-1])
     full = [torch.ones(DROP_SHAPE), 3 * torch.ones(DROP_SHAPE), r, w, b]
-    place, vec = placed(mesh, dim)
-    shards = [distribute_tensor(t, mesh, place if t.dim() == 3 else vec).requires_grad_() for t in full]
+    shards = []
+    for dim in dims:
+        place, vec = placed(mesh, dim)
+        shards += [distribute_tensor(t, mesh, place if t.dim() == 3 else vec).requires_grad_() for t in full]
 
-    def call(x, x1, r, w, b):
-        return fuseblock.add_norm(x, r, w, b, kind="layer", alpha=DROP_ALPHA, x1=x1, dropout_p=DROP_P)
+    def call(*flat):  # per dim: (out, new_residual)
+        return [fuseblock.add_norm(x, r, w, b, kind="layer", alpha=DROP_ALPHA, x1=x1, dropout_p=DROP_P)
+                for x, x1, r, w, b in (flat[5 * i:5 * i + 5] for i in range(len(dims)))]
 
     if compiled:
         torch._dynamo.reset()
         call = torch.compile(call, fullgraph=True)
     torch.manual_seed(10)
-    got, got_res = call(*shards)
+    got = call(*shards)
     torch.manual_seed(10)
-    again = whole(call(*shards)[1])
+    again = [whole(res) for _, res in call(*shards)]
     torch.manual_seed(11)
-    other = whole(call(*shards)[1])
-    (got.square().sum() + got_res.sum()).backward()
-    decoded, keep_x, keep_x1 = masks_of(got_res, r)
-    ones = [t.clone().requires_grad_() for t in full]
-    scaled_x, scaled_x1 = ones[0] * keep_x / (1 - DROP_P), ones[1] * keep_x1 / (1 - DROP_P)
-    out, res = fuseblock.add_norm(scaled_x, ones[2], ones[3], ones[4], kind="layer", alpha=DROP_ALPHA, x1=scaled_x1)
-    (out.square().sum() + res.sum()).backward()
-    found = {"masks_decoded": decoded, "numel": keep_x.numel(),
-             "kept": keep_x.float().mean().item(), "kept_x1": keep_x1.float().mean().item(),
-             "x_and_x1_masks_differ": bool((keep_x != keep_x1).any()),
-             "reproducible": bool(torch.equal(again, whole(got_res))),
-             "another_seed_differs": bool(not torch.equal(other, whole(got_res))),
-             "value": rel_diff(got, out), "new_residual": rel_diff(got_res, res),
-             **{n: rel_diff(s.grad, o.grad) for n, s, o in zip(("x", "x1", "residual", "weight", "bias"), shards,
-                                                                ones, strict=True)}}
-    return found, whole(got_res).detach()
+    other = [whole(res) for _, res in call(*shards)]
+    sum(out.square().sum() + res.sum() for out, res in got).backward()
+    results = {}
+    for i, dim in enumerate(dims):
+        got_out, got_res = got[i]
+        decoded, keep_x, keep_x1 = masks_of(got_res, r)
+        ones = [t.clone().requires_grad_() for t in full]
+        scaled_x, scaled_x1 = ones[0] * keep_x / (1 - DROP_P), ones[1] * keep_x1 / (1 - DROP_P)
+        out, res = fuseblock.add_norm(scaled_x, ones[2], ones[3], ones[4], kind="layer", alpha=DROP_ALPHA,
+                                      x1=scaled_x1)
+        (out.square().sum() + res.sum()).backward()
+        found = {"masks_decoded": decoded, "numel": keep_x.numel(),
+                 "kept": keep_x.float().mean().item(), "kept_x1": keep_x1.float().mean().item(),
+                 "x_and_x1_masks_differ": bool((keep_x != keep_x1).any()),
+                 "reproducible": bool(torch.equal(again[i], whole(got_res))),
+                 "another_seed_differs": bool(not torch.equal(other[i], whole(got_res))),
+                 "value": rel_diff(got_out, out), "new_residual": rel_diff(got_res, res),
+                 **{n: rel_diff(s.grad, o.grad) for n, s, o in zip(("x", "x1", "residual", "weight", "bias"),
+                                                                    shards[5 * i:5 * i + 5], ones, strict=True)}}
+        results[dim] = found, whole(got_res).detach()
+    return results
 
 
 def dropout_layouts(mesh) -> dict:
@@ -316,28 +325,44 @@ def gate_case(mesh) -> dict:
                                                                strict=True)}}
 
 
-def compile_case(mesh, dim: int, fn: str = "add_norm") -> dict:
-    """add_norm (or norm_add_norm, alpha 0.5) of layer norms on DTensors under
-    torch.compile(fullgraph=True): no graph break, values and every gradient as one process's."""
+COMPILED = {"compiled_shard1": (1, "add_norm"), "compiled_shard2": (2, "add_norm"),
+            "compiled_norm_add_norm_shard2": (2, "norm_add_norm")}  # name: (x's dim, op)
+
+
+def compile_cases(mesh) -> dict:
+    """add_norm (or norm_add_norm, alpha 0.5) of layer norms on DTensors sharded on each
+    COMPILED case's dim, the calls in one function under torch.compile(fullgraph=True) (one
+    compile for them all): no graph break, values and every gradient as one process's."""
     torch.manual_seed(7)
     x, r, w, b = torch.randn(B, T, D), torch.randn(B, T, D), torch.randn(D), torch.randn(D)
 
-    def call(x, r, w, b):
+    def call(fn, x, r, w, b):
         if fn == "add_norm":
             return fuseblock.add_norm(x, r, w, b, kind="layer")
         return fuseblock.norm_add_norm(x, r, b, w, w, b, kind="layer", alpha=0.5)
 
-    ones = [t.clone().requires_grad_() for t in (x, r, w, b)]
-    out, res = call(*ones)
-    (out.square().sum() + res.sum()).backward()
-    vec = [Shard(0)] if dim == 2 else [Replicate()]
-    shards = [distribute_tensor(t, mesh, [Shard(dim)] if t.dim() == 3 else vec).requires_grad_() for t in (x, r, w, b)]
+    ones, want, shards = {}, {}, {}
+    for name, (dim, fn) in COMPILED.items():
+        ones[name] = [t.clone().requires_grad_() for t in (x, r, w, b)]
+        want[name] = out, res = call(fn, *ones[name])
+        (out.square().sum() + res.sum()).backward()
+        vec = [Shard(0)] if dim == 2 else [Replicate()]
+        shards[name] = [distribute_tensor(t, mesh, [Shard(dim)] if t.dim() == 3 else vec).requires_grad_()
+                        for t in (x, r, w, b)]
+
+    def calls(*flat):
+        return [call(fn, *flat[4 * i:4 * i + 4]) for i, (_, fn) in enumerate(COMPILED.values())]
+
     torch._dynamo.reset()
-    got, got_res = torch.compile(call, fullgraph=True)(*shards)
-    (got.square().sum() + got_res.sum()).backward()
-    return {"value": rel_diff(got, out), "new_residual": rel_diff(got_res, res),
-            **{n: rel_diff(s.grad, o.grad) for n, s, o in zip(("x", "residual", "weight", "bias"), shards, ones,
-                                                               strict=True)}}
+    got = torch.compile(calls, fullgraph=True)(*(t for name in COMPILED for t in shards[name]))
+    sum(out.square().sum() + res.sum() for out, res in got).backward()
+    found = {}
+    for name, (got_out, got_res) in zip(COMPILED, got, strict=True):
+        want_out, want_res = want[name]
+        found[name] = {"value": rel_diff(got_out, want_out), "new_residual": rel_diff(got_res, want_res),
+                       **{n: rel_diff(s.grad, o.grad) for n, s, o in zip(("x", "residual", "weight", "bias"),
+                                                                          shards[name], ones[name], strict=True)}}
+    return found
 
 
 def module_case(mesh) -> dict:
@@ -528,12 +553,13 @@ def main():
             for dim in (0, 1, 2):
                 mine[f"{fn}_{kind}_shard{dim}"] = op_case(mesh, fn, kind, dim)
     mine["dropout_layouts"] = dropout_layouts(mesh)
+    compiled = dropout_case(mesh, (1, 2), compiled=True)
     for dim in (1, 2):
         mine[f"branch_shard{dim}"] = branch_case(mesh, dim)
-        mine[f"dropout_shard{dim}"], eager = dropout_case(mesh, dim)
-        mine[f"dropout_compiled_shard{dim}"], compiled = dropout_case(mesh, dim, compiled=True)
+        mine[f"dropout_shard{dim}"], eager = dropout_case(mesh, (dim,))[dim]
+        mine[f"dropout_compiled_shard{dim}"], compiled_res = compiled[dim]
         # the same call after the same seed: compiled, inductor draws the key from its own generator
-        mine["dropout_layouts"][f"compiled_shard{dim}_new_residual_equal"] = bool(torch.equal(compiled, eager))
+        mine["dropout_layouts"][f"compiled_shard{dim}_new_residual_equal"] = bool(torch.equal(compiled_res, eager))
     mine["dropout_bf16"] = dropout_bf16(mesh)
     mine["offsets"] = offsets_case(mesh)
     mine["norm_linear_rows"] = norm_linear_case(mesh, Shard(1), Replicate())
@@ -543,8 +569,7 @@ def main():
         mine[f"add_norm_layer_uneven_shard{dim}"] = op_case(mesh, "add_norm", "layer", dim, (2, 5, 7))
     mine["module_hidden"] = module_case(mesh)
     mine["gate_groups_rows"] = gate_case(mesh)
-    mine["compiled_shard1"], mine["compiled_shard2"] = compile_case(mesh, 1), compile_case(mesh, 2)
-    mine["compiled_norm_add_norm_shard2"] = compile_case(mesh, 2, "norm_add_norm")
+    mine.update(compile_cases(mesh))
     mine["refusals"] = refusals(mesh)
     mine["implicit_add_norm"], mine["implicit_norm_linear"] = implicit_case(mesh, "add_norm"), \
         implicit_case(mesh, "norm_linear")
