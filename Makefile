@@ -47,7 +47,9 @@ lint: $(STAMP)
 # One CPU thread for torch in each test part (and the processes it starts): two parts run
 # at once, so a second thread finds no idle core, and torch's idle OpenMP workers spin on
 # the core the other part needs (the tests' tensors are small: nothing gains from two).
-TEST_THREADS := OMP_NUM_THREADS=1
+# Inductor likewise compiles in the process that traces (one compile thread), where it would
+# first start a pool of compile workers, each importing torch, in every compiling process.
+TEST_THREADS := OMP_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1
 
 test-torch: $(STAMP)
 	$(TEST_THREADS) $(PY) -m pytest -q --durations=10
