@@ -149,7 +149,8 @@ def _latest_step(out: Path) -> int:
 
 
 def test_sigkill_at_random_moments_always_leaves_a_loadable_checkpoint(tmp_path):
-    """A run checkpointing every iteration is SIGKILLed at random moments, four times;
+    """A run checkpointing every iteration is SIGKILLed at random moments, three times
+    (a fresh run, then two resumed ones: each a train.py start-up, seconds of imports);
     each time `latest` loads, and the next --resume run starts from exactly its step."""
     out = tmp_path / "killed"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -157,7 +158,7 @@ def test_sigkill_at_random_moments_always_leaves_a_loadable_checkpoint(tmp_path)
     cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--out-dir", str(out), "--max-iters", "100000",
            "--eval-interval", "100000", "--ckpt-interval", "1", *TINY]
     steps = []
-    for attempt in range(4):
+    for attempt in range(3):
         log = tmp_path / f"attempt{attempt}.log"
         with open(log, "w") as f:
             proc = subprocess.Popen(cmd + (["--resume"] if attempt else []), env=env, cwd=ROOT, stdout=f,

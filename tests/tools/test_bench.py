@@ -22,6 +22,30 @@ def _bench(*args, stderr=None):
     return _run_bench(*args, "--quick", "--json", stderr=stderr)
 
 
+def _main_here(monkeypatch, capsys, *args):
+    """bench.py's main() in this process (no interpreter start-up, seconds of imports for
+    each): its exit status (argparse's usage errors exit 2), stdout and stderr."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    # main() sets TRITON_INTERPRET for the interpreted subcommands: put back as it was after the test
+    was = os.environ.get("TRITON_INTERPRET")
+    monkeypatch.setitem(os.environ, "TRITON_INTERPRET", was or "")
+    if was is None:
+        monkeypatch.delitem(os.environ, "TRITON_INTERPRET")
+    spec = importlib.util.spec_from_file_location("_bench_script", ROOT / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    capsys.readouterr()
+    code = 0
+    try:
+        bench.main(list(args))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def test_traffic_quick():
     # every op is held at the minimum by test_traffic; here the script end to end, on two ops
     rows = _bench("traffic", "--ops", "add_norm,post_gate_residual")
@@ -186,14 +210,13 @@ def test_gpu_compiles_afresh_for_each_shape(monkeypatch):
     assert {e for e in events[second:] if e[0] == "call"} == {("call", 1)}  # d = 16 on its own
 
 
-def test_gpu_without_cuda_says_so():
+def test_gpu_without_cuda_says_so(monkeypatch, capsys):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("has a GPU")
-    p = timeouts.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "gpu"], capture_output=True, text=True,
-                     seconds=120, cwd=ROOT)
-    assert p.returncode == 0 and "no CUDA" in p.stdout
+    code, out, _ = _main_here(monkeypatch, capsys, "gpu")
+    assert code == 0 and "no CUDA" in out
 
 
 def test_sm90_quick_persistent_grids_fit_one_wave():
@@ -241,9 +264,11 @@ def test_overhead_quick_times_the_host_side_alone():
 def test_overhead_ops_picks_the_per_op_rows():
     rows = _bench("overhead", "--ops", "norm", "--device", "cpu")
     assert [(r["op"], r["path"]) for r in rows] == [("norm", "ops")]
-    p = timeouts.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--ops", "nope", "overhead"],
-                     capture_output=True, text=True, seconds=120, cwd=ROOT)
-    assert p.returncode == 2 and "--ops: unknown ['nope']" in p.stderr
+
+
+def test_overhead_unknown_ops_are_a_usage_error(monkeypatch, capsys):
+    code, _, err = _main_here(monkeypatch, capsys, "--ops", "nope", "overhead")
+    assert code == 2 and "--ops: unknown ['nope']" in err
 
 
 def test_traffic_options_before_the_subcommand_measure_the_kernels():
@@ -258,10 +283,9 @@ def test_traffic_options_before_the_subcommand_measure_the_kernels():
 
 
 @pytest.mark.parametrize("what", ["traffic", "targets"])
-def test_unknown_ops_are_a_usage_error(what):
-    p = timeouts.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--ops", "add_norm,nope", what],
-                     capture_output=True, text=True, seconds=120, cwd=ROOT)
-    assert p.returncode == 2 and "--ops: unknown ['nope']" in p.stderr
+def test_unknown_ops_are_a_usage_error(what, monkeypatch, capsys):
+    code, _, err = _main_here(monkeypatch, capsys, "--ops", "add_norm,nope", what)
+    assert code == 2 and "--ops: unknown ['nope']" in err
 
 
 def test_cpu_bench_takes_do_benchs_budgets_in_ms(monkeypatch):
