@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from family_helpers import HALF
-from helpers import assert_close
+from helpers import KERNEL_PATH, assert_close
 from ref64 import leaf64
 
 import fuseblock
@@ -93,12 +93,19 @@ def run_channel(op, x, affine=True, param_dtype=None, momentum=0.3):
 
 CHANNEL_SHAPES = {"batch": [(6, 4), (3, 4, 5), (2, 6, 3, 7)], "group": [(6, 4), (3, 4, 5), (2, 6, 3, 7)],
                   "instance": [(3, 4, 5), (2, 6, 3, 7)]}
+SETS = [(op, s) for op in CHANNEL for s in CHANNEL_SHAPES[op]]
+DTYPES = [torch.float32] + HALF
+# The torch path: every set shape in every dtype, with and without the affine. The kernel
+# path: per set shape both kernels' affine modes (HAS_W, HAS_B constexprs), the dtypes
+# (which change only the loads' and stores' casts) in turn, so each op sees all three.
+MATCH_CASES = [(op, s, DTYPES[(i + j) % 3], affine) for i, (op, s) in enumerate(SETS)
+               for j, affine in enumerate((True, False))] if KERNEL_PATH \
+    else [(op, s, d, affine) for op, s in SETS for d in DTYPES for affine in (True, False)]
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("op,shape", [(op, s) for op in CHANNEL for s in CHANNEL_SHAPES[op]], ids=str)
-@pytest.mark.parametrize("dtype", [torch.float32] + HALF, ids=str)
-@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+@pytest.mark.parametrize("op,shape,dtype,affine", MATCH_CASES,
+                         ids=lambda v: ("affine" if v else "plain") if isinstance(v, bool) else str(v))
 def test_channel_norms_match_torch_and_fp64(op, shape, dtype, affine):
     # (N, C) with L = 1, L = 5 and L = 21 (not powers of two), (N, C, H, W)
     run_channel(op, (torch.randn(shape) * 2 + 1).to(dtype), affine)
@@ -106,14 +113,17 @@ def test_channel_norms_match_torch_and_fp64(op, shape, dtype, affine):
 
 @pytest.mark.kernel
 @pytest.mark.usefixtures("small_channel_blocks")
-@pytest.mark.parametrize("op", CHANNEL)
-@pytest.mark.parametrize("shape", [(5, 4, 37), (40, 4), (3, 18, 2, 3)], ids=str)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op,shape,dtype", [
+    ("batch", (5, 4, 37), torch.float32),  # sets of 185: 5 rows of one, 3 ragged column blocks
+    ("batch", (40, 4), torch.bfloat16),  # L = 1: 40 rows in blocks of 16, the last ragged
+    ("batch", (3, 4, 2, 3), torch.bfloat16),  # L = 6 in a block of 8: 3 rows in blocks of 2
+    ("group", (2, 4, 37), torch.bfloat16),  # 2-channel groups: a block per row and 3 per L
+    ("instance", (2, 4, 37), torch.float32),  # one row: 3 ragged column blocks
+], ids=str)
 def test_channel_norms_loop_over_blocks_of_long_sets(op, shape, dtype):
-    # blocks of 16: batch norm's sets of 185 and 40 values and group norm's 18-channel
-    # groups loop over rows, L = 37 over ragged column blocks too
-    if op == "instance" and len(shape) == 2:
-        pytest.skip("instance norm takes (N, C, L)")
+    # blocks of 16: long sets loop over rows (batch norm's samples, group norm's channels)
+    # and over ragged column blocks; the parameters fp32 under bf16 inputs. The fp32/bf16
+    # casts are the only difference between dtypes: each case takes one.
     run_channel(op, (torch.randn(shape) * 3 - 2).to(dtype), param_dtype=torch.float32)
 
 
@@ -123,9 +133,9 @@ def test_channel_norms_loop_over_blocks_of_long_sets(op, shape, dtype):
 def test_channel_norms_of_non_contiguous_inputs(op, how):
     # transposed: (C, N, L) storage, viewed (N, C, L); sliced: every other value of L;
     # permuted: (N, H, W, C) storage, whose trailing dims cannot be viewed as one L
-    base = torch.randn(4, 6, 10)
+    base = torch.randn(2, 4, 10)
     x = {"transposed": lambda: base.transpose(0, 1), "sliced": lambda: base[:, :, ::2],
-         "permuted": lambda: base.view(4, 5, 2, 6).permute(0, 3, 1, 2)}[how]()
+         "permuted": lambda: base.view(2, 5, 2, 4).permute(0, 3, 1, 2)}[how]()
     assert not x.is_contiguous()
     torch.manual_seed(0)
     y = run_channel(op, x)
@@ -133,10 +143,14 @@ def test_channel_norms_of_non_contiguous_inputs(op, how):
     torch.testing.assert_close(y, run_channel(op, x.contiguous()), rtol=1e-6, atol=1e-6)
 
 
+# The kernel path: each op in one block and in small blocks, the dtypes (casts only) in turn
+CONSTANT_CASES = [(op, DTYPES[(i + j) % 3], blocks) for i, op in enumerate(CHANNEL)
+                  for j, blocks in enumerate(("one_block", "small_blocks"))] if KERNEL_PATH \
+    else [(op, d, blocks) for op in CHANNEL for d in DTYPES for blocks in ("one_block", "small_blocks")]
+
+
 @pytest.mark.kernel
-@pytest.mark.parametrize("op", CHANNEL)
-@pytest.mark.parametrize("dtype", [torch.float32] + HALF, ids=str)
-@pytest.mark.parametrize("blocks", ["one_block", "small_blocks"])
+@pytest.mark.parametrize("op,dtype,blocks", CONSTANT_CASES, ids=str)
 def test_a_constant_set_gives_exactly_the_bias(op, dtype, blocks, request):
     if blocks == "small_blocks":
         request.getfixturevalue("small_channel_blocks")
@@ -152,9 +166,10 @@ def test_a_constant_set_gives_exactly_the_bias(op, dtype, blocks, request):
 
 @pytest.mark.kernel
 @pytest.mark.usefixtures("small_channel_blocks")
-@pytest.mark.parametrize("momentum", [0.1, None])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("momentum,dtype", [(0.1, torch.bfloat16), (None, torch.float32)] if KERNEL_PATH else
+                         [(m, d) for m in (0.1, None) for d in (torch.float32, torch.bfloat16)], ids=str)
 def test_batch_norm_module_running_stats_over_long_sets(momentum, dtype):
+    # the kernel path: each momentum (the module's, host side) once, in one of the two dtypes
     # momentum None: nn.BatchNorm1d's cumulative average, momentum = 1 / num_batches_tracked
     ref = torch.nn.BatchNorm1d(3, momentum=momentum)
     mod = fuseblock.BatchNorm(3, momentum=momentum)

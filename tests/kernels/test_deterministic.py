@@ -15,7 +15,7 @@ import fuseblock
 
 pytestmark = [pytest.mark.kernel, pytest.mark.kernel_only("the kernels' partial-row sums")]
 
-SMS = (1, 2, 132)  # a lone SM, two, an H100's: 4, 8 and 10 partial rows by default at 600 rows
+SMS = (1, 2, 132)  # a lone SM, two, an H100's: 4, 8 and 10 partial rows by default at 300 rows
 
 
 @pytest.fixture
@@ -67,7 +67,7 @@ def _by_sms(monkeypatch, op, rows, d, dtype):
     import fuseblock.kernels.norm as K
     import fuseblock.kernels.norm_add as NA
 
-    monkeypatch.setattr(HC, "MIN_SPLIT_BLOCKS", 1)  # _bwd_params splits its token sums at 100 rows
+    monkeypatch.setattr(HC, "MIN_SPLIT_BLOCKS", 1)  # _bwd_params splits its token sums at 40 rows
     monkeypatch.setattr(HC, "fit_per_sm", lambda num_warps: 1)  # into as many as the SMs (7 at most)
     found = {}
     for sms in SMS:
@@ -86,16 +86,22 @@ def _same(found):
 
 
 CASES = [
-    pytest.param("layer", 600, 48, torch.float32, id="norm-tile-fp32"),
-    pytest.param("add_norm_gate", 600, 48, torch.bfloat16, id="add_norm-gated-tile-bf16"),
-    pytest.param("norm_add_norm", 600, 48, torch.float32, id="norm_add_norm-tile-fp32"),
-    # the n-stream boundary: 7 token blocks, 2, 4 and 7 programs and token splits by default
-    pytest.param("hc_add_norm", 100, 16, torch.bfloat16, id="hc_add_norm-bf16"),
+    pytest.param("layer", 300, 48, torch.float32, id="norm-tile-fp32"),
+    pytest.param("add_norm_gate", 300, 48, torch.bfloat16, id="add_norm-gated-tile-bf16"),
+    pytest.param("norm_add_norm", 300, 48, torch.float32, id="norm_add_norm-tile-fp32"),
+    # the n-stream boundary: 3 token blocks (the last ragged), 2, 3 and 3 programs and 1, 2
+    # and 3 token splits by default
+    pytest.param("hc_add_norm", 40, 16, torch.bfloat16, id="hc_add_norm-bf16"),
 ]
 
 
 @pytest.mark.parametrize("op,rows,d,dtype", CASES)
 def test_weight_gradients_do_not_depend_on_the_sm_count(monkeypatch, deterministic, op, rows, d, dtype):
+    import fuseblock.kernels.norm as K
+    import fuseblock.kernels.norm_add as NA
+
+    for module in (K, NA):  # up to 10 tile programs at 300 rows (blocks of 32), as 64 rows each would at 600
+        monkeypatch.setattr(module, "MIN_ROWS_PER_PROGRAM", 30)
     assert all(_same(_by_sms(monkeypatch, op, rows, d, dtype)).values())
     if op in ("layer", "hc_add_norm"):
         # the simulation reaches the split: without deterministic mode the partial rows
@@ -110,12 +116,12 @@ def test_weight_gradients_do_not_depend_on_the_sm_count(monkeypatch, determinist
             assert not torch.equal(found[SMS[0]][5], found[SMS[-1]][5])
 
 
-@pytest.mark.parametrize("op,rows,d", [("layer", 48, 40), ("norm_add_norm", 48, 40)], ids=["norm", "norm_add_norm"])
+@pytest.mark.parametrize("op,rows,d", [("layer", 24, 20), ("norm_add_norm", 24, 20)], ids=["norm", "norm_add_norm"])
 def test_wide_row_weight_gradients_do_not_depend_on_the_sm_count(monkeypatch, small_wide_rows, deterministic, op,
                                                                  rows, d):
     import fuseblock.kernels.norm_add as NA
 
-    monkeypatch.setattr(NA, "MIN_ROWS_PER_PROGRAM", 4)  # several loop programs at 48 rows, as small_wide_rows does
+    monkeypatch.setattr(NA, "MIN_ROWS_PER_PROGRAM", 4)  # several loop programs at 24 rows, as small_wide_rows does
     assert all(_same(_by_sms(monkeypatch, op, rows, d, torch.float32)).values())
 
 

@@ -82,9 +82,16 @@ def _count(case, dtype, rows, d):
     return fwd, bwd
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows", [8, 130], ids=["one_program", "several_programs"])
+def _by_rows(rows_one, rows_several):
+    """(case, dtype, rows): one program in every case and dtype (the host's launches and
+    casts); several programs (the partial rows' sum) in every case, the dtypes in turn."""
+    one = [pytest.param(c, d, rows_one, id=f"{c}-{d}-one_program") for c in CASES for d in DTYPES]
+    turn = [(c, DTYPES[i % len(DTYPES)]) for i, c in enumerate(CASES)]
+    several = [pytest.param(c, d, rows_several, id=f"{c}-{d}-several_programs") for c, d in turn]
+    return one + several
+
+
+@pytest.mark.parametrize("case,dtype,rows", _by_rows(8, 130))
 def test_tile_kernels_launch_once_forward_at_most_twice_backward(case, dtype, rows, monkeypatch):
     import fuseblock.kernels.launch as L
 
@@ -99,9 +106,7 @@ def test_tile_kernels_launch_once_forward_at_most_twice_backward(case, dtype, ro
 
 
 @pytest.mark.usefixtures("small_wide_rows")
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows", [3, 29], ids=["one_program", "several_programs"])
+@pytest.mark.parametrize("case,dtype,rows", _by_rows(3, 29))
 def test_wide_row_kernels_launch_once_forward_at_most_twice_backward(case, dtype, rows):
     # 20 columns, past the shrunken tile limits: 3 chunks of 8 (the last ragged); 29 rows
     # are 8 row blocks over 5 programs per chunk, more than one block of partial rows (4)

@@ -17,10 +17,16 @@ pytestmark = [pytest.mark.kernel, pytest.mark.kernel_only("the Triton kernels' l
               pytest.mark.usefixtures("small_wide_rows")]
 
 
-@pytest.mark.parametrize("kind", ["rms", "layer", "l2"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("res", ["none", "same", "fp32"])
-@pytest.mark.parametrize("affine", ["w", "wb"])
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+# Every kind with every residual mode (the kernels' constexprs); the bias (HAS_B) and the
+# dtype (the casts) laid over them so that each pair of any two of the four options occurs
+@pytest.mark.parametrize("kind,res,affine,dtype", [
+    ("rms", "none", "w", F32), ("rms", "same", "w", F32), ("rms", "fp32", "wb", BF16),
+    ("layer", "none", "w", F32), ("layer", "same", "w", BF16), ("layer", "fp32", "wb", F32),
+    ("l2", "none", "wb", BF16), ("l2", "same", "wb", F32), ("l2", "fp32", "w", F32),
+], ids=str)
 def test_wide_row_kernels_match_fp64_reference(kind, dtype, res, affine, launches):
     d, rows = 37, 29  # 5 chunks of 8 (the last has 5 columns); 8 row blocks of 4 over 3 programs a chunk
     x = torch.randn(rows, d).to(dtype) * 3 + 2  # an offset mean: the centring matters
@@ -33,9 +39,9 @@ def test_wide_row_kernels_match_fp64_reference(kind, dtype, res, affine, launche
     assert launches("fwd", "bwd") == (1, 2)
 
 
-@pytest.mark.parametrize("position", ["pre", "post"])
-@pytest.mark.parametrize("act", ["sigmoid", "silu"])
-@pytest.mark.parametrize("kind", ["rms", "layer"])
+# each gate position with each activation, each of those pairs' kind alternating
+@pytest.mark.parametrize("position,act,kind", [("pre", "sigmoid", "rms"), ("pre", "silu", "layer"),
+                                               ("post", "sigmoid", "layer"), ("post", "silu", "rms")])
 def test_wide_row_kernels_gated(position, act, kind):
     d, rows = 21, 10
     run_case(torch.randn(rows, d), torch.randn(rows, d), torch.randn(d), torch.randn(d), kind=kind,
