@@ -343,8 +343,8 @@ def test_custom_ops_schema_and_fakes_with_the_branch():
     bwd_args = (torch.randn_like(x), torch.randn_like(x), new_res, None, w, None, rstd, mean, spec, x.dtype,
                 torch.float32, seed, True)
     torch.library.opcheck(norm_op.bwd_op, bwd_args, test_utils=("test_schema", "test_faketensor"))
-    dx, dr, _, _, _, dx1 = norm_op.bwd_op(*bwd_args)
-    assert dx.shape == dr.shape == dx1.shape == x.shape
+    dx, dr, _, _, _, dx1, drs, dbs = norm_op.bwd_op(*bwd_args)
+    assert dx.shape == dr.shape == dx1.shape == x.shape and drs.numel() == dbs.numel() == 0  # empty: no scales
 
 
 @pytest.mark.kernel_only("the Triton launchers' seed argument")
