@@ -42,6 +42,14 @@ from ..spec import acc_dtype, new_residual_dtype, stored_dtype
 from .checks import check_branch, check_tensor, resolve
 from .seed import draw_seed, hash_keep
 
+NO_SCALES = "residual_scale and branch_scale do not take DTensor inputs yet (alpha does)"
+
+
+def refuse_scales(x, residual, rscale, bscale) -> None:
+    """The per-channel scales on DTensors (inputs or the [d] scales themselves): a ValueError."""
+    if has_dtensor(x, residual, rscale, bscale, None):
+        raise ValueError(NO_SCALES)
+
 
 def has_dtensor(x, residual, weight, bias, gate, x1=None) -> bool:
     """Whether any argument is a DTensor: 0.09 us a call while torch.distributed.tensor is not

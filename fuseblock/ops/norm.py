@@ -526,7 +526,7 @@ def add_norm(
         if quant is not None or scale is not None:
             raise ValueError("quant= does not take DTensor inputs yet: quantize each rank's local tensor")
         if residual_scale is not NO_SCALE or branch_scale is not None:
-            raise ValueError("residual_scale and branch_scale do not take DTensor inputs yet (alpha does)")
+            raise ValueError(dtensor.NO_SCALES)
         return dtensor.add_norm(add_norm, x, residual, weight, bias, gate, x1, kind=kind, c=c, eps=eps,
                                 residual_dtype=residual_dtype, gate_act=gate_act, gate_position=gate_position,
                                 num_groups=num_groups, weight_offset=weight_offset, alpha=alpha,
@@ -551,8 +551,7 @@ def add_norm(
         if spec.residual_scale != 1.0 or rscale is not None or bscale is not None:
             if spec.quant != Quant.NONE:
                 raise ValueError("quant= does not take residual_scale or a tensor branch_scale yet")
-            if dtensor.has_dtensor(rscale, bscale, None, None, None):
-                raise ValueError("residual_scale and branch_scale take no DTensor yet")
+            dtensor.refuse_scales(None, None, rscale, bscale)
     if spec.quant != Quant.NONE:
         # here, not at the top: ops/fp8.py's torch.compiler.disable imports torch._dynamo
         from . import fp8 as quant_ops

@@ -208,9 +208,8 @@ def _scales(x, residual, like, alpha, residual_scale, branch_scale, bspec: NormS
     """(bspec with the float residual scale, alpha, the [d] residual scale, the [d] branch
     scale), validated (`check_scales`)."""
     alpha, rs, rscale, bscale = check_scales(x, residual, like, alpha, residual_scale, branch_scale)
-    if (rs != 1.0 or rscale is not None or bscale is not None) and dtensor.has_dtensor(
-            x, residual, rscale, bscale, None):
-        raise ValueError("residual_scale and branch_scale do not take DTensor inputs yet (alpha does)")
+    if rs != 1.0 or rscale is not None or bscale is not None:
+        dtensor.refuse_scales(x, residual, rscale, bscale)
     return (bspec if rs == 1.0 else bspec.with_branch(bspec.alpha, bspec.dropout_p, rs)), alpha, rscale, bscale
 
 

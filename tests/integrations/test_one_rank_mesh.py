@@ -250,3 +250,19 @@ def test_hc_ops_refuse_streams_split_across_a_token(mesh, dim):
         fuseblock.hc_norm(distribute_tensor(streams, mesh, [Shard(dim)]), *placed, iters=3)
     with pytest.raises(TypeError, match="^streams is a Tensor, but another argument is a DTensor"):
         fuseblock.hc_norm(streams, *placed, iters=3)
+
+
+def test_the_per_channel_scales_refuse_dtensors(mesh):
+    """residual_scale / branch_scale on DTensor inputs, or as DTensors beside plain inputs:
+    refused by name on each op (a float branch_scale, alpha by another name, is taken)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    x, r, a = torch.randn(B, T, D, device=DEVICE), torch.randn(B, T, D, device=DEVICE), torch.full((D,), 0.5)
+    dx, dr, da = (distribute_tensor(t.to(DEVICE), mesh, [Replicate()]) for t in (x, r, a))
+    ops = [lambda x, r, a: fuseblock.add_norm(x, r, residual_scale=a),
+           lambda x, r, a: fuseblock.norm_add(x, r, residual_scale=a),
+           lambda x, r, a: fuseblock.norm_add_norm(x, r, None, None, kind="l2", residual_scale=a)]
+    for op in ops:
+        for args in ((dx, dr, 0.5), (x, r, da)):
+            with pytest.raises(ValueError, match=r"^residual_scale and branch_scale do not take DTensor inputs yet"):
+                op(*args)
