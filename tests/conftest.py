@@ -33,6 +33,12 @@ from fuseblock.testing.interpreter_rounding import install  # noqa: E402
 
 INTERPRETER_ROUNDING = install()  # None, or why the interpreter could not be made to round
 
+# The interpreter re-patches its language at every helper call of a kernel: once per launch is
+# enough (fuseblock/testing/interpreter_lang.py); about half the kernel path's CPU time.
+from fuseblock.testing import interpreter_lang  # noqa: E402
+
+interpreter_lang.install()
+
 
 def pytest_addoption(parser):
     parser.addoption("--busy", type=int, default=0, metavar="N",
