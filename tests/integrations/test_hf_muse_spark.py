@@ -1,5 +1,5 @@
-"""fuse on transformers 5.24's muse_spark (per-channel residual gates, issue 43) against the
-unfused model; skipped where transformers has no muse_spark (5.23 and before).
+"""fuse on transformers' muse_spark (per-channel residual gates, issue 43; in 5.23 and 5.24)
+against the unfused model; skipped where transformers has no muse_spark.
 
 Its text model (muse_spark_text) comes inside the MuseSparkForConditionalGeneration wrapper
 (no causal LM of its own): a tiny one here, 2 text layers (a sliding-window RoPE layer with a
@@ -21,7 +21,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "MuseSparkForConditionalGeneration"):
-    pytest.skip("transformers has no muse_spark before 5.24", allow_module_level=True)
+    pytest.skip(f"transformers {transformers.__version__} has no muse_spark", allow_module_level=True)
 
 from helpers import KERNEL_PATH, generator  # noqa: E402
 from hf_models import batch, max_diff, rel  # noqa: E402
@@ -31,6 +31,7 @@ from fuseblock import Norm  # noqa: E402
 from fuseblock.integrations.transformers import REFUSED, WRAPPERS, fuse  # noqa: E402
 from fuseblock.integrations.transformers.families import WRAPPED  # noqa: E402
 from fuseblock.integrations.transformers.tiny import SIZES  # noqa: E402
+from fuseblock.integrations.transformers.versions import CACHE  # noqa: E402
 
 KIND = "muse_spark_text"
 LAYERS = 2
@@ -213,7 +214,7 @@ def test_muse_spark_greedy_generation_with_cache_and_padding_is_identical():
     unfused, fused = pair()
     ids, mask, _ = text_batch(t=8)
     with torch.no_grad():
-        caches = [m(input_ids=ids, attention_mask=mask, use_cache=True).cache for m in (unfused, fused)]
+        caches = [getattr(m(input_ids=ids, attention_mask=mask, use_cache=True), CACHE) for m in (unfused, fused)]
     assert type(caches[1]) is type(caches[0]) and caches[1].get_seq_length() == caches[0].get_seq_length() == 8
     kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
     a, b = unfused.generate(ids, **kw), fused.generate(ids, **kw)

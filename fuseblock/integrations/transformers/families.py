@@ -545,7 +545,7 @@ WRAPPED: Mapping[str, Family] = {
     # HY-V4-VL's text model (transformers 5.24): HY-V4's layers and head, M-RoPE positions
     "hy_v4_vl_text": Family(HYPER, **_HYPER_FAMILY, positions=given_positions, hyper=Hyper(
         "hy_v4", _hy_v4_options, _indexed_attend, _plain_feed, _hy_v4_vl_inputs, topk=True, weighted_head=True)),
-    # Muse Spark's text model (transformers 5.24): per-channel gates and sandwich norms (gated.py),
+    # Muse Spark's text model (transformers 5.23 and 5.24): per-channel gates and sandwich norms (gated.py),
     # each layer's adds in its own ops; its model forward (NoPE layers, the final MuseSparkRMSNorm)
     # and its norms' modules stay the modeling code's (model_forward None: the inner model keeps its class);
     # config.post_norm_eps is its post-norms' eps, which the fused layer reads off them

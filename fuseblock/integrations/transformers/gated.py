@@ -1,4 +1,4 @@
-"""The per-channel gated sandwich (transformers 5.24's muse_spark) on fuseblock's [d]-scale ops.
+"""The per-channel gated sandwich (transformers' muse_spark, 5.23 and 5.24) on fuseblock's [d]-scale ops.
 
 A Muse Spark decoder layer gates each residual update per channel (MuseSparkResidualGate:
 r' = alpha * r + beta * f, alpha and beta [d] vectors made from one fp32 gate Parameter)
@@ -24,7 +24,7 @@ The norms stay the modeling code's modules too (their state_dict keys and init a
 were): the ops read their weights. A model the fused layer would compute otherwise is
 refused by name (`refusals`): a gate or a norm that does not compute what the op is given.
 
-Nothing here imports the family's modeling code (5.23 has none): modules are told by what
+Nothing here imports the family's modeling code (older versions have none): modules are told by what
 they compute.
 """
 from __future__ import annotations
