@@ -14,18 +14,19 @@ and gate one `norm_add` (the weightless norm of (1 + w_m) * m, the input scaling
 as the modeling code does it); the input norm is one `norm`. The torch path is then the
 unfused layer bit for bit in fp32, gradients included. What would not be stays the
 modeling code's, run as the unfused layer runs it: MuseSparkRMSNorm (the attention's
-post-norm, the norms inside the attention and the MoE, the model's final norm) computes
+post-norm and its q/k/o norms, the embeddings' norm, the model's final norm) computes
 x * pow(mean(x^2) + eps, -0.5), whose forward is the op's bitwise and whose input gradient
-is not (pow's backward). Each layer's adds complete in the layer, on its own parameters:
-the layer takes and returns the stream h, and the inner model keeps its class and forward
-(its NoPE layers, masks, cache, recording and final norm are the modeling code's).
+is not (pow's backward); the attention and the MoE (its own norms included) are untouched.
+Each layer's adds complete in the layer, on its own parameters: the layer takes and returns
+the stream h, and the inner model keeps its class and forward (its NoPE layers, masks,
+cache, recording and final norm are the modeling code's).
 
 The norms stay the modeling code's modules too (their state_dict keys and init as they
 were): the ops read their weights. A model the fused layer would compute otherwise is
 refused by name (`refusals`): a gate or a norm that does not compute what the op is given.
 
-Nothing here imports the family's modeling code (older versions have none): modules are told by what
-they compute.
+Nothing here imports the family's modeling code (older versions have none): modules are
+told by what they compute.
 """
 from __future__ import annotations
 
