@@ -100,8 +100,8 @@ def launches():
 @pytest.fixture
 def small_wide_rows(monkeypatch):
     """Shrink the tile limits and chunk sizes so rows of a few dozen columns take the
-    wide-row kernels (`_fwd_loop`, `_bwd_dots` + `_bwd_cols`), with ragged chunks and
-    several programs: fast enough for the interpreter. Up to 16 `_bwd_cols` programs, so
+    wide-row kernels (`fwd_loop`, `bwd_dots` + `bwd_cols`), with ragged chunks and
+    several programs: fast enough for the interpreter. Up to 16 `bwd_cols` programs, so
     a column chunk of a few row blocks has several, whose partial rows it sums."""
     import fuseblock.kernels.launch as L
     import fuseblock.kernels.norm as K
