@@ -116,12 +116,15 @@ def test_tp_and_2d_training_equal_one_process_and_resume_across_layouts(tmp_path
 
 
 @pytest.mark.kernel
+@pytest.mark.kernel_only("Dynamo traces the same DTensor dispatch on both paths, and the kernel path's custom ops "
+                         "on its local shards too; the torch path's compiled DTensor calls are test_one_rank_mesh's")
 @pytest.mark.slow
 def test_compiled_tp_training_equals_one_process(tmp_path):
     """train.py --tp 2 --compile against one process compiled: the sharded model under
     torch.compile (Dynamo traces fuseblock's DTensor calls, the strided q | k | v columns of
-    the fused norm + c_attn included), the same loss curve, weights and AdamW state after
-    3 steps. Both paths (the kernel path's custom ops traced on DTensors' local shards)."""
+    the fused norm + c_attn included, and the kernel path's custom ops on DTensors' local
+    shards), the same loss curve, weights and AdamW state after 3 steps. The kernel path
+    only: three compiles of a model (two ranks and the reference), the suite's dearest test."""
     common = ["--eval-interval", "1000", "--ckpt-interval", "3", "--compile", *TINY]
     single, tp = tmp_path / "single", tmp_path / "tp"
     torchrun(2, ROOT / "scripts" / "train.py", "--device", "cpu", "--out-dir", tp, "--tp", 2, "--max-iters", 3,
