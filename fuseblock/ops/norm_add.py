@@ -213,6 +213,41 @@ def _scales(x, residual, like, alpha, residual_scale, branch_scale, bspec: NormS
     return (bspec if rs == 1.0 else bspec.with_branch(bspec.alpha, bspec.dropout_p, rs)), alpha, rscale, bscale
 
 
+UPDATES = ("add", "interpolate")
+
+
+def _check_update(op: str, update, kind, **tensors) -> bool:
+    """Whether the call interpolates (update="interpolate"; "add" is the default), with what
+    that takes checked: kind "l2" and no weight or bias (`tensors`: the call's), nGPT's norms."""
+    if update.__class__ is str and update == "add":
+        return False
+    if not isinstance(update, str) or update not in UPDATES:
+        raise ValueError(f"update must be one of {UPDATES}, got {update!r}")
+    if kind != "l2":
+        raise ValueError(f"{op}: update='interpolate' normalizes onto the unit sphere (nGPT's L2 norms, eps on the "
+                         f"sum of squares): it takes kind='l2', got kind={kind!r}")
+    for name, t in tensors.items():
+        if t is not None:
+            raise ValueError(f"{op}: update='interpolate''s norms take no weight or bias (nGPT's unit sphere): "
+                             f"{name} must be None")
+    return True
+
+
+def _interpolated(x, residual, bspec: NormSpec, spec: NormSpec, rscale, quant, out_dtype):
+    """(bspec, spec) of update="interpolate": new_residual = r + b * (N_b(x) - r), each norm
+    x * rsqrt(x.x + eps) (spec.eps_on_sum). What it does not take is refused by name."""
+    if bspec.residual_scale != 1.0 or rscale is not None:
+        raise ValueError("update='interpolate' takes no residual_scale: r' = r + b * (N_b(x) - r), whose one scale "
+                         "is b (branch_scale, or alpha)")
+    if quant is not None:
+        raise ValueError("quant= does not take update='interpolate' yet")
+    if out_dtype is not None:
+        raise ValueError("out_dtype does not take update='interpolate' yet: out has x's dtype")
+    if dtensor.has_dtensor(x, residual, None, None, None):
+        raise ValueError("update='interpolate' does not take DTensor inputs yet: run it on each rank's local tensors")
+    return bspec.interpolating(True), spec.interpolating(False)
+
+
 def _apply(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha, rdtype, second, rscale=None,
            bscale=None):
     """(new_residual, out or None) on validated arguments, by the path that serves x."""
@@ -222,6 +257,9 @@ def _apply(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, a
     if not uses_triton(x) or func_transforms_active():
         return reference.norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha,
                                       rdtype, second, rscale, bscale)
+    if bspec.interpolate:
+        raise ValueError("update='interpolate' runs on the torch path only yet: the kernels do not compute it (run "
+                         "on the CPU, or with fuseblock's torch path)")
     # written out, not a generator over the six: this runs on every kernel-path call
     need_stats = torch.is_grad_enabled() and (
         x.requires_grad or residual.requires_grad or (branch_weight is not None and branch_weight.requires_grad)
@@ -247,6 +285,7 @@ def norm_add(
     residual_scale: float | Tensor = 1.0,
     branch_scale: float | Tensor | None = None,
     residual_dtype: Optional[torch.dtype] = None,
+    update: str = "add",
 ) -> Tensor:
     """Post-norm residual update: new_residual = residual + alpha * N(x), returned.
 
@@ -262,12 +301,21 @@ def norm_add(
     (x's without a weight); alpha is branch_scale's float form (give one). A tensor
     scale's gradient is sum over rows of dp * residual (a) or dp * N(x) (b), from the
     backward's own launches.
+
+    update="interpolate" (nGPT's update on the unit sphere, transformers' Dory):
+    new_residual = residual + b * (N(x) - residual), b = branch_scale (or alpha), N the
+    L2 norm x * rsqrt(x.x + eps), eps added to the sum of squares; kind="l2", no weight
+    or bias, no residual_scale. The torch path computes DoryDecoderLayer's ops in its
+    order (fp32: bitwise); the kernels do not compute it yet (a ValueError).
     """
     check_tensor("x", x)
     check_tensor("residual", residual)
+    interpolate = _check_update("norm_add", update, kind, weight=weight, bias=bias)
     spec = _spec(x, residual, weight, bias, kind, default_eps(x.dtype, kind) if eps is None else eps, weight_offset,
                  residual_dtype)
     bspec, alpha, rscale, bscale = _scales(x, residual, weight, alpha, residual_scale, branch_scale, spec)
+    if interpolate:
+        bspec, spec = _interpolated(x, residual, bspec, spec, rscale, None, None)
     rdtype = stored_dtype(x.dtype, residual.dtype, residual_dtype)
     return _apply(x, residual, weight, bias, None, None, bspec, spec, alpha, rdtype, False, rscale, bscale)[0]
 
@@ -292,6 +340,7 @@ def norm_add_norm(
     out_dtype: Optional[torch.dtype] = None,
     quant: Optional[str | Fp8Recipe] = None,
     scale: Optional[Tensor] = None,
+    update: str = "add",
     **removed: NoReturn,  # none: the former fp8 keywords, refused naming the recipe (refuse_keywords)
 ) -> tuple[Tensor, Tensor]:
     """Sandwich (Peri-LN) residual update, both norms in one kernel: returns (out, new_residual),
@@ -310,6 +359,9 @@ def norm_add_norm(
     high precision when an input requires one); the recipe's mx_columnwise is not taken.
     residual_scale and branch_scale as in `norm_add`: new_residual = a * residual + b * N_b(x)
     (a tensor's dtype may be fp32 or branch_weight's); not with quant= yet.
+    update="interpolate" as in `norm_add` (nGPT): new_residual = residual + b * (N_b(x) -
+    residual), out = N(new_residual), both unit-sphere L2 norms x * rsqrt(x.x + eps);
+    kind="l2", no weights or biases, no residual_scale, quant or out_dtype.
     """
     if removed:
         refuse_keywords("norm_add_norm", removed)
@@ -318,6 +370,8 @@ def norm_add_norm(
     if quant is not None and recipe_of(quant).mx_columnwise:
         raise ValueError("norm_add_norm's quant= takes no mx_columnwise (its output has no columnwise copy): use a "
                          "recipe with mx_columnwise=False")
+    interpolate = _check_update("norm_add_norm", update, kind, branch_weight=branch_weight, weight=weight,
+                                branch_bias=branch_bias, bias=bias)
     # checks x, kind, weight, bias and the output's options
     spec = _spec(x, residual, weight, bias, kind, eps, weight_offset, residual_dtype, out_dtype, quant, scale)
     if kind != "l2":
@@ -342,6 +396,8 @@ def norm_add_norm(
             raise ValueError(f"branch_weight_offset={branch_weight_offset} needs a branch_weight: it is added to it")
     bspec = _spec(x, residual, branch_weight, branch_bias, kind, branch_eps, branch_weight_offset, residual_dtype)
     bspec, alpha, rscale, bscale = _scales(x, residual, branch_weight, alpha, residual_scale, branch_scale, bspec)
+    if interpolate:
+        bspec, spec = _interpolated(x, residual, bspec, spec, rscale, quant, out_dtype)
     rdtype = stored_dtype(x.dtype, residual.dtype, residual_dtype)
     if spec.quant != Quant.NONE:
         if bspec.residual_scale != 1.0 or rscale is not None or bscale is not None:
