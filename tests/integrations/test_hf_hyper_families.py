@@ -442,13 +442,6 @@ def test_what_the_hc_ops_do_not_compute_is_refused_by_name():
 # its modeling source holds (the module of its model class, as the installed transformers maps it):
 # every pattern must be found there, so a family whose layer is not what its reason says fails
 PER_CHANNEL_EVIDENCE = {
-    "dory": (r"class DoryL2Norm\(torch\.nn\.Module\):[^$]*?def __init__\(self, eps: float = 1e-6\):",
-             r"x \* torch\.rsqrt\(x\.pow\(2\)\.sum\(-1, keepdim=True\)",  # L2, not RMS
-             r"hidden_states = self\.input_layernorm\(hidden_states\)",  # the normed value is the stream
-             r"hidden_states = hidden_states \+ attention_rate \* \(attn_output - hidden_states\)",
-             r"attention_rate = \(self\.lambda_1 \* self\.lambda_scale\)\.abs\(\)",
-             r"self\.lambda_1 = nn\.Parameter\(torch\.full\(\(config\.hidden_size,\)",
-             r"for loop_idx in range\(n_loops\):\s+hidden_states = self\.norm\(hidden_states\) \+ input_hidden_states"),
     "muse_spark_text": (r"return \(alpha \* residual \+ beta \* hidden_states\)\.to\(residual\.dtype\)",
                         r"self\.gate = nn\.Parameter\(torch\.empty\(config\.hidden_size\)\)",
                         r"beta = torch\.sigmoid\(w\)",
@@ -473,8 +466,7 @@ PER_CHANNEL_EVIDENCE = {
                        r"self\.linear_attn = ", r"self\.ple = "),
 }
 # the norms a reason says fuseblock does not convert, as the layers build them: refused by norm_from
-NOT_CONVERTED = {"dory": {"DoryL2Norm": {}},
-                 "muse_spark_text": {"MuseSparkRMSNorm": dict(dim=64, with_scale=False),
+NOT_CONVERTED = {"muse_spark_text": {"MuseSparkRMSNorm": dict(dim=64, with_scale=False),
                                      "MuseSparkTextInputScaledRMSNorm": dict(dim=64)}}
 
 
@@ -578,10 +570,3 @@ def test_each_per_channel_refusal_is_what_the_familys_source_holds(model_type):
     if model_type == "muse_spark_text":  # its wrapper's reason is its language model's
         assert REFUSED[model_type] in REFUSED["muse_spark"]
         _muse_spark_norm_is_not_the_ops(module)
-    if model_type == "dory":  # the cheapest of these models: refused as a whole, by that reason, left unchanged
-        model = transformers.DoryForCausalLM(transformers.DoryConfig(**SIZES))
-        with pytest.raises(ValueError, match=r"^fuse: DoryForCausalLM \(model_type 'dory'\) is refused: nGPT's layer") \
-                as e:
-            fuse(model)
-        assert REFUSED["dory"] in str(e.value) and "\n" not in str(e.value)
-        assert not any(isinstance(m, Norm) for m in model.modules())
