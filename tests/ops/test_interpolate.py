@@ -1,0 +1,98 @@
+"""nGPT's interpolating update on the unit sphere (transformers' Dory): norm_add and
+norm_add_norm with update="interpolate",
+
+    r' = r + b * (N_b(x) - r),   out = N(r'),   N(t) = t * rsqrt(t.t + eps)
+
+b a float or a [d] tensor (branch_scale). Against an fp64 reference written here from the
+formula: the values and every gradient (b's included) on both paths; the torch path in fp32
+bitwise DoryDecoderLayer's own ops; what the form does not take refused by name."""
+import pytest
+import torch
+
+import fuseblock
+
+D = 16
+EPS = 1e-6
+
+
+def _unit64(t, eps=EPS):
+    t = t.double()
+    return t * torch.rsqrt((t * t).sum(-1, keepdim=True) + eps)
+
+
+def _inputs(rows):
+    x, r = torch.randn(rows, D), torch.randn(rows, D)
+    x[0] *= 1e-3  # x.x near eps: eps on the sum of squares, not on their mean (d * eps), shows
+    return x.requires_grad_(), r.requires_grad_()
+
+
+def _call(op, x, r, b, eps=EPS):
+    kw = dict(kind="l2", eps=eps, branch_scale=b, update="interpolate")
+    if op == "norm_add":
+        return [fuseblock.norm_add(x, r, **kw)]
+    out, new_r = fuseblock.norm_add_norm(x, r, None, None, **kw)
+    return [out, new_r]
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("op,rows,form", [("norm_add_norm", 5, "tensor"), ("norm_add_norm", 70, "float"),
+                                          ("norm_add", 70, "tensor")])
+def test_interpolate_matches_fp64(op, rows, form):
+    # 70 rows: two backward programs on the kernel path, whose partial rows of b's sums are added up
+    x, r = _inputs(rows)
+    b = torch.rand(D).requires_grad_() if form == "tensor" else 0.3
+    got = _call(op, x, r, b)
+    b64 = b.double() if form == "tensor" else b
+    p64 = r.double() + b64 * (_unit64(x) - r.double())
+    want = [p64] if op == "norm_add" else [_unit64(p64), p64]
+    leaves = [x, r, b] if form == "tensor" else [x, r]
+    grads_out = [torch.randn(o.shape, dtype=torch.float64) for o in want]
+    g_got = torch.autograd.grad([o.double() for o in got], leaves, grads_out)
+    g_want = torch.autograd.grad(want, leaves, grads_out)
+    worst = max((o.double() - e).abs().max().item() for o, e in zip(got, want, strict=True))
+    for g, w in zip(g_got, g_want, strict=True):
+        assert g.dtype == torch.float32
+        worst = max(worst, (g.double() - w).abs().max().item() / (1 + w.abs().max().item()))
+    assert worst < 2e-6, worst
+
+
+@pytest.mark.torch_only("the torch path's order of operations")
+def test_interpolate_is_dorys_update_bitwise_in_fp32():
+    """DoryL2Norm and DoryDecoderLayer's interpolation, written as its source writes them:
+    the op's values and every gradient equal them bit for bit."""
+    x, r = _inputs(6)
+    lam = torch.randn(D, requires_grad=True)
+
+    def l2(t):
+        return t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + EPS)
+
+    rate = (lam * 4.0).abs()
+    h = r + rate * (l2(x) - r)
+    want = [l2(h), h]
+    got = _call("norm_add_norm", x, r, (lam * 4.0).abs())
+    gout = [torch.randn_like(t) for t in want]
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(torch.autograd.grad(got, (x, r, lam), gout), torch.autograd.grad(want, (x, r, lam), gout),
+                    strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kw,error,match", [
+    (dict(update="lerp"), ValueError, r"update must be one of \('add', 'interpolate'\), got 'lerp'"),
+    (dict(kind="rms"), ValueError, r"update='interpolate' normalizes onto the unit sphere .* it takes kind='l2', "
+                                   r"got kind='rms'"),
+    (dict(weight=True), ValueError, r"update='interpolate''s norms take no weight or bias .*: weight must be None"),
+    (dict(residual_scale=0.5), ValueError, r"update='interpolate' takes no residual_scale"),
+    (dict(quant="fp8_row"), ValueError, r"quant= does not take update='interpolate' yet"),
+    (dict(out_dtype=torch.float64), ValueError, r"out_dtype does not take update='interpolate' yet"),
+])
+def test_interpolate_refuses_what_it_does_not_take(kw, error, match):
+    x, r = torch.randn(3, D), torch.randn(3, D)
+    kw = {**dict(kind="l2", branch_scale=torch.rand(D), update="interpolate"), **kw}
+    weight = torch.ones(D) if kw.pop("weight", None) else None
+    with pytest.raises(error, match=match):
+        fuseblock.norm_add_norm(x, r, None, weight, **kw)
+    if "quant" not in kw and "out_dtype" not in kw:  # (norm_add has neither)
+        with pytest.raises(error, match=match):
+            fuseblock.norm_add(x, r, weight, **kw)
