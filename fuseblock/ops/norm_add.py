@@ -116,10 +116,12 @@ def _setup(ctx, inputs, output):
     # Backward needs x, the stored new_residual (only for the second norm) and each norm's
     # row statistics; never the normalized outputs. The biases only say their dtypes.
     center = ctx.spec.center
-    # A [d] residual scale's gradient is a column sum of dp * residual: the residual is kept for it
+    # A [d] residual scale's gradient is a column sum of dp * residual, an interpolation's b's one
+    # of dp * (N_b(x) - residual): the residual is kept for them
+    keep = rscale is not None or ctx.bspec.interpolate
     ctx.save_for_backward(x, new_res if second else None, branch_weight, branch_bias, weight, bias, rstd_b,
                           mean_b if center else None, rstd if second else None, mean if second and center else None,
-                          residual if rscale is not None else None, rscale, bscale)
+                          residual if keep else None, rscale, bscale)
     return () if second else (1,)  # without the second norm, out is an empty placeholder (or None, eager)
 
 
@@ -132,9 +134,9 @@ def _grads(ctx, grad_outputs, bwd):
         raise RuntimeError("fuseblock: backward through a norm_add whose forward ran without grad enabled")
     # norm_add's r' = r + alpha * N(x) passes the gradient at r' through to r: in r's dtype it
     # is dresidual itself, returned as it came, where a kernel would write a copy of it
-    # (a residual_scale makes dresidual = a * dp another tensor)
+    # (a residual_scale makes dresidual = a * dp another tensor, an interpolation (1 - b) * dp)
     passed = (not ctx.second and dres is not None and dres.dtype == ctx.residual_dtype and rscale is None
-              and ctx.bspec.residual_scale == 1.0)
+              and ctx.bspec.residual_scale == 1.0 and not ctx.bspec.interpolate)
     found = bwd(dout if ctx.second else None, dres, x, p, bw, bb, w, b, rstd_b, mean_b, rstd, mean,
                 [*ctx.bspec.pack(), *ctx.spec.pack(), ctx.alpha], ctx.residual_dtype, ctx.second, not passed,
                 residual, rscale, bscale)
@@ -155,6 +157,8 @@ def _graph_grads(ctx, grad_outputs):
     dres, dout = grad_outputs[:2]
     x, p, bw, bb, w, b = ctx.saved_tensors[:6]
     residual, rscale, bscale = ctx.saved_tensors[10:]
+    if ctx.bspec.interpolate:
+        return _interpolation_graph_grads(ctx, dres, dout, x, residual, bscale)
     found = {}
 
     def grad_of(out, leaves, dgrad):
@@ -190,6 +194,21 @@ def _graph_grads(ctx, grad_outputs):
     grads = (None if dx is None else dx.to(ctx.x_dtype), None if dp is None else dp.to(ctx.residual_dtype),
              found.get(id(bw)), found.get(id(bb)), found.get(id(w)), found.get(id(b)))
     return grads if rscale is None and bscale is None else (*grads, None, None, None, None, drs, dbs)
+
+
+def _interpolation_graph_grads(ctx, dres, dout, x, residual, bscale):
+    """_graph_grads of update="interpolate": the whole op rebuilt by the reference from x, the
+    residual and b (the interpolation reads r itself) and differentiated with a graph."""
+    leaves = [t if t.requires_grad else t.detach().requires_grad_() for t in (x, residual)]
+    b = None if bscale is None else (bscale if bscale.requires_grad else bscale.detach().requires_grad_())
+    new_res, out = reference.norm_add_fwd(leaves[0], leaves[1], None, None, None, None, ctx.bspec, ctx.spec,
+                                          ctx.alpha, ctx.residual_dtype, ctx.second, None, b)
+    pairs = [(t, g) for t, g in ((new_res, dres), (out, dout)) if t is not None and g is not None]
+    wrt = leaves + ([] if b is None else [b])
+    found = torch.autograd.grad([t for t, _ in pairs], wrt, [g for _, g in pairs], create_graph=True,
+                                allow_unused=True) if pairs else [None] * len(wrt)
+    grads = (found[0], found[1], None, None, None, None)
+    return grads if bscale is None else (*grads, None, None, None, None, None, found[2])
 
 
 norm_add_op = FusedOp("norm_add_norm", _fwd, _fwd_fake, _bwd, _bwd_fake, _setup, _grads, stats=(2, 3, 4, 5),

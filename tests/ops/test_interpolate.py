@@ -96,3 +96,60 @@ def test_interpolate_refuses_what_it_does_not_take(kw, error, match):
     if "quant" not in kw and "out_dtype" not in kw:  # (norm_add has neither)
         with pytest.raises(error, match=match):
             fuseblock.norm_add(x, r, weight, **kw)
+
+
+def _check64(got, x, r, b, second=True, tol=2e-6):
+    """got (out, new_residual) or (new_residual,) and every gradient against fp64."""
+    p64 = r.double() + b.double() * (_unit64(x) - r.double())
+    want = [_unit64(p64), p64] if second else [p64]
+    cots = [torch.randn(o.shape, dtype=torch.float64) for o in want]
+    g_got = torch.autograd.grad([o.double() for o in got], (x, r, b), cots)
+    g_want = torch.autograd.grad(want, (x, r, b), cots)
+    worst = max((o.double() - e).abs().max().item() for o, e in zip(got, want, strict=True))
+    for g, w in zip(g_got, g_want, strict=True):
+        worst = max(worst, (g.double() - w).abs().max().item() / (1 + w.abs().max().item()))
+    assert worst < tol, worst
+
+
+@pytest.mark.kernel
+@pytest.mark.kernel_only("the wide-row kernels' layouts")
+@pytest.mark.usefixtures("small_wide_rows")
+def test_interpolate_wide_rows_through_the_loop_kernels(monkeypatch):
+    # 5 rows of 19 (small_wide_rows): _fwd_loop and _bwd_loop (whose sweep 3 forms dp again,
+    # dresidual holding (1 - b) * dp), norm_add_norm's and norm_add's
+    import fuseblock.kernels.norm_add as NA
+
+    monkeypatch.setattr(NA, "LOOP_TILE", 32)
+    monkeypatch.setattr(NA, "MIN_ROWS_PER_PROGRAM", 4)
+    x, r = (torch.randn(5, 19, requires_grad=True) for _ in range(2))
+    b = torch.rand(19, requires_grad=True)
+    kw = dict(kind="l2", eps=EPS, branch_scale=b, update="interpolate")
+    _check64(fuseblock.norm_add_norm(x, r, None, None, **kw), x, r, b)
+    _check64([fuseblock.norm_add(x, r, **kw)], x, r, b, second=False)
+
+
+@pytest.mark.kernel
+def test_interpolate_create_graph_gradients_equal_the_first_order_ones():
+    # create_graph=True takes the differentiable form of the backward (the kernel path's graph_grads)
+    x, r = torch.randn(4, D, requires_grad=True), torch.randn(4, D, requires_grad=True)
+    b = torch.rand(D, requires_grad=True)
+    outs = fuseblock.norm_add_norm(x, r, None, None, kind="l2", eps=EPS, branch_scale=b, update="interpolate")
+    cots = [torch.randn(o.shape) for o in outs]
+    first = torch.autograd.grad(outs, (x, r, b), cots, retain_graph=True)
+    for g, h in zip(first, torch.autograd.grad(outs, (x, r, b), cots, create_graph=True), strict=True):
+        torch.testing.assert_close(g, h)
+
+
+@pytest.mark.kernel
+@pytest.mark.kernel_only("the Triton kernels' launch counts")
+def test_interpolate_adds_no_launch(launches):
+    # the interpolation is a flag of the same kernels: the launches of the plain update with a [d] scale
+    x, r = torch.randn(70, D, requires_grad=True), torch.randn(70, D, requires_grad=True)
+    b = torch.rand(D, requires_grad=True)
+    counts = []
+    for kw in (dict(branch_scale=b), dict(branch_scale=b, update="interpolate")):
+        launches.reset()
+        out, p = fuseblock.norm_add_norm(x, r, None, None, kind="l2", eps=EPS, **kw)
+        (out.sum() + p.sum()).backward()
+        counts.append(launches("fwd", "bwd"))
+    assert counts[0] == counts[1] and counts[0][0] == 1
