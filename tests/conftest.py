@@ -33,6 +33,12 @@ from fuseblock.testing.interpreter_rounding import install  # noqa: E402
 
 INTERPRETER_ROUNDING = install()  # None, or why the interpreter could not be made to round
 
+# The interpreter re-patches its language at every helper call of a kernel: once per launch is
+# enough (fuseblock/testing/interpreter_lang.py); about half the kernel path's CPU time.
+from fuseblock.testing import interpreter_lang  # noqa: E402
+
+interpreter_lang.install()
+
 
 def pytest_addoption(parser):
     parser.addoption("--busy", type=int, default=0, metavar="N",
@@ -94,8 +100,8 @@ def launches():
 @pytest.fixture
 def small_wide_rows(monkeypatch):
     """Shrink the tile limits and chunk sizes so rows of a few dozen columns take the
-    wide-row kernels (`_fwd_loop`, `_bwd_dots` + `_bwd_cols`), with ragged chunks and
-    several programs: fast enough for the interpreter. Up to 16 `_bwd_cols` programs, so
+    wide-row kernels (`fwd_loop`, `bwd_dots` + `bwd_cols`), with ragged chunks and
+    several programs: fast enough for the interpreter. Up to 16 `bwd_cols` programs, so
     a column chunk of a few row blocks has several, whose partial rows it sums."""
     import fuseblock.kernels.launch as L
     import fuseblock.kernels.norm as K

@@ -31,6 +31,8 @@ _VERSION = re.compile(r"transformers (\S+), ")
 def families() -> list[tuple[str, str, str]]:
     """(model_type, "fused" or "refused", the stream shape or the reason), for every causal
     LM of the installed transformers and every family fuse names, sorted by model_type."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
     from fuseblock.integrations.transformers import FAMILIES, WRAPPERS
@@ -50,7 +52,9 @@ def families() -> list[tuple[str, str, str]]:
                                               f"vision tower and projector left as they are"))
         else:
             rows.append((model_type, "refused", refusal(model_type)))
-    return rows
+    # a family fuse names that this transformers lacks (5.24's, listed from 5.23) is fused only where it exists
+    absent = f" (not in transformers {transformers.__version__}: fused on the versions that have it)"
+    return [(m, verdict, why + absent if m not in CONFIG_MAPPING_NAMES else why) for m, verdict, why in rows]
 
 
 def shapes(family) -> str:

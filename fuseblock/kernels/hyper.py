@@ -451,7 +451,7 @@ def _bwd_params(SRC, DA, MIX, RHO, SCALE, DFN, DBASE, DSCALE, DWP, DW, PART, CNT
     # then dbase's and dscale's: [n_split, 2, MP]) and counts itself in on its sum's counter
     # in CNT (zeroed by _bwd; n_fn for dfn's chunks, then one); the last of the n_split to
     # arrive adds the n_split rows up, in split order: the bits follow n_split, not the
-    # order of arrival. Memory order as in the norm's _bwd_cols (fuseblock.kernels.norm).
+    # order of arrival. Memory order as in the norm's bwd_cols (fuseblock.kernels.norm_wide).
     i_p = tl.program_id(0)
     K = N * D
     o_m = tl.arange(0, MP)

@@ -101,7 +101,7 @@ MAX_TILE_FWD_HEAVY = 16384
 # at d = 1024 and 2048 (dropout) and 136 to 1368 from 4096 on; with 16 a thread in 8K-element
 # tiles still 16 to 184 at 8192 (gates, dropout, groups), and 8 at 1024 (an fp32 residual).
 # So: 4096-element tiles, 8 elements a thread (16 warps: 95 to 128 registers at d = 1024),
-# and rows past 4096 take the column kernels (_bwd_dots + _bwd_cols).
+# and rows past 4096 take the column kernels (bwd_dots + bwd_cols).
 MAX_TILE_BWD = 4096
 BWD_WIDE_TILE = 4096  # elements per program of the backward's tile for rows of 4096
 BWD_PER_THREAD = 8  # and per thread
@@ -245,7 +245,7 @@ def row_programs(device: torch.device, variant: tuple, per_sm: int) -> int:
     wave), or DETERMINISTIC_PROGRAMS in deterministic mode, whatever the GPU. Which rows
     program i sums, and in what order, follows from n and the shape alone (row blocks i,
     i + n, ... in most; a contiguous range of (column chunk, row block) items in
-    the norm's `_bwd_cols`), so a fixed n fixes the bits."""
+    the norm's `bwd_cols`), so a fixed n fixes the bits."""
     if deterministic():
         return DETERMINISTIC_PROGRAMS
     return num_sms(device) * programs_per_sm(device, variant, per_sm)
@@ -384,7 +384,7 @@ def sum_rows(PART, OUT, n_rows, s_part, o_col, m_col, BR: tl.constexpr, BD: tl.c
     """OUT[o_col] = the sum of rows 0 .. n_rows - 1 of PART[:, o_col] (fp32), stored in
     OUT's dtype: one rounding, as the parameter's gradient. BR rows at a time, added up
     across them once at the end. The loads bypass L1 (.cg): the rows were written by
-    other programs, on other SMs (see the norm's _bwd_cols for when they are visible)."""
+    other programs, on other SMs (see the norm's bwd_cols for when they are visible)."""
     o_r = tl.arange(0, BR)
     b_acc = tl.zeros([BR, BD], dtype=tl.float32)
     for i_r in range(0, n_rows, BR):

@@ -5,8 +5,9 @@ Two layouts, picked per call by the width of one normalized group:
   rows per program. Used when a row fits (BG * BD <= MAX_TILE_FWD / MAX_TILE_BWD).
 - wide rows, which do not fit in registers (forward: a group wider than MAX_TILE_FWD;
   backward: wider than MAX_TILE_BWD): the forward loops over column chunks of one row at
-  a time (`_fwd_loop`); the backward takes two launches, the per-row constants
-  (`_bwd_dots`) then a column-chunk pass (`_bwd_cols`).
+  a time (`fwd_loop`); the backward takes two launches, the per-row constants
+  (`bwd_dots`) then a column-chunk pass (`bwd_cols`): `fuseblock.kernels.norm_wide`'s
+  kernels, launched from here. The row math both layouts share is `fuseblock.kernels.row_math`'s.
 
 Launches: one forward; a backward of at most two, and no torch op around them (the
 parameters' gradients are written in their own dtypes, by a kernel). The layout rule,
@@ -25,7 +26,7 @@ gradient arriving at new_residual once, and writes dx (which is also the residua
 gradient unless alpha != 1 or dropout), dx1 (with dropout), dgate once. Dropout masks
 are regenerated from SEED, never stored (`philox_keep`). dw and db are reduced per program in registers and written as
 one fp32 partial row per program, which a second launch (`_bwd_sum`) adds up and
-stores in the parameters' dtypes; `_bwd_cols` sums them itself, in the last program of
+stores in the parameters' dtypes; `bwd_cols` sums them itself, in the last program of
 each column chunk to finish. A single program writes dw and db directly. Wide rows read
 p (and dout, in the backward) twice: docs/performance.md counts it.
 """
@@ -56,24 +57,22 @@ from .launch import (
     row_arg,
     row_programs,
     sum_partial_rows,
-    sum_rows,
     vec,
     warps,
 )
+from .norm_wide import bwd_cols, bwd_dots, fwd_loop
 from .occupancy import learn, programs_per_sm
 from .row_math import (
-    GATE_NONE,
     GATE_POST,
     GATE_PRE,
     SCALE_VEC,
+    bwd_block,
     check_modes,
     gate_act,
-    gate_act_grad,
-    philox_keep,
+    load_p,
     row_mean,
     row_rstd,
     row_weight,
-    scale_by,
     scale_mode,
     sq_prod,
 )
@@ -101,39 +100,6 @@ COLS_PROGRAMS_PER_SM = 8
 # rows are normed by the plain kernel and quantized by `fuseblock.reference.fp8.quantize`.
 MX_COLUMNWISE_TILE = 8192
 MIN_ROWS_PER_PROGRAM = 64  # keeps dw/db partial rows (fp32, written and summed) near 3% of bf16 traffic
-
-
-# --------------------------------------------------------------------------- helpers
-@triton.jit
-def _load_p(X, X1, R, RO, SEED, RS, BS, o_x, o_x1, o_r, o_ro, o_e, o_c, mask, alpha, rscale, drop_p, drop_scale,
-            HAS_X1: tl.constexpr, DROPOUT: tl.constexpr,
-    HAS_R: tl.constexpr, STORE_R: tl.constexpr, R_SCALE: tl.constexpr, BS_VEC: tl.constexpr):
-    """p = a * residual + b * (drop(x) + drop(x1)) in fp32 (the plain op: x + residual, alpha
-    = 1 being exact), b = alpha or BS[o_c], a (`scale_by`) none, rscale or RS[o_c]; stores
-    new_residual and returns its rounded value, so the norm sees exactly what was stored
-    (and what the naive stack would add). o_e keys the dropout masks (`philox_keep`);
-    drop_scale = 1 / (1 - drop_p)."""
-    b_p = tl.load(X + o_x, mask=mask, other=0.0).to(tl.float32)
-    if HAS_X1:
-        b_x1 = tl.load(X1 + o_x1, mask=mask, other=0.0).to(tl.float32)
-    if DROPOUT:
-        b_kx, b_kx1 = philox_keep(SEED, o_e, drop_p)
-        b_p = tl.where(b_kx, b_p * drop_scale, 0.0)
-        if HAS_X1:
-            b_x1 = tl.where(b_kx1, b_x1 * drop_scale, 0.0)
-    if HAS_X1:
-        b_p += b_x1
-    if BS_VEC:
-        b_p *= tl.load(BS + o_c, mask=mask, other=0.0).to(tl.float32)
-    else:
-        b_p *= alpha
-    if HAS_R:
-        b_p += scale_by(tl.load(R + o_r, mask=mask, other=0.0).to(tl.float32), RS, rscale, o_c, mask, R_SCALE)
-    if STORE_R:
-        b_pr = b_p.to(RO.dtype.element_ty)
-        tl.store(RO + o_ro, b_pr, mask=mask)
-        b_p = b_pr.to(tl.float32)
-    return b_p
 
 
 # --------------------------------------------------------------------------- forward
@@ -175,9 +141,9 @@ def _fwd_tile(
     row = o_m[:, None, None]
     col = o_gd[None, :, :]
 
-    b_p = _load_p(X, X1, R, RO, SEED, RS, BS, row * s_x + col, row * s_x1 + col, row * s_r + col, row * s_ro + col,
-                  row * (G * DG) + col, row * 0 + col, mask, alpha, rscale, drop_p, drop_scale, HAS_X1, DROPOUT,
-                  HAS_R, STORE_R, R_SCALE, BS_VEC)
+    b_p = load_p(X, X1, R, RO, SEED, RS, BS, row * s_x + col, row * s_x1 + col, row * s_r + col, row * s_ro + col,
+                 row * (G * DG) + col, row * 0 + col, mask, alpha, rscale, drop_p, drop_scale, HAS_X1, DROPOUT,
+                 HAS_R, STORE_R, R_SCALE, BS_VEC)
     if GATE == GATE_PRE:
         b_s = b_p * gate_act(tl.load(Z + row * s_z + col, mask=mask, other=0.0).to(tl.float32), ACT)
     else:
@@ -214,180 +180,7 @@ def _fwd_tile(
             tl.store(MEAN + o_stat, b_mean, mask=m_stat)
 
 
-@triton.jit(do_not_specialize=["MG", "eps", "scale", "woff", "alpha", "rscale", "drop_p", "drop_scale", "SEED"])
-def _fwd_loop(
-    X, X1, R, Z, W, B, O, RO, RSTD, MEAN, SEED, RS, BS,
-    s_x, s_x1, s_r, s_z, s_o, s_ro,
-    MG, G, DG, eps, scale, woff, alpha, rscale, drop_p, drop_scale,
-    BD: tl.constexpr,
-    HAS_X1: tl.constexpr, DROPOUT: tl.constexpr,
-    HAS_R: tl.constexpr, STORE_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, STORE_STATS: tl.constexpr,
-    EXACT_SQ: tl.constexpr, R_SCALE: tl.constexpr, BS_VEC: tl.constexpr,
-):
-    check_modes(GATE, ACT)
-    # Persistent: program i_p handles (row, group) pairs i_p, i_p + n_p, ... A row this
-    # wide does not fit on chip, so it is read twice, never three times: pass 1 reads the
-    # inputs, writes new_residual and gathers the statistics in one sweep; pass 2 reads
-    # p back and writes out. With a residual or x1, pass 2 reads new_residual (one tensor,
-    # just written) rather than x and residual or x1 again (two).
-    i_p = tl.program_id(0)
-    n_p = tl.num_programs(0)
-    o_d = tl.arange(0, BD)
-    for i_it in range(i_p, MG, n_p):
-        i_mg = tl.cast(i_it, tl.int64)
-        i_m = i_mg // G
-        o_base = (i_mg % G) * DG  # first column of this group
-        # per lane: element count, running mean, and the sum of squares (RMS) or of
-        # squared deviations from that mean (Welford: no sum-of-squares cancellation)
-        b_n = tl.zeros([BD], dtype=tl.float32)
-        b_mu = tl.zeros([BD], dtype=tl.float32)
-        if EXACT_SQ:
-            b_sq = tl.zeros([BD], dtype=tl.float64)
-        else:
-            b_sq = tl.zeros([BD], dtype=tl.float32)
-        for i_d in range(0, DG, BD):
-            o_col = o_base + i_d + o_d
-            m_d = i_d + o_d < DG
-            b_s = _load_p(X, X1, R, RO, SEED, RS, BS, i_m * s_x + o_col, i_m * s_x1 + o_col, i_m * s_r + o_col,
-                          i_m * s_ro + o_col, i_m * (G * DG) + o_col, o_col, m_d, alpha, rscale, drop_p, drop_scale,
-                          HAS_X1, DROPOUT, HAS_R, STORE_R, R_SCALE, BS_VEC)
-            if GATE == GATE_PRE:
-                b_s *= gate_act(tl.load(Z + i_m * s_z + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
-            if CENTER:
-                b_n += tl.where(m_d, 1.0, 0.0)
-                b_delta = tl.where(m_d, b_s - b_mu, 0.0)
-                b_mu += b_delta / tl.maximum(b_n, 1.0)
-                b_sq += sq_prod(b_delta, b_s - b_mu, EXACT_SQ)
-            else:
-                b_sq += sq_prod(b_s, b_s, EXACT_SQ)
-        if CENTER:  # merge the lanes (Chan et al.): M2 = sum M2_j + sum n_j (mu_j - mean)^2
-            # relative to lane 0's mean: a constant row's lane means all equal it, so its
-            # mean is exact and q = 0 (out = bias), as in the tile kernel
-            b_mu0 = tl.sum(tl.where(o_d == 0, b_mu, 0.0), 0)
-            b_mean = b_mu0 + row_mean(tl.sum(b_n * (b_mu - b_mu0), 0), DG)
-            b_dev = b_mu - b_mean
-            b_rstd = row_rstd(tl.sum(b_sq, 0) + tl.sum(sq_prod(b_n * b_dev, b_dev, EXACT_SQ), 0), DG, eps, EXACT_SQ)
-        else:
-            b_rstd = row_rstd(tl.sum(b_sq, 0), DG, eps, EXACT_SQ)
-        for i_d in range(0, DG, BD):
-            o_col = o_base + i_d + o_d
-            m_d = i_d + o_d < DG
-            if STORE_R and (HAS_R or HAS_X1):
-                b_s = tl.load(RO + i_m * s_ro + o_col, mask=m_d, other=0.0).to(tl.float32)
-            else:  # x alone (its dropout mask regenerated): read x again, the same bytes as new_residual
-                b_s = _load_p(X, X1, R, RO, SEED, RS, BS, i_m * s_x + o_col, i_m * s_x1 + o_col, i_m * s_r + o_col,
-                              i_m * s_ro + o_col, i_m * (G * DG) + o_col, o_col, m_d, alpha, rscale, drop_p,
-                              drop_scale, HAS_X1, DROPOUT, HAS_R, False, R_SCALE, BS_VEC)
-                if STORE_R:  # new_residual is (alpha times) x in another dtype: the norm sees the rounded value
-                    b_s = b_s.to(RO.dtype.element_ty).to(tl.float32)
-            if GATE != GATE_NONE:
-                b_g = gate_act(tl.load(Z + i_m * s_z + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
-            if GATE == GATE_PRE:
-                b_s *= b_g
-            b_q = b_s - b_mean if CENTER else b_s
-            b_o = b_q * (b_rstd * scale)
-            if HAS_W:
-                b_o *= row_weight(W, o_col, m_d, woff)
-            if HAS_B:
-                b_o += tl.load(B + o_col, mask=m_d, other=0.0).to(tl.float32)
-            if GATE == GATE_POST:
-                b_o *= b_g
-            tl.store(O + i_m * s_o + o_col, b_o.to(O.dtype.element_ty), mask=m_d)
-        if STORE_STATS:
-            tl.store(RSTD + i_mg, b_rstd)
-            if CENTER:
-                tl.store(MEAN + i_mg, b_mean)
-
-
 # --------------------------------------------------------------------------- backward
-@triton.jit
-def _normalized(b_p, b_g, b_rstd, b_mean, mask, CENTER: tl.constexpr, GATE: tl.constexpr):
-    """r = (s - mean) * rstd, s = p * g(z) for a pre-gate, else p (any block shape)."""
-    b_s = b_p * b_g if GATE == GATE_PRE else b_p
-    return tl.where(mask, b_s - b_mean, 0.0) * b_rstd if CENTER else b_s * b_rstd
-
-
-@triton.jit
-def _bwd_block(
-    P, Z, DO, DRO, DX, DR, DZ, DX1, SEED, R, X, X1, RS, BS, row, col, mask,
-    s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz, s_r, s_x, s_x1,
-    b_w, b_b, b_rstd, b_mean, b_c1, b_c2, D, DG, scale, alpha, rscale, drop_p, drop_scale,
-    HAS_X1: tl.constexpr, DROPOUT: tl.constexpr,
-    HAS_DRO: tl.constexpr, STORE_DR: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, WHOLE: tl.constexpr,
-    R_SCALE: tl.constexpr, BS_VEC: tl.constexpr,
-):
-    """The backward of one block of rows (docs/math.md): stores dx (and a separate
-    dresidual, dx1 and dz), and returns the block's sums over its rows of dw's and db's
-    terms, and of the [d] scales' (dp * residual, dp * (drop(x) + drop(x1)); zeros without).
-    The tile kernel's [BR, BG, BD] blocks hold whole groups (WHOLE), whose row constants
-    mean(r * dr) and mean(dq) it sums itself; the wide-row column pass's [BR, BD] blocks
-    hold a chunk of one group's columns, and get them from _bwd_dots as b_c1 and b_c2."""
-    if DROPOUT:  # the forward's masks, regenerated first: Philox's temporaries live while little else does
-        b_kx, b_kx1 = philox_keep(SEED, row * D + col, drop_p)
-    b_p = tl.load(P + row * s_p + col, mask=mask, other=0.0).to(tl.float32)
-    b_z = tl.load(Z + row * s_z + col, mask=mask, other=0.0).to(tl.float32) if GATE != GATE_NONE else None
-    b_g = gate_act(b_z, ACT) if GATE != GATE_NONE else None
-    b_r = _normalized(b_p, b_g, b_rstd, b_mean, mask, CENTER, GATE)
-    b_do = tl.load(DO + row * s_do + col, mask=mask, other=0.0).to(tl.float32)
-    if GATE == GATE_POST:  # dz = do * o1 * g'(z); what reaches o1 is do1 = do * g(z)
-        b_o1 = b_r * scale
-        if HAS_W:
-            b_o1 *= b_w
-        if HAS_B:
-            b_o1 += b_b
-        tl.store(DZ + row * s_dz + col, (b_do * b_o1 * gate_act_grad(b_z, ACT)).to(DZ.dtype.element_ty), mask=mask)
-        b_do *= b_g
-    b_dr = b_do * scale
-    if HAS_W:
-        b_dr *= b_w
-    # dq = (dr - (r.dr/d) r) / sigma; layer: dp = dq - mean(dq)
-    if WHOLE:
-        b_c1 = row_mean(tl.sum(b_r * b_dr, 2), DG)[:, :, None]
-    b_dq = (b_dr - b_r * b_c1) * b_rstd
-    if CENTER:
-        if WHOLE:
-            b_dq = tl.where(mask, b_dq - row_mean(tl.sum(b_dq, 2), DG)[:, :, None], 0.0)
-        else:
-            b_dq -= b_c2
-    if GATE == GATE_PRE:  # dz = dq * p * g'(z), dp = dq * g(z)
-        tl.store(DZ + row * s_dz + col, (b_dq * b_p * gate_act_grad(b_z, ACT)).to(DZ.dtype.element_ty), mask=mask)
-        b_dq *= b_g
-    if HAS_DRO:  # dp: the norm's part + the gradient arriving at new_residual
-        b_dq += tl.load(DRO + row * s_dro + col, mask=mask, other=0.0).to(tl.float32)
-    o_c = row * 0 + col  # the columns, of the block's shape: a [d] scale's offsets
-    if STORE_DR:  # dresidual = a * dp, apart from dx: in another dtype, or dx is not dp
-        tl.store(DR + row * s_dr + col, scale_by(b_dq, RS, rscale, o_c, mask, R_SCALE).to(DR.dtype.element_ty),
-                 mask=mask)
-    b_srs = tl.sum(b_dq * 0.0, 0)  # the [d] scales' sums: d a = sum dp * r, d b = sum dp * (drop(x) + drop(x1))
-    b_sbs = b_srs
-    if R_SCALE == SCALE_VEC:
-        b_srs = tl.sum(b_dq * tl.load(R + row * s_r + col, mask=mask, other=0.0).to(tl.float32), 0)
-    if BS_VEC:
-        b_u = tl.load(X + row * s_x + col, mask=mask, other=0.0).to(tl.float32)
-        if DROPOUT:
-            b_u = tl.where(b_kx, b_u * drop_scale, 0.0)
-        if X1 is not None:  # (HAS_X1 is whether dx1 is written apart: with dropout)
-            b_u1 = tl.load(X1 + row * s_x1 + col, mask=mask, other=0.0).to(tl.float32)
-            b_u += tl.where(b_kx1, b_u1 * drop_scale, 0.0) if DROPOUT else b_u1
-        b_sbs = tl.sum(b_dq * b_u, 0)
-    # dx = b * keep_x / (1 - drop_p) * dp (b: alpha or the [d] branch scale), dx1 with its
-    # own mask (with no dropout dx1 is dx: the caller uses dx for both); the plain op:
-    # dx = dp. DX1 is allocated as DX is, contiguous: the same row stride.
-    if BS_VEC:
-        b_dx = b_dq * tl.load(BS + o_c, mask=mask, other=0.0).to(tl.float32)
-    else:
-        b_dx = b_dq * alpha
-    if DROPOUT:
-        b_dx *= drop_scale
-        if HAS_X1:
-            tl.store(DX1 + row * s_dx + col, tl.where(b_kx1, b_dx, 0.0).to(DX1.dtype.element_ty), mask=mask)
-        b_dx = tl.where(b_kx, b_dx, 0.0)
-    tl.store(DX + row * s_dx + col, b_dx.to(DX.dtype.element_ty), mask=mask)
-    return tl.sum(b_do * b_r, 0) * scale, tl.sum(b_do, 0), b_srs, b_sbs
-
-
 @triton.jit(do_not_specialize=["M", "scale", "woff", "alpha", "rscale", "drop_p", "drop_scale", "SEED"])
 def _bwd_tile(
     P, Z, W, B, RSTD, MEAN, DO, DRO, DX, DR, DZ, DWP, DBP, DX1, SEED, R, X, X1, RS, BS, DRSP, DBSP,
@@ -431,7 +224,7 @@ def _bwd_tile(
         m_stat = m_m[:, None] & (o_g[None, :] < G)
         b_rstd = tl.load(RSTD + o_stat, mask=m_stat, other=0.0)[:, :, None]
         b_mean = tl.load(MEAN + o_stat, mask=m_stat, other=0.0)[:, :, None] if CENTER else None
-        b_sw, b_sb, b_srs, b_sbs = _bwd_block(
+        b_sw, b_sb, b_srs, b_sbs = bwd_block(
             P, Z, DO, DRO, DX, DR, DZ, DX1, SEED, R, X, X1, RS, BS, o_m[:, None, None], o_gd[None, :, :],
             m_m[:, None, None] & m_gd[None, :, :], s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz, s_r, s_x, s_x1,
             b_w, b_b, b_rstd, b_mean, None, None, G * DG, DG, scale, alpha, rscale, drop_p, drop_scale,
@@ -449,186 +242,6 @@ def _bwd_tile(
         tl.store(DRSP + o_part, b_drs.to(DRSP.dtype.element_ty), mask=m_gd)
     if BS_VEC:
         tl.store(DBSP + o_part, b_dbs.to(DBSP.dtype.element_ty), mask=m_gd)
-
-
-@triton.jit(do_not_specialize=["MG", "scale", "woff"])
-def _bwd_dots(
-    P, Z, W, RSTD, MEAN, DO, DOT, CNT,
-    s_p, s_z, s_do,
-    MG, G, DG, scale, woff, n_cnt,
-    BD: tl.constexpr,
-    HAS_W: tl.constexpr, CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, ZERO_CNT: tl.constexpr,
-):
-    check_modes(GATE, ACT)
-    # Wide rows, step 1 of 2: the per-(row, group) constants of dq, which need the whole
-    # row before any dx can be written. DOT[mg] = (mean(r * dr), mean(dq)).
-    i_p = tl.program_id(0)
-    n_p = tl.num_programs(0)
-    o_d = tl.arange(0, BD)
-    if ZERO_CNT:  # and the n_cnt arrival counters of _bwd_cols, which runs next: no launch of their own
-        for i_c in range(i_p * BD, n_cnt, n_p * BD):
-            tl.store(CNT + i_c + o_d, tl.zeros([BD], dtype=tl.int32), mask=i_c + o_d < n_cnt)
-    for i_mg in range(i_p, MG, n_p):
-        i_m = (i_mg // G).to(tl.int64)
-        o_base = (i_mg % G) * DG
-        b_rstd = tl.load(RSTD + i_mg)
-        b_mean = tl.load(MEAN + i_mg) if CENTER else None
-        b_c1 = tl.zeros([BD], dtype=tl.float32)  # sum r * dr
-        b_c2 = tl.zeros([BD], dtype=tl.float32)  # sum dr
-        b_c3 = tl.zeros([BD], dtype=tl.float32)  # sum r
-        for i_d in range(0, DG, BD):
-            o_col = o_base + i_d + o_d
-            m_d = i_d + o_d < DG
-            b_p = tl.load(P + i_m * s_p + o_col, mask=m_d, other=0.0).to(tl.float32)
-            b_do = tl.load(DO + i_m * s_do + o_col, mask=m_d, other=0.0).to(tl.float32)
-            b_g = None
-            if GATE != GATE_NONE:
-                b_g = gate_act(tl.load(Z + i_m * s_z + o_col, mask=m_d, other=0.0).to(tl.float32), ACT)
-            b_r = _normalized(b_p, b_g, b_rstd, b_mean, m_d, CENTER, GATE)
-            if GATE == GATE_POST:
-                b_do *= b_g
-            b_dr = b_do * scale
-            if HAS_W:
-                b_dr *= row_weight(W, o_col, m_d, woff)
-            b_c1 += b_r * b_dr
-            b_c2 += b_dr
-            b_c3 += b_r
-        c1 = row_mean(tl.sum(b_c1, 0), DG)
-        tl.store(DOT + 2 * i_mg, c1)
-        if CENTER:  # mean of dq = rstd * (mean(dr) - c1 * mean(r)); mean(r) is 0 up to rounding
-            tl.store(DOT + 2 * i_mg + 1, (row_mean(tl.sum(b_c2, 0), DG) - c1 * row_mean(tl.sum(b_c3, 0), DG)) * b_rstd)
-
-
-@triton.jit
-def _store_sums(DW, DB, o_col, m_d, b_dw, b_db, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
-    """A column chunk's dw and db, in the parameters' dtypes, from the one program that summed all its rows."""
-    if HAS_W:
-        tl.store(DW + o_col, b_dw.to(DW.dtype.element_ty), mask=m_d)
-    if HAS_B:
-        tl.store(DB + o_col, b_db.to(DB.dtype.element_ty), mask=m_d)
-
-
-@triton.jit(do_not_specialize=["M", "scale", "woff", "alpha", "rscale", "drop_p", "drop_scale", "SEED"])
-def _bwd_cols(
-    P, Z, W, B, RSTD, MEAN, DOT, DO, DRO, DX, DR, DZ, DWP, DBP, DX1, SEED, R, X, X1, RS, BS, DRSP, DBSP, DW, DB,
-    DRS, DBS, CNT,
-    s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz, s_r, s_x, s_x1,
-    M, G, DG, scale, woff, alpha, rscale, drop_p, drop_scale,
-    BR: tl.constexpr, BD: tl.constexpr,
-    HAS_X1: tl.constexpr, DROPOUT: tl.constexpr,
-    HAS_DRO: tl.constexpr, STORE_DR: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    SUM_PARTS: tl.constexpr,
-    CENTER: tl.constexpr, GATE: tl.constexpr, ACT: tl.constexpr, R_SCALE: tl.constexpr, BS_VEC: tl.constexpr,
-):
-    RS_VEC: tl.constexpr = R_SCALE == SCALE_VEC  # the [d] scales' sums go as dw's and db's, through the same slots
-    check_modes(GATE, ACT)
-    # Wide rows, step 2 of 2, split stream-K: the work is n_t items, (column chunk i_c
-    # inside one group, row block i_m) chunk-major, and program i_p takes the items
-    # [i_p * n_t // n_p, (i_p + 1) * n_t // n_p): a whole wave of programs whatever the
-    # chunk count, each within one item of the others. With the row constants from
-    # _bwd_dots, dx needs only its own columns; and walking down a chunk's rows keeps
-    # dw/db in registers, so a program writes one row of sums per chunk it touches (a
-    # row-major loop would read and write its partial row for every row it handles).
-    # One flat loop over the items, the chunk's columns worked out (and its weight loaded,
-    # from L1/L2) per item: a loop over chunks around one over row blocks took up to 49
-    # more registers (sm_90, rms bf16: 167 where this takes 124), and 2 programs an SM no
-    # longer fitted.
-    i_p = tl.program_id(0)
-    n_p = tl.num_programs(0)
-    n_cg = tl.cdiv(DG, BD)  # chunks per group
-    n_b = tl.cdiv(M, BR)  # row blocks: the items of one chunk
-    n_t = tl.cast(G * n_cg, tl.int64) * n_b  # (i_p + 1) * n_t may pass 2^31; n_t (< M * d / 2048) does not
-    t_lo = tl.cast(i_p * n_t // n_p, tl.int32)
-    t_hi = tl.cast((i_p + 1) * n_t // n_p, tl.int32)  # > t_lo: the launcher takes no more programs than items
-    o_d = tl.arange(0, BD)
-    b_dw = tl.zeros([BD], dtype=tl.float32)
-    b_db = tl.zeros([BD], dtype=tl.float32)
-    b_drs = tl.zeros([BD], dtype=tl.float32)
-    b_dbs = tl.zeros([BD], dtype=tl.float32)
-    for t in range(t_lo, t_hi):
-        i_c = t // n_b
-        i_m = t - i_c * n_b
-        i_g = i_c // n_cg
-        o_in = (i_c % n_cg) * BD + o_d  # columns within the group
-        m_d = o_in < DG
-        o_col = i_g * DG + o_in
-        b_w = row_weight(W, o_col, m_d, woff)[None, :] if HAS_W else None
-        b_b = tl.load(B + o_col, mask=m_d, other=0.0).to(tl.float32)[None, :] if HAS_B else None
-        o_m = (i_m * BR + tl.arange(0, BR)).to(tl.int64)
-        m_m = o_m < M
-        o_mg = o_m * G + i_g
-        b_rstd = tl.load(RSTD + o_mg, mask=m_m, other=0.0)[:, None]
-        b_mean = tl.load(MEAN + o_mg, mask=m_m, other=0.0)[:, None] if CENTER else None
-        b_c1 = tl.load(DOT + 2 * o_mg, mask=m_m, other=0.0)[:, None]
-        b_c2 = tl.load(DOT + 2 * o_mg + 1, mask=m_m, other=0.0)[:, None] if CENTER else None
-        b_sw, b_sb, b_srs, b_sbs = _bwd_block(
-            P, Z, DO, DRO, DX, DR, DZ, DX1, SEED, R, X, X1, RS, BS, o_m[:, None], o_col[None, :],
-            m_m[:, None] & m_d[None, :], s_p, s_z, s_do, s_dro, s_dx, s_dr, s_dz, s_r, s_x, s_x1, b_w, b_b,
-            b_rstd, b_mean, b_c1, b_c2, G * DG, DG, scale, alpha, rscale, drop_p, drop_scale,
-            HAS_X1, DROPOUT, HAS_DRO, STORE_DR, HAS_W, HAS_B, CENTER, GATE, ACT, False, R_SCALE, BS_VEC)
-        b_dw += b_sw
-        b_db += b_sb
-        b_drs += b_srs
-        b_dbs += b_sbs
-        if (i_m == n_b - 1) | (t == t_hi - 1):  # the chunk's last item, or this program's
-            if not SUM_PARTS:  # no chunk is shared (the launcher knows): these sums are dw and db
-                _store_sums(DW, DB, o_col, m_d, b_dw, b_db, HAS_W, HAS_B)
-                _store_sums(DRS, DBS, o_col, m_d, b_drs, b_dbs, RS_VEC, BS_VEC)
-            elif (t_lo <= t - i_m) & (t - i_m + n_b <= t_hi):  # all of the chunk's rows were this program's
-                _store_sums(DW, DB, o_col, m_d, b_dw, b_db, HAS_W, HAS_B)
-                _store_sums(DRS, DBS, o_col, m_d, b_drs, b_dbs, RS_VEC, BS_VEC)
-            else:
-                # A chunk shared by programs p_lo .. p_hi: each writes its row of sums (fp32)
-                # to slot i_p + i_c of DWP/DBP, rows of BD. Along the items (p, c) only ever
-                # steps up, so p + c names each (program, chunk) pair once, n_p + chunks - 1
-                # rows in all, and the chunk's sharers hold slots p_lo + i_c .. p_hi + i_c.
-                o_slot = tl.cast(i_p + i_c, tl.int64) * BD + o_d
-                if HAS_W:
-                    tl.store(DWP + o_slot, b_dw, mask=m_d)
-                if HAS_B:
-                    tl.store(DBP + o_slot, b_db, mask=m_d)
-                if RS_VEC:
-                    tl.store(DRSP + o_slot, b_drs, mask=m_d)
-                if BS_VEC:
-                    tl.store(DBSP + o_slot, b_dbs, mask=m_d)
-            b_dw = tl.zeros([BD], dtype=tl.float32)
-            b_db = tl.zeros([BD], dtype=tl.float32)
-            b_drs = tl.zeros([BD], dtype=tl.float32)
-            b_dbs = tl.zeros([BD], dtype=tl.float32)
-    if SUM_PARTS:
-        # Only a program's first and last chunks can be shared. For each that is, the program
-        # counts itself in on the chunk's counter (zeroed by _bwd_dots) once all its rows are
-        # written (here, after the loop: the sums' registers stay out of it), and the last of
-        # the chunk's p_hi - p_lo + 1 sharers to arrive sums their rows into dw and db: no
-        # third launch. Memory order: the barrier makes every thread's partial stores precede
-        # (in the CTA) the one thread that does the atomic; its release (acq_rel, GPU scope)
-        # publishes them, being cumulative, before the count can be seen. The last sharer's
-        # acquire (the same atomic) then sees every earlier sharer's release, so all their
-        # rows are visible to it; the result reaches the other threads through shared memory
-        # and a barrier (how Triton hands out a scalar atomic's value), which orders their
-        # loads after that acquire (and sum_rows loads through L2, past this SM's L1).
-        tl.debug_barrier()
-        c_first = t_lo // n_b
-        c_last = (t_hi - 1) // n_b
-        for i_c in range(c_first, c_last + 1, tl.maximum(c_last - c_first, 1)):  # c_first, then c_last
-            t_c = i_c * n_b  # the chunk's first item
-            if (t_c < t_lo) | (t_hi < t_c + n_b):
-                n_before = tl.atomic_add(CNT + i_c, 1, sem="acq_rel", scope="gpu")
-                # the owners of the chunk's first and last items (item t's: the last p with p * n_t // n_p <= t)
-                p_lo = ((t_c + 1) * tl.cast(n_p, tl.int64) - 1) // n_t
-                p_hi = ((t_c + n_b) * tl.cast(n_p, tl.int64) - 1) // n_t
-                if n_before == p_hi - p_lo:
-                    o_first = (p_lo + i_c) * BD  # the sharers' first slot
-                    o_start = (i_c // n_cg) * DG + (i_c % n_cg) * BD  # the chunk's first column
-                    m_d = (i_c % n_cg) * BD + o_d < DG
-                    if HAS_W:
-                        sum_rows(DWP + o_first, DW + o_start, p_hi - p_lo + 1, BD, o_d, m_d, BR, BD)
-                    if HAS_B:
-                        sum_rows(DBP + o_first, DB + o_start, p_hi - p_lo + 1, BD, o_d, m_d, BR, BD)
-                    if RS_VEC:
-                        sum_rows(DRSP + o_first, DRS + o_start, p_hi - p_lo + 1, BD, o_d, m_d, BR, BD)
-                    if BS_VEC:
-                        sum_rows(DBSP + o_first, DBS + o_start, p_hi - p_lo + 1, BD, o_d, m_d, BR, BD)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -794,9 +407,9 @@ def norm_fwd(x, residual, gate, weight, bias, spec: NormSpec, residual_dtype, ne
                                       *_branch(spec), BR=br, BG=lay.bg, BD=lay.bd, num_warps=lay.warps,
                                       FLAGS=fold_flags(flags), **(_quant or {}))
         else:
-            variant = lay.variant("_fwd_loop", (x2, x12, r2, z2, weight, bias, o2, ro2), flags)
+            variant = lay.variant("fwd_loop", (x2, x12, r2, z2, weight, bias, o2, ro2), flags)
             n_prog = min(M * G, num_sms(dev) * programs_per_sm(dev, variant, lay.per_sm))
-            _fwd_loop_ = launch.traced(_fwd_loop) if launch.TRACING.on else _fwd_loop
+            _fwd_loop_ = launch.traced(fwd_loop) if launch.TRACING.on else fwd_loop
             compiled = _fwd_loop_[(n_prog,)](*args, M * G, G, d // G, spec.eps, spec.scale, spec.weight_offset,
                                             *_branch(spec), BD=lay.bd, num_warps=lay.warps, **flags)
             learn(dev, variant, compiled, lay.warps)
@@ -864,7 +477,7 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
 
     At most two launches, torch ops included: `_bwd_tile`, then `_bwd_sum` adding up its
     dw/db partial rows (none when one program ran, or with no weight and no bias); wide
-    rows `_bwd_dots` + `_bwd_cols`, which sums its own partial rows.
+    rows `bwd_dots` + `bwd_cols`, which sums its own partial rows.
     """
     if p.is_cuda and p.get_device() != torch._C._cuda_getDevice():  # launch.on_device
         return launch.on_its_device(norm_bwd, p, locals())
@@ -950,7 +563,7 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     n_items = n_cols * n_blocks  # the tile's row blocks; the column kernel's (chunk, row block) pairs
     # The variant's registers are those of its main loop: the partial rows' summing
     # (SUM_PARTS below) comes after it, when those are free (bench.py sm90 shows both).
-    variant = lay.variant("_bwd_tile" if lay.tile else "_bwd_cols", (p2, z2, weight, bias, do2, dro2, dx, dr, dz),
+    variant = lay.variant("_bwd_tile" if lay.tile else "bwd_cols", (p2, z2, weight, bias, do2, dro2, dx, dr, dz),
                           flags)
     # As many programs as fit at once (one wave), the items split evenly among them, and at
     # least MIN_ROWS_PER_PROGRAM rows' worth each, so the partial buffers stay small next
@@ -963,7 +576,7 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
     # per chunk, its sums are dw and db: it writes them, and nothing is left to add.
     sum_parts = (need_dw or need_db or drs is not None or dbs is not None) and n_blocks > 1 and n_cols % n_prog != 0
     # The tile's partial rows are its programs'; the column kernel's are one chunk wide, one
-    # for each program and chunk it touches: n_prog + n_cols - 1 pairs at most (_bwd_cols).
+    # for each program and chunk it touches: n_prog + n_cols - 1 pairs at most (bwd_cols).
     part = (n_prog, d) if lay.tile else (n_prog + n_cols - 1, lay.bd)
     dw_part, db_part, drs_part, dbs_part = (torch.empty(part, dtype=torch.float32, device=dev)
                                             if g is not None and sum_parts else g for g in (dw, db, drs, dbs))
@@ -980,18 +593,18 @@ def norm_bwd(dout, dres, p, gate, weight, bias, rstd, mean, spec: NormSpec, x_dt
             LAUNCHES["bwd"] += 1
     else:
         dots = torch.empty((M * G, 2), dtype=torch.float32, device=dev)
-        cnt = torch.empty((n_cols,), dtype=torch.int32, device=dev) if sum_parts else None  # zeroed by _bwd_dots
+        cnt = torch.empty((n_cols,), dtype=torch.int32, device=dev) if sum_parts else None  # zeroed by bwd_dots
         dots_lay = loop_layout(dg)
         dots_flags = dict(BD=dots_lay.bd, HAS_W=need_dw, CENTER=spec.center, GATE=int(spec.gate),
                           ACT=int(spec.act), ZERO_CNT=sum_parts)
-        dots_variant = dots_lay.variant("_bwd_dots", (p2, z2, weight, do2), dots_flags)
+        dots_variant = dots_lay.variant("bwd_dots", (p2, z2, weight, do2), dots_flags)
         n_dots = min(M * G, num_sms(dev) * programs_per_sm(dev, dots_variant, dots_lay.per_sm))
-        _bwd_dots_ = launch.traced(_bwd_dots) if launch.TRACING.on else _bwd_dots
+        _bwd_dots_ = launch.traced(bwd_dots) if launch.TRACING.on else bwd_dots
         dots_compiled = _bwd_dots_[(n_dots,)](p2, z2, weight, rstd, mean, do2, dots, cnt, s_p, s_z,
                                              s_do, M * G, G, dg, spec.scale, spec.weight_offset, n_cols,
                                              num_warps=dots_lay.warps, **dots_flags)
         learn(dev, dots_variant, dots_compiled, dots_lay.warps)
-        _bwd_cols_ = launch.traced(_bwd_cols) if launch.TRACING.on else _bwd_cols
+        _bwd_cols_ = launch.traced(bwd_cols) if launch.TRACING.on else bwd_cols
         compiled = _bwd_cols_[(n_prog,)](p2, z2, weight, bias, rstd, mean, dots, *outs, dw, db, drs, dbs, cnt,
                                         *strides,
                                         M, G, dg, spec.scale, spec.weight_offset, *_branch(spec),

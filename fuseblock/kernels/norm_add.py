@@ -182,7 +182,7 @@ def _residual_update(R, RS, BS, o_r, o_c, mask, b_y, alpha, rscale, R_SCALE: tl.
 @triton.jit
 def _row_stats(PTR, base, D, eps, BD: tl.constexpr, CENTER: tl.constexpr, EXACT_SQ: tl.constexpr):
     """(rstd, mean) of the row of D elements at PTR + base, one sweep over BD-column chunks:
-    as the norm's _fwd_loop, the sum of squares (RMS), or per lane a count, a running mean
+    as the norm's fwd_loop, the sum of squares (RMS), or per lane a count, a running mean
     and the squared deviations from it (Welford), merged relative to lane 0's mean."""
     o_d = tl.arange(0, BD)
     b_n = tl.zeros([BD], dtype=tl.float32)
@@ -405,7 +405,7 @@ def _bwd_loop(
     #      norm's row constants; every parameter's gradient terms;
     #   3. dx, from x and dp read back.
     # Each sweep re-reads rows this program has just touched (a cache hit where they are
-    # still in L2), where two launches (the norm's _bwd_dots + _bwd_cols) re-read them
+    # still in L2), where two launches (the norm's bwd_dots + bwd_cols) re-read them
     # from memory. The parameters' column sums go to this program's fp32 partial rows,
     # updated once per block, and _bwd_sum4 adds those up.
     i_p = tl.program_id(0)
@@ -439,7 +439,7 @@ def _bwd_loop(
                     b_c2 += tl.sum(b_dr, 1)
                     b_c3 += tl.sum(b_r, 1)
             b_c1 = row_mean(b_c1, D)
-            if CENTER:  # mean(dq) = rstd * (mean(dr) - c1 * mean(r)), as the norm's _bwd_dots
+            if CENTER:  # mean(dq) = rstd * (mean(dr) - c1 * mean(r)), as the norm's bwd_dots
                 b_c2 = (row_mean(b_c2, D) - b_c1 * row_mean(b_c3, D)) * b_rstd
         b_rstdb = tl.load(RSTDB + o_m, mask=m_m, other=0.0)
         b_meanb = tl.load(MEANB + o_m, mask=m_m, other=0.0) if CENTER else None

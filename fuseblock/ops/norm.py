@@ -306,9 +306,9 @@ _INF = math.inf
 # add_norm's branch defaults, compared by identity: the plain fast lane pays two `is`
 NO_SCALE = 1.0
 NO_DROPOUT = 0.0
-# The classes a fast lane takes (`x.__class__ in _PLAIN`: no call): plain tensors and
-# parameters; a DTensor or another subclass takes the checked path.
-_PLAIN = (Tensor, torch.nn.Parameter)
+# The classes a fast lane takes (`x.__class__ in PLAIN`: no call): plain tensors and
+# parameters; a DTensor or another subclass takes the checked path (ops.norm_add's too).
+PLAIN = (Tensor, torch.nn.Parameter)
 
 
 # add_norm's specs with a branch, by the spec's serial and the branch: one instance each, so
@@ -503,8 +503,8 @@ def add_norm(
             and residual_scale is NO_SCALE and branch_scale is None
             and type(weight_offset) is float and weight_offset == 0.0
             and gate_act is DEFAULT_GATE_ACT and gate_position is DEFAULT_GATE_POSITION
-            and x.__class__ in _PLAIN and (residual is None or residual.__class__ in _PLAIN)
-            and (weight is None or weight.__class__ in _PLAIN) and (bias is None or bias.__class__ in _PLAIN)
+            and x.__class__ in PLAIN and (residual is None or residual.__class__ in PLAIN)
+            and (weight is None or weight.__class__ in PLAIN) and (bias is None or bias.__class__ in PLAIN)
             and not is_compiling()):  # a plain call, of plain tensors (no DTensor): the fast lanes
         if x.is_cuda or dispatch.CPU_KERNELS:
             fast = _kernel_call(x, residual, weight, bias, kind, eps)

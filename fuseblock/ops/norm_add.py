@@ -16,6 +16,7 @@ from typing import List, NoReturn, Optional
 
 import torch
 from torch import Tensor
+from torch.compiler import is_compiling
 
 from ..reference import norm as reference
 from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, Fp8Recipe, NormSpec, Quant, acc_dtype, stored_dtype
@@ -31,11 +32,15 @@ from .checks import (
     resolve,
 )
 from .dispatch import func_transforms_active, kernels, uses_triton
-from .registry import FusedOp, placeholder, placeholders
+from .norm import NO_SCALE, PLAIN
+from .registry import FusedOp, live, placeholder, placeholders
 
 
-def _unpack(spec: List[float]) -> tuple[NormSpec, NormSpec, float]:  # noqa: UP006
-    """(branch spec, spec, alpha) from what crosses the custom-op boundary."""
+def _unpack(spec: List[float] | tuple[NormSpec, NormSpec, float]) -> tuple[NormSpec, NormSpec, float]:  # noqa: UP006
+    """(branch spec, spec, alpha) from what crosses the custom-op boundary (packed), or as the eager
+    calls pass it (that tuple itself)."""
+    if spec.__class__ is tuple:
+        return spec
     n = len(spec) // 2
     return NormSpec.unpack(spec[:n]), NormSpec.unpack(spec[n:-1]), spec[-1]
 
@@ -137,12 +142,15 @@ def _grads(ctx, grad_outputs, bwd):
     # (a residual_scale makes dresidual = a * dp another tensor, an interpolation (1 - b) * dp)
     passed = (not ctx.second and dres is not None and dres.dtype == ctx.residual_dtype and rscale is None
               and ctx.bspec.residual_scale == 1.0 and not ctx.bspec.interpolate)
-    found = bwd(dout if ctx.second else None, dres, x, p, bw, bb, w, b, rstd_b, mean_b, rstd, mean,
-                [*ctx.bspec.pack(), *ctx.spec.pack(), ctx.alpha], ctx.residual_dtype, ctx.second, not passed,
-                residual, rscale, bscale)
+    specs = ((ctx.bspec, ctx.spec, ctx.alpha) if bwd is _launch_bwd  # eager: unpacked, as ops.norm's
+             else [*ctx.bspec.pack(), *ctx.spec.pack(), ctx.alpha])
+    found = bwd(dout if ctx.second else None, dres, x, p, bw, bb, w, b, rstd_b, mean_b, rstd, mean, specs,
+                ctx.residual_dtype, ctx.second, not passed, residual, rscale, bscale)
     if passed:
         found = (found[0], dres, *found[2:])
-    grads = tuple(g if t is not None else None for g, t in zip(found[:6], (x, x, bw, bb, w, b), strict=True))
+    dx, dr, dbw, dbb, dw, db = found[:6]  # written out, not a generator: this runs on every eager backward
+    grads = (dx, dr, None if bw is None else dbw, None if bb is None else dbb, None if w is None else dw,
+             None if b is None else db)
     if rscale is None and bscale is None:
         return grads
     return (*grads, None, None, None, None, found[6] if rscale is not None else None,
@@ -291,6 +299,54 @@ def _apply(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, a
     return new_res, (out if second else None)
 
 
+# Plain norm_add calls already validated (no [d] scales, plain tensors): what the checks
+# resolved of them (the branch spec, spec, alpha, new_residual dtype and the forward launcher),
+# by what the checks read of them (dtypes, devices, x's last dim, shapes against x's, layouts)
+# and the options; as ops.norm's plain kernel calls. Bounded.
+_PLAIN_CALLS: dict = {}
+
+
+def _plain_call(x, residual, weight, bias, kind, eps, weight_offset, alpha, residual_dtype) -> Optional[Tensor]:
+    """norm_add's new_residual for a plain call, or None for the checked path: under a torch.func
+    transform, for x with no dims, a residual not of x's shape, an option of another class than
+    the defaults' (eps None or a float, weight_offset and alpha floats) and what is not hashable.
+    A call is validated once per signature by the checked path's own checks (their errors name
+    the argument), then run with what they resolved."""
+    if (func_transforms_active() or not x.ndim or residual.shape != x.shape or alpha.__class__ is not float
+            or weight_offset.__class__ is not float or (eps is not None and eps.__class__ is not float)):
+        return None
+    key = (kind, eps, weight_offset, alpha, residual_dtype, x.dtype, x.device, x.shape[-1], x.layout, x.is_nested,
+           residual.dtype, residual.device, residual.layout, residual.is_nested,
+           None if weight is None else (weight.dtype, weight.device, weight.shape, weight.layout, weight.is_nested),
+           None if bias is None else (bias.dtype, bias.device, bias.shape, bias.layout, bias.is_nested))
+    try:
+        found = _PLAIN_CALLS[key]
+    except KeyError:
+        check_tensor("x", x)
+        check_tensor("residual", residual)
+        spec = _spec(x, residual, weight, bias, kind, default_eps(x.dtype, kind) if eps is None else eps,
+                     weight_offset, residual_dtype)
+        bspec, alpha_, _, _ = _scales(x, residual, weight, alpha, NO_SCALE, None, spec)
+        rdtype = stored_dtype(x.dtype, residual.dtype, residual_dtype)
+        found = (bspec, spec, alpha_, rdtype, kernels("norm_add", x).norm_add_fwd if uses_triton(x) else None)
+        if len(_PLAIN_CALLS) < 4096:
+            _PLAIN_CALLS[key] = found
+    except TypeError:  # unhashable: kind (a list, say), which the checks name
+        return None
+    bspec, spec, alpha, rdtype, launch = found
+    if launch is None:  # the torch path
+        return reference.norm_add_fwd(x, residual, weight, bias, None, None, bspec, spec, alpha, rdtype, False)[0]
+    x, residual = live(x), live(residual)
+    weight = None if weight is None else live(weight)
+    bias = None if bias is None else live(bias)
+    if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad
+                                    or (weight is not None and weight.requires_grad)
+                                    or (bias is not None and bias.requires_grad)):
+        return norm_add_op.eager(None, x, residual, weight, bias, None, None, (bspec, spec, alpha), rdtype, False,
+                                 True)[0]
+    return launch(x, residual, weight, bias, None, None, bspec, spec, alpha, rdtype, False, False)[0]
+
+
 def norm_add(
     x: Tensor,
     residual: Tensor,
@@ -301,7 +357,7 @@ def norm_add(
     eps: Optional[float] = None,
     weight_offset: float = 0.0,
     alpha: float = 1.0,
-    residual_scale: float | Tensor = 1.0,
+    residual_scale: float | Tensor = NO_SCALE,
     branch_scale: float | Tensor | None = None,
     residual_dtype: Optional[torch.dtype] = None,
     update: str = "add",
@@ -327,6 +383,13 @@ def norm_add(
     or bias, no residual_scale. The torch path computes DoryDecoderLayer's ops in its
     order (fp32: bitwise); the kernels do not compute it yet (a ValueError).
     """
+    if (residual_scale is NO_SCALE and branch_scale is None and update.__class__ is str and update == "add"
+            and x.__class__ in PLAIN
+            and residual.__class__ in PLAIN and (weight is None or weight.__class__ in PLAIN)
+            and (bias is None or bias.__class__ in PLAIN) and not is_compiling()):  # the fast lane
+        new_res = _plain_call(x, residual, weight, bias, kind, eps, weight_offset, alpha, residual_dtype)
+        if new_res is not None:
+            return new_res
     check_tensor("x", x)
     check_tensor("residual", residual)
     interpolate = _check_update("norm_add", update, kind, weight=weight, bias=bias)

@@ -18,6 +18,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import fuseblock.ops.dispatch
 import fuseblock.ops.dtensor
+from fuseblock.testing import interpreter_lang
 from fuseblock.testing.interpreter_rounding import install
 from models.gpt import GPT, GPTConfig
 from models.tensor_parallel import fsdp_placement, parallelize
@@ -120,4 +121,5 @@ def main():
 
 if __name__ == "__main__":
     install()  # the interpreter rounds as a GPU does, as in the tests' own process (conftest)
+    interpreter_lang.install()  # and patches its language once per launch (conftest)
     main()

@@ -18,6 +18,7 @@ from transformers.distributed import DistributedConfig, initialize_distributed_m
 
 import fuseblock
 from fuseblock.integrations.transformers import fuse
+from fuseblock.testing import interpreter_lang
 from fuseblock.testing.interpreter_rounding import install
 
 CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -92,4 +93,5 @@ def main():
 
 if __name__ == "__main__":
     install()  # the interpreter rounds as a GPU does, as in the tests' own process (conftest)
+    interpreter_lang.install()  # and patches its language once per launch (conftest)
     main()

@@ -442,18 +442,6 @@ def test_what_the_hc_ops_do_not_compute_is_refused_by_name():
 # its modeling source holds (the module of its model class, as the installed transformers maps it):
 # every pattern must be found there, so a family whose layer is not what its reason says fails
 PER_CHANNEL_EVIDENCE = {
-    "muse_spark_text": (r"return \(alpha \* residual \+ beta \* hidden_states\)\.to\(residual\.dtype\)",
-                        r"self\.gate = nn\.Parameter\(torch\.empty\(config\.hidden_size\)\)",
-                        r"beta = torch\.sigmoid\(w\)",
-                        r"alpha = torch\.sqrt\(torch\.clamp\(torch\.sigmoid\(-w\) \* \(1\.0 \+ beta\)",
-                        r"self\.post_attention_layernorm = MuseSparkRMSNorm\(\s+config\.hidden_size, "
-                        r"eps=config\.post_norm_eps, with_scale=False",
-                        r"self\.post_feedforward_layernorm = MuseSparkTextInputScaledRMSNorm\(",
-                        r"output = x\.float\(\) \* \(1\.0 \+ self\.weight\)\.float\(\)\s+"
-                        r"output = self\._norm\(",
-                        r"return hidden_states \* torch\.pow\(mean_squared, -0\.5\)",  # not rsqrt
-                        r"self\.norm = MuseSparkRMSNorm\(config\.hidden_size, eps=config\.rms_norm_eps\)",
-                        r"position_embeddings=position_embeddings if self\.config\.layer_rope_theta\[i\] else None"),
     "zaya": (r"hidden_states = \(hidden_states \+ self\.hidden_states_bias\) \* self\.hidden_states_scale",
              r"residual = \(residual \+ self\.residual_bias\) \* self\.residual_scale",
              r"self\.residual_bias = nn\.Parameter\(torch\.zeros\(hidden_size\)\)",
@@ -465,84 +453,6 @@ PER_CHANNEL_EVIDENCE = {
                        r"hidden_states = hyper_input \+ injection\.flatten\(-2\)",
                        r"self\.linear_attn = ", r"self\.ple = "),
 }
-# the norms a reason says fuseblock does not convert, as the layers build them: refused by norm_from
-NOT_CONVERTED = {"muse_spark_text": {"MuseSparkRMSNorm": dict(dim=64, with_scale=False),
-                                     "MuseSparkTextInputScaledRMSNorm": dict(dim=64)}}
-
-
-def _muse_spark_norm_is_not_the_ops(module):
-    """What muse_spark's reason measures: MuseSparkRMSNorm (its final norm), which norm_from
-    converts, gives the Norm's forward bitwise in fp32 and another input gradient (pow's
-    backward, where the op's is rsqrt's), so its fused gradients would not be bitwise; the
-    same norm in rsqrt's form is the Norm's, gradient too (the difference is pow's alone)."""
-    from fuseblock.convert import norm_from
-
-    g = torch.Generator().manual_seed(0)  # (on the CPU, where the test builds its norm)
-    norm = module.MuseSparkRMSNorm(64, eps=1e-6)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(64, generator=g))
-    x = torch.randn(2, 9, 64, generator=g, requires_grad=True)
-    dy = torch.randn(2, 9, 64, generator=g)
-    fused = norm_from(norm)
-    out, out_f = norm(x), fused(x)
-    assert torch.equal(out, out_f)
-    dx, dx_f = (torch.autograd.grad(y, x, dy)[0] for y in (out, out_f))
-    assert 0 < max_diff(dx, dx_f) <= 2.4e-7
-    rsqrt = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
-    assert torch.equal(torch.autograd.grad(rsqrt, x, dy)[0], dx_f)
-    _muse_spark_layer_on_the_ops(module, g)
-
-
-def _muse_spark_gates(gate):
-    """MuseSparkResidualGate's (alpha, beta), as its forward computes them."""
-    w = gate.gate / gate.temperature
-    beta = torch.sigmoid(w)
-    return torch.sqrt(torch.clamp(torch.sigmoid(-w) * (1.0 + beta), min=gate.eps)), beta
-
-
-def _muse_spark_layer_on_the_ops(module, g):
-    """The reason's other claim: a decoder layer whose gates are the ops' [d] scales
-    (add_norm: gate + the MLP's pre-norm; norm_add: the input-scaled post-norm as the
-    weightless norm of (1 + w) * m, + gate), keeping MuseSparkRMSNorm (the attention's
-    post-norm) the modeling code's, is the unfused layer bitwise in fp32: output, the input's
-    gradient and every parameter's."""
-    from fuseblock.ops.norm import add_norm
-    from fuseblock.ops.norm_add import norm_add
-
-    config = transformers.MuseSparkTextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                              vocab_size=128, mlp_layer_types=["dense"], bos_token_id=None,
-                                              eos_token_id=None)
-    layer = module.MuseSparkTextDecoderLayer(config, 0)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    twin = copy.deepcopy(layer)
-    h0, dy = torch.randn(2, 7, 64, generator=g), torch.randn(2, 7, 64, generator=g)
-    position_ids = torch.arange(7)[None]
-    rotary = module.MuseSparkTextRotaryEmbedding(config)(h0, position_ids)
-    kw = dict(position_embeddings=rotary, attention_mask=None, position_ids=position_ids)
-
-    def on_the_ops(lay, h):
-        n1, n2, post = lay.input_layernorm, lay.pre_feedforward_layernorm, lay.post_feedforward_layernorm
-        normed, _ = add_norm(h, None, n1.weight, eps=n1.eps, weight_offset=1.0, residual_dtype=h.dtype)
-        attn = lay.post_attention_layernorm(lay.self_attn(hidden_states=normed, **kw)[0])
-        a, b = _muse_spark_gates(lay.post_attention_residual_gate)
-        normed, r = add_norm(attn, h, n2.weight, eps=n2.eps, weight_offset=1.0, residual_scale=a, branch_scale=b,
-                             residual_dtype=h.dtype)
-        mlp = lay.mlp(normed)
-        a, b = _muse_spark_gates(lay.post_feedforward_residual_gate)
-        return norm_add((mlp.float() * (1.0 + post.weight).float()).type_as(mlp), r, None, eps=post.eps,
-                        residual_scale=a, branch_scale=b)
-
-    h, h_f = h0.clone().requires_grad_(), h0.clone().requires_grad_()
-    out, out_f = layer(h, **kw), on_the_ops(twin, h_f)
-    assert torch.equal(out, out_f)
-    out.backward(dy)
-    out_f.backward(dy)
-    assert torch.equal(h.grad, h_f.grad)
-    for (name, p), p_f in zip(layer.named_parameters(), twin.parameters(), strict=True):
-        assert torch.equal(p.grad, p_f.grad), name
 
 
 @pytest.mark.parametrize("model_type", sorted(PER_CHANNEL_EVIDENCE))
@@ -553,7 +463,6 @@ def test_each_per_channel_refusal_is_what_the_familys_source_holds(model_type):
 
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
-    from fuseblock.convert import norm_from
     from fuseblock.integrations.transformers import REFUSED
 
     name = MODEL_MAPPING_NAMES.get(model_type)
@@ -563,10 +472,3 @@ def test_each_per_channel_refusal_is_what_the_familys_source_holds(model_type):
     source = inspect.getsource(module)
     missing = [p for p in PER_CHANNEL_EVIDENCE[model_type] if not re.search(p, source)]
     assert not missing, (model_type, REFUSED[model_type], missing)
-    for cls, args in NOT_CONVERTED.get(model_type, {}).items():
-        assert cls in REFUSED[model_type]
-        with pytest.raises((TypeError, ValueError), match=rf"norm_from: unsupported module {cls}"):
-            norm_from(getattr(module, cls)(**args))
-    if model_type == "muse_spark_text":  # its wrapper's reason is its language model's
-        assert REFUSED[model_type] in REFUSED["muse_spark"]
-        _muse_spark_norm_is_not_the_ops(module)

@@ -118,8 +118,9 @@ VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_att
 
 def test_every_wrapper_is_tested_here_or_with_the_n_stream_families():
     """(glm5_next and hy_v4_vl, the n-stream wrappers: tests/integrations/test_hf_hyper_families.py;
-    inkling2_loop, attention residuals: tests/integrations/test_hf_inkling2_loop.py)"""
-    assert set(TEXT) | {"glm5_next", "hy_v4_vl", "inkling2_loop"} == set(WRAPPERS)
+    inkling2_loop, attention residuals: tests/integrations/test_hf_inkling2_loop.py; muse_spark,
+    per-channel gates: tests/integrations/test_hf_muse_spark.py)"""
+    assert set(TEXT) | {"glm5_next", "hy_v4_vl", "inkling2_loop", "muse_spark"} == set(WRAPPERS)
 
 
 def wrapper_config(kind, **text_overrides):

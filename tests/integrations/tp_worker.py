@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fuseblock
 from fuseblock.parallel import FusedColwiseParallel, HiddenParallel, SequenceParallel
+from fuseblock.testing import interpreter_lang
 from fuseblock.testing.interpreter_rounding import install
 
 B, T, D = 2, 4, 6  # T and D even: both ranks hold the same number of rows / columns
@@ -595,4 +596,5 @@ def main():
 
 if __name__ == "__main__":
     install()  # the interpreter rounds as a GPU does, as in the tests' own process (conftest)
+    interpreter_lang.install()  # and patches its language once per launch (conftest)
     main()

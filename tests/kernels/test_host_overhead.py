@@ -146,7 +146,7 @@ def test_a_launch_laid_out_once_follows_the_constants_and_the_mode_it_read(recor
     assert [n for n, _ in step(x, r)] == ["_fwd_tile", "_bwd_tile"]
     monkeypatch.setattr(launch, "MAX_TILE_FWD", 16)
     monkeypatch.setattr(launch, "MAX_TILE_BWD", 16)
-    assert [n for n, _ in step(x, r)] == ["_fwd_loop", "_bwd_dots", "_bwd_cols"]
+    assert [n for n, _ in step(x, r)] == ["fwd_loop", "bwd_dots", "bwd_cols"]
     monkeypatch.undo()
     free = step(x2, r2)
     assert [n for n, _ in free] == ["_fwd_tile", "_bwd_tile", "_bwd_sum"]

@@ -115,8 +115,8 @@ def test_wide_row_kernels_launch_once_forward_at_most_twice_backward(case, dtype
     assert (fwd.total, fwd.ops) == (1, [])
     assert (bwd.total, bwd.ops) == (2, [])
     if bwd.names is not None:
-        assert bwd.names == ["_bwd_dots", "_bwd_cols"]
-        # with several programs per chunk, the arrival counters (zeroed by _bwd_dots) pick
+        assert bwd.names == ["bwd_dots", "bwd_cols"]
+        # with several programs per chunk, the arrival counters (zeroed by bwd_dots) pick
         # the last, which sums the partial rows
         assert ("CNT" in bwd.launches[1].written) == (CASES[case].params and rows == 29)
 
@@ -141,8 +141,8 @@ def test_branch_launches_once_forward_at_most_twice_backward(layout, p, request)
     assert fwd.host_ops == (["randint", "_local_scalar_dense"] if p else [])
     assert bwd.host_ops == (["_local_scalar_dense"] if p else [])
     if fwd.names is not None:
-        assert fwd.names == ["_fwd_tile" if layout == "tile" else "_fwd_loop"]
-        assert bwd.names == (["_bwd_tile", "_bwd_sum"] if layout == "tile" else ["_bwd_dots", "_bwd_cols"])
+        assert fwd.names == ["_fwd_tile" if layout == "tile" else "fwd_loop"]
+        assert bwd.names == (["_bwd_tile", "_bwd_sum"] if layout == "tile" else ["bwd_dots", "bwd_cols"])
 
 
 @pytest.mark.parametrize("layout", ["tile", "wide"])

@@ -50,15 +50,15 @@ def test_core_kernels_compile_for_h100(config, d):
     # 20000 (a 32768 tile) the pre-gate, groups and dropout take the loop forward
     # (launch.MAX_TILE_FWD_HEAVY: their tile spilled and timed slower on an H200)
     heavy = config in ("pre_gate_layer", "groups", "branch_dropout")
-    fwd_20000 = "_fwd_loop" if heavy else "_fwd_tile"
-    assert names == {1000: ["_fwd_tile", "_bwd_tile", "_bwd_sum"], 20000: [fwd_20000, "_bwd_dots", "_bwd_cols"],
-                     40000: ["_fwd_loop", "_bwd_dots", "_bwd_cols"]}[d]
+    fwd_20000 = "fwd_loop" if heavy else "_fwd_tile"
+    assert names == {1000: ["_fwd_tile", "_bwd_tile", "_bwd_sum"], 20000: [fwd_20000, "bwd_dots", "bwd_cols"],
+                     40000: ["fwd_loop", "bwd_dots", "bwd_cols"]}[d]
     for ln in launches:
         usage = resource_usage(compile_for(ln))
         assert 0 < usage["registers"] <= 255
         # the wide-row kernels and the partial-row sum keep little live: no spills (RMS's
-        # _bwd_dots kept 8 bytes until it indexed its rows in 32 bits)
-        if ln.name in ("_fwd_loop", "_bwd_dots", "_bwd_cols", "_bwd_sum"):
+        # bwd_dots kept 8 bytes until it indexed its rows in 32 bits)
+        if ln.name in ("fwd_loop", "bwd_dots", "bwd_cols", "_bwd_sum"):
             assert usage["stack"] == 0, (ln.name, usage)
 
 
@@ -68,7 +68,7 @@ def test_dropout_kernels_with_a_device_seed_compile_for_h100(d):
     x, w = torch.empty(512, d, dtype=torch.bfloat16), torch.empty(d, dtype=torch.bfloat16)
     launches = norm_launches(x, torch.empty_like(x), w, x1=torch.empty_like(x), alpha=0.5, dropout_p=0.1,
                              seed=torch.empty(1, dtype=torch.int64))
-    assert [ln.name for ln in launches][:1] == ["_fwd_tile" if d == 1000 else "_fwd_loop"]
+    assert [ln.name for ln in launches][:1] == ["_fwd_tile" if d == 1000 else "fwd_loop"]
     for ln in launches:
         usage = resource_usage(compile_for(ln))
         assert 0 < usage["registers"] <= 255, (ln.name, usage)
@@ -98,7 +98,7 @@ def test_fp32_and_embed_norm_kernels_compile_for_h100():
             n = ek.embed_norm_fwd(x, 2, 1e-6)[1]
             ek.embed_norm_bwd(torch.empty_like(x), x, n, 2, 1e-6)
         launches += got
-    assert {ln.name for ln in launches} >= {"_fwd_tile", "_bwd_tile", "_fwd_loop", "_bwd_loop"}
+    assert {ln.name for ln in launches} >= {"_fwd_tile", "_bwd_tile", "fwd_loop", "_fwd_loop", "_bwd_loop"}
     for ln in launches:
         assert resource_usage(compile_for(ln))["registers"] > 0
 

@@ -6,7 +6,7 @@ evenly among the chunks: docs/performance.md).
 
 A handful of the cases `scripts/bench.py targets` sweeps (every kernel, every target, d
 from 64 to 262144): the layer norm's (the heavier of the two: a mean and a bias) tile and
-wide-row kernels, RMS's wide-row backward (its _bwd_dots spilled 8 bytes on sm_90), the
+wide-row kernels, RMS's wide-row backward (its bwd_dots spilled 8 bytes on sm_90), the
 gated backward (the most live blocks), norm_add_norm's tile and loop kernels, the
 n-stream boundary at n = 4 and 16 (whose backward spilled up to 1.7 KB a thread before its
 Sinkhorn denominators left the registers) and an mxfp8 output. Skipped, with the reason, where triton's
@@ -51,7 +51,7 @@ def test_most_used_kernels_compile_without_spills_and_fill_a_wave(bench, target)
     for r in rows:
         kernels.setdefault((r["op"], r["d"]), []).append(r["kernel"])
     assert kernels[("add_norm_layer", 4096)] == ["_fwd_tile", "_bwd_tile", "_bwd_sum"]
-    assert kernels[("add_norm_layer", 65536)] == ["_fwd_loop", "_bwd_dots", "_bwd_cols"]
+    assert kernels[("add_norm_layer", 65536)] == ["fwd_loop", "bwd_dots", "bwd_cols"]
     assert kernels[("norm_add_norm_layer", 65536)] == ["_fwd_loop", "_bwd_loop", "_bwd_sum4"]
     assert kernels[("hc_n4", 4096)] == ["_fwd", "_bwd", "_bwd_params"]
     assert kernels[("mxfp8", 4096)] == ["_fwd_tile"]
@@ -62,7 +62,7 @@ def test_most_used_kernels_compile_without_spills_and_fill_a_wave(bench, target)
         assert r["spill_bytes"] == 0, where
         assert r["resident_per_sm"] >= 1, where
         assert r["fills"], (where, r["grid"], r["waves"])
-        if r["kernel"] == "_bwd_cols":  # stream-K: exactly one wave, whatever the d / 2048 column chunks
+        if r["kernel"] == "bwd_cols":  # stream-K: exactly one wave, whatever the d / 2048 column chunks
             assert r["grid"] == T.TARGETS[target].sms * r["resident_per_sm"], where
         if target == "gfx942":  # a workgroup holds at most 1024 threads: 16 wavefronts of 64
             assert r["num_warps"] <= 16, where
@@ -84,7 +84,7 @@ def test_rows_of_32768_leave_the_tile_where_its_spills_cost_more_than_the_loop(v
         kw = dict(variant)
         gated = "gate_position" in kw
         launches = T.norm_launches(x, r, w, b if kw.get("kind") == "layer" else None, gate if gated else None, **kw)
-        assert launches[0].name == ("_fwd_loop" if loop else "_fwd_tile"), (d, launches[0].name)
+        assert launches[0].name == ("fwd_loop" if loop else "_fwd_tile"), (d, launches[0].name)
 
 
 @pytest.mark.parametrize("target", ["sm_90", "sm_100", "gfx942"])

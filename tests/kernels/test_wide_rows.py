@@ -1,4 +1,4 @@
-"""The wide-row kernels (`_fwd_loop`, `_bwd_dots` + `_bwd_cols`) at small scale.
+"""The wide-row kernels (`fwd_loop`, `bwd_dots` + `bwd_cols`) at small scale.
 
 Groups wider than MAX_TILE_FWD (32768 columns) take the forward one, wider than
 MAX_TILE_BWD (4096) the backward ones; through the interpreter such rows are slow,
@@ -142,7 +142,7 @@ def test_embed_norm_takes_its_loop_kernels_under_the_same_limits(ord, monkeypatc
 
 
 class _Split:
-    """Records `_bwd_cols`'s launches (grid, row blocks, chunks) and works out, apart from the
+    """Records `bwd_cols`'s launches (grid, row blocks, chunks) and works out, apart from the
     kernel, the stream-K split they make: program p takes items [p T // P, (p + 1) T // P)
     of the T = chunks x row blocks, chunk-major."""
 
@@ -170,12 +170,12 @@ class _Split:
 
 @pytest.fixture
 def split(monkeypatch):
-    """`_bwd_cols` watched, and `slots(n)` makes the wave n programs (num_sms as a GPU reads it too)."""
+    """`bwd_cols` watched, and `slots(n)` makes the wave n programs (num_sms as a GPU reads it too)."""
     import fuseblock.kernels.launch as L
     import fuseblock.kernels.norm as K
 
-    spy = _Split(K._bwd_cols)
-    monkeypatch.setattr(K, "_bwd_cols", spy)
+    spy = _Split(K.bwd_cols)
+    monkeypatch.setattr(K, "bwd_cols", spy)
     monkeypatch.setattr(K, "COLS_PROGRAMS_PER_SM", 1)
 
     def slots(n):

@@ -276,7 +276,7 @@ def test_wide_rows(kind, p, res, launches):
     # (7 with dropout's smaller blocks) over 3 programs per chunk, so a program takes two
     # or more; few rows, as each element's
     # Philox draw is slow in the interpreter
-    # With a residual, x and x1 (pass 2 of _fwd_loop reads new_residual back); without,
+    # With a residual, x and x1 (pass 2 of fwd_loop reads new_residual back); without,
     # x alone, nothing to add: pass 2 reads x again, regenerating its mask
     d, rows = 37, 13
     x = torch.randn(rows, d) * 3 + 2
@@ -290,7 +290,7 @@ def test_wide_rows(kind, p, res, launches):
 
     # one launch, of the loop kernel (the interpreter names it; a GPU run counts it)
     assert run.kernels == 1 and not fwd_layout(d).tile
-    assert run.names in (None, ["_fwd_loop"])
+    assert run.names in (None, ["fwd_loop"])
 
 
 @pytest.mark.parametrize("alpha", [math.inf, -math.inf, math.nan])

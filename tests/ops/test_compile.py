@@ -313,7 +313,7 @@ def _values(fn, given: dict) -> dict:
 def test_compiled_graph_launches_what_eager_launches(case, request):
     """The graph's kernel nodes are the launches the eager call makes, in order: the same
     kernels, grids, constexprs and scalars, tensors in the same arguments; the wide rows'
-    dropout backward (`_bwd_cols`, launched with maxnreg) included, through its one-config
+    dropout backward (`bwd_cols`, launched with maxnreg) included, through its one-config
     autotuner."""
     if case == "wide_dropout":
         request.getfixturevalue("small_wide_rows")
@@ -333,7 +333,7 @@ def test_compiled_graph_launches_what_eager_launches(case, request):
     nodes = _kernel_nodes(_joint_graph(fn, *args))
     assert [n.fn.__name__ for n in eager] == [_kernel_of(n)[0].fn.__name__ for n in nodes]
     if case == "wide_dropout":  # launched with maxnreg: torch.compile takes it in a triton.Config
-        cols = [n for n in nodes if _kernel_of(n)[0].fn.__name__ == "_bwd_cols"]
+        cols = [n for n in nodes if _kernel_of(n)[0].fn.__name__ == "bwd_cols"]
         from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
         (config,) = kernel_side_table.get_kernel(cols[0].kwargs["kernel_idx"]).configs

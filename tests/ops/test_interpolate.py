@@ -153,3 +153,16 @@ def test_interpolate_adds_no_launch(launches):
         (out.sum() + p.sum()).backward()
         counts.append(launches("fwd", "bwd"))
     assert counts[0] == counts[1] and counts[0][0] == 1
+
+
+@pytest.mark.kernel
+def test_interpolate_takes_alpha_as_its_float_rate():
+    # alpha is branch_scale's float form: norm_add's plain-call fast lane (no branch_scale) must not take it
+    x, r = _inputs(5)
+    b = torch.full((D,), 0.3)
+    for op in ("norm_add", "norm_add_norm"):
+        kw = dict(kind="l2", eps=EPS, alpha=0.3, update="interpolate")
+        got = [fuseblock.norm_add(x, r, **kw)] if op == "norm_add" else list(
+            fuseblock.norm_add_norm(x, r, None, None, **kw))
+        for g, e in zip(got, _call(op, x, r, b), strict=True):
+            torch.testing.assert_close(g, e, rtol=0, atol=1e-6)

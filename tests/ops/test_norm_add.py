@@ -489,3 +489,40 @@ def test_eps_none_is_torchs_default():
         want = fuseblock.norm_add_norm(x, r, bw, w, kind=kind, eps=eps, branch_eps=eps)
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("grad", [True, False])
+def test_the_fast_lane_gives_the_checked_paths_bits(grad):
+    # a plain norm_add call (no [d] scales, plain tensors) is validated once per signature and
+    # run with what its checks resolved; residual_scale=1.0 given (not the default's object)
+    # takes the checked path: the two agree bit for bit, values and gradients
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(6, 64, generator=g).to(torch.bfloat16).requires_grad_(grad) for _ in range(2))
+    w = torch.randn(64, generator=g).to(torch.bfloat16).requires_grad_(grad)
+    runs = []
+    for kw in ({}, dict(residual_scale=1.0)):
+        for _ in range(2):  # the second call of a signature is served from the cache
+            out = fuseblock.norm_add(x, r, w, kind="layer", eps=1e-6, alpha=0.5, **kw)
+            grads = torch.autograd.grad(out, [x, r, w], torch.arange(64.0).expand(6, 64).to(out.dtype)) if grad else ()
+            runs.append([out.detach(), *grads])
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_a_cached_norm_add_still_refuses_what_its_checks_refuse():
+    x, r, bw, _ = _args()
+    fuseblock.norm_add(x, r, bw, eps=1e-6)
+    fuseblock.norm_add(x, r, bw, eps=1e-6)
+    for _ in range(2):  # a refused call is never kept
+        with pytest.raises(ValueError, match=r"weight must have shape \(8,\)"):
+            fuseblock.norm_add(x, r, bw[:4], eps=1e-6)
+        with pytest.raises(ValueError, match="residual"):
+            fuseblock.norm_add(x, r[:, :4], bw, eps=1e-6)
+        with pytest.raises(TypeError, match="weight must be a floating tensor"):
+            fuseblock.norm_add(x, r, bw.to(torch.int32), eps=1e-6)
+        with pytest.raises(ValueError, match="alpha"):
+            fuseblock.norm_add(x, r, bw, eps=1e-6, alpha=float("nan"))
+        with pytest.raises(ValueError, match="eps"):
+            fuseblock.norm_add(x, r, bw, eps=-1e-6)

@@ -92,7 +92,7 @@ def test_norm_add_scales_match_fp64(second, kind, rs, bs):
 @pytest.mark.kernel_only("the wide-row kernels' layouts")
 @pytest.mark.usefixtures("small_wide_rows")
 def test_wide_rows_take_the_scales_through_the_loop_kernels(monkeypatch):
-    # 5 rows of 19 (small_wide_rows): add_norm's _fwd_loop and _bwd_cols (3 column chunks,
+    # 5 rows of 19 (small_wide_rows): add_norm's fwd_loop and bwd_cols (3 column chunks,
     # the last ragged, partial rows shared by programs), norm_add_norm's _fwd_loop and
     # _bwd_loop (whose sweep 3 forms dp again)
     import fuseblock.kernels.norm_add as NA

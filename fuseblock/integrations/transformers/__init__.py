@@ -24,6 +24,8 @@ The package, one concept a file:
 - `layers`: the fused decoder-layer forwards, one per stream shape;
 - `attn_res`: the attention-residual shape (5.24's inkling2_loop): its layer forward on the
   attn_res ops and its check;
+- `gated`: the per-channel gated sandwich (muse_spark): its layer forward on the ops' [d]
+  residual_scale / branch_scale and its check;
 - `unit_sphere`: the unit-sphere shape (5.24's dory, nGPT): its layer and model forwards on
   the interpolating norm_add_norm, and its check;
 - `model`: the fused forward of the inner model (LlamaModel and its kin);

@@ -29,7 +29,7 @@ from torch import nn
 
 from ...convert import norm_from
 from ...ops.hyper import MAX_STREAMS
-from . import attn_res, unit_sphere
+from . import attn_res, gated, unit_sphere
 from .families import Family
 
 # (bidirectional: Gemma3's use_bidirectional_attention, masks the model forward does not build)
@@ -53,7 +53,8 @@ def _neutral(value) -> bool:
 def refusals(base: nn.Module, family: Family) -> list[str]:
     """Why `base` (the inner model: LlamaModel and its kin) is not what `family`'s fused
     forward computes; empty when it is. The attention-residual shape's layers are of several
-    classes, which its own check holds to what its forward computes (attn_res.refusals)."""
+    classes, which its own check holds to what its forward computes (attn_res.refusals); the
+    gated shape's gates and norms are held to what its ops are given as well (gated.refusals)."""
     if family.shape is attn_res.ATTN_RES:
         return attn_res.refusals(base, family)
     if family.shape is unit_sphere.UNIT_SPHERE:  # its norms and rates are the modeling code's: its own check
@@ -92,6 +93,8 @@ def refusals(base: nn.Module, family: Family) -> list[str]:
     found += [f"config.{key} = {getattr(base.config, key, None)!r}, where its fused forward ({family.shape.name}) "
               f"takes {value!r}" for key, value in family.requires.items() if getattr(base.config, key, None) != value]
     found += _unread_scalars(base.config, family, read_by_replaced_code(base, family))
+    if family.shape is gated.GATED and not found:  # its gates and norms: what its ops are given
+        found += gated.refusals(base, family)
     return found
 
 

@@ -27,6 +27,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .attn_res import ATTN_RES
+from .gated import GATED
 from .layers import HYPER, PARALLEL, PARALLEL_RESIDUAL_FIRST, POST_NORM, PRE_NORM, SANDWICH, Hyper, Shape
 from .model import FUSED_MODEL_FORWARD, HYPER_MODEL_FORWARD, PREPARE, stream_forward
 from .unit_sphere import UNIT_SPHERE, UNIT_SPHERE_MODEL_FORWARD
@@ -553,6 +554,15 @@ WRAPPED: Mapping[str, Family] = {
     # HY-V4-VL's text model (transformers 5.24): HY-V4's layers and head, M-RoPE positions
     "hy_v4_vl_text": Family(HYPER, **_HYPER_FAMILY, positions=given_positions, hyper=Hyper(
         "hy_v4", _hy_v4_options, _indexed_attend, _plain_feed, _hy_v4_vl_inputs, topk=True, weighted_head=True)),
+    # Muse Spark's text model (transformers 5.23 and 5.24): per-channel gates and sandwich norms (gated.py),
+    # each layer's adds in its own ops; its model forward (NoPE layers, the final MuseSparkRMSNorm)
+    # and its norms' modules stay the modeling code's (model_forward None: the inner model keeps its class);
+    # config.post_norm_eps is its post-norms' eps, which the fused layer reads off them
+    "muse_spark_text": Family(
+        GATED, {"norm_1": "input_layernorm", "attn": "self_attn", "attn_norm": "post_attention_layernorm",
+                "attn_gate": "post_attention_residual_gate", "norm_2": "pre_feedforward_layernorm", "mlp": "mlp",
+                "mlp_norm": "post_feedforward_layernorm", "mlp_gate": "post_feedforward_residual_gate"},
+        reads=frozenset({"post_norm_eps"}), output=MoeModelOutputWithPast, model_forward=None),
 }
 
 # Multimodal wrappers (issue 25): the wrapper's config.model_type -> the attribute of its
@@ -565,7 +575,7 @@ WRAPPED: Mapping[str, Family] = {
 WRAPPERS: Mapping[str, str] = {"llava": "language_model", "gemma3": "language_model", "mistral3": "language_model",
                                "qwen2_vl": "language_model", "qwen2_5_vl": "language_model",
                                "glm5_next": "language_model", "inkling2_loop": "language_model",
-                               "hy_v4_vl": "language_model"}
+                               "hy_v4_vl": "language_model", "muse_spark": "language_model"}
 
 
 def family_of_class(name: str) -> str | None:

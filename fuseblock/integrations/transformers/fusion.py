@@ -37,6 +37,7 @@ from ...ops.checks import check_float_dtype
 from .attn_res import ATTN_RES
 from .check import refusals
 from .families import FAMILIES, SUPPORTED, WRAPPED, WRAPPERS, Family, family_of_class
+from .gated import GATED
 from .refused import REFUSED
 from .unit_sphere import UNIT_SPHERE
 from .versions import check_version
@@ -64,7 +65,7 @@ def _fused_class(cls: type, family: Family | None, role: str) -> type:
             methods = {"forward": family.shape.forward, "fuseblock_family": family}
             what = (f"on the fused residual stream ({family.shape.name}): forward(p, r, **kwargs) -> (sum, p', r')"
                     if family.model_forward is not None else
-                    f"with its mixes and norms fused ({family.shape.name}), called as {cls.__name__}")
+                    f"with its {family.shape.name} fused, called as {cls.__name__}")
         elif role == MODEL:
             methods, what = {"forward": family.model_forward, "_init_weights": _init_weights}, "with its fused forward"
         else:
@@ -228,13 +229,16 @@ def fuse(model: PreTrainedModel, *, residual_dtype: torch.dtype | None = None) -
     if residual_dtype is not None and family.shape is ATTN_RES:
         raise ValueError(f"residual_dtype: {type(base).__name__}'s partial blocks are kept in fp32 and its block "
                          f"states in the model's dtype, as its modeling code keeps them (residual_dtype=None)")
+    if residual_dtype is not None and family.shape is GATED:
+        raise ValueError(f"residual_dtype: {type(base).__name__}'s stream is its gates' output, in the dtype its "
+                         f"modeling code gives it (residual_dtype=None)")
     if residual_dtype is not None and family.shape is UNIT_SPHERE:
         raise ValueError(f"residual_dtype: {type(base).__name__}'s stream is kept in the model's dtype, as its "
                          f"modeling code keeps it (residual_dtype=None)")
     layers = getattr(base, "fuseblock_family", None) and getattr(base, base.fuseblock_family.model_parts["layers"])
     if layers is None:
-        # (their norms stay the modeling code's: the attn_res ops read their weights, the unit sphere's their eps)
-        if family.shape is not ATTN_RES and family.shape is not UNIT_SPHERE:
+        # (their norms stay the modeling code's: the ops read their weights, the unit sphere's their eps)
+        if family.shape not in (ATTN_RES, GATED, UNIT_SPHERE):
             _convert_norms(base, family)
             # the model, its base model and a wrapper's language model each initialise their own
             # modules; a wrapper's vision tower holds no Norm and keeps its own method

@@ -25,23 +25,6 @@ _SEQ2SEQ = "the decoder of an encoder-decoder family: cross-attention between it
 _RECURRENT = "a recurrent or state-space block (one norm and one mixer per block): not a fused shape yet"
 _HYBRID = "hybrid layers (linear-attention, convolution or state-space mixers beside attention): not a fused shape yet"
 _WRAPPER = "a multimodal wrapper or container fuse has not checked: its language model is not one fuse takes yet"
-# Per-channel residual updates (muse_spark, zaya, qwen4_exp_text): what each
-# layer computes in place of r + f, by its modeling source (tests/integrations/test_hf_hyper_families.py
-# checks each reason against it)
-# Muse Spark's gates are the ops' per-channel scales (r' = a * r + b * N_b(x), residual_scale / branch_scale),
-# but its RMSNorms round their gradients otherwise than the op's norm
-# (tests/integrations/test_hf_hyper_families.py measures it)
-_MUSE_SPARK = ("per-channel residual gates (MuseSparkResidualGate: alpha * r + beta * N(x), alpha and beta [d] "
-               "vectors formed from one gate Parameter), which the ops' residual_scale and branch_scale compute; but "
-               "MuseSparkRMSNorm (the final norm, and the attention's post-norm: with_scale=False, no weight and no "
-               "normalized_shape) computes x * torch.pow(mean(x^2) + eps, -0.5), whose forward equals torch's "
-               "rms_norm bitwise and whose input gradient does not (pow's backward; up to 2.4e-7 apart in fp32 at "
-               "d = 64), so converted its fp32 gradients would not be the unfused model's, as every fused family's "
-               "are; the MLP's post-norm scales before it normalizes (MuseSparkTextInputScaledRMSNorm: "
-               "N((1 + w) * x)), not a norm fuseblock converts; and its NoPE layers (config.layer_rope_theta 0) take "
-               "no position embeddings, where fuse's model forward gives every layer the rotary one. A fused layer "
-               "that keeps MuseSparkRMSNorm the modeling code's is bitwise, but fuse has no forward for it yet")
-
 _GROUPS = {
     _LLAMA_SHAPED: ("emu3", "moshi", "minimax_m3_vl_text", "phi4_multimodal", "mellum"),
     _INDEXED: ("deepseek_v32", "glm_moe_dsa"),
@@ -64,8 +47,9 @@ _GROUPS = {
 
 REFUSED: dict[str, str] = {model_type: why for why, names in _GROUPS.items() for model_type in names}
 REFUSED.update({
-    "muse_spark_text": _MUSE_SPARK,
-    "muse_spark": f"a multimodal wrapper whose language model (muse_spark_text) fuse refuses: {_MUSE_SPARK}",
+    # Per-channel residual updates (zaya, qwen4_exp_text): what each layer computes in place of r + f, by
+    # its modeling source (tests/integrations/test_hf_hyper_families.py checks each reason against it). Muse
+    # Spark's gates are fused (gated.py), dory's interpolation on the unit sphere too (unit_sphere.py)
     "zaya": "ZAYA's residual update (ZayaResidualScaling): (f + b_f) * s_f + (r + b_r) * s_r, a per-channel bias and "
             "scale on each side of the add, the biases added before the scales, which per-channel scales alone "
             "(a * r + b * f) do not compute; and each layer hands the next its router's hidden states "
