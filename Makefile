@@ -91,9 +91,9 @@ HF524_SELECT := test_hf_versions or greedy or generat or fp32_logits or checkpoi
 
 test-hf524: $(HF524_STAMP)
 	$(TEST_THREADS) $(HF524_PY) -m pytest -q -p no:cacheprovider $(HF524_TESTS) -k "$(HF524_SELECT)" --durations=5
-	# inkling2_loop (5.24 only) on the kernel path too: its one kernel test
+	# inkling2_loop and dory (5.24 only) on the kernel path too: their one kernel test each
 	$(TEST_THREADS) TRITON_INTERPRET=1 $(HF524_PY) -m pytest -q -p no:cacheprovider -m kernel \
-		tests/integrations/test_hf_inkling2_loop.py -k inkling
+		tests/integrations/test_hf_inkling2_loop.py tests/integrations/test_hf_dory.py -k "inkling or dory"
 
 # dist/fuseblock-<version>-py3-none-any.whl; build/ is cleared first so no stale file rides along
 wheel: $(STAMP)

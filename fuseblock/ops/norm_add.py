@@ -284,9 +284,6 @@ def _apply(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, a
     if not uses_triton(x) or func_transforms_active():
         return reference.norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha,
                                       rdtype, second, rscale, bscale)
-    if bspec.interpolate:
-        raise ValueError("update='interpolate' runs on the torch path only yet: the kernels do not compute it (run "
-                         "on the CPU, or with fuseblock's torch path)")
     # written out, not a generator over the six: this runs on every kernel-path call
     need_stats = torch.is_grad_enabled() and (
         x.requires_grad or residual.requires_grad or (branch_weight is not None and branch_weight.requires_grad)
@@ -381,7 +378,8 @@ def norm_add(
     new_residual = residual + b * (N(x) - residual), b = branch_scale (or alpha), N the
     L2 norm x * rsqrt(x.x + eps), eps added to the sum of squares; kind="l2", no weight
     or bias, no residual_scale. The torch path computes DoryDecoderLayer's ops in its
-    order (fp32: bitwise); the kernels do not compute it yet (a ValueError).
+    order (fp32: bitwise); the kernels take it as a flag of the same launches, b's
+    gradient (sum over rows of dp * (N(x) - residual)) summed beside the others'.
     """
     if (residual_scale is NO_SCALE and branch_scale is None and update.__class__ is str and update == "add"
             and x.__class__ in PLAIN
