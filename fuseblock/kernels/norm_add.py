@@ -597,13 +597,6 @@ def _flag_eps(spec: NormSpec) -> bool:
     return spec.eps == 0  # EXACT_SQ: see fuseblock.kernels.norm._rstd
 
 
-def _eps(spec: NormSpec, d: int) -> float:
-    """The eps the kernels add to the mean of squares: spec.eps, or eps / d where the spec
-    adds it to their sum (eps_on_sum, nGPT's unit sphere: q / sqrt(q.q + eps) is the l2 norm
-    (1/sqrt(d)) q / sqrt(q.q/d + eps/d))."""
-    return spec.eps / d if spec.eps_on_sum else spec.eps
-
-
 @launch.on_device(0)
 def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_spec: NormSpec, spec: NormSpec,
                  alpha: float, residual_dtype, second: bool, need_stats: bool, qscale=None, rscale=None, bscale=None):
@@ -645,8 +638,12 @@ def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_s
         lay = fwd_layout(d) if fits(d, False) else loop_layout(d)
         args = (x2, r2, branch_weight, branch_bias, weight, bias, ro2, o2, rstd_b, mean_b, rstd, mean, rscale, bscale,
                 s_x, s_r, d, s_o,
-                M, d, _eps(branch_spec, d), _eps(spec, d), spec.scale, branch_spec.weight_offset, spec.weight_offset,
-                alpha, branch_spec.residual_scale)
+                # the eps added to the mean of squares: eps / d where the spec adds it to their sum
+                # (eps_on_sum, nGPT's unit sphere: q / sqrt(q.q + eps) is (1/sqrt(d)) q / sqrt(q.q/d + eps/d));
+                # written out, not a helper: this runs on every kernel-path call
+                M, d, branch_spec.eps / d if branch_spec.eps_on_sum else branch_spec.eps,
+                spec.eps / d if spec.eps_on_sum else spec.eps, spec.scale, branch_spec.weight_offset,
+                spec.weight_offset, alpha, branch_spec.residual_scale)
         flags = dict(HAS_BW=branch_weight is not None, HAS_BB=branch_bias is not None, HAS_W=weight is not None,
                      HAS_B=bias is not None, SECOND=second, CENTER=spec.center, STORE_STATS=need_stats,
                      EXACT_B=_flag_eps(branch_spec), EXACT=_flag_eps(spec), num_warps=lay.warps,
