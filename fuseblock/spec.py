@@ -237,7 +237,10 @@ class NormSpec:
 
     def interpolating(self, branch: bool) -> NormSpec:
         """This spec as one of update="interpolate"'s norms (eps on the sum of squares), and
-        for the branch norm with the interpolation itself: one instance per spec (`_interpolating`)."""
+        for the branch norm with the interpolation itself: one instance per spec (`_interpolating`;
+        traced by torch.compile, a new one, where the cache is not read)."""
+        if torch.compiler.is_compiling():
+            return replace(self, eps_on_sum=True, interpolate=branch)
         return _interpolating(self, branch)
 
     def with_out_dtype(self, out_dtype: torch.dtype | None) -> NormSpec:

@@ -166,3 +166,22 @@ def test_interpolate_takes_alpha_as_its_float_rate():
             fuseblock.norm_add_norm(x, r, None, None, **kw))
         for g, e in zip(got, _call(op, x, r, b), strict=True):
             torch.testing.assert_close(g, e, rtol=0, atol=1e-6)
+
+
+@pytest.mark.torch_only("compiled through the interpreter it takes minutes")
+def test_interpolate_under_torch_compile_fullgraph(recwarn):
+    # the interpolation and its unit-sphere norms as plain torch ops, one graph (its spec made anew
+    # while traced: no lru_cache read, of which Dynamo warns)
+    def fn(x, r, b):
+        out, p = fuseblock.norm_add_norm(x, r, None, None, kind="l2", eps=EPS, branch_scale=b, update="interpolate")
+        return out * 2 + p
+
+    inputs = [torch.randn(*s, requires_grad=True) for s in ((4, D), (4, D), (D,))]
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    got, want = compiled(*inputs), fn(*inputs)
+    torch.testing.assert_close(got, want)
+    for g, e in zip(torch.autograd.grad(got.square().sum(), inputs), torch.autograd.grad(want.square().sum(), inputs),
+                    strict=True):
+        torch.testing.assert_close(g, e)
+    assert not [w for w in recwarn if "lru_cache" in str(w.message)]
