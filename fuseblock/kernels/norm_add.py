@@ -174,10 +174,13 @@ def _fwd_tile(
 
 @triton.jit
 def _branch_scale(BS, o_c, mask, alpha, BS_VEC: tl.constexpr):
-    """b: BS[o_c] in fp32 (a [d] branch scale), else alpha."""
+    """b: BS[o_c] in fp32 (a [d] branch scale), else alpha. One return: Triton's compiler
+    refuses returns of two types (a block and a scalar), even under a constexpr if."""
     if BS_VEC:
-        return tl.load(BS + o_c, mask=mask, other=0.0).to(tl.float32)
-    return alpha
+        b_b = tl.load(BS + o_c, mask=mask, other=0.0).to(tl.float32)
+    else:
+        b_b = alpha
+    return b_b
 
 
 @triton.jit
