@@ -71,9 +71,10 @@ test-floor: $(FLOOR_STAMP)
 # past_key_values, to cache). test-hf524 runs the version tests, each family's fp32
 # comparison, greedy generation with the cache and checkpoint round trip, five of the
 # Llama-shaped rows, the config-only families (5.24's exaone, sarvam_moe, sarvam_mla), every
-# test of 5.24's HY-V4-VL wrapper and the refusals checked against 5.24's sources (dory) on
+# test of 5.24's HY-V4-VL wrapper and the refusals checked against 5.24's sources on
 # it, muse_spark's fp32 comparison, greedy generation and checkpoints, torch path only (the
-# kernels do not see the version); and inkling2_loop, which 5.24 alone has, on both paths.
+# kernels do not see the version); and inkling2_loop and dory, which 5.24 alone has, on both
+# paths.
 $(HF524_STAMP): pyproject.toml
 	test -x $(HF524_PY) || python3 -m venv .venv-hf524
 	$(HF524_PY) -m pip install --quiet "torch==2.13.0"
@@ -83,16 +84,16 @@ $(HF524_STAMP): pyproject.toml
 HF524_TESTS := tests/integrations/test_hf_versions.py tests/integrations/test_transformers.py \
                tests/integrations/test_hf_hyper_families.py tests/integrations/test_hf_sandwich_families.py \
                tests/integrations/test_hf_llama_shaped_families.py tests/integrations/test_hf_inkling2_loop.py \
-               tests/integrations/test_hf_muse_spark.py
+               tests/integrations/test_hf_muse_spark.py tests/integrations/test_hf_dory.py
 HF524_SELECT := test_hf_versions or greedy or generat or fp32_logits or checkpoints_load or config_only or refusal \
                 or (family_row and (deepseek_v3 or gpt_oss or olmo3 or cohere2 or ministral3)) or hy_v4_vl \
-                or stream_norms_become or inkling or (muse_spark and (gates_in_the_ops or checkpoints))
+                or stream_norms_become or inkling or (muse_spark and (gates_in_the_ops or checkpoints)) or dory
 
 test-hf524: $(HF524_STAMP)
 	$(TEST_THREADS) $(HF524_PY) -m pytest -q -p no:cacheprovider $(HF524_TESTS) -k "$(HF524_SELECT)" --durations=5
-	# inkling2_loop (5.24 only) on the kernel path too: its one kernel test
+	# inkling2_loop and dory (5.24 only) on the kernel path too: their one kernel test each
 	$(TEST_THREADS) TRITON_INTERPRET=1 $(HF524_PY) -m pytest -q -p no:cacheprovider -m kernel \
-		tests/integrations/test_hf_inkling2_loop.py -k inkling
+		tests/integrations/test_hf_inkling2_loop.py tests/integrations/test_hf_dory.py -k "inkling or dory"
 
 # dist/fuseblock-<version>-py3-none-any.whl; build/ is cleared first so no stale file rides along
 wheel: $(STAMP)

@@ -186,6 +186,13 @@ class NormSpec:
     alpha: float = 1.0
     dropout_p: float = 0.0
     residual_scale: float = 1.0
+    # norm_add's update="interpolate" (nGPT, transformers' Dory), a field of the branch spec:
+    # new_residual = residual + b * (N_b(x) - residual), b the branch scale (alpha or the [d]
+    # branch_scale), in place of a * residual + b * N_b(x)
+    interpolate: bool = False
+    # nGPT's unit-sphere L2 norm, q * rsqrt(q.q + eps): eps added to the sum of squares, not to
+    # their mean (update="interpolate"'s norms). The kernels compute it as the l2 norm with eps / d.
+    eps_on_sum: bool = False
     # the dtype the output is stored in, None for x's: an fp32 out of bf16 x is the fp32
     # composition stored once (not rounded to x's dtype first), and its gradient is read as
     # it comes (flash-attention's out_dtype)
@@ -227,6 +234,14 @@ class NormSpec:
     def with_branch(self, alpha: float, dropout_p: float, residual_scale: float = 1.0) -> NormSpec:
         """This spec with add_norm's validated branch options."""
         return replace(self, alpha=float(alpha), dropout_p=float(dropout_p), residual_scale=float(residual_scale))
+
+    def interpolating(self, branch: bool) -> NormSpec:
+        """This spec as one of update="interpolate"'s norms (eps on the sum of squares), and
+        for the branch norm with the interpolation itself: one instance per spec (`_interpolating`;
+        traced by torch.compile, a new one, where the cache is not read)."""
+        if torch.compiler.is_compiling():
+            return replace(self, eps_on_sum=True, interpolate=branch)
+        return _interpolating(self, branch)
 
     def with_out_dtype(self, out_dtype: torch.dtype | None) -> NormSpec:
         """This spec storing its output in out_dtype (a validated float dtype; None: x's)."""
@@ -292,3 +307,9 @@ _DTYPE_FIELDS = ("out_dtype", "quant_from")  # fields holding a dtype or None, w
 def _unpack(values: tuple[float, ...]) -> NormSpec:
     hints = get_type_hints(NormSpec)
     return NormSpec(*(_cast(name, hints[name], v) for name, v in zip(_NAMES, values, strict=True)))
+
+
+@functools.lru_cache(maxsize=256)
+def _interpolating(spec: NormSpec, branch: bool) -> NormSpec:
+    # cached: the launchers lay a launch out once per spec instance (NormSpec.serial)
+    return replace(spec, eps_on_sum=True, interpolate=branch)

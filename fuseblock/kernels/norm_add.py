@@ -135,6 +135,7 @@ def _fwd_tile(
     QS=None, q_max=0.0, q_ub=0.0, q_tiny=0.0, q_tiny_scale=0.0,
     QUANT: tl.constexpr = 0, Q_MBITS: tl.constexpr = 3, Q_BIAS: tl.constexpr = 7, Q_MAXPOW2: tl.constexpr = 8,
     Q_RCEIL: tl.constexpr = False, Q_ROUND: tl.constexpr = 0,
+    INTERP: tl.constexpr = False,  # update="interpolate": r + b * (y - r)
 ):
     i_m = tl.program_id(0)
     o_m = (i_m * BR + tl.arange(0, BR)).to(tl.int64)  # int64: M * stride may pass 2**31
@@ -148,7 +149,8 @@ def _fwd_tile(
     b_q, b_rstdb, b_meanb = _stats(b_x, mask, D, eps_b, BR, BD, CENTER, EXACT_B)
     b_y = _affine(b_q * b_rstdb[:, None], BW, BB, o_d, m_d, scale, woff_b, HAS_BW, HAS_BB)
     # new_residual from the fp32 branch, rounded once; the second norm reads the stored value
-    b_p = _residual_update(R, RS, BS, row * s_r + col, row * 0 + col, mask, b_y, alpha, rscale, R_SCALE, BS_VEC)
+    b_p = _residual_update(R, RS, BS, row * s_r + col, row * 0 + col, mask, b_y, alpha, rscale, R_SCALE, BS_VEC,
+                           INTERP)
     b_pr = b_p.to(RO.dtype.element_ty)
     tl.store(RO + row * s_ro + col, b_pr, mask=mask)
     if SECOND:
@@ -171,12 +173,26 @@ def _fwd_tile(
 
 
 @triton.jit
-def _residual_update(R, RS, BS, o_r, o_c, mask, b_y, alpha, rscale, R_SCALE: tl.constexpr, BS_VEC: tl.constexpr):
-    """a * r + b * y in fp32: a none, rscale or RS[o_c] (`scale_by`), b alpha or BS[o_c]."""
-    b_r = scale_by(tl.load(R + o_r, mask=mask, other=0.0).to(tl.float32), RS, rscale, o_c, mask, R_SCALE)
+def _branch_scale(BS, o_c, mask, alpha, BS_VEC: tl.constexpr):
+    """b: BS[o_c] in fp32 (a [d] branch scale), else alpha. One return: Triton's compiler
+    refuses returns of two types (a block and a scalar), even under a constexpr if."""
     if BS_VEC:
-        return b_r + tl.load(BS + o_c, mask=mask, other=0.0).to(tl.float32) * b_y
-    return b_r + alpha * b_y
+        b_b = tl.load(BS + o_c, mask=mask, other=0.0).to(tl.float32)
+    else:
+        b_b = alpha
+    return b_b
+
+
+@triton.jit
+def _residual_update(R, RS, BS, o_r, o_c, mask, b_y, alpha, rscale, R_SCALE: tl.constexpr, BS_VEC: tl.constexpr,
+                     INTERP: tl.constexpr):
+    """a * r + b * y in fp32: a none, rscale or RS[o_c] (`scale_by`), b alpha or BS[o_c];
+    INTERP: r + b * (y - r) (update="interpolate", no a)."""
+    b_r = scale_by(tl.load(R + o_r, mask=mask, other=0.0).to(tl.float32), RS, rscale, o_c, mask, R_SCALE)
+    b_b = _branch_scale(BS, o_c, mask, alpha, BS_VEC)
+    if INTERP:
+        return b_r + b_b * (b_y - b_r)
+    return b_r + b_b * b_y
 
 
 @triton.jit
@@ -221,6 +237,7 @@ def _fwd_loop(
     HAS_BW: tl.constexpr, HAS_BB: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     SECOND: tl.constexpr, CENTER: tl.constexpr, STORE_STATS: tl.constexpr,
     EXACT_B: tl.constexpr, EXACT: tl.constexpr, R_SCALE: tl.constexpr, BS_VEC: tl.constexpr,
+    INTERP: tl.constexpr = False,
 ):
     # Rows too wide for registers, persistent over rows: x's statistics (a sweep over x),
     # new_residual written (x and residual read), then N's statistics and out (two sweeps
@@ -237,7 +254,8 @@ def _fwd_loop(
             b_x = tl.load(X + i_m * s_x + o_col, mask=m_d, other=0.0).to(tl.float32)
             b_q = b_x - b_meanb if CENTER else b_x
             b_y = _affine(b_q * b_rstdb, BW, BB, o_col, m_d, scale, woff_b, HAS_BW, HAS_BB)
-            b_p = _residual_update(R, RS, BS, i_m * s_r + o_col, o_col, m_d, b_y, alpha, rscale, R_SCALE, BS_VEC)
+            b_p = _residual_update(R, RS, BS, i_m * s_r + o_col, o_col, m_d, b_y, alpha, rscale, R_SCALE, BS_VEC,
+                                   INTERP)
             tl.store(RO + i_m * s_ro + o_col, b_p.to(RO.dtype.element_ty), mask=m_d)
         if SECOND:
             b_rstd, b_mean = _row_stats(RO, i_m * s_ro, D, eps, BD, CENTER, EXACT)
@@ -287,6 +305,7 @@ def _bwd_tile(
     HAS_DO: tl.constexpr, HAS_DRO: tl.constexpr, HAS_BW: tl.constexpr, HAS_BB: tl.constexpr,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, SECOND: tl.constexpr, CENTER: tl.constexpr,
     STORE_DR: tl.constexpr, R_SCALE: tl.constexpr, BS_VEC: tl.constexpr,
+    INTERP: tl.constexpr = False,  # r' = r + b * (y - r): dresidual = (1 - b) dp, d b from dp * (y - r)
 ):
     # A persistent grid, as the norm's _bwd_tile: program i_p handles row blocks i_p,
     # i_p + n_p, ... and writes its four parameter-gradient sums once, as row i_p of the
@@ -319,9 +338,13 @@ def _bwd_tile(
             b_db += tl.sum(b_do, 0)
         if HAS_DRO:
             b_dp += tl.load(DRO + row * s_dro + col, mask=mask, other=0.0).to(tl.float32)
-        if STORE_DR:  # dresidual = a * dp
-            tl.store(DR + row * s_dr + col, scale_by(b_dp, RS, rscale, o_c, mask, R_SCALE).to(DR.dtype.element_ty),
-                     mask=mask)
+        b_b = _branch_scale(BS, o_c, mask, alpha, BS_VEC)
+        if STORE_DR:  # dresidual = a * dp, or (1 - b) * dp
+            if INTERP:
+                b_dres = b_dp - b_b * b_dp
+            else:
+                b_dres = scale_by(b_dp, RS, rscale, o_c, mask, R_SCALE)
+            tl.store(DR + row * s_dr + col, b_dres.to(DR.dtype.element_ty), mask=mask)
         b_x = tl.load(X + row * s_x + col, mask=mask, other=0.0).to(tl.float32)
         if R_SCALE == SCALE_VEC:
             b_drs += tl.sum(b_dp * tl.load(R + row * s_r + col, mask=mask, other=0.0).to(tl.float32), 0)
@@ -329,10 +352,11 @@ def _bwd_tile(
             b_rstdb = tl.load(RSTDB + o_m, mask=m_m, other=0.0)[:, None]
             b_rb = tl.where(mask, b_x - tl.load(MEANB + o_m, mask=m_m, other=0.0)[:, None], 0.0) if CENTER else b_x
             b_y = _affine(b_rb * b_rstdb, BW, BB, o_d, m_d, scale, woff_b, HAS_BW, HAS_BB)
+            if INTERP:  # d b = sum of dp * (y - r)
+                b_y -= tl.load(R + row * s_r + col, mask=mask, other=0.0).to(tl.float32)
             b_dbs += tl.sum(b_dp * b_y, 0)
-            b_dy = b_dp * tl.load(BS + o_c, mask=mask, other=0.0).to(tl.float32)
-        else:  # the branch: dy = alpha * dp, then the branch norm's backward to x
-            b_dy = alpha * b_dp
+        # the branch: dy = b * dp, then the branch norm's backward to x
+        b_dy = b_dp * b_b
         b_dx, b_sbw = _norm_bwd(b_x, b_dy, RSTDB, MEANB, BW, o_m, m_m, o_d, m_d, mask, D, scale, woff_b,
                                 HAS_BW, CENTER)
         tl.store(DX + row * s_dx + col, b_dx.to(DX.dtype.element_ty), mask=mask)
@@ -396,6 +420,7 @@ def _bwd_loop(
     HAS_DO: tl.constexpr, HAS_DRO: tl.constexpr, HAS_BW: tl.constexpr, HAS_BB: tl.constexpr,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, SECOND: tl.constexpr, CENTER: tl.constexpr,
     STORE_DR: tl.constexpr, R_SCALE: tl.constexpr, BS_VEC: tl.constexpr,
+    INTERP: tl.constexpr = False,
 ):
     # Rows too wide for registers, in one launch: program i_p handles blocks of BR rows
     # i_p, i_p + n_p, ..., three sweeps over each block's column chunks, since each norm's
@@ -475,9 +500,13 @@ def _bwd_loop(
             # dresidual rounded once; the branch takes that stored value (as the unfused
             # form, and as sweep 3, which reads it back)
             o_c = row * 0 + col
+            b_b = _branch_scale(BS, o_c, mask, alpha, BS_VEC)
             if STORE_DR:
                 b_dpr = b_dp.to(DR.dtype.element_ty)
-                if R_SCALE == SCALE_NONE:
+                if INTERP:  # dresidual = (1 - b) * dp
+                    b_dra = b_dpr.to(tl.float32) - b_b * b_dpr.to(tl.float32)
+                    tl.store(DR + row * s_dr + col, b_dra.to(DR.dtype.element_ty), mask=mask)
+                elif R_SCALE == SCALE_NONE:
                     tl.store(DR + row * s_dr + col, b_dpr, mask=mask)
                 else:  # dresidual = a * dp
                     b_dra = scale_by(b_dpr.to(tl.float32), RS, rscale, o_c, mask, R_SCALE)
@@ -491,10 +520,10 @@ def _bwd_loop(
                                                                            other=0.0).to(tl.float32), 0))
             if BS_VEC:
                 b_y = _affine(b_rb, BW, BB, o_col, m_d, scale, woff_b, HAS_BW, HAS_BB)
+                if INTERP:  # d b = sum of dp * (y - r)
+                    b_y -= tl.load(R + row * s_r + col, mask=mask, other=0.0).to(tl.float32)
                 _add_part(DBSP, o_part, m_d, m_old, tl.sum(tl.where(mask, b_dpf * b_y, 0.0), 0))
-                b_dy = b_dpf * tl.load(BS + o_c, mask=mask, other=0.0).to(tl.float32)
-            else:
-                b_dy = alpha * b_dpf
+            b_dy = b_dpf * b_b
             b_dyw = b_dy * scale
             if HAS_BW:
                 b_dyw *= row_weight(BW, o_col, m_d, woff_b)[None, :]
@@ -516,7 +545,7 @@ def _bwd_loop(
             m_d = o_col < D
             mask = m_m[:, None] & m_d[None, :]
             col = o_col[None, :]
-            if R_SCALE != SCALE_NONE:  # DR holds a * dp: dp formed again, as sweep 2 rounded it
+            if R_SCALE != SCALE_NONE or INTERP:  # DR holds a * dp or (1 - b) dp: dp formed again, as sweep 2 rounded it
                 if N_BWD:
                     b_dp = _dp_again(P, DO, DRO, W, row * s_p + col, row * s_do + col, row * s_dro + col, o_col,
                                      m_d, mask, b_rstd, b_mean, b_c1, b_c2, scale, woff, HAS_W, HAS_DRO, CENTER)
@@ -612,12 +641,17 @@ def norm_add_fwd(x, residual, branch_weight, branch_bias, weight, bias, branch_s
         lay = fwd_layout(d) if fits(d, False) else loop_layout(d)
         args = (x2, r2, branch_weight, branch_bias, weight, bias, ro2, o2, rstd_b, mean_b, rstd, mean, rscale, bscale,
                 s_x, s_r, d, s_o,
-                M, d, branch_spec.eps, spec.eps, spec.scale, branch_spec.weight_offset, spec.weight_offset, alpha,
-                branch_spec.residual_scale)
+                # the eps added to the mean of squares: eps / d where the spec adds it to their sum
+                # (eps_on_sum, nGPT's unit sphere: q / sqrt(q.q + eps) is (1/sqrt(d)) q / sqrt(q.q/d + eps/d));
+                # written out, not a helper: this runs on every kernel-path call
+                M, d, branch_spec.eps / d if branch_spec.eps_on_sum else branch_spec.eps,
+                spec.eps / d if spec.eps_on_sum else spec.eps, spec.scale, branch_spec.weight_offset,
+                spec.weight_offset, alpha, branch_spec.residual_scale)
         flags = dict(HAS_BW=branch_weight is not None, HAS_BB=branch_bias is not None, HAS_W=weight is not None,
                      HAS_B=bias is not None, SECOND=second, CENTER=spec.center, STORE_STATS=need_stats,
                      EXACT_B=_flag_eps(branch_spec), EXACT=_flag_eps(spec), num_warps=lay.warps,
-                     R_SCALE=scale_mode(branch_spec.residual_scale, rscale), BS_VEC=bscale is not None)
+                     R_SCALE=scale_mode(branch_spec.residual_scale, rscale), BS_VEC=bscale is not None,
+                     INTERP=branch_spec.interpolate)
         if lay.tile:
             _fwd_tile_ = launch.traced(_fwd_tile) if launch.TRACING.on else _fwd_tile
             _fwd_tile_[(cdiv(M, lay.br),)](*args, BR=lay.br, BD=lay.bd, **flags, **quant)
@@ -650,14 +684,16 @@ def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rst
     d = x.shape[-1]
     (x2, s_x), (p2, s_p) = row_arg(x, d), row_arg(p, d)  # contiguous ones as they are
     (do2, s_do), (dro2, s_dro) = row_arg(dout, d), row_arg(dres, d)
-    r2, s_r = row_arg(residual if rscale is not None else None, d)
+    # the residual: for a [d] residual scale's gradient, and an interpolation's d b (dp * (y - r))
+    r2, s_r = row_arg(residual if rscale is not None or (branch_spec.interpolate and bscale is not None) else None, d)
     branch_weight, weight, rscale, bscale = vec(branch_weight), vec(weight), vec(rscale), vec(bscale)
     bb = vec(branch_bias) if bscale is not None else None  # N_b(x) rebuilt for bscale's gradient
     M = x.numel() // d
     dev = x.device
     dx = torch.empty(x.shape, dtype=x.dtype, device=dev)
     store_dr = (store_dr or second or dro2 is None or dres.dtype != residual_grad_dtype
-                or branch_spec.residual_scale != 1.0 or rscale is not None)  # dresidual = a * dp: another tensor
+                or branch_spec.residual_scale != 1.0 or rscale is not None  # dresidual = a * dp: another tensor
+                or branch_spec.interpolate)  # (1 - b) * dp
     dr = torch.empty(x.shape, dtype=residual_grad_dtype, device=dev) if store_dr else None
     params = (branch_weight, branch_bias, weight if second else None, bias if second else None, rscale, bscale)
     if M == 0:
@@ -669,7 +705,8 @@ def norm_add_bwd(dout, dres, x, p, branch_weight, branch_bias, weight, bias, rst
     flags = dict(HAS_DO=do2 is not None, HAS_DRO=dro2 is not None, HAS_BW=params[0] is not None,
                  HAS_BB=params[1] is not None, HAS_W=params[2] is not None, HAS_B=params[3] is not None,
                  SECOND=second, CENTER=spec.center, STORE_DR=store_dr,
-                 R_SCALE=scale_mode(branch_spec.residual_scale, rscale), BS_VEC=bscale is not None)
+                 R_SCALE=scale_mode(branch_spec.residual_scale, rscale), BS_VEC=bscale is not None,
+                 INTERP=branch_spec.interpolate)
     variant = lay.variant(f"norm_add.{kernel.fn.__name__}", (x2, p2, branch_weight, weight, do2, dro2), flags)
     slots = row_programs(dev, variant, lay.per_sm)
     n_prog = max(1, min(slots, n_items, cdiv(M, MIN_ROWS_PER_PROGRAM)))

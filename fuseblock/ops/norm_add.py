@@ -121,10 +121,12 @@ def _setup(ctx, inputs, output):
     # Backward needs x, the stored new_residual (only for the second norm) and each norm's
     # row statistics; never the normalized outputs. The biases only say their dtypes.
     center = ctx.spec.center
-    # A [d] residual scale's gradient is a column sum of dp * residual: the residual is kept for it
+    # A [d] residual scale's gradient is a column sum of dp * residual, an interpolation's b's one
+    # of dp * (N_b(x) - residual): the residual is kept for them
+    keep = rscale is not None or ctx.bspec.interpolate
     ctx.save_for_backward(x, new_res if second else None, branch_weight, branch_bias, weight, bias, rstd_b,
                           mean_b if center else None, rstd if second else None, mean if second and center else None,
-                          residual if rscale is not None else None, rscale, bscale)
+                          residual if keep else None, rscale, bscale)
     return () if second else (1,)  # without the second norm, out is an empty placeholder (or None, eager)
 
 
@@ -137,9 +139,9 @@ def _grads(ctx, grad_outputs, bwd):
         raise RuntimeError("fuseblock: backward through a norm_add whose forward ran without grad enabled")
     # norm_add's r' = r + alpha * N(x) passes the gradient at r' through to r: in r's dtype it
     # is dresidual itself, returned as it came, where a kernel would write a copy of it
-    # (a residual_scale makes dresidual = a * dp another tensor)
+    # (a residual_scale makes dresidual = a * dp another tensor, an interpolation (1 - b) * dp)
     passed = (not ctx.second and dres is not None and dres.dtype == ctx.residual_dtype and rscale is None
-              and ctx.bspec.residual_scale == 1.0)
+              and ctx.bspec.residual_scale == 1.0 and not ctx.bspec.interpolate)
     specs = ((ctx.bspec, ctx.spec, ctx.alpha) if bwd is _launch_bwd  # eager: unpacked, as ops.norm's
              else [*ctx.bspec.pack(), *ctx.spec.pack(), ctx.alpha])
     found = bwd(dout if ctx.second else None, dres, x, p, bw, bb, w, b, rstd_b, mean_b, rstd, mean, specs,
@@ -163,6 +165,8 @@ def _graph_grads(ctx, grad_outputs):
     dres, dout = grad_outputs[:2]
     x, p, bw, bb, w, b = ctx.saved_tensors[:6]
     residual, rscale, bscale = ctx.saved_tensors[10:]
+    if ctx.bspec.interpolate:
+        return _interpolation_graph_grads(ctx, dres, dout, x, residual, bscale)
     found = {}
 
     def grad_of(out, leaves, dgrad):
@@ -200,6 +204,21 @@ def _graph_grads(ctx, grad_outputs):
     return grads if rscale is None and bscale is None else (*grads, None, None, None, None, drs, dbs)
 
 
+def _interpolation_graph_grads(ctx, dres, dout, x, residual, bscale):
+    """_graph_grads of update="interpolate": the whole op rebuilt by the reference from x, the
+    residual and b (the interpolation reads r itself) and differentiated with a graph."""
+    leaves = [t if t.requires_grad else t.detach().requires_grad_() for t in (x, residual)]
+    b = None if bscale is None else (bscale if bscale.requires_grad else bscale.detach().requires_grad_())
+    new_res, out = reference.norm_add_fwd(leaves[0], leaves[1], None, None, None, None, ctx.bspec, ctx.spec,
+                                          ctx.alpha, ctx.residual_dtype, ctx.second, None, b)
+    pairs = [(t, g) for t, g in ((new_res, dres), (out, dout)) if t is not None and g is not None]
+    wrt = leaves + ([] if b is None else [b])
+    found = torch.autograd.grad([t for t, _ in pairs], wrt, [g for _, g in pairs], create_graph=True,
+                                allow_unused=True) if pairs else [None] * len(wrt)
+    grads = (found[0], found[1], None, None, None, None)
+    return grads if bscale is None else (*grads, None, None, None, None, None, found[2])
+
+
 norm_add_op = FusedOp("norm_add_norm", _fwd, _fwd_fake, _bwd, _bwd_fake, _setup, _grads, stats=(2, 3, 4, 5),
                       graph_grads=_graph_grads, launch_fwd=_launch_fwd, launch_bwd=_launch_bwd)
 
@@ -219,6 +238,41 @@ def _scales(x, residual, like, alpha, residual_scale, branch_scale, bspec: NormS
     if rs != 1.0 or rscale is not None or bscale is not None:
         dtensor.refuse_scales(x, residual, rscale, bscale)
     return (bspec if rs == 1.0 else bspec.with_branch(bspec.alpha, bspec.dropout_p, rs)), alpha, rscale, bscale
+
+
+UPDATES = ("add", "interpolate")
+
+
+def _check_update(op: str, update, kind, **tensors) -> bool:
+    """Whether the call interpolates (update="interpolate"; "add" is the default), with what
+    that takes checked: kind "l2" and no weight or bias (`tensors`: the call's), nGPT's norms."""
+    if update.__class__ is str and update == "add":
+        return False
+    if not isinstance(update, str) or update not in UPDATES:
+        raise ValueError(f"update must be one of {UPDATES}, got {update!r}")
+    if kind != "l2":
+        raise ValueError(f"{op}: update='interpolate' normalizes onto the unit sphere (nGPT's L2 norms, eps on the "
+                         f"sum of squares): it takes kind='l2', got kind={kind!r}")
+    for name, t in tensors.items():
+        if t is not None:
+            raise ValueError(f"{op}: update='interpolate''s norms take no weight or bias (nGPT's unit sphere): "
+                             f"{name} must be None")
+    return True
+
+
+def _interpolated(x, residual, bspec: NormSpec, spec: NormSpec, rscale, quant, out_dtype):
+    """(bspec, spec) of update="interpolate": new_residual = r + b * (N_b(x) - r), each norm
+    x * rsqrt(x.x + eps) (spec.eps_on_sum). What it does not take is refused by name."""
+    if bspec.residual_scale != 1.0 or rscale is not None:
+        raise ValueError("update='interpolate' takes no residual_scale: r' = r + b * (N_b(x) - r), whose one scale "
+                         "is b (branch_scale, or alpha)")
+    if quant is not None:
+        raise ValueError("quant= does not take update='interpolate' yet")
+    if out_dtype is not None:
+        raise ValueError("out_dtype does not take update='interpolate' yet: out has x's dtype")
+    if dtensor.has_dtensor(x, residual, None, None, None):
+        raise ValueError("update='interpolate' does not take DTensor inputs yet: run it on each rank's local tensors")
+    return bspec.interpolating(True), spec.interpolating(False)
 
 
 def _apply(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, alpha, rdtype, second, rscale=None,
@@ -303,6 +357,7 @@ def norm_add(
     residual_scale: float | Tensor = NO_SCALE,
     branch_scale: float | Tensor | None = None,
     residual_dtype: Optional[torch.dtype] = None,
+    update: str = "add",
 ) -> Tensor:
     """Post-norm residual update: new_residual = residual + alpha * N(x), returned.
 
@@ -318,8 +373,16 @@ def norm_add(
     (x's without a weight); alpha is branch_scale's float form (give one). A tensor
     scale's gradient is sum over rows of dp * residual (a) or dp * N(x) (b), from the
     backward's own launches.
+
+    update="interpolate" (nGPT's update on the unit sphere, transformers' Dory):
+    new_residual = residual + b * (N(x) - residual), b = branch_scale (or alpha), N the
+    L2 norm x * rsqrt(x.x + eps), eps added to the sum of squares; kind="l2", no weight
+    or bias, no residual_scale. The torch path computes DoryDecoderLayer's ops in its
+    order (fp32: bitwise); the kernels take it as a flag of the same launches, b's
+    gradient (sum over rows of dp * (N(x) - residual)) summed beside the others'.
     """
-    if (residual_scale is NO_SCALE and branch_scale is None and x.__class__ in PLAIN
+    if (residual_scale is NO_SCALE and branch_scale is None and update.__class__ is str and update == "add"
+            and x.__class__ in PLAIN
             and residual.__class__ in PLAIN and (weight is None or weight.__class__ in PLAIN)
             and (bias is None or bias.__class__ in PLAIN) and not is_compiling()):  # the fast lane
         new_res = _plain_call(x, residual, weight, bias, kind, eps, weight_offset, alpha, residual_dtype)
@@ -327,9 +390,12 @@ def norm_add(
             return new_res
     check_tensor("x", x)
     check_tensor("residual", residual)
+    interpolate = _check_update("norm_add", update, kind, weight=weight, bias=bias)
     spec = _spec(x, residual, weight, bias, kind, default_eps(x.dtype, kind) if eps is None else eps, weight_offset,
                  residual_dtype)
     bspec, alpha, rscale, bscale = _scales(x, residual, weight, alpha, residual_scale, branch_scale, spec)
+    if interpolate:
+        bspec, spec = _interpolated(x, residual, bspec, spec, rscale, None, None)
     rdtype = stored_dtype(x.dtype, residual.dtype, residual_dtype)
     return _apply(x, residual, weight, bias, None, None, bspec, spec, alpha, rdtype, False, rscale, bscale)[0]
 
@@ -354,6 +420,7 @@ def norm_add_norm(
     out_dtype: Optional[torch.dtype] = None,
     quant: Optional[str | Fp8Recipe] = None,
     scale: Optional[Tensor] = None,
+    update: str = "add",
     **removed: NoReturn,  # none: the former fp8 keywords, refused naming the recipe (refuse_keywords)
 ) -> tuple[Tensor, Tensor]:
     """Sandwich (Peri-LN) residual update, both norms in one kernel: returns (out, new_residual),
@@ -372,6 +439,9 @@ def norm_add_norm(
     high precision when an input requires one); the recipe's mx_columnwise is not taken.
     residual_scale and branch_scale as in `norm_add`: new_residual = a * residual + b * N_b(x)
     (a tensor's dtype may be fp32 or branch_weight's); not with quant= yet.
+    update="interpolate" as in `norm_add` (nGPT): new_residual = residual + b * (N_b(x) -
+    residual), out = N(new_residual), both unit-sphere L2 norms x * rsqrt(x.x + eps);
+    kind="l2", no weights or biases, no residual_scale, quant or out_dtype.
     """
     if removed:
         refuse_keywords("norm_add_norm", removed)
@@ -380,6 +450,8 @@ def norm_add_norm(
     if quant is not None and recipe_of(quant).mx_columnwise:
         raise ValueError("norm_add_norm's quant= takes no mx_columnwise (its output has no columnwise copy): use a "
                          "recipe with mx_columnwise=False")
+    interpolate = _check_update("norm_add_norm", update, kind, branch_weight=branch_weight, weight=weight,
+                                branch_bias=branch_bias, bias=bias)
     # checks x, kind, weight, bias and the output's options
     spec = _spec(x, residual, weight, bias, kind, eps, weight_offset, residual_dtype, out_dtype, quant, scale)
     if kind != "l2":
@@ -404,6 +476,8 @@ def norm_add_norm(
             raise ValueError(f"branch_weight_offset={branch_weight_offset} needs a branch_weight: it is added to it")
     bspec = _spec(x, residual, branch_weight, branch_bias, kind, branch_eps, branch_weight_offset, residual_dtype)
     bspec, alpha, rscale, bscale = _scales(x, residual, branch_weight, alpha, residual_scale, branch_scale, bspec)
+    if interpolate:
+        bspec, spec = _interpolated(x, residual, bspec, spec, rscale, quant, out_dtype)
     rdtype = stored_dtype(x.dtype, residual.dtype, residual_dtype)
     if spec.quant != Quant.NONE:
         if bspec.residual_scale != 1.0 or rscale is not None or bscale is not None:

@@ -305,11 +305,21 @@ def affine_(r: Tensor, spec: NormSpec, weight: Tensor | None, bias: Tensor | Non
 
 # ---------------------------------------------------------------- post-norm and sandwich
 # norm_add: new_residual = a * residual + b * N_b(x); norm_add_norm adds out = N(new_residual).
-# a: branch_spec.residual_scale or a [d] tensor; b: alpha or a [d] tensor.
+# a: branch_spec.residual_scale or a [d] tensor; b: alpha or a [d] tensor. update="interpolate"
+# (nGPT): new_residual = residual + b * (N_b(x) - residual), both norms unit_norm.
 # The branch N_b(x) stays in the accumulation dtype until it is added: new_residual is
 # rounded once, from the exact sum, as the kernels do (docs/math.md).
+def unit_norm(p: Tensor, eps: float) -> Tensor:
+    """nGPT's projection onto the unit sphere, p * rsqrt(p.p + eps) (eps on the sum of
+    squares: spec.eps_on_sum), in transformers' DoryL2Norm's order of operations."""
+    return p * torch.rsqrt(p.pow(2).sum(-1, keepdim=True) + eps)
+
+
 def _norm_acc(p: Tensor, weight: Tensor | None, bias: Tensor | None, spec: NormSpec) -> Tensor:
-    """N(p) in p's accumulation dtype: torch's own norm where it is a plain one (see _plain)."""
+    """N(p) in p's accumulation dtype: torch's own norm where it is a plain one (see _plain),
+    nGPT's unit-sphere norm for spec.eps_on_sum (no weight or bias: the op refuses them)."""
+    if spec.eps_on_sum:
+        return unit_norm(_as(p, acc_dtype(p.dtype)), spec.eps)
     if plain_ok(p, spec):
         return _plain(p, weight, bias, spec)
     return norm_out(p.to(acc_dtype(p.dtype)), None, weight, bias, spec)[0]
@@ -321,13 +331,20 @@ def norm_add_fwd(x: Tensor, residual: Tensor, branch_weight: Tensor | None, bran
                  branch_scale: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(new_residual, out or None): new_residual = a * residual + b * N_b(x) in
     residual_dtype (a: residual_scale or branch_spec.residual_scale, b: branch_scale or
-    alpha), and with `second` out = N(new_residual) in x's dtype (spec.out_dtype's when
-    set), N reading the stored new_residual. Plain differentiable torch ops."""
+    alpha), or residual + b * (N_b(x) - residual) for branch_spec.interpolate, and with
+    `second` out = N(new_residual) in x's dtype (spec.out_dtype's when set), N reading the
+    stored new_residual. Plain differentiable torch ops."""
     y = _norm_acc(x, branch_weight, branch_bias, branch_spec)
-    y = scaled(y, alpha if branch_scale is None else branch_scale, y.dtype)
     wide = torch.promote_types(torch.promote_types(y.dtype, residual.dtype), residual_dtype)
-    r = scaled(_as(residual, wide), branch_spec.residual_scale if residual_scale is None else residual_scale, wide)
-    new_residual = _as(r + _as(y, wide), residual_dtype)
+    if branch_spec.interpolate:  # r + b * (N_b(x) - r): DoryDecoderLayer's ops, in its order
+        r = _as(residual, wide)
+        b = alpha if branch_scale is None else _as(branch_scale, wide)
+        new_residual = _as(r + b * (_as(y, wide) - r), residual_dtype)
+    else:
+        y = scaled(y, alpha if branch_scale is None else branch_scale, y.dtype)
+        r = scaled(_as(residual, wide), branch_spec.residual_scale if residual_scale is None else residual_scale,
+                   wide)
+        new_residual = _as(r + _as(y, wide), residual_dtype)
     if not second:
         return new_residual, None
     return new_residual, _as(_norm_acc(new_residual, weight, bias, spec), spec.out_dtype_for(x.dtype))

@@ -442,13 +442,6 @@ def test_what_the_hc_ops_do_not_compute_is_refused_by_name():
 # its modeling source holds (the module of its model class, as the installed transformers maps it):
 # every pattern must be found there, so a family whose layer is not what its reason says fails
 PER_CHANNEL_EVIDENCE = {
-    "dory": (r"class DoryL2Norm\(torch\.nn\.Module\):[^$]*?def __init__\(self, eps: float = 1e-6\):",
-             r"x \* torch\.rsqrt\(x\.pow\(2\)\.sum\(-1, keepdim=True\)",  # L2, not RMS
-             r"hidden_states = self\.input_layernorm\(hidden_states\)",  # the normed value is the stream
-             r"hidden_states = hidden_states \+ attention_rate \* \(attn_output - hidden_states\)",
-             r"attention_rate = \(self\.lambda_1 \* self\.lambda_scale\)\.abs\(\)",
-             r"self\.lambda_1 = nn\.Parameter\(torch\.full\(\(config\.hidden_size,\)",
-             r"for loop_idx in range\(n_loops\):\s+hidden_states = self\.norm\(hidden_states\) \+ input_hidden_states"),
     "zaya": (r"hidden_states = \(hidden_states \+ self\.hidden_states_bias\) \* self\.hidden_states_scale",
              r"residual = \(residual \+ self\.residual_bias\) \* self\.residual_scale",
              r"self\.residual_bias = nn\.Parameter\(torch\.zeros\(hidden_size\)\)",
@@ -460,8 +453,6 @@ PER_CHANNEL_EVIDENCE = {
                        r"hidden_states = hyper_input \+ injection\.flatten\(-2\)",
                        r"self\.linear_attn = ", r"self\.ple = "),
 }
-# the norms a reason says fuseblock does not convert, as the layers build them: refused by norm_from
-NOT_CONVERTED = {"dory": {"DoryL2Norm": {}}}
 
 
 @pytest.mark.parametrize("model_type", sorted(PER_CHANNEL_EVIDENCE))
@@ -472,7 +463,6 @@ def test_each_per_channel_refusal_is_what_the_familys_source_holds(model_type):
 
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
-    from fuseblock.convert import norm_from
     from fuseblock.integrations.transformers import REFUSED
 
     name = MODEL_MAPPING_NAMES.get(model_type)
@@ -482,14 +472,3 @@ def test_each_per_channel_refusal_is_what_the_familys_source_holds(model_type):
     source = inspect.getsource(module)
     missing = [p for p in PER_CHANNEL_EVIDENCE[model_type] if not re.search(p, source)]
     assert not missing, (model_type, REFUSED[model_type], missing)
-    for cls, args in NOT_CONVERTED.get(model_type, {}).items():
-        assert cls in REFUSED[model_type]
-        with pytest.raises((TypeError, ValueError), match=rf"norm_from: unsupported module {cls}"):
-            norm_from(getattr(module, cls)(**args))
-    if model_type == "dory":  # the cheapest of these models: refused as a whole, by that reason, left unchanged
-        model = transformers.DoryForCausalLM(transformers.DoryConfig(**SIZES))
-        with pytest.raises(ValueError, match=r"^fuse: DoryForCausalLM \(model_type 'dory'\) is refused: nGPT's layer") \
-                as e:
-            fuse(model)
-        assert REFUSED["dory"] in str(e.value) and "\n" not in str(e.value)
-        assert not any(isinstance(m, Norm) for m in model.modules())

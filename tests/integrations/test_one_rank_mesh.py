@@ -266,3 +266,15 @@ def test_the_per_channel_scales_refuse_dtensors(mesh):
         for args in ((dx, dr, 0.5), (x, r, da)):
             with pytest.raises(ValueError, match=r"^residual_scale and branch_scale do not take DTensor inputs yet"):
                 op(*args)
+
+
+def test_interpolate_refuses_dtensors(mesh):
+    """update='interpolate' on DTensor inputs (with a float rate, which the scales' refusal
+    does not see): refused by name on both ops."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    dx, dr = (distribute_tensor(torch.randn(B, T, D, device=DEVICE), mesh, [Replicate()]) for _ in range(2))
+    for op in (lambda: fuseblock.norm_add(dx, dr, kind="l2", branch_scale=0.5, update="interpolate"),
+               lambda: fuseblock.norm_add_norm(dx, dr, None, None, kind="l2", branch_scale=0.5, update="interpolate")):
+        with pytest.raises(ValueError, match=r"^update='interpolate' does not take DTensor inputs yet"):
+            op()

@@ -34,13 +34,15 @@ from fuseblock import Norm  # noqa: E402
 from fuseblock.integrations.transformers import FAMILIES, fuse  # noqa: E402
 from fuseblock.integrations.transformers.attn_res import ATTN_RES  # noqa: E402
 from fuseblock.integrations.transformers.tiny import LLAMA_SHAPED, SIZES, TINY, tiny_config  # noqa: E402
+from fuseblock.integrations.transformers.unit_sphere import UNIT_SPHERE  # noqa: E402
 
 # every fused family (test_every_family_has_a_tiny_config) but the n-stream ones, whose stream
 # is no (p, r) of norms: tests/integrations/test_hf_hyper_families.py holds them to the same guarantees;
 # and the Llama-shaped ones of issue 43, one row each of tests/integrations/test_hf_llama_shaped_families.py;
-# and inkling2_loop's attention residuals (5.24 only): tests/integrations/test_hf_inkling2_loop.py
+# and inkling2_loop's attention residuals (5.24 only): tests/integrations/test_hf_inkling2_loop.py;
+# and dory's unit sphere (5.24 only): tests/integrations/test_hf_dory.py
 ARCHS = [f for f in FAMILIES if f in TINY and FAMILIES[f].hyper is None and f not in LLAMA_SHAPED
-         and FAMILIES[f].shape is not ATTN_RES]
+         and FAMILIES[f].shape is not ATTN_RES and FAMILIES[f].shape is not UNIT_SPHERE]
 # Families whose fp32 torch path is not bitwise the unfused model's, and why; held to fp32 rounding instead
 NOT_BITWISE = {
     # CohereLayerNorm composes mean, variance and rsqrt in fp32 ops; the Norm runs torch.layer_norm (ulps apart)

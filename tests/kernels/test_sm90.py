@@ -88,6 +88,33 @@ def test_norm_add_loop_kernels_compile_for_h100_without_spills(kind, second):
         assert 0 < usage["registers"] <= 255 and usage["stack"] <= 16, (ln.name, usage)
 
 
+@pytest.mark.parametrize("update", ["add", "interpolate"])
+@pytest.mark.parametrize("d", [2048, 20000])  # the tile kernels, the loop kernels
+def test_norm_add_kernels_with_a_vector_branch_scale_compile_for_h100(d, update):
+    """norm_add_norm with a [d] branch_scale (b read from memory: a block where alpha is a
+    scalar, which Triton's compiler refuses as two return types of one function, where the
+    interpreter runs it), plain and update="interpolate" (the residual read again for b's
+    gradient): every launch compiles, none spills."""
+    from fuseblock.kernels import launch
+    from fuseblock.kernels import norm_add as kernels
+    from fuseblock.spec import NormSpec
+
+    x = torch.empty(512, d, dtype=torch.bfloat16)
+    r, b = torch.empty_like(x), torch.empty(d)
+    spec = NormSpec.of(d, kind="l2", c=None, eps=1e-6, num_groups=1, gate_act=None, gate_position=None)
+    bspec, nspec = (spec.interpolating(True), spec.interpolating(False)) if update == "interpolate" else (spec, spec)
+    with captured_launches(kernels, launch) as launches:
+        new_r, _, rstd_b, mean_b, rstd, mean = kernels.norm_add_fwd(x, r, None, None, None, None, bspec, nspec, 1.0,
+                                                                    x.dtype, True, True, bscale=b)
+        kernels.norm_add_bwd(torch.empty_like(x), torch.empty_like(x), x, new_r, None, None, None, None, rstd_b,
+                             mean_b, rstd, mean, bspec, nspec, 1.0, x.dtype, True, True, residual=r, bscale=b)
+    assert [ln.name for ln in launches] == (["_fwd_tile", "_bwd_tile", "_bwd_sum4"] if d == 2048
+                                            else ["_fwd_loop", "_bwd_loop", "_bwd_sum4"])
+    for ln in launches:
+        usage = resource_usage(compile_for(ln))
+        assert 0 < usage["registers"] <= 255 and usage["stack"] == 0, (ln.name, usage)
+
+
 def test_fp32_and_embed_norm_kernels_compile_for_h100():
     import fuseblock.kernels.embed_norm as ek
 

@@ -26,6 +26,8 @@ The package, one concept a file:
   attn_res ops and its check;
 - `gated`: the per-channel gated sandwich (muse_spark): its layer forward on the ops' [d]
   residual_scale / branch_scale and its check;
+- `unit_sphere`: the unit-sphere shape (5.24's dory, nGPT): its layer and model forwards on
+  the interpolating norm_add_norm, and its check;
 - `model`: the fused forward of the inner model (LlamaModel and its kin);
 - `fusion`: `fuse` itself: norms converted, layers and models re-classed (forwards, init);
 - `versions`: the transformers versions fuse is tested with (5.17 to 5.24; fuse refuses

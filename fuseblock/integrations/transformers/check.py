@@ -29,7 +29,7 @@ from torch import nn
 
 from ...convert import norm_from
 from ...ops.hyper import MAX_STREAMS
-from . import attn_res, gated
+from . import attn_res, gated, unit_sphere
 from .families import Family
 
 # (bidirectional: Gemma3's use_bidirectional_attention, masks the model forward does not build)
@@ -57,6 +57,8 @@ def refusals(base: nn.Module, family: Family) -> list[str]:
     gated shape's gates and norms are held to what its ops are given as well (gated.refusals)."""
     if family.shape is attn_res.ATTN_RES:
         return attn_res.refusals(base, family)
+    if family.shape is unit_sphere.UNIT_SPHERE:  # its norms and rates are the modeling code's: its own check
+        return unit_sphere.refusals(base, family)
     found = []
     children, expected = set(base._modules), set(family.model_parts.values())
     if children != expected:

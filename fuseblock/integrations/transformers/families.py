@@ -30,6 +30,7 @@ from .attn_res import ATTN_RES
 from .gated import GATED
 from .layers import HYPER, PARALLEL, PARALLEL_RESIDUAL_FIRST, POST_NORM, PRE_NORM, SANDWICH, Hyper, Shape
 from .model import FUSED_MODEL_FORWARD, HYPER_MODEL_FORWARD, PREPARE, stream_forward
+from .unit_sphere import UNIT_SPHERE, UNIT_SPHERE_MODEL_FORWARD
 from .versions import CACHE, LINEAR_CACHE, one_cache
 
 
@@ -496,6 +497,14 @@ FAMILIES.update({
         {"embed": "embed_tokens", "layers": "layers", "norm": "norm", "final": "final_input",
          "messages": "message_input"}, rotary=None, output=MoeModelOutputWithPast, model_forward=None),
 })
+
+# dory (issue 43, transformers 5.24): nGPT's layers on the unit sphere (unit_sphere.py), each
+# update and the norm after it one interpolating norm_add_norm; its norms stay the modeling
+# code's DoryL2Norm modules, its model forward (the recurrent loops) is unit_sphere's
+FAMILIES["dory"] = Family(
+    UNIT_SPHERE, {"norm_1": "input_layernorm", "attn": "self_attn", "post_attn": "post_attention_layernorm",
+                  "norm_2": "pre_feedforward_layernorm", "mlp": "mlp", "post_mlp": "post_feedforward_layernorm"},
+    rotary="by_layer_type", model_forward=UNIT_SPHERE_MODEL_FORWARD)
 
 SUPPORTED = tuple(FAMILIES)
 

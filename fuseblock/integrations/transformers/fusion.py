@@ -39,6 +39,7 @@ from .check import refusals
 from .families import FAMILIES, SUPPORTED, WRAPPED, WRAPPERS, Family, family_of_class
 from .gated import GATED
 from .refused import REFUSED
+from .unit_sphere import UNIT_SPHERE
 from .versions import check_version
 
 # The roles of the modules fuse re-classes: a decoder layer (its shape's forward), the
@@ -210,7 +211,8 @@ def fuse(model: PreTrainedModel, *, residual_dtype: torch.dtype | None = None) -
     parameters the stream is fp32 already); torch.float32 keeps an fp32 stream in a bf16
     model. Calling fuse again on a fused model only changes residual_dtype. The n-stream
     families (deepseek_v4, hy_v4, glm5_next) keep their streams in the model's dtype, and
-    inkling2_loop its partial blocks in fp32, as their modeling code does: None only.
+    inkling2_loop its partial blocks in fp32, and dory its stream in the model's dtype, as
+    their modeling code does: None only.
 
     A transformers version outside the tested range (versions.TESTED: 5.17 to 5.24) is a
     RuntimeError naming the range.
@@ -230,9 +232,13 @@ def fuse(model: PreTrainedModel, *, residual_dtype: torch.dtype | None = None) -
     if residual_dtype is not None and family.shape is GATED:
         raise ValueError(f"residual_dtype: {type(base).__name__}'s stream is its gates' output, in the dtype its "
                          f"modeling code gives it (residual_dtype=None)")
+    if residual_dtype is not None and family.shape is UNIT_SPHERE:
+        raise ValueError(f"residual_dtype: {type(base).__name__}'s stream is kept in the model's dtype, as its "
+                         f"modeling code keeps it (residual_dtype=None)")
     layers = getattr(base, "fuseblock_family", None) and getattr(base, base.fuseblock_family.model_parts["layers"])
     if layers is None:
-        if family.shape not in (ATTN_RES, GATED):  # (their norms stay the modeling code's: the ops read their weights)
+        # (their norms stay the modeling code's: the ops read their weights, the unit sphere's their eps)
+        if family.shape not in (ATTN_RES, GATED, UNIT_SPHERE):
             _convert_norms(base, family)
             # the model, its base model and a wrapper's language model each initialise their own
             # modules; a wrapper's vision tower holds no Norm and keeps its own method

@@ -1,7 +1,7 @@
 """Why `fuse` refuses the causal-LM families it does not fuse, by `config.model_type`.
 
 Read off each family's model and decoder-layer structure in transformers 5.23, or 5.24
-for the families only it has (dory): its modules and config (docs/transformers.md's
+for the families only it has: its modules and config (docs/transformers.md's
 table lists every family). A family not named here nor in FAMILIES is refused as not yet
 compared. Reasons are grouped by what keeps the family out; "Llama-shaped" families have
 Llama's module layout but have not been put through the tests that every fused family
@@ -47,15 +47,9 @@ _GROUPS = {
 
 REFUSED: dict[str, str] = {model_type: why for why, names in _GROUPS.items() for model_type in names}
 REFUSED.update({
-    # Per-channel residual updates (dory, only in transformers 5.24; zaya, qwen4_exp_text): what each layer
-    # computes in place of r + f, by its modeling source (tests/integrations/test_hf_hyper_families.py checks
-    # each reason against it). Muse Spark's gates are fused (gated.py)
-    "dory": "nGPT's layer on the unit sphere: each norm an L2 norm with no weight and no normalized_shape "
-            "(DoryL2Norm(eps), not a norm fuseblock converts) whose output replaces the stream, each update the "
-            "interpolation h + |lambda * s| * (N(f(h)) - h) at learned per-channel rates (lambda_1, lambda_2), "
-            "which the ops' residual_scale and branch_scale (a * h + b * N(f(h))) compute rounded otherwise, not "
-            "bit for bit; and the model forward loops its recurrent layers (config.n_recurrent_loops, each loop "
-            "entered with norm(h) + the input layers' normed output), which fuse's model forward does not",
+    # Per-channel residual updates (zaya, qwen4_exp_text): what each layer computes in place of r + f, by
+    # its modeling source (tests/integrations/test_hf_hyper_families.py checks each reason against it). Muse
+    # Spark's gates are fused (gated.py), dory's interpolation on the unit sphere too (unit_sphere.py)
     "zaya": "ZAYA's residual update (ZayaResidualScaling): (f + b_f) * s_f + (r + b_r) * s_r, a per-channel bias and "
             "scale on each side of the add, the biases added before the scales, which per-channel scales alone "
             "(a * r + b * f) do not compute; and each layer hands the next its router's hidden states "

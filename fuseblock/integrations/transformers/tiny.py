@@ -81,6 +81,10 @@ TINY: dict[str, dict] = {
                                moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
                                unpadded_vocab_size=128, eos_token_id=1,
                                layer_types=["hybrid_sliding", "hybrid"] * 2),
+    # dory (issue 43, transformers 5.24): one input layer, two recurrent layers looped twice, one
+    # output layer; sliding layers (window shorter than a test sequence) and a full one (layer 3)
+    "dory": dict(num_hidden_layers=4, n_input_layers=1, n_output_layers=1, n_recurrent_loops=2, head_dim=16,
+                 sliding_window=5),
 }
 
 # The Llama-shaped families (issue 43): what their MoE blocks (routers, shared experts, a dense
