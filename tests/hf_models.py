@@ -52,12 +52,13 @@ def batch(seed=1, b=2, t=T):
     return ids, mask, labels
 
 
-def run(model, ids, mask, labels, hidden=True):
-    """(logits, loss, {name: grad}, hidden states or None) of one forward and backward; the
-    grads of the parameters that get one (a MoE's experts no token of the batch reaches,
-    DeepSeek-V3's routing bias, get none: the key sets of two runs are compared)."""
+def run(model, ids, mask, labels, hidden=True, **inputs):
+    """(logits, loss, {name: grad}, hidden states or None) of one forward and backward (with
+    any other `inputs`: pixel values, say); the grads of the parameters that get one (a MoE's
+    experts no token of the batch reaches, DeepSeek-V3's routing bias, get none: the key sets
+    of two runs are compared)."""
     model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, attention_mask=mask, labels=labels, output_hidden_states=hidden)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, output_hidden_states=hidden, **inputs)
     out.loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in getattr(model, "_orig_mod", model).named_parameters()
              if p.grad is not None}
@@ -71,6 +72,28 @@ def max_diff(a, b):
 def rel(a, b):
     """|a - b| / max(1, |b|), the largest over the tensor: an error scaled as assert_close scales its atol."""
     return max_diff(a, b) / max(1.0, b.double().abs().max().item())
+
+
+def assert_same(b, a, exact):
+    """b is a bit for bit (exact), else within 1e-5 of a's scale (rel)."""
+    if exact:
+        assert torch.equal(b, a), max_diff(b, a)
+    else:
+        assert b.shape == a.shape and rel(b, a) <= 1e-5, rel(b, a)
+
+
+def assert_same_run(b, a, exact=True, states=None):
+    """Two `run`s the same (assert_same): logits, loss, every gradient, and the hidden states
+    when they were asked for (`states` of them)."""
+    for x, y in zip(b[:2], a[:2], strict=True):
+        assert_same(x, y, exact)
+    assert b[2].keys() == a[2].keys()
+    for name, g in a[2].items():
+        assert_same(b[2][name], g, exact)
+    if a[3] is not False:
+        assert len(b[3]) == len(a[3]) == states
+        for x, y in zip(b[3], a[3], strict=True):
+            assert_same(x, y, exact)
 
 
 def differences(arch, dtype=torch.float32, *, residual_dtype=None, autocast=False):

@@ -22,7 +22,7 @@ if not hasattr(transformers, "DoryForCausalLM"):
     pytest.skip("transformers has no dory before 5.24", allow_module_level=True)
 
 from helpers import KERNEL_PATH  # noqa: E402
-from hf_models import batch, max_diff, rel  # noqa: E402
+from hf_models import assert_same_run, batch, run  # noqa: E402
 
 import fuseblock.integrations.transformers.unit_sphere as unit_sphere  # noqa: E402
 from fuseblock.integrations.transformers import FAMILIES, REFUSED, fuse  # noqa: E402
@@ -54,31 +54,6 @@ def pair(**overrides):
     return model, fuse(copy.deepcopy(model))
 
 
-def run(model, ids, mask, labels, hidden=True):
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, attention_mask=mask, labels=labels, output_hidden_states=hidden)
-    out.loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return out.logits.detach(), out.loss.detach(), grads, hidden and [h.detach() for h in out.hidden_states]
-
-
-def assert_same(b, a, exact):
-    if exact:
-        assert torch.equal(b, a), max_diff(b, a)
-    else:
-        assert b.shape == a.shape and rel(b, a) <= 1e-5, rel(b, a)
-
-
-def assert_same_run(b, a, exact=True):
-    for x, y in zip(b[:2], a[:2], strict=True):
-        assert_same(x, y, exact)
-    assert b[2].keys() == a[2].keys()
-    for name, g in a[2].items():
-        assert_same(b[2][name], g, exact)
-    if a[3] is not False:
-        assert len(b[3]) == len(a[3]) == VISITS + 1
-        for x, y in zip(b[3], a[3], strict=True):
-            assert_same(x, y, exact)
 
 
 @pytest.mark.kernel
@@ -100,7 +75,7 @@ def test_dory_fused_equals_the_unfused_model_with_one_op_per_update(monkeypatch)
     # unfused: 4 a visit, and the model's (input section, each loop's entry, the final one);
     # fused: layer 0's input norm, each loop's first input norm, the first loop's entry
     assert ran[id(unfused)] == 4 * VISITS + 1 + 2 + 1 and ran[id(fused)] == 1 + 2 + 1
-    assert_same_run(b, a, exact=not KERNEL_PATH)
+    assert_same_run(b, a, exact=not KERNEL_PATH, states=VISITS + 1)
 
 
 def test_dory_what_the_op_does_not_compute_stays_as_it_was():
@@ -176,7 +151,7 @@ def test_dory_gradient_checkpointing_in_training_mode(reentrant):
     ids, mask, labels = batch(t=6)
     a, b = run(unfused, ids, mask, labels, hidden=False), run(fused, ids, mask, labels, hidden=False)
     assert len(calls) == 2  # forward, then again in backward: checkpointing ran
-    assert_same_run(b, a)
+    assert_same_run(b, a, states=VISITS + 1)
 
 
 def test_dory_what_the_fused_forward_does_not_compute_is_refused_by_name():

@@ -23,7 +23,7 @@ if not hasattr(transformers, "Inkling2LoopForCausalLM"):
     pytest.skip("transformers has no inkling2_loop before 5.24", allow_module_level=True)
 
 from helpers import KERNEL_PATH  # noqa: E402
-from hf_models import batch, max_diff, rel  # noqa: E402
+from hf_models import assert_same_run, batch, run  # noqa: E402
 
 import fuseblock.integrations.transformers.attn_res as fused_attn_res  # noqa: E402
 from fuseblock.integrations.transformers import FAMILIES, fuse  # noqa: E402
@@ -50,31 +50,6 @@ def pair(**overrides):
     return model, fuse(copy.deepcopy(model))
 
 
-def run(model, ids, mask, labels, hidden=True):
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, attention_mask=mask, labels=labels, output_hidden_states=hidden)
-    out.loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return out.logits.detach(), out.loss.detach(), grads, hidden and [h.detach() for h in out.hidden_states]
-
-
-def assert_same(b, a, exact):
-    if exact:
-        assert torch.equal(b, a), max_diff(b, a)
-    else:
-        assert b.shape == a.shape and rel(b, a) <= 1e-5, rel(b, a)
-
-
-def assert_same_run(b, a, exact=True):
-    for x, y in zip(b[:2], a[:2], strict=True):
-        assert_same(x, y, exact)
-    assert b[2].keys() == a[2].keys()
-    for name, g in a[2].items():
-        assert_same(b[2][name], g, exact)
-    if a[3] is not False:
-        assert len(b[3]) == len(a[3]) == VISITS + 1
-        for x, y in zip(b[3], a[3], strict=True):
-            assert_same(x, y, exact)
 
 
 @pytest.mark.kernel
@@ -97,7 +72,7 @@ def test_inkling2_loop_fused_equals_the_unfused_model_with_one_op_per_mix(monkey
     assert calls == [1, 1, 1, 2, 2]
     # unfused: 2 mixes a layer visit, layer 0's attention none, and the final one; fused: the 5 less
     assert ran[id(unfused)] == 2 * VISITS - 1 + 1 and ran[id(fused)] == ran[id(unfused)] - 5
-    assert_same_run(b, a, exact=not KERNEL_PATH)
+    assert_same_run(b, a, exact=not KERNEL_PATH, states=VISITS + 1)
 
 
 def test_inkling2_loop_what_the_op_does_not_compute_stays_as_it_was():
@@ -170,7 +145,7 @@ def test_inkling2_loop_gradient_checkpointing_in_training_mode():
     ids, mask, labels = batch(t=6)
     a, b = run(unfused, ids, mask, labels, hidden=False), run(fused, ids, mask, labels, hidden=False)
     assert len(calls) == 2  # forward, then again in backward: checkpointing ran
-    assert_same_run(b, a)
+    assert_same_run(b, a, states=VISITS + 1)
 
 
 def test_inkling2_loop_multimodal_wrapper_fuses_its_language_model():

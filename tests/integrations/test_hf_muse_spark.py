@@ -24,7 +24,7 @@ if not hasattr(transformers, "MuseSparkForConditionalGeneration"):
     pytest.skip(f"transformers {transformers.__version__} has no muse_spark", allow_module_level=True)
 
 from helpers import KERNEL_PATH, generator  # noqa: E402
-from hf_models import batch, max_diff, rel  # noqa: E402
+from hf_models import assert_same_run, batch, max_diff, run  # noqa: E402
 
 import fuseblock.integrations.transformers.gated as gated  # noqa: E402
 from fuseblock import Norm  # noqa: E402
@@ -81,31 +81,6 @@ def with_image(ids):
                      image_grid_thw=torch.tensor([[1, 4, 4]] * ids.shape[0]))
 
 
-def run(model, ids, mask, labels, hidden=True, **kw):
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, attention_mask=mask, labels=labels, output_hidden_states=hidden, **kw)
-    out.loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return out.logits.detach(), out.loss.detach(), grads, hidden and [h.detach() for h in out.hidden_states]
-
-
-def assert_same(b, a, exact):
-    if exact:
-        assert torch.equal(b, a), max_diff(b, a)
-    else:
-        assert b.shape == a.shape and rel(b, a) <= 1e-5, rel(b, a)
-
-
-def assert_same_run(b, a, exact=True):
-    for x, y in zip(b[:2], a[:2], strict=True):
-        assert_same(x, y, exact)
-    assert b[2].keys() == a[2].keys()
-    for name, g in a[2].items():
-        assert_same(b[2][name], g, exact)
-    if a[3] is not False:
-        assert len(b[3]) == len(a[3]) == LAYERS + 1
-        for x, y in zip(b[3], a[3], strict=True):
-            assert_same(x, y, exact)
 
 
 @pytest.mark.kernel
@@ -136,7 +111,7 @@ def test_muse_spark_fused_equals_the_unfused_model_with_its_gates_in_the_ops(mon
     assert u["MuseSparkTextCenteredRMSNorm"] - f["MuseSparkTextCenteredRMSNorm"] == 2 * LAYERS
     assert u["MuseSparkTextInputScaledRMSNorm"] - f["MuseSparkTextInputScaledRMSNorm"] == LAYERS
     assert f["MuseSparkRMSNorm"] == u["MuseSparkRMSNorm"] >= 4 * LAYERS + 2
-    assert_same_run(b, a, exact=not KERNEL_PATH)
+    assert_same_run(b, a, exact=not KERNEL_PATH, states=LAYERS + 1)
 
 
 def test_muse_spark_what_the_ops_do_not_compute_stays_as_it_was():
@@ -253,7 +228,7 @@ def test_muse_spark_gradient_checkpointing_in_training_mode():
     ids, mask, labels = text_batch(t=6)
     a, b = run(unfused, ids, mask, labels, hidden=False), run(fused, ids, mask, labels, hidden=False)
     assert len(calls) == 2  # forward, then again in backward: checkpointing ran
-    assert_same_run(b, a)
+    assert_same_run(b, a, states=LAYERS + 1)
 
 
 def test_muse_spark_what_the_ops_cannot_express_is_refused_by_name():
