@@ -96,6 +96,34 @@ def assert_same_run(b, a, exact=True, states=None):
             assert_same(x, y, exact)
 
 
+def assert_generation_equal(unfused, fused, ids, mask):
+    """Greedy generation with the cache, 4 tokens after a left-padded batch: the same tokens."""
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    a, b = unfused.generate(ids, **kw), fused.generate(ids, **kw)
+    assert a.shape == (ids.shape[0], ids.shape[1] + 4) and torch.equal(a, b)
+
+
+def assert_checkpoints_load_both_ways(unfused, fused, ids, path, layers=lambda m: m.model.layers):
+    """save_pretrained of the fused model (moved away from the unfused one first) has the
+    unfused model's keys and loads as the unfused class, the same logits; an unfused
+    checkpoint loads and fuses to the unfused model's logits. `layers`: a model's decoder layers."""
+    from safetensors.torch import load_file
+
+    with torch.no_grad():
+        for p in fused.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    fused.save_pretrained(path / "fused")
+    unfused.save_pretrained(path / "unfused")
+    assert load_file(path / "fused" / "model.safetensors").keys() == \
+        load_file(path / "unfused" / "model.safetensors").keys()
+    back = type(unfused).from_pretrained(path / "fused").eval()
+    assert type(layers(back)[0]) is type(layers(unfused)[0])
+    loaded = fuse(type(unfused).from_pretrained(path / "unfused").eval())
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, fused(ids).logits)
+        assert torch.equal(loaded(ids).logits, unfused(ids).logits)
+
+
 def differences(arch, dtype=torch.float32, *, residual_dtype=None, autocast=False):
     """Max abs differences of the fused and the unfused model against the unfused fp32
     model: {"logits", "loss", "grads"} for each, the grads the largest rel() over all

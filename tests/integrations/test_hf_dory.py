@@ -22,7 +22,9 @@ if not hasattr(transformers, "DoryForCausalLM"):
     pytest.skip("transformers has no dory before 5.24", allow_module_level=True)
 
 from helpers import KERNEL_PATH  # noqa: E402
-from hf_models import assert_same_run, batch, run  # noqa: E402
+from hf_models import (  # noqa: E402
+    assert_checkpoints_load_both_ways, assert_generation_equal, assert_same_run, batch, run,
+)
 
 import fuseblock.integrations.transformers.unit_sphere as unit_sphere  # noqa: E402
 from fuseblock.integrations.transformers import FAMILIES, REFUSED, fuse  # noqa: E402
@@ -113,29 +115,12 @@ def test_dory_greedy_generation_with_cache_and_padding_is_identical(mode):
     to the cache), or the last loop's alone, which the earlier loops read."""
     unfused, fused = pair(recurrent_kv_cache_mode=mode)
     ids, mask, _ = batch(t=8)
-    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    a, b = unfused.generate(ids, **kw), fused.generate(ids, **kw)
-    assert a.shape == (2, 12) and torch.equal(a, b)
+    assert_generation_equal(unfused, fused, ids, mask)
 
 
 def test_dory_checkpoints_keep_their_keys_and_load_both_ways(tmp_path):
-    from safetensors.torch import load_file
-
     unfused, fused = pair()
-    with torch.no_grad():  # a fused model that has moved away from the unfused one
-        for p in fused.parameters():
-            p.add_(0.01 * torch.randn_like(p))
-    ids = batch(t=6)[0]
-    fused.save_pretrained(tmp_path / "fused")
-    unfused.save_pretrained(tmp_path / "unfused")
-    assert load_file(tmp_path / "fused" / "model.safetensors").keys() == \
-        load_file(tmp_path / "unfused" / "model.safetensors").keys()
-    back = type(unfused).from_pretrained(tmp_path / "fused").eval()
-    assert type(back.model.layers[0]) is type(unfused.model.layers[0])
-    loaded = fuse(type(unfused).from_pretrained(tmp_path / "unfused").eval())
-    with torch.no_grad():
-        assert torch.equal(back(ids).logits, fused(ids).logits)
-        assert torch.equal(loaded(ids).logits, unfused(ids).logits)
+    assert_checkpoints_load_both_ways(unfused, fused, batch(t=6)[0], tmp_path)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

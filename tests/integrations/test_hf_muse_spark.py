@@ -24,7 +24,9 @@ if not hasattr(transformers, "MuseSparkForConditionalGeneration"):
     pytest.skip(f"transformers {transformers.__version__} has no muse_spark", allow_module_level=True)
 
 from helpers import KERNEL_PATH, generator  # noqa: E402
-from hf_models import assert_same_run, batch, max_diff, run  # noqa: E402
+from hf_models import (  # noqa: E402
+    assert_checkpoints_load_both_ways, assert_generation_equal, assert_same_run, batch, max_diff, run,
+)
 
 import fuseblock.integrations.transformers.gated as gated  # noqa: E402
 from fuseblock import Norm  # noqa: E402
@@ -191,29 +193,13 @@ def test_muse_spark_greedy_generation_with_cache_and_padding_is_identical():
     with torch.no_grad():
         caches = [getattr(m(input_ids=ids, attention_mask=mask, use_cache=True), CACHE) for m in (unfused, fused)]
     assert type(caches[1]) is type(caches[0]) and caches[1].get_seq_length() == caches[0].get_seq_length() == 8
-    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    a, b = unfused.generate(ids, **kw), fused.generate(ids, **kw)
-    assert a.shape == (2, 12) and torch.equal(a, b)
+    assert_generation_equal(unfused, fused, ids, mask)
 
 
 def test_muse_spark_checkpoints_keep_their_keys_and_load_both_ways(tmp_path):
-    from safetensors.torch import load_file
-
     unfused, fused = pair()
-    with torch.no_grad():  # a fused model that has moved away from the unfused one
-        for p in fused.parameters():
-            p.add_(0.01 * torch.randn_like(p))
-    ids = text_batch(t=6)[0]
-    fused.save_pretrained(tmp_path / "fused")
-    unfused.save_pretrained(tmp_path / "unfused")
-    assert load_file(tmp_path / "fused" / "model.safetensors").keys() == \
-        load_file(tmp_path / "unfused" / "model.safetensors").keys()
-    back = type(unfused).from_pretrained(tmp_path / "fused").eval()
-    assert type(back.model.language_model.layers[0]) is type(unfused.model.language_model.layers[0])
-    loaded = fuse(type(unfused).from_pretrained(tmp_path / "unfused").eval())
-    with torch.no_grad():
-        assert torch.equal(back(ids).logits, fused(ids).logits)
-        assert torch.equal(loaded(ids).logits, unfused(ids).logits)
+    assert_checkpoints_load_both_ways(unfused, fused, text_batch(t=6)[0], tmp_path,
+                                      layers=lambda m: m.model.language_model.layers)
 
 
 def test_muse_spark_gradient_checkpointing_in_training_mode():
