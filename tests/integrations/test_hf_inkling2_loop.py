@@ -24,7 +24,11 @@ if not hasattr(transformers, "Inkling2LoopForCausalLM"):
 
 from helpers import KERNEL_PATH  # noqa: E402
 from hf_models import (  # noqa: E402
-    assert_checkpoints_load_both_ways, assert_generation_equal, assert_same_run, batch, run,
+    assert_checkpoints_load_both_ways,
+    assert_generation_equal,
+    assert_same_run,
+    batch,
+    run,
 )
 
 import fuseblock.integrations.transformers.attn_res as fused_attn_res  # noqa: E402

@@ -25,7 +25,12 @@ if not hasattr(transformers, "MuseSparkForConditionalGeneration"):
 
 from helpers import KERNEL_PATH, generator  # noqa: E402
 from hf_models import (  # noqa: E402
-    assert_checkpoints_load_both_ways, assert_generation_equal, assert_same_run, batch, max_diff, run,
+    assert_checkpoints_load_both_ways,
+    assert_generation_equal,
+    assert_same_run,
+    batch,
+    max_diff,
+    run,
 )
 
 import fuseblock.integrations.transformers.gated as gated  # noqa: E402
