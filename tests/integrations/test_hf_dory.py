@@ -60,8 +60,6 @@ def pair(**overrides):
     return model, fuse(copy.deepcopy(model))
 
 
-
-
 @pytest.mark.kernel
 def test_dory_fused_equals_the_unfused_model_with_one_op_per_update(monkeypatch):
     unfused, fused = pair()

@@ -56,8 +56,6 @@ def pair(**overrides):
     return model, fuse(copy.deepcopy(model))
 
 
-
-
 @pytest.mark.kernel
 def test_inkling2_loop_fused_equals_the_unfused_model_with_one_op_per_mix(monkeypatch):
     unfused, fused = pair()

@@ -88,8 +88,6 @@ def with_image(ids):
                      image_grid_thw=torch.tensor([[1, 4, 4]] * ids.shape[0]))
 
 
-
-
 @pytest.mark.kernel
 def test_muse_spark_fused_equals_the_unfused_model_with_its_gates_in_the_ops(monkeypatch):
     unfused, fused = pair()
