@@ -1,6 +1,8 @@
 """fuse across the transformers versions it is tested with (5.17 to 5.24): the KV cache under
 either of its names (5.24 renamed past_key_values to cache), and a version outside the range
 refused in one line. `make test` runs these on 5.23 (.venv) and 5.24 (`make test-hf524`)."""
+import sys
+
 import pytest
 import torch
 
@@ -16,12 +18,26 @@ from fuseblock.integrations.transformers.versions import CACHE, TESTED, check_ve
 @pytest.mark.parametrize("version", ["5.16.2", "5.25.0", "5.25.0.dev0", "6.0.0", "4.57.1"])
 def test_a_version_outside_the_tested_range_is_refused_in_one_line(version, monkeypatch):
     model = pair("llama")[0]
-    monkeypatch.setattr(transformers, "__version__", version)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", version)  # the module import gives now
     with pytest.raises(RuntimeError, match=rf"^fuse is tested with transformers 5\.17 to 5\.24, found transformers "
                                            rf"{version}: install 'transformers>=5\.17,<5\.25'") as e:
         fuse(model)
     assert "\n" not in str(e.value)
     assert not any(type(m).__name__ == "Norm" for m in model.modules())  # refused before anything changed
+
+
+def test_the_version_checked_is_the_module_import_gives_now(monkeypatch):
+    # transformers' processing_utils re-runs transformers/__init__ on its first import
+    # (direct_transformers_import) and puts that module in sys.modules: a multimodal model's
+    # first use swaps the module under code that imported the first (this test, run after
+    # test_hf_muse_spark's, failed so)
+    import types
+
+    fresh = types.ModuleType("transformers")
+    fresh.__version__ = "5.25.0"
+    monkeypatch.setitem(sys.modules, "transformers", fresh)
+    with pytest.raises(RuntimeError, match="found transformers 5.25.0"):
+        check_version()
 
 
 @pytest.mark.parametrize("version", ["5.17.0", "5.23.0", "5.24.0", "5.24.3"])

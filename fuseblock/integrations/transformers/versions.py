@@ -15,6 +15,8 @@ What differs within the range:
 """
 from __future__ import annotations
 
+import sys
+
 import transformers
 
 # [first, last] minor versions fuse is tested with
@@ -34,8 +36,10 @@ def tested_range() -> str:
 
 def check_version(version: str | None = None) -> None:
     """A RuntimeError naming the tested range where the installed transformers (or
-    `version`) is outside it."""
-    version = transformers.__version__ if version is None else version
+    `version`) is outside it. The installed one is the module `import transformers` gives
+    now: transformers' processing_utils re-runs its __init__ on first import
+    (direct_transformers_import) and puts that new module in sys.modules."""
+    version = sys.modules["transformers"].__version__ if version is None else version
     if not TESTED[0] <= minor(version) <= TESTED[1]:
         (c, d) = TESTED[1]
         raise RuntimeError(f"fuse is tested with {tested_range()}, found transformers {version}: install "
