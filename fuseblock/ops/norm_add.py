@@ -20,7 +20,7 @@ from torch.compiler import is_compiling
 
 from ..reference import norm as reference
 from ..spec import DEFAULT_GATE_ACT, DEFAULT_GATE_POSITION, Fp8Recipe, NormSpec, Quant, acc_dtype, stored_dtype
-from . import dtensor
+from . import dispatch, dtensor
 from .checks import (
     check_number,
     check_scales,
@@ -298,8 +298,8 @@ def _apply(x, residual, branch_weight, branch_bias, weight, bias, bspec, spec, a
 
 # Plain norm_add calls already validated (no [d] scales, plain tensors): what the checks
 # resolved of them (the branch spec, spec, alpha, new_residual dtype and the forward launcher),
-# by what the checks read of them (dtypes, devices, x's last dim, shapes against x's, layouts)
-# and the options; as ops.norm's plain kernel calls. Bounded.
+# by what the checks read of them (dtypes, devices, x's last dim, shapes against x's, layouts),
+# the options and whether CPU tensors take the kernels; as ops.norm's plain kernel calls. Bounded.
 _PLAIN_CALLS: dict = {}
 
 
@@ -312,7 +312,9 @@ def _plain_call(x, residual, weight, bias, kind, eps, weight_offset, alpha, resi
     if (func_transforms_active() or not x.ndim or residual.shape != x.shape or alpha.__class__ is not float
             or weight_offset.__class__ is not float or (eps is not None and eps.__class__ is not float)):
         return None
-    key = (kind, eps, weight_offset, alpha, residual_dtype, x.dtype, x.device, x.shape[-1], x.layout, x.is_nested,
+    # dispatch.CPU_KERNELS: with x's dtype and device, the path (uses_triton) the launcher was chosen by
+    key = (dispatch.CPU_KERNELS, kind, eps, weight_offset, alpha, residual_dtype, x.dtype, x.device, x.shape[-1],
+           x.layout, x.is_nested,
            residual.dtype, residual.device, residual.layout, residual.is_nested,
            None if weight is None else (weight.dtype, weight.device, weight.shape, weight.layout, weight.is_nested),
            None if bias is None else (bias.dtype, bias.device, bias.shape, bias.layout, bias.is_nested))

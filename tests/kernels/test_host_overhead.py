@@ -183,3 +183,17 @@ def test_the_tile_kernels_take_their_flags_folded_into_one_argument(recorded):
     assert passed["_fwd_tile"] == 33 and passed["_bwd_tile"] == 45
     names = {ln.name: ln.fn.arg_names for ln in recorded}
     assert "FLAGS" in names["_fwd_tile"] and "HAS_R" not in names["_fwd_tile"] and "HAS_DRO" not in names["_bwd_tile"]
+
+
+def test_norm_adds_fast_lane_follows_the_path_of_each_call():
+    # a plain norm_add is validated once per signature; the path (torch's ops, or the kernels
+    # kernels_on_cpu sends CPU tensors to) is the call's own: a signature first met on the
+    # torch path then launches under kernels_on_cpu, and back
+    from fuseblock.kernels import norm_add
+
+    x, r, w = (t.detach() for t in _leaves(d=48))
+    want = fuseblock.norm_add(x, r, w, eps=1e-6)  # the torch path
+    with kernels_on_cpu(), captured_launches(norm_add, launch) as got:
+        fuseblock.norm_add(x, r, w, eps=1e-6)
+    assert [ln.name for ln in got] == ["_fwd_tile"]
+    torch.testing.assert_close(fuseblock.norm_add(x, r, w, eps=1e-6), want, rtol=0, atol=0)
